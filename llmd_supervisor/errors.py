@@ -1,0 +1,82 @@
+"""The one exception hierarchy of llmd-supervisor.
+
+Every error carries the values it is about and builds a full-sentence message from them.
+Outside errors (subprocess, asyncssh, sqlite3, OSError) are translated into these at the
+adapter boundary with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class SupervisorError(Exception):
+    """Base of every error this project raises on purpose."""
+
+
+class SlurmCommandError(SupervisorError):
+    """A Slurm client command failed, timed out or could not be started."""
+
+    def __init__(
+        self,
+        argv: Sequence[str],
+        returncode: int | None,
+        stderr_tail: str,
+        *,
+        timed_out_after: float | None = None,
+    ) -> None:
+        self.argv = tuple(argv)
+        self.returncode = returncode
+        self.stderr_tail = stderr_tail.strip()
+        self.timed_out_after = timed_out_after
+        cmd = " ".join(self.argv[:1] + self.argv[1:4]) + (" ..." if len(self.argv) > 4 else "")
+        if timed_out_after is not None:
+            what = f"timed out after {timed_out_after:g} s"
+        elif returncode is None:
+            what = "could not be started"
+        else:
+            what = f"exited with status {returncode}"
+        detail = f": {self.stderr_tail}" if self.stderr_tail else ""
+        super().__init__(f"Slurm command `{cmd}` {what}{detail}.")
+
+
+class SlurmParseError(SupervisorError):
+    """Slurm printed something that does not have the expected shape."""
+
+    def __init__(self, what: str, text: str, why: str) -> None:
+        self.what = what
+        self.text = text
+        self.why = why
+        shown = text if len(text) <= 120 else text[:117] + "..."
+        super().__init__(f"Could not parse {what} output {shown!r}: {why}.")
+
+
+class IllegalTransition(SupervisorError):
+    """The run state machine was asked for a transition it does not allow."""
+
+    def __init__(self, state: str, event: str) -> None:
+        self.state = state
+        self.event = event
+        super().__init__(
+            f"Event {event!r} is not allowed in run state {state!r}; the transition was rejected."
+        )
+
+
+class SpecError(SupervisorError):
+    """A run spec value is invalid."""
+
+    def __init__(self, field: str, value: object, hint: str) -> None:
+        self.field = field
+        self.value = value
+        self.hint = hint
+        super().__init__(f"Run spec field {field!r} has invalid value {value!r}: {hint}.")
+
+
+class RemoteError(SupervisorError):
+    """An SSH operation on an allocated node failed."""
+
+    def __init__(self, host: str, action: str, why: str) -> None:
+        self.host = host
+        self.action = action
+        self.why = why
+        super().__init__(f"SSH to {host} failed while {action}: {why}.")
