@@ -80,3 +80,10 @@ class RemoteError(SupervisorError):
         self.action = action
         self.why = why
         super().__init__(f"SSH to {host} failed while {action}: {why}.")
+
+
+class SlurmJobNotFound(SlurmParseError):
+    """Slurm answered that it does not know the job id (purged or never existed)."""
+
+    def __init__(self, what: str, text: str) -> None:
+        super().__init__(what, text, "Slurm does not know this job id")
