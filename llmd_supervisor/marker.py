@@ -1,0 +1,141 @@
+"""Pure reading of the completion marker ``.bench_done.<jobid>`` (DESIGN.md section 4).
+
+The coordinator publishes JSON ``{"rc": int, "job_id": str, "rank": int, "reason": str,
+"finished_at": iso8601}`` with write-to-temp, fsync, rename. This module only interprets
+bytes the caller has read (or None when the file does not exist); it never raises.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+__all__ = [
+    "MARKER_PREFIX",
+    "Marker",
+    "MarkerReading",
+    "MarkerStatus",
+    "marker_filename",
+    "read_marker",
+]
+
+MARKER_PREFIX = ".bench_done."
+_FIELDS = ("rc", "job_id", "rank", "reason", "finished_at")
+
+
+def marker_filename(job_id: str) -> str:
+    """The marker's file name (no directory) for ``job_id``."""
+    return f"{MARKER_PREFIX}{job_id}"
+
+
+class MarkerStatus(StrEnum):
+    """What the marker file turned out to be; only OK carries usable fields."""
+
+    MISSING = "missing"  # no file (not written yet, or shared-filesystem lag)
+    EMPTY = "empty"  # zero bytes or only whitespace
+    TRUNCATED = "truncated"  # starts like a JSON object but is cut short
+    NOT_JSON = "not_json"  # not UTF-8 JSON at all
+    NOT_OBJECT = "not_object"  # valid JSON, but not an object
+    MISSING_FIELDS = "missing_fields"  # one or more of rc/job_id/rank/reason/finished_at absent
+    WRONG_JOB_ID = "wrong_job_id"  # job_id is not the job being verified
+    RC_NOT_INTEGER = "rc_not_integer"  # rc is not an int (bools, floats, strings refused)
+    BAD_FIELD = "bad_field"  # job_id/reason not a string, or rank not an int >= 0
+    BAD_FINISHED_AT = "bad_finished_at"  # finished_at is not an ISO 8601 timestamp
+    OK = "ok"
+
+    @property
+    def may_still_arrive(self) -> bool:
+        """A later read could still find a valid marker (not written or not visible yet)."""
+        return self in (MarkerStatus.MISSING, MarkerStatus.EMPTY, MarkerStatus.TRUNCATED)
+
+
+@dataclass(frozen=True)
+class Marker:
+    """A well-formed marker for the expected job."""
+
+    rc: int
+    job_id: str
+    rank: int
+    reason: str
+    finished_at: datetime
+
+
+@dataclass(frozen=True)
+class MarkerReading:
+    """The result of reading one marker file: a status, a detail, and the fields when OK."""
+
+    status: MarkerStatus
+    expected_job_id: str
+    detail: str  # one phrase naming what was wrong, "" when OK
+    raw_text: str | None  # the file's text (undecodable bytes replaced); None when missing
+    marker: Marker | None = None  # set exactly when status is OK
+
+    @property
+    def ok(self) -> bool:
+        """The marker is well formed and for the expected job."""
+        return self.marker is not None
+
+    def describe(self) -> str:
+        """One phrase for a verdict reason, e.g. ``marker rc=7 from rank 2``."""
+        if self.marker is not None:
+            return f"marker rc={self.marker.rc} from rank {self.marker.rank}"
+        name = marker_filename(self.expected_job_id)
+        if self.status is MarkerStatus.MISSING:
+            return f"marker {name} missing"
+        return f"marker {name} {self.status.value.replace('_', ' ')}: {self.detail}"
+
+
+def read_marker(data: bytes | None, expected_job_id: str) -> MarkerReading:
+    """Interpret the marker file's bytes (None when the file is missing); never raises.
+
+    Every defect is its own status. Extra keys are allowed (forward compatibility).
+    ``rc`` must be a JSON integer, not a bool; ``job_id`` must be the string
+    ``expected_job_id``; ``finished_at`` must parse with ``datetime.fromisoformat``.
+    """
+
+    def bad(status: MarkerStatus, detail: str) -> MarkerReading:
+        return MarkerReading(status, expected_job_id, detail, text)
+
+    if data is None:
+        return MarkerReading(MarkerStatus.MISSING, expected_job_id, "no such file", None)
+    text = data.decode("utf-8", errors="replace")
+    body = text.strip()
+    if not body:
+        return bad(MarkerStatus.EMPTY, f"{len(data)} bytes, no content")
+    try:
+        value: object = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError:
+        return bad(MarkerStatus.NOT_JSON, "not UTF-8")
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
+        # The writer renames a complete file into place, so a cut-off object means a
+        # non-atomic writer or a filesystem that shows a file before its content.
+        if body.startswith("{") and not body.endswith("}"):
+            return bad(MarkerStatus.TRUNCATED, f"JSON object cut off after {len(data)} bytes")
+        return bad(MarkerStatus.NOT_JSON, type(exc).__name__)
+    if not isinstance(value, dict):
+        return bad(MarkerStatus.NOT_OBJECT, f"JSON {type(value).__name__}, not an object")
+    missing = [f for f in _FIELDS if f not in value]
+    if missing:
+        return bad(MarkerStatus.MISSING_FIELDS, "no " + ", ".join(missing))
+    job_id, rc, rank = value["job_id"], value["rc"], value["rank"]
+    reason, finished = value["reason"], value["finished_at"]
+    if not isinstance(job_id, str):
+        return bad(MarkerStatus.BAD_FIELD, f"job_id {job_id!r} is not a string")
+    if job_id != expected_job_id:
+        return bad(MarkerStatus.WRONG_JOB_ID, f"for job {job_id!r}, not {expected_job_id!r}")
+    if type(rc) is not int:  # bool is a subclass of int and must not pass as rc 0/1
+        return bad(MarkerStatus.RC_NOT_INTEGER, f"rc {rc!r} is not an integer")
+    if type(rank) is not int or rank < 0:
+        return bad(MarkerStatus.BAD_FIELD, f"rank {rank!r} is not an integer >= 0")
+    if not isinstance(reason, str):
+        return bad(MarkerStatus.BAD_FIELD, f"reason {reason!r} is not a string")
+    if not isinstance(finished, str):
+        return bad(MarkerStatus.BAD_FINISHED_AT, f"finished_at {finished!r} is not a string")
+    try:
+        finished_at = datetime.fromisoformat(finished)
+    except ValueError:
+        return bad(MarkerStatus.BAD_FINISHED_AT, f"finished_at {finished!r} is not ISO 8601")
+    marker = Marker(rc, job_id, rank, reason, finished_at)
+    return MarkerReading(MarkerStatus.OK, expected_job_id, "", text, marker)
