@@ -1,0 +1,242 @@
+"""Render a validated run spec into a self-contained sbatch script (pure).
+
+The script carries the node agent, the stand-ins and the agent's JSON config inside
+quoted heredocs (no expansion, no quoting concerns for their content). At job start the
+batch shell writes them to ``<log_dir>/<job_id>/node/`` on the shared file system -- the
+log directory must be shared anyway, since the completion marker lives there -- and runs
+one ``srun`` task per node. The script exits with srun's rc and never calls ``scancel``.
+
+The batch shell traps TERM (``--signal=B:TERM@<grace>`` before the time limit) and keeps
+waiting for srun: the tasks receive their own TERM from srun's ``--signal=TERM@<grace>``
+or from ``scancel --signal=TERM``, and the job's exit status stays srun's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import shlex
+from collections.abc import Mapping
+from functools import cache
+from importlib import resources
+
+from llmd_supervisor import __version__
+from llmd_supervisor.errors import SpecError
+from llmd_supervisor.spec import JOB_NAME_RE, ContainerKind, RunSpec
+
+NODE_FILES: tuple[str, ...] = ("agent.py", "engine.py", "bench.py")
+CONFIG_VERSION = 1
+HEARTBEAT_S = 2.0
+# Variables the agent reads inside a docker container (docker run does not inherit env).
+DOCKER_PASS_ENV: tuple[str, ...] = (
+    "SLURM_PROCID",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NODELIST",
+    "SLURM_NNODES",
+    "SLURM_STEP_ID",
+    "SLURMD_NODENAME",
+)
+
+
+@cache
+def bundled_node_sources() -> Mapping[str, str]:
+    """The node-side files shipped in ``llmd_supervisor/node`` (read once; constant data)."""
+    pkg = resources.files("llmd_supervisor.node")
+    return {name: pkg.joinpath(name).read_text(encoding="utf-8") for name in NODE_FILES}
+
+
+def stop_timeout_s(grace_s: int) -> float:
+    """How long the agent waits for its engine after TERM before SIGKILL.
+
+    It leaves room inside the grace for the SIGKILL, the diagnostic and the exit.
+    """
+    return max(0.5, min(grace_s - 2.0, grace_s * 0.75))
+
+
+def agent_config(spec: RunSpec) -> dict[str, object]:
+    """The JSON config the node agent reads (``--config``)."""
+    stop = stop_timeout_s(spec.sigterm_grace_s)
+    b = spec.benchmark
+    return {
+        "version": CONFIG_VERSION,
+        "log_dir": spec.log_dir,
+        "prefill_nodes": spec.topology.prefill_nodes,
+        "decode_nodes": spec.topology.decode_nodes,
+        "prefill_workers": spec.topology.prefill_workers,
+        "decode_workers": spec.topology.decode_workers,
+        "gpus_per_node": spec.topology.gpus_per_node,
+        "model_path": spec.model.path,
+        "served_name": spec.model.served_name,
+        "engine": {
+            "port": spec.engine.port,
+            "port_stride": spec.engine.port_stride,
+            "health_path": spec.engine.health_path,
+            "health_timeout_s": spec.engine.health_timeout_s,
+            "connect_timeout_s": 2.0,
+            "read_timeout_s": 2.0,
+            "prefill": {"command": list(spec.engine.prefill_command)},
+            "decode": {"command": list(spec.engine.decode_command)},
+        },
+        "bench": {
+            "command": list(b.command),
+            "concurrencies": list(b.concurrencies),
+            "input_len": b.input_len,
+            "output_len": b.output_len,
+            "prompts_multiplier": b.prompts_multiplier,
+            "request_rate": "inf" if math.isinf(b.request_rate) else b.request_rate,
+            "point_timeout_s": b.point_timeout_s,
+        },
+        "env": {
+            "common": dict(spec.env.common),
+            "prefill": dict(spec.env.prefill),
+            "decode": dict(spec.env.decode),
+            "bench": dict(spec.env.bench),
+        },
+        "grace_s": spec.sigterm_grace_s,
+        "stop_timeout_s": stop,
+        "marker_grace_s": spec.marker_grace_s,
+        "coordinator_silence_s": spec.coordinator_silence_s,
+        "heartbeat_s": HEARTBEAT_S,
+        "exit_linger_s": stop + 5.0,
+    }
+
+
+def sbatch_options(spec: RunSpec, *, job_name: str) -> list[str]:
+    """The ``#SBATCH`` options, in order (values already validated as shell-inert)."""
+    if not JOB_NAME_RE.fullmatch(job_name):
+        raise SpecError(
+            "job_name", job_name, "use letters, digits and . _ - (at most 128 characters)"
+        )
+    s = spec.slurm
+    opts = [
+        f"--job-name={job_name}",
+        f"--nodes={spec.topology.nodes}",
+        "--ntasks-per-node=1",
+        f"--output={spec.log_dir}/%x-%j.out",
+        f"--error={spec.log_dir}/%x-%j.err",
+        f"--signal=B:TERM@{spec.sigterm_grace_s}",
+        "--requeue" if s.requeue else "--no-requeue",
+        f"--time={s.time_limit}",
+    ]
+    if s.partition:
+        opts.append(f"--partition={s.partition}")
+    if s.account:
+        opts.append(f"--account={s.account}")
+    if spec.topology.gpus_per_node:
+        opts.append(f"--gpus-per-node={spec.topology.gpus_per_node}")
+    opts.extend(s.extra_args)
+    return opts
+
+
+def srun_argv(spec: RunSpec) -> list[str]:
+    """The srun command line; ``$NODE_DIR`` is expanded by the batch shell."""
+    n = spec.topology.nodes
+    grace = spec.sigterm_grace_s
+    argv = [
+        "srun",
+        f"--nodes={n}",
+        f"--ntasks={n}",
+        "--ntasks-per-node=1",
+        "--kill-on-bad-exit=1",
+        f"--signal=TERM@{grace}",
+    ]
+    c = spec.container
+    agent = ['"$NODE_DIR/agent.py"', "--config", '"$NODE_DIR/config.json"']
+    mounts = [f"{spec.log_dir}:{spec.log_dir}", f"{spec.model.path}:{spec.model.path}:ro"]
+    mounts.extend(c.mounts)
+    if c.kind is ContainerKind.PYXIS:
+        assert c.squash_file is not None
+        argv += [
+            f"--container-image={shlex.quote(c.squash_file)}",
+            f"--container-mounts={shlex.quote(','.join(mounts))}",
+            f"--container-workdir={shlex.quote(spec.log_dir)}",
+        ]
+        argv += [shlex.quote(c.python), *agent]
+    elif c.kind is ContainerKind.DOCKER:
+        assert c.image is not None
+        argv += ["docker", "run", "--rm", "--init", "--network=host", "--ipc=host"]
+        if spec.topology.gpus_per_node:
+            argv.append("--gpus=all")
+        for m in mounts:
+            argv += ["-v", shlex.quote(m)]
+        for var in DOCKER_PASS_ENV:
+            argv += ["-e", var]
+        argv += [shlex.quote(c.image), shlex.quote(c.python), *agent]
+    else:
+        argv += [shlex.quote(c.python), *agent]
+    return argv
+
+
+def _heredoc(target: str, name: str, content: str) -> str:
+    if not content.endswith("\n"):
+        content += "\n"
+    digest = hashlib.sha256(content.encode("utf-8")).hexdigest()[:16]
+    delim = f"LLMD_EOF_{name.replace('.', '_').upper()}_{digest}"
+    if delim in content.splitlines():  # cannot happen short of a hash collision
+        raise ValueError(f"heredoc delimiter {delim} occurs in {name}")
+    return f"cat > {target} <<'{delim}'\n{content}{delim}\n"
+
+
+def render_sbatch(
+    spec: RunSpec,
+    *,
+    job_name: str,
+    node_sources: Mapping[str, str] | None = None,
+) -> str:
+    """Render the batch script for ``spec`` submitted under the unique ``job_name``.
+
+    ``node_sources`` maps ``agent.py``/``engine.py``/``bench.py`` to their text; by
+    default the files shipped with this package. Raises ``SpecError`` for a bad job name.
+    The log directory must exist before submission (sbatch opens --output there).
+    """
+    sources = bundled_node_sources() if node_sources is None else node_sources
+    missing = [n for n in NODE_FILES if n not in sources]
+    if missing:
+        raise ValueError(f"node sources lack {', '.join(missing)}")
+    config = json.dumps(agent_config(spec), indent=1, sort_keys=True)
+    t = spec.topology
+    lines = ["#!/bin/bash"]
+    lines += [f"#SBATCH {opt}" for opt in sbatch_options(spec, job_name=job_name)]
+    lines += [
+        "#",
+        f"# llm-d run rendered by llmd-supervisor {__version__}:"
+        f" {t.prefill_nodes} prefill + {t.decode_nodes} decode nodes"
+        f" (coordinator = rank {t.coordinator_rank}).",
+        "# Exit status: srun's, i.e. the node agents' common rc (deploy/llm-d/README.md).",
+        "# Nothing here cancels the job: a finished run ends COMPLETED or FAILED by itself.",
+        "",
+        "set -u",
+        "umask 022",
+        'SRUN_PID=""',
+        # Slurm TERMs this shell <grace> s before the time limit (B:TERM). The tasks get
+        # their own TERM from srun --signal / scancel --signal=TERM; the shell must keep
+        # waiting for srun so that the job's exit status is srun's.
+        "trap 'echo \"llmd: batch shell got SIGTERM; still waiting for srun ${SRUN_PID}\" >&2'"
+        " TERM",
+        f"LOG_DIR={shlex.quote(spec.log_dir)}",
+        'JOB_ID="${SLURM_JOB_ID:?llmd: this script must run under sbatch}"',
+        'NODE_DIR="$LOG_DIR/$JOB_ID/node"',
+        'mkdir -p -- "$NODE_DIR" || exit 1',
+        "",
+    ]
+    body = [_heredoc(f'"$NODE_DIR/{name}"', name, sources[name]) for name in NODE_FILES]
+    body.append(_heredoc('"$NODE_DIR/config.json"', "config.json", config))
+    tail = [
+        "",
+        f'echo "llmd: job $JOB_ID: starting {t.nodes} node agents on ${{SLURM_JOB_NODELIST:-?}}"',
+        " ".join(srun_argv(spec)) + " &",
+        "SRUN_PID=$!",
+        # `wait` returns early (>128) when the trapped TERM arrives; wait again until srun
+        # is really gone, then once more to collect its saved exit status.
+        "while :; do",
+        '  wait "$SRUN_PID"; rc=$?',
+        '  if kill -0 "$SRUN_PID" 2>/dev/null; then continue; fi',
+        '  wait "$SRUN_PID"; rc=$?',
+        "  break",
+        "done",
+        'echo "llmd: job $JOB_ID: srun exited with rc $rc"',
+        'exit "$rc"',
+        "",
+    ]
+    return "\n".join(lines) + "\n".join(body) + "\n".join(tail)
