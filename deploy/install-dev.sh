@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Install what the dev cluster and the test suite need on a fresh Debian 12 machine, as root:
+# the Debian packages (Slurm 22.05, munge, MariaDB, OpenSSH, iproute2) and the project with
+# its dev extras in ./.venv. Safe to run again; a no-op when everything is there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ "$(id -u)" -ne 0 ]; then
+    echo "install-dev.sh: must run as root (it installs Debian packages)" >&2
+    exit 1
+fi
+deploy/devcluster/devcluster install
+if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'

@@ -1,0 +1,124 @@
+"""Test-side handle on the real dev cluster (deploy/devcluster/devcluster)."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEVCLUSTER = REPO / "deploy" / "devcluster" / "devcluster"
+TERMINAL = {
+    "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+    "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT",
+}
+
+
+def devcluster(*args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """Run the devcluster script; raise with its stderr when it fails and `check` is set."""
+    proc = subprocess.run(
+        [str(DEVCLUSTER), *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if check and proc.returncode != 0:
+        raise RuntimeError(
+            f"`devcluster {' '.join(args)}` exited with status {proc.returncode}: "
+            f"{proc.stderr.strip()}"
+        )
+    return proc
+
+
+def parse_env(text: str) -> dict[str, str]:
+    """Turn `export K='v'` lines into a dict."""
+    env: dict[str, str] = {}
+    for line in text.splitlines():
+        words = shlex.split(line)
+        if len(words) == 2 and words[0] == "export" and "=" in words[1]:
+            key, value = words[1].split("=", 1)
+            env[key] = value
+    return env
+
+
+@dataclass
+class DevCluster:
+    """The running cluster as `devcluster env` describes it."""
+
+    env: dict[str, str]
+    nodes: list[str] = field(default_factory=list)
+    addrs: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def current(cls) -> DevCluster:
+        env = parse_env(devcluster("env").stdout)
+        addrs = dict(pair.split("=", 1) for pair in env["DEVCLUSTER_NODE_ADDRS"].split())
+        return cls(env=env, nodes=env["DEVCLUSTER_NODES"].split(), addrs=addrs)
+
+    @property
+    def slurm_env(self) -> dict[str, str]:
+        return {**os.environ, "SLURM_CONF": self.env["SLURM_CONF"]}
+
+    @property
+    def ssh_key(self) -> str:
+        return self.env["DEVCLUSTER_SSH_KEY"]
+
+    @property
+    def known_hosts(self) -> str:
+        return self.env["DEVCLUSTER_KNOWN_HOSTS"]
+
+    @property
+    def accounting(self) -> bool:
+        return self.env["DEVCLUSTER_ACCOUNTING"] == "1"
+
+    def slurm(
+        self, argv: Sequence[str], *, check: bool = True, timeout: float = 30,
+        extra_env: Mapping[str, str] | None = None,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run a Slurm client command against this cluster."""
+        proc = subprocess.run(
+            list(argv), capture_output=True, text=True, timeout=timeout, check=False,
+            env={**self.slurm_env, **(extra_env or {})},
+        )
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"`{' '.join(argv)}` exited {proc.returncode}: {proc.stderr.strip()}")
+        return proc
+
+    def sbatch(self, script: Path, *options: str) -> str:
+        """Submit a batch script and return its job id."""
+        out = self.slurm(["sbatch", "--parsable", *options, str(script)]).stdout
+        return out.strip().split(";")[0]
+
+    def wait_terminal(self, job_id: str, timeout: float = 120) -> str:
+        """Wait until sacct (or scontrol without accounting) shows the job terminal; return State|ExitCode."""
+        deadline = time.monotonic() + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            if self.accounting:
+                out = self.slurm(
+                    ["sacct", "-X", "--parsable2", "--noheader", "-j", job_id,
+                     "--format=State,ExitCode"], check=False,
+                ).stdout.strip()
+                state = out.split("|")[0].split(" ")[0] if out else ""
+            else:
+                out = self.slurm(
+                    ["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"], check=False
+                ).stdout.strip()
+                state = out
+            if state in TERMINAL:
+                return out
+            last = out
+            time.sleep(0.3)
+        raise TimeoutError(f"job {job_id} not terminal after {timeout:g} s (last {last!r})")
+
+    def ssh(self, node: str, command: str, *, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run a command on a node with the OpenSSH client."""
+        proc = subprocess.run(
+            ["ssh", "-F", self.env["DEVCLUSTER_SSH_CONFIG"], "-o", "ConnectTimeout=3",
+             f"root@{node}", command],
+            capture_output=True, text=True, timeout=30, check=False,
+        )
+        if check and proc.returncode != 0:
+            raise RuntimeError(f"ssh {node} {command!r} exited {proc.returncode}: {proc.stderr}")
+        return proc
