@@ -13,12 +13,21 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEVCLUSTER = REPO / "deploy" / "devcluster" / "devcluster"
 TERMINAL = {
-    "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
-    "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT",
+    "BOOT_FAIL",
+    "CANCELLED",
+    "COMPLETED",
+    "DEADLINE",
+    "FAILED",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "TIMEOUT",
 }
 
 
-def devcluster(*args: str, check: bool = True, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+def devcluster(
+    *args: str, check: bool = True, timeout: float = 180
+) -> subprocess.CompletedProcess[str]:
     """Run the devcluster script; raise with its stderr when it fails and `check` is set."""
     proc = subprocess.run(
         [str(DEVCLUSTER), *args], capture_output=True, text=True, timeout=timeout, check=False
@@ -73,16 +82,26 @@ class DevCluster:
         return self.env["DEVCLUSTER_ACCOUNTING"] == "1"
 
     def slurm(
-        self, argv: Sequence[str], *, check: bool = True, timeout: float = 30,
+        self,
+        argv: Sequence[str],
+        *,
+        check: bool = True,
+        timeout: float = 30,
         extra_env: Mapping[str, str] | None = None,
     ) -> subprocess.CompletedProcess[str]:
         """Run a Slurm client command against this cluster."""
         proc = subprocess.run(
-            list(argv), capture_output=True, text=True, timeout=timeout, check=False,
+            list(argv),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
             env={**self.slurm_env, **(extra_env or {})},
         )
         if check and proc.returncode != 0:
-            raise RuntimeError(f"`{' '.join(argv)}` exited {proc.returncode}: {proc.stderr.strip()}")
+            raise RuntimeError(
+                f"`{' '.join(argv)}` exited {proc.returncode}: {proc.stderr.strip()}"
+            )
         return proc
 
     def sbatch(self, script: Path, *options: str) -> str:
@@ -97,8 +116,16 @@ class DevCluster:
         while time.monotonic() < deadline:
             if self.accounting:
                 out = self.slurm(
-                    ["sacct", "-X", "--parsable2", "--noheader", "-j", job_id,
-                     "--format=State,ExitCode"], check=False,
+                    [
+                        "sacct",
+                        "-X",
+                        "--parsable2",
+                        "--noheader",
+                        "-j",
+                        job_id,
+                        "--format=State,ExitCode",
+                    ],
+                    check=False,
                 ).stdout.strip()
                 state = out.split("|")[0].split(" ")[0] if out else ""
             else:
@@ -112,12 +139,24 @@ class DevCluster:
             time.sleep(0.3)
         raise TimeoutError(f"job {job_id} not terminal after {timeout:g} s (last {last!r})")
 
-    def ssh(self, node: str, command: str, *, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def ssh(
+        self, node: str, command: str, *, check: bool = True
+    ) -> subprocess.CompletedProcess[str]:
         """Run a command on a node with the OpenSSH client."""
         proc = subprocess.run(
-            ["ssh", "-F", self.env["DEVCLUSTER_SSH_CONFIG"], "-o", "ConnectTimeout=3",
-             f"root@{node}", command],
-            capture_output=True, text=True, timeout=30, check=False,
+            [
+                "ssh",
+                "-F",
+                self.env["DEVCLUSTER_SSH_CONFIG"],
+                "-o",
+                "ConnectTimeout=3",
+                f"root@{node}",
+                command,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
         )
         if check and proc.returncode != 0:
             raise RuntimeError(f"ssh {node} {command!r} exited {proc.returncode}: {proc.stderr}")

@@ -60,9 +60,7 @@ async def test_asyncssh_reaches_every_node_and_reads_a_file_a_job_wrote(
 def test_down_leaves_nothing_behind_and_up_is_idempotent(cluster: DevCluster) -> None:
     """Bring the shared cluster down and up again; nothing may be left in between."""
     rig = Path(cluster.env["DEVCLUSTER_RIG"])
-    pids = [
-        int(p.read_text().split()[0]) for p in (rig / "pids").glob("*.pid")
-    ]
+    pids = [int(p.read_text().split()[0]) for p in (rig / "pids").glob("*.pid")]
     assert len(pids) >= 3 + 2 * len(cluster.nodes)
 
     devcluster("down")
