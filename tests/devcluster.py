@@ -110,7 +110,7 @@ class DevCluster:
         return out.strip().split(";")[0]
 
     def wait_terminal(self, job_id: str, timeout: float = 120) -> str:
-        """Wait until sacct (or scontrol without accounting) shows the job terminal; return State|ExitCode."""
+        """Wait until sacct (squeue without accounting) shows the job terminal; return its line."""
         deadline = time.monotonic() + timeout
         last = ""
         while time.monotonic() < deadline:
