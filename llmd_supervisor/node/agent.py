@@ -902,10 +902,11 @@ class Agent(object):
                 self.stop_group(self.bench, "bench")
 
     def linger_for_workers(self) -> None:
-        """Wait (bounded) for the other ranks to decide before exiting ourselves.
+        """Wait (bounded) for the other live ranks to exit before exiting ourselves.
 
         With ``srun --kill-on-bad-exit=1`` the first nonzero exit kills the others; letting
-        the workers exit first keeps every rank's rc equal to the marker's rc.
+        the workers exit first keeps every rank's rc equal to the marker's rc. Ranks with
+        no status file or a stale one (never started, or dead) are not waited for.
         """
         if self.final_rc == 0:
             return
@@ -913,14 +914,19 @@ class Agent(object):
             r for r in range(self.role.prefill_nodes + self.role.decode_nodes) if r != self.rank
         ]
         deadline = time.monotonic() + self.linger_s
+        stale_s = max(2.0, 3 * self.heartbeat_s)
         while others and time.monotonic() < deadline:
-            others = [
-                r
-                for r in others
-                if (read_json(self.status_path(r)) or {}).get("state")
-                not in ("exited", "terminated")
-            ]
+            others = [r for r in others if self._alive_rank(r, stale_s)]
             time.sleep(POLL_S)
+
+    def _alive_rank(self, rank: int, stale_s: float) -> bool:
+        path = self.status_path(rank)
+        try:
+            age = time.time() - os.stat(path).st_mtime
+        except OSError:
+            return False
+        state = (read_json(path) or {}).get("state")
+        return age < stale_s and state not in ("exited", "terminated")
 
     # ---- workers
 

@@ -1,0 +1,286 @@
+"""A local stand-in for an allocation: the real agent, engine and bench on 127.0.0.1.
+
+Each rank is a separate agent process with fake ``SLURM_*`` variables; all ranks share
+host 127.0.0.1 (``LLMD_HOSTS``) and get distinct ports through ``port_stride``. The node
+files are copied to ``<log_dir>/<job_id>/node`` exactly where the batch script unpacks
+them. Everything started here is stopped by PID at teardown.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import llmd_supervisor.node
+from llmd_supervisor.render import NODE_FILES, agent_config
+from llmd_supervisor.spec import load_spec
+
+NODE_SRC = Path(llmd_supervisor.node.__file__).parent
+# Run the node code under another interpreter (e.g. a Python 3.9) with LLMD_NODE_PYTHON.
+NODE_PYTHON = os.environ.get("LLMD_NODE_PYTHON", sys.executable)
+JOB_ID = "4242"
+
+SPEC_TEMPLATE = """
+[run]
+log_dir = "{log_dir}"
+sigterm_grace_s = 5
+marker_grace_s = 2
+coordinator_silence_s = 3
+
+[topology]
+prefill_nodes = {p}
+decode_nodes = {d}
+prefill_workers = {p}
+decode_workers = 1
+
+[model]
+path = "/nonexistent/model"
+served_name = "stand-in/test-model"
+
+[container]
+python = "{python}"
+
+[engine]
+port = {port}
+port_stride = 1
+health_timeout_s = {health_timeout}
+prefill_command = ["{python}", "{{node_dir}}/engine.py", "--role", "prefill", "--host",
+                   "{{host}}", "--port", "{{port}}", "--served-name", "{{served_name}}"]
+decode_command = ["{python}", "{{node_dir}}/engine.py", "--role", "decode", "--host",
+                  "{{host}}", "--port", "{{port}}", "--served-name", "{{served_name}}"]
+
+[benchmark]
+command = ["{python}", "{{node_dir}}/bench.py", "--prefill-urls", "{{prefill_urls}}",
+           "--decode-urls", "{{decode_urls}}", "--served-name", "{{served_name}}",
+           "--concurrency", "{{concurrency}}", "--num-prompts", "{{num_prompts}}",
+           "--input-len", "{{input_len}}", "--output-len", "{{output_len}}",
+           "--request-rate", "{{request_rate}}", "--result-file", "{{result_file}}"]
+concurrencies = {concurrencies}
+input_len = 16
+output_len = 4
+prompts_multiplier = {multiplier}
+point_timeout_s = 20
+
+[slurm]
+time_limit = "10"
+"""
+
+
+def free_port_block(n: int) -> int:
+    """A base port such that base .. base+n-1 are all free on 127.0.0.1 right now."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + n >= 65535:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for i in range(n):
+                t = socket.socket()
+                socks.append(t)
+                t.bind(("127.0.0.1", base + i))
+            return base
+        except OSError:
+            continue
+        finally:
+            for t in socks:
+                t.close()
+    raise RuntimeError("no free port block")
+
+
+def _is_our_process(pid: int, needle: str) -> bool:
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return needle.encode() in cmd
+
+
+@dataclass
+class LocalRun:
+    """One simulated allocation: P+D agent processes on 127.0.0.1."""
+
+    tmp: Path
+    prefill: int = 2
+    decode: int = 2
+    concurrencies: tuple[int, ...] = (1, 2)
+    multiplier: int = 2
+    health_timeout: float = 10.0
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, dict[str, str]] = field(default_factory=dict)
+    procs: dict[int, subprocess.Popen[bytes]] = field(default_factory=dict)
+    exit_times: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.log_dir = self.tmp / "logs"
+        self.log_dir.mkdir()
+        self.port = free_port_block(self.prefill + self.decode)
+        text = SPEC_TEMPLATE.format(
+            log_dir=self.log_dir,
+            p=self.prefill,
+            d=self.decode,
+            python=NODE_PYTHON,
+            port=self.port,
+            health_timeout=self.health_timeout,
+            concurrencies=list(self.concurrencies),
+            multiplier=self.multiplier,
+        )
+        cfg = agent_config(load_spec(text))
+        cfg["heartbeat_s"] = 0.3
+        cfg.update(self.config_overrides)
+        for role, values in self.env.items():
+            env_cfg = cfg["env"]
+            assert isinstance(env_cfg, dict)
+            env_cfg[role].update(values)
+        self.config = cfg
+        self.job_dir = self.log_dir / JOB_ID
+        node_dir = self.job_dir / "node"
+        node_dir.mkdir(parents=True)
+        for name in NODE_FILES:
+            shutil.copy(NODE_SRC / name, node_dir / name)
+        self.config_path = node_dir / "config.json"
+        self.config_path.write_text(json.dumps(cfg))
+
+    @property
+    def nranks(self) -> int:
+        return self.prefill + self.decode
+
+    @property
+    def coordinator(self) -> int:
+        return self.prefill
+
+    @property
+    def marker_path(self) -> Path:
+        return self.log_dir / f".bench_done.{JOB_ID}"
+
+    def port_of(self, rank: int) -> int:
+        return self.port + rank
+
+    def start(
+        self, ranks: list[int] | None = None, agent_env: dict[str, str] | None = None
+    ) -> None:
+        for rank in range(self.nranks) if ranks is None else ranks:
+            env = dict(os.environ)
+            env.update(
+                {
+                    "SLURM_PROCID": str(rank),
+                    "SLURM_JOB_ID": JOB_ID,
+                    "SLURM_NNODES": str(self.nranks),
+                    "SLURM_JOB_NODELIST": f"node[1-{self.nranks}]",
+                    "LLMD_HOSTS": ",".join(["127.0.0.1"] * self.nranks),
+                }
+            )
+            env.update(agent_env or {})
+            out = open(self.tmp / f"agent{rank}.out", "wb")  # noqa: SIM115 - owned by the child
+            self.procs[rank] = subprocess.Popen(
+                [
+                    NODE_PYTHON,
+                    str(self.job_dir / "node" / "agent.py"),
+                    "--config",
+                    str(self.config_path),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+            out.close()
+
+    def wait(self, timeout: float) -> dict[int, int]:
+        """Wait for every started agent; return rank -> exit status. Fails on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for rank, p in self.procs.items():
+                if rank not in self.exit_times and p.poll() is not None:
+                    self.exit_times[rank] = time.time()
+            if len(self.exit_times) == len(self.procs):
+                return {r: int(p.returncode) for r, p in self.procs.items()}
+            time.sleep(0.05)
+        running = [r for r, p in self.procs.items() if p.poll() is None]
+        pytest.fail(f"ranks {running} still running after {timeout} s\n{self.describe()}")
+
+    def wait_for(self, cond: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return
+            time.sleep(0.05)
+        pytest.fail(f"timed out after {timeout} s waiting for {what}\n{self.describe()}")
+
+    def status(self, rank: int) -> dict[str, Any]:
+        try:
+            value = json.loads((self.job_dir / f"rank{rank}.status.json").read_text())
+        except (OSError, ValueError):
+            return {}
+        assert isinstance(value, dict)
+        return value
+
+    def marker(self) -> dict[str, Any] | None:
+        try:
+            value = json.loads(self.marker_path.read_text())
+        except FileNotFoundError:
+            return None
+        assert isinstance(value, dict)
+        return value
+
+    def signal(self, rank: int, sig: int) -> None:
+        os.kill(self.procs[rank].pid, sig)
+
+    def engine_pids(self) -> list[int]:
+        pids = []
+        for rank in range(self.nranks):
+            pid = self.status(rank).get("engine_pid")
+            if isinstance(pid, int):
+                pids.append(pid)
+        return pids
+
+    def live_engines(self) -> list[int]:
+        return [p for p in self.engine_pids() if _is_our_process(p, "engine.py")]
+
+    def describe(self) -> str:
+        parts = []
+        for path in sorted(self.tmp.glob("agent*.out")) + sorted(self.job_dir.glob("*.log")):
+            text = path.read_text(errors="replace")[-3000:]
+            parts.append(f"--- {path.name}\n{text}")
+        return "\n".join(parts)
+
+    def stop_all(self) -> None:
+        """Teardown: SIGKILL what is still running, by PID (agents, then engines)."""
+        engines = self.engine_pids()
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+        for pid in engines:
+            if _is_our_process(pid, "engine.py"):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def local_run(tmp_path: Path) -> Iterator[Callable[..., LocalRun]]:
+    runs: list[LocalRun] = []
+
+    def make(**kwargs: Any) -> LocalRun:
+        root = tmp_path / f"run{len(runs)}"
+        root.mkdir()
+        run = LocalRun(root, **kwargs)
+        runs.append(run)
+        return run
+
+    yield make
+    for run in runs:
+        run.stop_all()
