@@ -319,7 +319,7 @@ def allocation_row(rows: Iterable[SacctRow], job_id: str) -> SacctRow | None:
     """
     found: SacctRow | None = None
     for row in rows:
-        if row.job_id_raw == job_id and row.job_id == job_id:
+        if row.job_id_raw == job_id and row.job_id == job_id and not row.is_step:
             found = row
     return found
 

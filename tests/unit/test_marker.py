@@ -1,0 +1,104 @@
+"""Every way the completion marker can be wrong is its own named status."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+
+import pytest
+
+from llmd_supervisor.marker import MarkerStatus, marker_filename, read_marker
+
+JOB = "42"
+
+
+def body(**override: object) -> bytes:
+    fields: dict[str, object] = {
+        "rc": 0,
+        "job_id": JOB,
+        "rank": 2,
+        "reason": "sweep done",
+        "finished_at": "2026-11-30T21:59:00.123+00:00",
+    }
+    fields.update(override)
+    return json.dumps({k: v for k, v in fields.items() if v is not ...}).encode()
+
+
+def test_filename() -> None:
+    assert marker_filename("123") == ".bench_done.123"
+
+
+def test_ok() -> None:
+    reading = read_marker(body(rc=7, extra="kept"), JOB)
+    assert reading.status is MarkerStatus.OK
+    assert reading.ok
+    assert reading.marker is not None
+    assert reading.marker.rc == 7
+    assert reading.marker.rank == 2
+    assert reading.marker.reason == "sweep done"
+    assert reading.marker.finished_at == datetime(2026, 11, 30, 21, 59, 0, 123000, tzinfo=UTC)
+    assert reading.describe() == "marker rc=7 from rank 2"
+    assert reading.raw_text is not None and '"rc": 7' in reading.raw_text
+
+
+def test_as_the_node_agent_writes_it() -> None:
+    data = (
+        b'{"finished_at": "2026-11-30T21:59:00.123+00:00", "job_id": "42", '
+        b'"rank": 0, "rc": 0, "reason": "ok"}\n'
+    )
+    assert read_marker(data, JOB).status is MarkerStatus.OK
+
+
+@pytest.mark.parametrize(
+    ("data", "status"),
+    [
+        (None, MarkerStatus.MISSING),
+        (b"", MarkerStatus.EMPTY),
+        (b" \n\t", MarkerStatus.EMPTY),
+        (b'{"rc": 0, "job_id": "4', MarkerStatus.TRUNCATED),
+        (b"{", MarkerStatus.TRUNCATED),
+        (b"done", MarkerStatus.NOT_JSON),
+        (b"\xff\xfe{}", MarkerStatus.NOT_JSON),
+        (b'{"rc": 0} trailing}', MarkerStatus.NOT_JSON),
+        (b"[" * 100_000, MarkerStatus.NOT_JSON),
+        (b"0", MarkerStatus.NOT_OBJECT),
+        (b'["rc", 0]', MarkerStatus.NOT_OBJECT),
+        (b"null", MarkerStatus.NOT_OBJECT),
+        (body(rc=...), MarkerStatus.MISSING_FIELDS),
+        (b"{}", MarkerStatus.MISSING_FIELDS),
+        (body(job_id="41"), MarkerStatus.WRONG_JOB_ID),
+        (body(job_id=42), MarkerStatus.BAD_FIELD),
+        (body(rc=True), MarkerStatus.RC_NOT_INTEGER),
+        (body(rc=False), MarkerStatus.RC_NOT_INTEGER),
+        (body(rc=0.0), MarkerStatus.RC_NOT_INTEGER),
+        (body(rc="0"), MarkerStatus.RC_NOT_INTEGER),
+        (body(rc=None), MarkerStatus.RC_NOT_INTEGER),
+        (b'{"rc": NaN, "job_id": "42", "rank": 0, "reason": "", "finished_at": "x"}',
+         MarkerStatus.RC_NOT_INTEGER),
+        (body(rank=-1), MarkerStatus.BAD_FIELD),
+        (body(rank=True), MarkerStatus.BAD_FIELD),
+        (body(reason=7), MarkerStatus.BAD_FIELD),
+        (body(finished_at="yesterday"), MarkerStatus.BAD_FINISHED_AT),
+        (body(finished_at=1700000000), MarkerStatus.BAD_FINISHED_AT),
+    ],
+)  # fmt: skip
+def test_statuses(data: bytes | None, status: MarkerStatus) -> None:
+    reading = read_marker(data, JOB)
+    assert reading.status is status, reading.detail
+    assert reading.marker is None
+    assert not reading.ok
+    assert reading.describe().startswith(f"marker {marker_filename(JOB)} ")
+    assert (reading.raw_text is None) is (data is None)
+
+
+def test_statuses_are_distinct_names() -> None:
+    assert len({s.value for s in MarkerStatus}) == len(MarkerStatus)
+
+
+def test_may_still_arrive() -> None:
+    waiting = {s for s in MarkerStatus if s.may_still_arrive}
+    assert waiting == {MarkerStatus.MISSING, MarkerStatus.EMPTY, MarkerStatus.TRUNCATED}
+
+
+def test_describe_names_missing_file() -> None:
+    assert read_marker(None, "7").describe() == "marker .bench_done.7 missing"
