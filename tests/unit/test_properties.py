@@ -1,0 +1,106 @@
+"""Garbage in never crashes: a typed parse error, UNKNOWN, or a named status, nothing else."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from llmd_supervisor.errors import SlurmParseError
+from llmd_supervisor.marker import MarkerStatus, read_marker
+from llmd_supervisor.slurm_parse import (
+    JobState,
+    parse_exit_code,
+    parse_sacct,
+    parse_sbatch_parsable,
+    parse_scontrol_config,
+    parse_scontrol_job,
+    parse_squeue,
+    parse_state,
+)
+from llmd_supervisor.verdict import (
+    Outcome,
+    QueryOutcome,
+    VerdictState,
+    decide,
+    observe,
+    sacct_query,
+    scontrol_query,
+)
+
+EXAMPLES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+T0 = datetime(2026, 11, 30, tzinfo=UTC)
+
+# Random text, bytes decoded as a caller would, and text built from Slurm-ish pieces so
+# the parsers' deeper branches are reached, not only the first rejection.
+SLURM_PIECES = st.sampled_from(
+    [
+        "|", "=", " ", "\n", ":", "0", "1", "42", "42.batch", "COMPLETED", "CANCELLED by 0",
+        "FAILED", "0:0", "1:0", "JobId=", "JobState=", "ExitCode=", "Restarts=", "MinJobAge",
+        " = ", "sec", "AccountingStorageType", "Command=", "Comment=", "None", "+", ";",
+        "Invalid job id specified", "\x00", "é", "٣",
+    ]
+)  # fmt: skip
+TEXT = st.one_of(
+    st.text(max_size=300),
+    st.binary(max_size=300).map(lambda b: b.decode("utf-8", errors="replace")),
+    st.binary(max_size=300).map(lambda b: b.decode("latin-1")),
+    st.lists(SLURM_PIECES, max_size=40).map("".join),
+)
+
+PARSERS: list[Callable[[str], object]] = [
+    parse_exit_code,
+    parse_sacct,
+    parse_sbatch_parsable,
+    parse_scontrol_config,
+    parse_scontrol_job,
+    parse_squeue,
+]
+
+
+@EXAMPLES
+@given(TEXT)
+def test_parsers_raise_only_parse_errors(text: str) -> None:
+    for parser in PARSERS:
+        with contextlib.suppress(SlurmParseError):
+            parser(text)
+
+
+@EXAMPLES
+@given(TEXT)
+def test_parse_state_never_raises(text: str) -> None:
+    parsed = parse_state(text)
+    assert parsed.raw == text
+    if parsed.state is JobState.COMPLETED and parsed.exact:
+        assert text.strip() == "COMPLETED"
+
+
+@EXAMPLES
+@given(st.one_of(st.none(), st.binary(max_size=300), TEXT.map(str.encode)))
+def test_marker_never_raises(data: bytes | None) -> None:
+    reading = read_marker(data, "42")
+    assert (reading.marker is not None) is (reading.status is MarkerStatus.OK)
+
+
+@EXAMPLES
+@given(TEXT, TEXT, st.integers(min_value=0, max_value=2))
+def test_queries_and_verdict_never_raise_nor_succeed_on_garbage(
+    stdout: str, stderr: str, returncode: int
+) -> None:
+    state = VerdictState("42", T0)
+    for make in (sacct_query, scontrol_query, sacct_query, scontrol_query):
+        query = make("42", taken_at=T0, returncode=returncode, stdout=stdout, stderr=stderr)
+        assert (query.record is not None) is (query.outcome is QueryOutcome.RECORD)
+        state = observe(state, query)
+    for marker in (read_marker(None, "42"), read_marker(stdout.encode(), "42")):
+        verdict = decide(
+            state, marker, cancel_requested=False, accounting_disabled=False,
+            now=T0, deadline=T0,
+        )  # fmt: skip
+        if verdict.outcome is Outcome.SUCCEEDED:
+            # Only reachable if the garbage happened to be a real COMPLETED 0:0 record.
+            assert marker.marker is not None and marker.marker.rc == 0
+            assert "COMPLETED" in stdout

@@ -1,0 +1,38 @@
+"""The pure core imports no I/O machinery (DESIGN.md section 2)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+PURE_MODULES = [
+    "llmd_supervisor.slurm_parse",
+    "llmd_supervisor.marker",
+    "llmd_supervisor.verdict",
+    "llmd_supervisor.lifecycle",
+]
+FORBIDDEN = ["anyio", "asyncssh", "sqlite3", "subprocess", "socket", "asyncio", "structlog"]
+
+PROBE = """
+import importlib, json, sys
+importlib.import_module(sys.argv[1])
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+@pytest.mark.parametrize("module", PURE_MODULES)
+def test_pure_module_imports_no_io(module: str) -> None:
+    # A fresh interpreter, so modules imported by pytest itself do not count.
+    result = subprocess.run(
+        [sys.executable, "-I", "-c", PROBE, module],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    )
+    loaded = set(json.loads(result.stdout))
+    assert module in loaded
+    assert sorted(loaded.intersection(FORBIDDEN)) == []
