@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"llmd-supervisor {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_render_parser(sub)
+    _add_verify_parser(sub)
     return parser
 
 
@@ -76,6 +77,108 @@ def _cmd_render(args: argparse.Namespace) -> int:
         return 2
     sys.stdout.write(script)
     return 0
+
+
+# --- verify -----------------------------------------------------------------------------
+
+_VERIFY_EPILOG = """\
+exit status:
+  0   succeeded      State COMPLETED, ExitCode 0:0 (believed) and marker rc 0 for this job
+  10  failed         anything else that is not one of the outcomes below
+  11  cancelled      Slurm says CANCELLED (or the supervisor's cancel ended the run)
+  12  timed_out      Slurm says TIMEOUT
+  13  node_failed    Slurm says NODE_FAIL
+  14  out_of_memory  Slurm says OUT_OF_MEMORY
+  15  unverified     no believable terminal record before --timeout
+  2   usage error
+"""
+
+
+def _add_verify_parser(sub: argparse._SubParsersAction[Any]) -> None:
+    p = sub.add_parser(
+        "verify",
+        help="verify a finished job's outcome from sacct/scontrol and its completion marker",
+        description=(
+            "Decide a finished job's outcome on positive evidence only: the allocation "
+            "record (sacct, scontrol fallback) must read State=COMPLETED ExitCode=0:0 twice "
+            "alike (or sacct and scontrol agree) and the completion marker must carry rc 0 "
+            "for this job id. Slurm is asked again until that is settled or --timeout passes. "
+            "Uses SLURM_CONF from the environment."
+        ),
+        epilog=_VERIFY_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("job_id", metavar="JOBID", help="the Slurm job id (digits)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--marker", type=Path, help="path of the completion marker file")
+    where.add_argument(
+        "--log-dir", type=Path, help="the run's log directory (marker: .bench_done.JOBID in it)"
+    )
+    p.add_argument("--receipt", type=Path, help="write the JSON receipt here (atomically)")
+    p.add_argument("--json", action="store_true", help="print the receipt as JSON on stdout")
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds to wait for settled evidence (120)"
+    )
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between queries (1)")
+    p.add_argument(
+        "--starttime", help="sacct --starttime (default: Slurm's, which with --jobs is epoch)"
+    )
+    p.add_argument(
+        "--cancel-requested",
+        action="store_true",
+        help="the job was cancelled on purpose: an end the cancel explains is 'cancelled'",
+    )
+    p.set_defaults(handler=_cmd_verify)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    import json
+
+    import anyio
+
+    from llmd_supervisor.errors import SupervisorError
+    from llmd_supervisor.fsutil import write_atomic
+    from llmd_supervisor.log import configure
+    from llmd_supervisor.marker import marker_filename
+    from llmd_supervisor.slurm import LocalRunner, SlurmClient
+    from llmd_supervisor.verify import EXIT_CODES, verify_job
+
+    job_id: str = args.job_id
+    if not job_id.isdigit():
+        print(f"llmd-supervisor verify: job id {job_id!r} is not a number", file=sys.stderr)
+        return 2
+    if args.timeout <= 0 or args.interval <= 0:
+        print("llmd-supervisor verify: --timeout and --interval must be positive", file=sys.stderr)
+        return 2
+    configure()
+    marker_path: Path = args.marker or args.log_dir / marker_filename(job_id)
+    client = SlurmClient(LocalRunner())
+
+    async def run() -> Any:
+        return await verify_job(
+            client,
+            job_id,
+            marker_path=marker_path,
+            evidence_timeout=args.timeout,
+            interval=args.interval,
+            cancel_requested=args.cancel_requested,
+            starttime=args.starttime,
+        )
+
+    result = anyio.run(run)
+    text = json.dumps(result.receipt, indent=2, sort_keys=True) + "\n"
+    if args.receipt is not None:
+        try:
+            write_atomic(args.receipt, text.encode())
+        except OSError as exc:
+            err = SupervisorError(f"Could not write the receipt to {args.receipt}: {exc}.")
+            print(f"llmd-supervisor verify: {err}", file=sys.stderr)
+            return EXIT_CODES[result.verdict.outcome] or 1
+    if args.json:
+        sys.stdout.write(text)
+    else:
+        print(f"job {job_id}: {result.verdict.outcome.value}: {result.verdict.reason}")
+    return EXIT_CODES[result.verdict.outcome]
 
 
 if __name__ == "__main__":

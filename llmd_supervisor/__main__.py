@@ -1,0 +1,7 @@
+"""`python -m llmd_supervisor` is the `llmd-supervisor` command."""
+
+import sys
+
+from llmd_supervisor.cli import main
+
+sys.exit(main())

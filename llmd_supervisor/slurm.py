@@ -1,0 +1,148 @@
+"""Adapter: runs Slurm client commands (sbatch, squeue, sacct, scontrol, scancel).
+
+Every call has a timeout. A command that cannot be started or times out raises
+`SlurmCommandError`; a command that ran returns its `CommandResult` whatever its exit
+status, because for queries a failure is an observation ("sacct could not answer"), not
+an exception: the verdict decides what it means. Commands whose failure is an error
+(sbatch, scancel) check the status here and raise.
+
+On cancellation the running command is killed and reaped by anyio before `Cancelled`
+propagates; nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Protocol
+
+import anyio
+
+from llmd_supervisor.errors import SlurmCommandError
+from llmd_supervisor.slurm_parse import SACCT_FIELDS, SQUEUE_FORMAT, parse_sbatch_parsable
+
+DEFAULT_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class CommandResult:
+    """What one command printed and how it exited."""
+
+    argv: tuple[str, ...]
+    returncode: int
+    stdout: str
+    stderr: str
+    started_at: datetime
+    duration_s: float
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0
+
+
+class CommandRunner(Protocol):
+    """Runs an argv somewhere (locally, or on a login node over SSH)."""
+
+    async def run(self, argv: Sequence[str], *, time_limit: float) -> CommandResult: ...
+
+
+class LocalRunner:
+    """Runs commands on this machine, with `SLURM_CONF` and friends from `env`."""
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self._env = {**os.environ, **(env or {})}
+
+    async def run(self, argv: Sequence[str], *, time_limit: float) -> CommandResult:
+        started_at = datetime.now(UTC)
+        t0 = time.monotonic()
+        try:
+            with anyio.fail_after(time_limit):
+                proc = await anyio.run_process(list(argv), check=False, env=self._env)
+        except TimeoutError as exc:
+            raise SlurmCommandError(argv, None, "", timed_out_after=time_limit) from exc
+        except OSError as exc:
+            raise SlurmCommandError(argv, None, str(exc)) from exc
+        return CommandResult(
+            argv=tuple(argv),
+            returncode=proc.returncode,
+            stdout=proc.stdout.decode("utf-8", "replace"),
+            stderr=proc.stderr.decode("utf-8", "replace"),
+            started_at=started_at,
+            duration_s=time.monotonic() - t0,
+        )
+
+
+class SlurmClient:
+    """The Slurm commands the supervisor uses, each built as an argv list."""
+
+    def __init__(self, runner: CommandRunner, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        self.runner = runner
+        self.timeout = timeout
+
+    async def _run(self, argv: Sequence[str]) -> CommandResult:
+        return await self.runner.run(argv, time_limit=self.timeout)
+
+    async def _run_checked(self, argv: Sequence[str]) -> CommandResult:
+        result = await self._run(argv)
+        if not result.ok:
+            raise SlurmCommandError(argv, result.returncode, _tail(result.stderr))
+        return result
+
+    async def sbatch(self, script: Path, *options: str) -> str:
+        """Submit a batch script; return the job id."""
+        result = await self._run_checked(["sbatch", "--parsable", *options, str(script)])
+        return parse_sbatch_parsable(result.stdout).job_id
+
+    async def squeue(self, job_ids: Sequence[str]) -> CommandResult:
+        """One squeue for all the given jobs, every state (finished jobs too, until purged)."""
+        return await self._run(
+            [
+                "squeue",
+                "--noheader",
+                f"--format={SQUEUE_FORMAT}",
+                "--states=all",
+                f"--jobs={','.join(job_ids)}",
+            ]
+        )
+
+    async def sacct(
+        self,
+        job_ids: Sequence[str],
+        *,
+        starttime: str | None = None,
+        allocations_only: bool = False,
+    ) -> CommandResult:
+        """One sacct for all the given jobs (allocation and step rows unless `allocations_only`)."""
+        argv = [
+            "sacct",
+            "--parsable2",
+            "--noheader",
+            f"--format={','.join(SACCT_FIELDS)}",
+            f"--jobs={','.join(job_ids)}",
+        ]
+        if starttime is not None:
+            argv.append(f"--starttime={starttime}")
+        if allocations_only:
+            argv.append("--allocations")
+        return await self._run(argv)
+
+    async def scontrol_job(self, job_id: str) -> CommandResult:
+        return await self._run(["scontrol", "show", "job", "--oneliner", job_id])
+
+    async def scontrol_config(self) -> CommandResult:
+        return await self._run_checked(["scontrol", "show", "config"])
+
+    async def scancel(self, job_id: str, *, signal: str | None = None) -> None:
+        argv = ["scancel"]
+        if signal is not None:
+            argv.append(f"--signal={signal}")
+        argv.append(job_id)
+        await self._run_checked(argv)
+
+
+def _tail(text: str, lines: int = 5) -> str:
+    return "\n".join(text.strip().splitlines()[-lines:])
