@@ -1,0 +1,165 @@
+"""Pure pieces of the node agent: hostlists, templates, roles, marker I/O, health timeouts."""
+
+from __future__ import annotations
+
+import ast
+import json
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from llmd_supervisor.node import NODE_FILES, agent
+from tests.node.conftest import NODE_SRC
+
+pytestmark = [pytest.mark.timeout(30)]
+
+
+@pytest.mark.parametrize(
+    ("expr", "hosts"),
+    [
+        ("node1", ["node1"]),
+        ("node[1-3]", ["node1", "node2", "node3"]),
+        ("node[1-3,5]", ["node1", "node2", "node3", "node5"]),
+        ("node[08-11]", ["node08", "node09", "node10", "node11"]),
+        ("a[1-2],b3,c[7]", ["a1", "a2", "b3", "c7"]),
+        ("gpu-[1-2]-ib", ["gpu-1-ib", "gpu-2-ib"]),
+        ("r[1-2]n[1-2]", ["r1n1", "r1n2", "r2n1", "r2n2"]),
+        ("10.0.0.[1-2]", ["10.0.0.1", "10.0.0.2"]),
+        ("", []),
+    ],
+)
+def test_expand_hostlist(expr: str, hosts: list[str]) -> None:
+    assert agent.expand_hostlist(expr) == hosts
+
+
+@pytest.mark.parametrize("expr", ["node[1-3", "node1-3]", "node[3-1]", "node[a-b]", "n[[1]]"])
+def test_expand_hostlist_rejects_malformed(expr: str) -> None:
+    with pytest.raises(ValueError):
+        agent.expand_hostlist(expr)
+
+
+def test_expand_template() -> None:
+    values = {"port": "8000", "host": "node1"}
+    assert agent.expand_template("{host}:{port}", values) == "node1:8000"
+    assert agent.expand_template('{{"a": {port}}}', values) == '{"a": 8000}'
+    with pytest.raises(agent.ConfigError):
+        agent.expand_template("{nope}", values)
+    with pytest.raises(agent.ConfigError):
+        agent.expand_template("{port", values)
+
+
+def _cfg(p: int, d: int, pw: int, dw: int) -> dict[str, int]:
+    return {"prefill_nodes": p, "decode_nodes": d, "prefill_workers": pw, "decode_workers": dw}
+
+
+def test_roles_2p2d() -> None:
+    cfg = _cfg(2, 2, 2, 1)
+    roles = [agent.Role(r, cfg) for r in range(4)]
+    assert [r.name for r in roles] == ["prefill", "prefill", "coordinator", "decode"]
+    assert [r.is_leader for r in roles] == [True, True, True, False]
+    assert [r.leader_rank for r in roles] == [0, 1, 2, 2]
+    assert agent.leader_ranks(cfg, "prefill") == [0, 1]
+    assert agent.leader_ranks(cfg, "decode") == [2]
+    with pytest.raises(agent.ConfigError):
+        agent.Role(4, cfg)
+
+
+def test_roles_4p4d_groups_of_two() -> None:
+    cfg = _cfg(4, 4, 2, 2)
+    roles = [agent.Role(r, cfg) for r in range(8)]
+    assert [r.group for r in roles] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert [r.group_rank for r in roles] == [0, 1, 0, 1, 0, 1, 0, 1]
+    assert roles[4].is_coordinator and not roles[6].is_coordinator
+    assert agent.leader_ranks(cfg, "decode") == [4, 6]
+
+
+def test_publish_and_read_marker(tmp_path: Path) -> None:
+    assert agent.read_marker(str(tmp_path), "7") is None
+    written = agent.publish_marker(str(tmp_path), "7", 2, 0, "ok")
+    raw = json.loads((tmp_path / ".bench_done.7").read_text())
+    assert raw == written
+    assert set(raw) == {"rc", "job_id", "rank", "reason", "finished_at"}
+    assert raw["job_id"] == "7" and raw["rc"] == 0 and raw["rank"] == 2
+    assert agent.read_marker(str(tmp_path), "7") == written
+    assert agent.read_marker(str(tmp_path), "8") is None
+    # A marker younger than the simulated lag is not seen yet.
+    assert agent.read_marker(str(tmp_path), "7", min_age_s=60) is None
+    assert [p.name for p in tmp_path.iterdir()] == [".bench_done.7"]
+
+
+def test_read_marker_ignores_foreign_or_broken(tmp_path: Path) -> None:
+    (tmp_path / ".bench_done.9").write_text('{"rc": 0, "job_id": "10"}')
+    assert agent.read_marker(str(tmp_path), "9") is None
+    (tmp_path / ".bench_done.9").write_text('{"rc": 0, "job_')
+    assert agent.read_marker(str(tmp_path), "9") is None
+
+
+def test_marker_reader_never_sees_a_partial_file(tmp_path: Path) -> None:
+    path = tmp_path / ".bench_done.5"
+    bad: list[bytes] = []
+    seen: set[int] = set()
+    stop = threading.Event()
+
+    def reader() -> None:
+        while not stop.is_set():
+            try:
+                raw = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            try:
+                seen.add(json.loads(raw)["rc"])
+            except (ValueError, KeyError):
+                bad.append(raw)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        for rc in (1, 2, 3):  # each publication dribbles its temp file out over 0.3 s
+            agent.publish_marker(str(tmp_path), "5", 2, rc, "r" * 2000, slow_s=0.3)
+    finally:
+        stop.set()
+        t.join()
+    assert bad == []
+    assert 3 in seen
+
+
+def test_check_health_blackhole_hits_read_timeout() -> None:
+    with socket.socket() as hole:
+        hole.bind(("127.0.0.1", 0))
+        hole.listen(8)
+        port = hole.getsockname()[1]
+        start = time.monotonic()
+        why = agent.check_health("127.0.0.1", port, "/health", 1.0, 0.5)
+        elapsed = time.monotonic() - start
+    assert why == "timed out"
+    assert 0.4 < elapsed < 2.0
+
+
+def test_check_health_refused() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert agent.check_health("127.0.0.1", port, "/health", 1.0, 1.0) != ""
+
+
+@pytest.mark.parametrize("name", NODE_FILES)
+def test_node_files_parse_as_python_39(name: str) -> None:
+    # feature_version rejects syntax newer than 3.9 (match, parenthesised context managers);
+    # the node suite also runs under a real 3.9 with LLMD_NODE_PYTHON.
+    source = (NODE_SRC / name).read_text()
+    tree = ast.parse(source, feature_version=(3, 9))
+    imported = {
+        alias.name.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    } | {
+        (node.module or "").split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+    }
+    assert "llmd_supervisor" not in imported, "node files must be standalone scripts"
+    assert not imported & {"anyio", "asyncssh", "structlog", "tomllib"}
