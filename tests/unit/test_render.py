@@ -1,0 +1,275 @@
+"""The rendered sbatch script: options, srun line, syntax, and what it does when run.
+
+The execution tests run the script with bash and a fake ``srun`` on PATH (it records its
+argv and exits with a chosen rc); no Slurm is involved.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import subprocess
+import time
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from llmd_supervisor.cli import main
+from llmd_supervisor.errors import SpecError
+from llmd_supervisor.render import (
+    NODE_FILES,
+    agent_config,
+    bundled_node_sources,
+    render_sbatch,
+    stop_timeout_s,
+)
+from llmd_supervisor.spec import RunSpec, parse_spec
+
+pytestmark = [pytest.mark.timeout(30)]
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "llm-d"
+DEMO = tomllib.loads((DEPLOY / "demo.toml").read_text())
+
+FAKE_SRUN = """#!/bin/bash
+printf '%s\\n' "$@" > "$FAKE_SRUN_ARGV"
+sleep "${FAKE_SRUN_SLEEP:-0}"
+exit "${FAKE_SRUN_RC:-0}"
+"""
+
+
+def spec_with(**tables: dict[str, Any]) -> RunSpec:
+    data = copy.deepcopy(DEMO)
+    for name, values in tables.items():
+        data.setdefault(name, {}).update(values)
+    return parse_spec(data)
+
+
+def sbatch_lines(script: str) -> list[str]:
+    return [ln.removeprefix("#SBATCH ") for ln in script.splitlines() if ln.startswith("#SBATCH")]
+
+
+def bash_syntax_ok(script: str, tmp: Path) -> None:
+    path = tmp / "job.sbatch"
+    path.write_text(script)
+    proc = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_demo_sbatch_options() -> None:
+    script = render_sbatch(spec_with(), job_name="llmd-demo-1")
+    assert script.startswith("#!/bin/bash\n#SBATCH ")
+    assert sbatch_lines(script) == [
+        "--job-name=llmd-demo-1",
+        "--nodes=4",
+        "--ntasks-per-node=1",
+        "--output=/var/tmp/llmd-runs/demo/%x-%j.out",
+        "--error=/var/tmp/llmd-runs/demo/%x-%j.err",
+        "--signal=B:TERM@10",
+        "--no-requeue",
+        "--time=00:05:00",
+    ]
+
+
+def test_optional_sbatch_options() -> None:
+    spec = spec_with(
+        slurm={
+            "partition": "gpu",
+            "account": "bench",
+            "requeue": True,
+            "extra_args": ["--exclusive", "--mem=0"],
+        },
+        topology={"gpus_per_node": 8},
+    )
+    opts = sbatch_lines(render_sbatch(spec, job_name="j"))
+    assert "--requeue" in opts and "--no-requeue" not in opts
+    assert opts[-5:] == [
+        "--partition=gpu",
+        "--account=bench",
+        "--gpus-per-node=8",
+        "--exclusive",
+        "--mem=0",
+    ]
+
+
+def test_sbatch_options_come_before_any_command() -> None:
+    # sbatch stops reading #SBATCH lines at the first command.
+    lines = render_sbatch(spec_with(), job_name="j").splitlines()
+    first_cmd = next(i for i, ln in enumerate(lines) if ln and not ln.startswith("#"))
+    assert all(not ln.startswith("#SBATCH") for ln in lines[first_cmd:])
+
+
+def test_srun_line_and_no_scancel() -> None:
+    script = render_sbatch(spec_with(), job_name="j")
+    srun = [ln for ln in script.splitlines() if ln.startswith("srun ")]
+    assert srun == [
+        "srun --nodes=4 --ntasks=4 --ntasks-per-node=1 --kill-on-bad-exit=1 --signal=TERM@10"
+        ' python3 "$NODE_DIR/agent.py" --config "$NODE_DIR/config.json" &'
+    ]
+    assert "scancel" not in script
+    assert 'exit "$rc"' in script
+    assert "trap " in script
+
+
+def test_pyxis_and_docker_srun_lines() -> None:
+    pyxis = spec_with(
+        container={"kind": "pyxis", "squash_file": "/img/v.sqsh", "mounts": ["/c:/d:ro"]}
+    )
+    line = next(
+        ln for ln in render_sbatch(pyxis, job_name="j").splitlines() if ln.startswith("srun ")
+    )
+    assert "--container-image=/img/v.sqsh" in line
+    assert (
+        "--container-mounts=/var/tmp/llmd-runs/demo:/var/tmp/llmd-runs/demo,"
+        "/var/tmp/llmd-models/stand-in:/var/tmp/llmd-models/stand-in:ro,/c:/d:ro"
+    ) in line
+    docker = spec_with(container={"kind": "docker", "image": "vllm/vllm-openai:v0.9"})
+    line = next(
+        ln for ln in render_sbatch(docker, job_name="j").splitlines() if ln.startswith("srun ")
+    )
+    assert " docker run --rm --init --network=host " in line
+    assert "-e SLURM_PROCID" in line and "-e SLURM_JOB_NODELIST" in line
+    assert ' vllm/vllm-openai:v0.9 python3 "$NODE_DIR/agent.py"' in line
+
+
+@pytest.mark.parametrize("name", ["", "a b", "x;y", "$(id)", "-x", "a/b", "n" * 129])
+def test_bad_job_name(name: str) -> None:
+    with pytest.raises(SpecError) as info:
+        render_sbatch(spec_with(), job_name=name)
+    assert info.value.field == "job_name"
+
+
+def test_rendered_scripts_pass_bash_syntax_check(tmp_path: Path) -> None:
+    bash_syntax_ok(render_sbatch(spec_with(), job_name="a"), tmp_path)
+    for path in DEPLOY.glob("*.toml"):
+        spec = parse_spec(tomllib.loads(path.read_text()))
+        bash_syntax_ok(render_sbatch(spec, job_name="b"), tmp_path)
+
+
+def test_agent_config_values() -> None:
+    cfg = agent_config(spec_with())
+    assert cfg["prefill_nodes"] == 2 and cfg["decode_nodes"] == 2
+    assert cfg["grace_s"] == 10 and cfg["stop_timeout_s"] == stop_timeout_s(10) == 7.5
+    bench = cfg["bench"]
+    assert isinstance(bench, dict) and bench["request_rate"] == "inf"
+    assert stop_timeout_s(1) == 0.5 and stop_timeout_s(120) == 90.0
+
+
+def _run_script(
+    script: str, tmp: Path, *, rc: int = 0, sleep: float = 0, term_after: float | None = None
+) -> tuple[int, str, list[str]]:
+    bindir = tmp / "bin"
+    bindir.mkdir(exist_ok=True)
+    fake = bindir / "srun"
+    fake.write_text(FAKE_SRUN)
+    fake.chmod(0o755)
+    job = tmp / "job.sbatch"
+    job.write_text(script)
+    argv_file = tmp / "srun.argv"
+    env = {
+        **os.environ,
+        "PATH": f"{bindir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "99",
+        "SLURM_JOB_NODELIST": "node[1-4]",
+        "FAKE_SRUN_ARGV": str(argv_file),
+        "FAKE_SRUN_RC": str(rc),
+        "FAKE_SRUN_SLEEP": str(sleep),
+    }
+    proc = subprocess.Popen(
+        ["bash", str(job)],
+        cwd=tmp,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        if term_after is not None:
+            time.sleep(term_after)
+            proc.send_signal(signal.SIGTERM)  # what --signal=B:TERM@grace does
+        out, _ = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, out, argv_file.read_text().splitlines()
+
+
+def test_script_unpacks_node_files_and_exits_with_srun_rc(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    # Shell metacharacters in argv and env values are data: they must reach the agent's
+    # config verbatim and never run.
+    pwned = tmp_path / "PWNED"
+    evil = f"$(touch {pwned})`touch {pwned}`;touch {pwned}"
+    spec = spec_with(
+        run={"log_dir": str(log_dir)},
+        engine={"prefill_command": ["python3", evil.replace("{", "{{").replace("}", "}}")]},
+        env={"decode": {"EVIL": evil}},
+    )
+    rc, out, argv = _run_script(render_sbatch(spec, job_name="t"), tmp_path, rc=7)
+
+    assert rc == 7, out
+    assert "srun exited with rc 7" in out
+    assert not pwned.exists()
+    node_dir = log_dir / "99" / "node"
+    for name in NODE_FILES:
+        assert (node_dir / name).read_text() == bundled_node_sources()[name]
+    config = json.loads((node_dir / "config.json").read_text())
+    assert config == json.loads(json.dumps(agent_config(spec)))
+    assert config["env"]["decode"]["EVIL"] == evil
+    assert argv[-4:] == [
+        "python3",
+        f"{node_dir}/agent.py",
+        "--config",
+        f"{node_dir}/config.json",
+    ]
+    assert "--kill-on-bad-exit=1" in argv and "--signal=TERM@10" in argv
+
+
+def test_batch_shell_survives_term_and_keeps_srun_rc(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    spec = spec_with(run={"log_dir": str(log_dir)})
+    start = time.monotonic()
+    rc, out, _ = _run_script(
+        render_sbatch(spec, job_name="t"), tmp_path, rc=5, sleep=2, term_after=0.7
+    )
+    assert rc == 5, out
+    assert "batch shell got SIGTERM" in out
+    assert time.monotonic() - start >= 1.9  # it waited for srun instead of dying
+
+
+def test_cli_render_prints_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["render", str(DEPLOY / "demo.toml"), "--job-name", "llmd-x-1"]) == 0
+    out = capsys.readouterr().out
+    assert out == render_sbatch(spec_with(), job_name="llmd-x-1")
+
+
+def test_cli_render_default_job_name_is_unique(capsys: pytest.CaptureFixture[str]) -> None:
+    names = set()
+    for _ in range(2):
+        assert main(["render", str(DEPLOY / "demo.toml")]) == 0
+        (line,) = [
+            ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("#SBATCH --job-")
+        ]
+        assert line.startswith("#SBATCH --job-name=llmd-demo-")
+        names.add(line)
+    assert len(names) == 2
+
+
+def test_cli_render_bad_spec_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text((DEPLOY / "demo.toml").read_text().replace("requeue = false", "requeue = 1"))
+    assert main(["render", str(bad)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "'slurm.requeue'" in captured.err and "true or false" in captured.err
+    assert main(["render", str(tmp_path / "missing.toml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    assert main(["render", str(DEPLOY / "demo.toml"), "--job-name", "a;b"]) == 2
+    assert "'job_name'" in capsys.readouterr().err
