@@ -253,7 +253,7 @@ class SacctRow:
     job_id_raw: str
     job_id: str
     state: ParsedState
-    exit_code: ExitCode
+    exit_code: ExitCode | None  # empty on the step rows of a NODE_FAIL job
     derived_exit_code: ExitCode | None  # empty on step rows
     reason: str
     node_list: str
@@ -274,8 +274,9 @@ def parse_sacct(text: str) -> list[SacctRow]:
     """Parse ``sacct --parsable2 --noheader --format=<SACCT_FIELDS>`` output.
 
     Blank lines are skipped; every other line must have all fields (JobName last, so a
-    ``|`` inside a job name stays part of it) and a well-formed ExitCode, or the whole
-    output is rejected with SlurmParseError: a half-understood answer is not evidence.
+    ``|`` inside a job name stays part of it) and well-formed (or empty) exit codes, or
+    the whole output is rejected with SlurmParseError: a half-understood answer is not
+    evidence.
     """
     rows: list[SacctRow] = []
     n = len(SACCT_FIELDS)
@@ -293,7 +294,7 @@ def parse_sacct(text: str) -> list[SacctRow]:
                 job_id_raw=raw_id,
                 job_id=job_id,
                 state=parse_state(state),
-                exit_code=parse_exit_code(exit_code),
+                exit_code=_optional_exit_code(exit_code),
                 derived_exit_code=_optional_exit_code(derived),
                 reason=reason,
                 node_list=nodes,

@@ -108,6 +108,18 @@ class JobRecord:
         """Same normalised State and same ExitCode (DerivedExitCode does not count)."""
         return _agreement_key(self) == _agreement_key(other)
 
+    def contradicts(self, other: JobRecord) -> bool:
+        """The two records would lead to different outcomes.
+
+        Different States, or COMPLETED with different ExitCodes. Same-State records with
+        different ExitCodes do not contradict: for signal-ended jobs slurmctld and slurmdbd
+        store different codes (scontrol TIMEOUT 0:15 while sacct says TIMEOUT 0:0).
+        """
+        mine, theirs = _agreement_key(self), _agreement_key(other)
+        if mine[:2] != theirs[:2]:
+            return True
+        return self.state.state is JobState.COMPLETED and self.exit_code != other.exit_code
+
     def describe(self) -> str:
         """``State=COMPLETED ExitCode=0:0`` (raw state text when it was not exact)."""
         state = self.state.state.value if self.state.exact else self.state.raw.strip()
@@ -153,6 +165,8 @@ def sacct_query(
     row = allocation_row(rows, job_id)
     if row is None:
         return replace(base, outcome=QueryOutcome.EMPTY, rows=rows)
+    if row.exit_code is None:
+        return replace(base, error=f"allocation row of job {job_id} has no ExitCode", rows=rows)
     record = JobRecord(Source.SACCT, row.state, row.exit_code, row.derived_exit_code, row.raw)
     return replace(base, outcome=QueryOutcome.RECORD, record=record, rows=rows)
 
@@ -255,20 +269,23 @@ class Belief:
 def believed(state: VerdictState) -> Belief | None:
     """The settled (terminal or unrecognised) record that may be believed, if any.
 
-    Believed: one source's last two or more records agree, or sacct's and scontrol's
-    latest records agree. Never believed while sacct's and scontrol's latest settled
-    records disagree. A non-terminal latest read from the other source does not block
-    (sacct was seen to say RUNNING after the job had left the queue).
+    Believed: sacct's and scontrol's latest records agree (same State and ExitCode), or
+    one source's last two or more records agree (sacct preferred when both qualify).
+    Never believed while the two sources' latest settled records contradict each other
+    (see :meth:`JobRecord.contradicts`). A non-terminal latest read from the other source
+    does not block (sacct was seen to say RUNNING after the job had left the queue).
     """
     settled = [v for v in (state.sacct, state.scontrol) if v is not None and v.record.settled]
     if len(settled) == 2:
         sacct, scontrol = settled
-        if not sacct.record.agrees_with(scontrol.record):
+        if sacct.record.contradicts(scontrol.record):
             return None
-        return Belief(sacct.record, "sacct and scontrol agree")
-    if len(settled) == 1 and settled[0].streak >= 2:
-        view = settled[0]
-        return Belief(view.record, f"{view.record.source.value}, {view.streak} agreeing reads")
+        if sacct.record.agrees_with(scontrol.record):
+            return Belief(sacct.record, "sacct and scontrol agree")
+    for view in settled:
+        if view.streak >= 2:
+            basis = f"{view.record.source.value}, {view.streak} agreeing reads"
+            return Belief(view.record, basis)
     return None
 
 
@@ -351,14 +368,16 @@ def _without_belief(
     accounting_off = accounting_off or state.accounting_disabled_seen
     views = [v for v in (state.sacct, state.scontrol) if v is not None]
     settled = [v for v in views if v.record.settled]
-    if len(settled) == 2:
+    if len(settled) == 2 and settled[0].record.contradicts(settled[1].record):
         known = (
             f"sacct says {settled[0].record.describe()} "
             f"but scontrol says {settled[1].record.describe()}"
         )
     elif settled:
-        view = settled[0]
-        known = f"{view.record.describe()} ({view.record.source.value}) read once, unconfirmed"
+        known = "; ".join(
+            f"{v.record.describe()} ({v.record.source.value}) read once, unconfirmed"
+            for v in settled
+        )
     elif views:
         latest = max(views, key=lambda v: _last_record_time(state, v.record.source))
         record = latest.record

@@ -241,6 +241,18 @@ def test_parse_sacct_rows() -> None:
     assert rows[0].raw == SACCT_TEXT.splitlines()[0]
 
 
+def test_step_rows_may_lack_exit_codes() -> None:
+    # As sacct prints the steps of a NODE_FAIL job.
+    text = (
+        "27|27|NODE_FAIL|0:0|0:0|None|node4|a|b|c|00:00:01|capture-node_fail\n"
+        "27.batch|27.batch|CANCELLED||||node4|a|b|c|00:00:01|batch\n"
+    )
+    rows = parse_sacct(text)
+    assert rows[0].exit_code == ExitCode(0, 0)
+    assert rows[1].exit_code is None
+    assert rows[1].derived_exit_code is None
+
+
 def test_allocation_row_is_exact() -> None:
     rows = parse_sacct(SACCT_TEXT)
     row = allocation_row(rows, "15")

@@ -193,6 +193,14 @@ CASES = [
          "sacct says State=COMPLETED ExitCode=0:0 but scontrol says State=FAILED ExitCode=1:0"),
     Case("sacct-and-scontrol-disagree-at-deadline", [*OK2, scontrol("FAILED", "1:0")],
          marker(0), Outcome.UNVERIFIED, "but scontrol says", past_deadline=True),
+    # slurmctld and slurmdbd store different ExitCodes for signal-ended jobs.
+    Case("timeout-sacct-0:0-scontrol-0:15", [*[sacct("TIMEOUT")] * 2, scontrol("TIMEOUT", "0:15")],
+         NO_MARKER, Outcome.TIMED_OUT, "State=TIMEOUT ExitCode=0:0 (sacct, 2 agreeing reads)"),
+    Case("cancelled-sacct-once-scontrol-once",
+         [sacct("CANCELLED by 0"), scontrol("CANCELLED", "0:15")], NO_MARKER,
+         Outcome.PENDING_EVIDENCE, "(scontrol) read once, unconfirmed"),
+    Case("completed-exit-codes-contradict", [*OK2, scontrol("COMPLETED", "1:0")], marker(0),
+         Outcome.UNVERIFIED, "but scontrol says State=COMPLETED ExitCode=1:0", past_deadline=True),
     Case("both-silent-before-deadline", [sacct_down(), scontrol_timeout()], marker(0),
          Outcome.PENDING_EVIDENCE, "no accounting record after 3 s; asking again"),
     Case("both-silent-past-deadline", [sacct_down(), scontrol_timeout()] * 3, marker(0),
@@ -317,6 +325,13 @@ def test_sacct_query_ignores_array_and_het_rows_sharing_the_id() -> None:
     query = sacct_query(JOB, taken_at=T0, returncode=0, stdout=stdout, stderr="")
     assert query.outcome is QueryOutcome.EMPTY
     assert [r.job_id for r in query.rows] == [f"{JOB}_3", f"{JOB}+0", f"{JOB}.batch"]
+
+
+def test_sacct_query_allocation_without_exit_code_is_an_error() -> None:
+    stdout = f"{JOB}|{JOB}|COMPLETED|||None|node1|a|b|c|00:00:01|x\n"
+    query = sacct_query(JOB, taken_at=T0, returncode=0, stdout=stdout, stderr="")
+    assert query.outcome is QueryOutcome.ERROR
+    assert "no ExitCode" in query.error
 
 
 def test_sacct_query_keeps_steps_and_picks_allocation() -> None:
