@@ -53,7 +53,8 @@ status file and publishes a marker carrying that rc and naming the rank, so all 
 with the same rc. Once a rank has decided its final rc, a late SIGTERM (for example from
 ``srun --kill-on-bad-exit``) does not change it.
 
-Fault knobs for the stand-in tests (environment of the agent):
+Fault knobs for the stand-in tests (environment of the agent, or ``env.common`` of the
+spec):
   * ``LLMD_FAKE_MARKER_DELAY_S`` -- the coordinator waits this long before publishing;
   * ``LLMD_FAKE_MARKER_LAG_S`` -- a worker ignores a marker younger than this (simulated
     shared-filesystem lag);
@@ -546,6 +547,11 @@ class Agent(object):
             self.poll_engine()
             self.write_status()
 
+    def knob(self, name: str) -> float:
+        """A numeric fault knob from the agent's environment or the spec's ``env.common``."""
+        common = self.cfg.get("env", {}).get("common", {})
+        return _float_or_zero(os.environ.get(name) or common.get(name))
+
     # ---- signals
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
@@ -719,10 +725,10 @@ class Agent(object):
             st = read_json(self.status_path(r))
             if st is None or str(st.get("job_id")) != self.job_id:
                 continue
-            if st.get("state") in ("failed", "engine_died"):
-                rc = st.get("local_rc")
-                rc_i = rc if isinstance(rc, int) and rc > 0 else RC_ENGINE_DIED
-                failures.append((r, rc_i, str(st.get("reason", ""))))
+            # local_rc stays in the status after the state moves on (stopping, exited).
+            rc = st.get("local_rc")
+            if isinstance(rc, int) and rc > 0:
+                failures.append((r, rc, str(st.get("reason", ""))))
         return failures
 
     def raise_if_others_failed(self) -> None:
@@ -746,7 +752,7 @@ class Agent(object):
             if exc.from_rank is None:
                 reason = "%s: %s" % (self.rank_label(self.rank), reason)
             self.log("run.failed", rc=rc, reason=reason)
-        delay = _env_float("LLMD_FAKE_MARKER_DELAY_S")
+        delay = self.knob("LLMD_FAKE_MARKER_DELAY_S")
         if delay > 0:
             self.log("fault.marker_delay", seconds=delay)
             self.sleep(delay)
@@ -767,7 +773,7 @@ class Agent(object):
             self.rank,
             rc,
             reason,
-            slow_s=_env_float("LLMD_FAKE_MARKER_SLOW_WRITE_S"),
+            slow_s=self.knob("LLMD_FAKE_MARKER_SLOW_WRITE_S"),
         )
         self.marker_published = True
         self.log(
@@ -932,7 +938,7 @@ class Agent(object):
 
     def run_worker(self) -> int:
         silence = _Silence(self.status_path(self.role.prefill_nodes), self.silence_s)
-        lag = _env_float("LLMD_FAKE_MARKER_LAG_S")
+        lag = self.knob("LLMD_FAKE_MARKER_LAG_S")
         try:
             if self.start_error is not None:
                 raise self.start_error
@@ -1174,10 +1180,10 @@ def _rc_text(rc: Optional[int]) -> str:
     return "rc %d" % rc
 
 
-def _env_float(name: str) -> float:
+def _float_or_zero(value: Any) -> float:
     try:
-        return float(os.environ.get(name, "0") or 0)
-    except ValueError:
+        return float(value or 0)
+    except (TypeError, ValueError):
         return 0.0
 
 

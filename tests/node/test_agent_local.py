@@ -60,10 +60,11 @@ class MarkerWatcher:
 
 
 def test_success_all_ranks_exit_zero_soon_after_marker(local_run: MakeRun) -> None:
-    run = local_run()
-    # The coordinator writes the temp file slowly: a reader must still never see a part.
+    # The coordinator writes the temp file slowly (knob from the spec's env.common): a
+    # reader polling the marker path must still never see a part of it.
+    run = local_run(env={"common": {"LLMD_FAKE_MARKER_SLOW_WRITE_S": "0.8"}})
     watcher = MarkerWatcher(run)
-    run.start(agent_env={"LLMD_FAKE_MARKER_SLOW_WRITE_S": "0.8"})
+    run.start()
     rcs = run.wait(30)
     watcher.close()
 

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import tomllib
 from pathlib import Path
@@ -273,3 +274,20 @@ def test_cli_render_bad_spec_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "cannot read" in capsys.readouterr().err
     assert main(["render", str(DEPLOY / "demo.toml"), "--job-name", "a;b"]) == 2
     assert "'job_name'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["llmd_supervisor.spec", "llmd_supervisor.render"])
+def test_spec_and_render_import_no_io_machinery(module: str) -> None:
+    probe = (
+        "import importlib, json, sys; importlib.import_module(sys.argv[1]);"
+        " print(json.dumps(sorted(sys.modules)))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", probe, module],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    forbidden = {"anyio", "asyncssh", "sqlite3", "subprocess", "socket", "asyncio", "structlog"}
+    assert forbidden.isdisjoint(json.loads(out))
