@@ -331,7 +331,13 @@ def decide(
     - No believed record: PENDING_EVIDENCE before ``deadline``, UNVERIFIED from it on.
       With accounting disabled and scontrol no longer knowing the job, no evidence can
       arrive any more: UNVERIFIED at once.
+
+    Raises ValueError if ``marker`` was read for another job id (a caller bug).
     """
+    if marker.expected_job_id != state.job_id:
+        raise ValueError(
+            f"marker read for job {marker.expected_job_id}, verdict is for {state.job_id}"
+        )
     belief = believed(state)
     past_deadline = now >= deadline
     if belief is None:

@@ -413,3 +413,12 @@ def test_receipt_without_any_record() -> None:
     assert back["scontrol_record"] is None
     assert back["marker"]["status"] == "missing"
     assert back["marker"]["raw_text"] is None
+
+
+def test_decide_refuses_a_marker_read_for_another_job() -> None:
+    other = read_marker(b"{}", "41")
+    with pytest.raises(ValueError, match="41"):
+        decide(
+            fold(OK2), other, cancel_requested=False, accounting_disabled=False,
+            now=BEFORE, deadline=DEADLINE,
+        )  # fmt: skip
