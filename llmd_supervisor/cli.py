@@ -137,11 +137,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     import anyio
 
     from llmd_supervisor.errors import SupervisorError
-    from llmd_supervisor.fsutil import write_atomic
+    from llmd_supervisor.fsutil import read_optional, write_atomic
     from llmd_supervisor.log import configure
     from llmd_supervisor.marker import marker_filename
     from llmd_supervisor.slurm import LocalRunner, SlurmClient
-    from llmd_supervisor.verify import EXIT_CODES, verify_job
+    from llmd_supervisor.verify import EXIT_CODES, DirectEvidence, verify_job
 
     job_id: str = args.job_id
     if not job_id.isdigit():
@@ -152,17 +152,19 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 2
     configure()
     marker_path: Path = args.marker or args.log_dir / marker_filename(job_id)
-    client = SlurmClient(LocalRunner())
+    evidence = DirectEvidence(SlurmClient(LocalRunner()), starttime=args.starttime)
+
+    async def marker_bytes() -> bytes | None:
+        return await anyio.to_thread.run_sync(read_optional, marker_path)
 
     async def run() -> Any:
         return await verify_job(
-            client,
+            evidence,
             job_id,
-            marker_path=marker_path,
+            marker_bytes=marker_bytes,
             evidence_timeout=args.timeout,
             interval=args.interval,
             cancel_requested=args.cancel_requested,
-            starttime=args.starttime,
         )
 
     result = anyio.run(run)

@@ -1,23 +1,24 @@
-"""Verify one finished job against the live cluster (the I/O around the pure verdict).
+"""Collect evidence about one finished job until the pure verdict is final.
 
 sacct first, `scontrol show job` as the fallback while sacct has no believable record,
 the marker re-read every round (it may appear late on a shared filesystem), bounded
-retry until the verdict is final or the deadline passes (then `unverified`).
+retry until the verdict is final or the deadline passes (then `unverified`). Where the
+queries come from is pluggable: `DirectEvidence` runs them (the `verify` command); the
+daemon passes its cluster's poller, which batches them with every other run's.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
+from typing import Protocol
 
 import anyio
 import structlog
 
 from llmd_supervisor.errors import SlurmCommandError
-from llmd_supervisor.fsutil import read_optional
 from llmd_supervisor.marker import MarkerReading, read_marker
 from llmd_supervisor.slurm import CommandResult, SlurmClient
 from llmd_supervisor.verdict import (
@@ -50,6 +51,20 @@ EXIT_CODES: dict[Outcome, int] = {
 }
 
 
+class Evidence(Protocol):
+    """Where sacct / scontrol readings come from."""
+
+    async def query(self, source: Source, job_id: str) -> SlurmQuery: ...
+
+
+MarkerBytes = Callable[[], Awaitable[bytes | None]]
+Clock = Callable[[], datetime]
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
 @dataclass(frozen=True)
 class VerifyResult:
     verdict: Verdict
@@ -58,39 +73,69 @@ class VerifyResult:
     receipt: dict[str, object]
 
 
-Clock = Callable[[], datetime]
+class DirectEvidence:
+    """Runs each query itself (one job, no batching): the `verify` command's source."""
 
+    def __init__(self, client: SlurmClient, *, starttime: str | None = None) -> None:
+        self.client = client
+        self.starttime = starttime
 
-def _utcnow() -> datetime:
-    return datetime.now(UTC)
+    async def query(self, source: Source, job_id: str) -> SlurmQuery:
+        taken_at = utcnow()
+        t0 = time.monotonic()
+        try:
+            result: CommandResult
+            if source is Source.SACCT:
+                result = await self.client.sacct([job_id], starttime=self.starttime)
+                classify = sacct_query
+            else:
+                result = await self.client.scontrol_job(job_id)
+                classify = scontrol_query
+            query = classify(
+                job_id,
+                taken_at=taken_at,
+                returncode=result.returncode,
+                stdout=result.stdout,
+                stderr=result.stderr,
+            )
+        except SlurmCommandError as exc:
+            query = failed_query(source, job_id, taken_at=taken_at, error=str(exc))
+        log.debug(
+            "slurm.query",
+            source=source.value,
+            slurm_job_id=job_id,
+            outcome=query.outcome.value,
+            seconds=round(time.monotonic() - t0, 3),
+            error=query.error or None,
+        )
+        return query
 
 
 async def verify_job(
-    client: SlurmClient,
+    evidence: Evidence,
     job_id: str,
     *,
-    marker_path: Path,
+    marker_bytes: MarkerBytes,
     evidence_timeout: float,
     interval: float = 1.0,
     cancel_requested: bool = False,
-    starttime: str | None = None,
-    clock: Clock = _utcnow,
+    clock: Clock = utcnow,
 ) -> VerifyResult:
     """Query until the verdict is final; return it with its receipt.
 
     Never raises for Slurm failures: a failed or timed-out query is recorded in the
-    receipt and asked again. Returns `unverified` once `evidence_timeout` seconds pass without a
-    believable terminal record. On cancellation nothing is left running (see SlurmClient).
+    receipt and asked again. Returns `unverified` once `evidence_timeout` seconds pass
+    without a believable terminal record. Cancellation leaves nothing running.
     """
     started = clock()
     deadline = started + timedelta(seconds=evidence_timeout)
     state = VerdictState(job_id=job_id, started_at=started)
     while True:
         if not state.accounting_disabled_seen:
-            state = observe(state, await _query(client, Source.SACCT, job_id, starttime, clock))
+            state = observe(state, await evidence.query(Source.SACCT, job_id))
         if believed(state) is None:
-            state = observe(state, await _query(client, Source.SCONTROL, job_id, starttime, clock))
-        marker = read_marker(await anyio.to_thread.run_sync(read_optional, marker_path), job_id)
+            state = observe(state, await evidence.query(Source.SCONTROL, job_id))
+        marker = read_marker(await marker_bytes(), job_id)
         now = clock()
         verdict = decide(
             state,
@@ -99,9 +144,6 @@ async def verify_job(
             accounting_disabled=state.accounting_disabled_seen,
             now=now,
             deadline=deadline,
-        )
-        log.debug(
-            "verify.round", job_id=job_id, outcome=verdict.outcome.value, reason=verdict.reason
         )
         if verdict.final:
             receipt = build_receipt(
@@ -114,47 +156,10 @@ async def verify_job(
             )
             log.info(
                 "verify.decided",
-                job_id=job_id,
+                slurm_job_id=job_id,
                 outcome=verdict.outcome.value,
                 reason=verdict.reason,
+                queries=len(state.queries),
             )
             return VerifyResult(verdict, state, marker, receipt)
         await anyio.sleep(min(interval, max(0.0, (deadline - now).total_seconds()) + 0.01))
-
-
-async def _query(
-    client: SlurmClient, source: Source, job_id: str, starttime: str | None, clock: Clock
-) -> SlurmQuery:
-    taken_at = clock()
-    t0 = time.monotonic()
-    try:
-        result: CommandResult
-        if source is Source.SACCT:
-            result = await client.sacct([job_id], starttime=starttime)
-            query = sacct_query(
-                job_id,
-                taken_at=taken_at,
-                returncode=result.returncode,
-                stdout=result.stdout,
-                stderr=result.stderr,
-            )
-        else:
-            result = await client.scontrol_job(job_id)
-            query = scontrol_query(
-                job_id,
-                taken_at=taken_at,
-                returncode=result.returncode,
-                stdout=result.stdout,
-                stderr=result.stderr,
-            )
-    except SlurmCommandError as exc:
-        query = failed_query(source, job_id, taken_at=taken_at, error=str(exc))
-    log.debug(
-        "slurm.query",
-        source=source.value,
-        job_id=job_id,
-        outcome=query.outcome.value,
-        seconds=round(time.monotonic() - t0, 3),
-        error=query.error or None,
-    )
-    return query

@@ -1,0 +1,270 @@
+"""The daemon's configuration: one TOML file, validated, with effective defaults.
+
+Every invalid value raises `ConfigError(key, value, hint)` naming the dotted key, the
+value and the fix; unknown keys are errors (a typo must not silently fall back to a
+default). Pure: takes TOML text, returns frozen dataclasses.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmd_supervisor.errors import ConfigError
+
+DEFAULT_PATH = Path("/etc/llmd-supervisor/config.toml")
+
+
+@dataclass(frozen=True)
+class SshConfig:
+    """How the daemon reaches allocated nodes (and a remote login node)."""
+
+    user: str | None = None  # None: the user the daemon runs as
+    identity_files: tuple[str, ...] = ()
+    known_hosts: str | None = None  # None: asyncssh's default (~/.ssh/known_hosts)
+    port: int = 22
+    connect_timeout_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """One Slurm cluster: where its client commands run."""
+
+    name: str
+    slurm_conf: str | None = None  # exported as SLURM_CONF to the Slurm commands
+    login_host: str | None = None  # run Slurm commands over SSH there instead of locally
+
+
+@dataclass(frozen=True)
+class PollConfig:
+    min_interval_s: float = 0.25  # while something changes
+    max_interval_s: float = 5.0  # when idle; also capped below MinJobAge/2
+    command_timeout_s: float = 30.0
+    sacct_chunk: int = 200  # job ids per sacct call
+
+
+@dataclass(frozen=True)
+class Limits:
+    verify_timeout_s: float = 120.0  # no believable terminal record by then: unverified
+    node_silent_s: float = 60.0  # SSH heartbeat silence before a node is reported unreachable
+    log_stall_s: float = 900.0  # no log growth for this long raises a `stalled` event
+    heartbeat_interval_s: float = 2.0
+    finish_drain_s: float = 10.0  # how long tailers may drain after the job left the queue
+    archive_timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
+class Config:
+    state_dir: Path = Path("/var/lib/llmd-supervisor")
+    archive_dir: Path | None = None  # default: <state_dir>/archive
+    socket_path: Path = Path("/run/llmd-supervisor/control.sock")
+    socket_mode: int = 0o660
+    admin_group: str | None = None
+    log_format: str = "auto"  # auto | json | console
+    ssh: SshConfig = field(default_factory=SshConfig)
+    poll: PollConfig = field(default_factory=PollConfig)
+    limits: Limits = field(default_factory=Limits)
+    clusters: tuple[ClusterConfig, ...] = (ClusterConfig(name="default"),)
+    metrics_listen: str | None = None  # host:port on loopback, e.g. 127.0.0.1:9464
+
+    @property
+    def archive_root(self) -> Path:
+        return self.archive_dir if self.archive_dir is not None else self.state_dir / "archive"
+
+    @property
+    def journal_path(self) -> Path:
+        return self.state_dir / "journal.sqlite3"
+
+    def cluster(self, name: str | None) -> ClusterConfig:
+        """The named cluster, or the first one when `name` is None."""
+        if name is None:
+            return self.clusters[0]
+        for c in self.clusters:
+            if c.name == name:
+                return c
+        known = ", ".join(c.name for c in self.clusters)
+        raise ConfigError("clusters", name, f"no cluster of that name is configured ({known})")
+
+
+def load_config(text: str) -> Config:
+    """Parse and validate the TOML text of a config file."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError("(file)", "", f"the file is not valid TOML ({exc})") from exc
+    return parse_config(data)
+
+
+def read_config(path: Path) -> Config:
+    """Read and validate a config file; a missing file at the default path means defaults."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if path == DEFAULT_PATH:
+            return Config()
+        raise ConfigError("(file)", str(path), "the file does not exist; pass --config") from None
+    except OSError as exc:
+        raise ConfigError("(file)", str(path), f"it cannot be read ({exc.strerror})") from exc
+    return load_config(text)
+
+
+_TOP = ("daemon", "ssh", "poll", "limits", "clusters", "metrics")
+
+
+def parse_config(data: Mapping[str, object]) -> Config:
+    _keys("", data, _TOP)
+    d = _table(data, "daemon")
+    _keys(
+        "daemon",
+        d,
+        ("state_dir", "archive_dir", "socket", "socket_mode", "admin_group", "log_format"),
+    )
+    log_format = _str(d, "daemon.log_format", "auto")
+    if log_format not in ("auto", "json", "console"):
+        raise ConfigError("daemon.log_format", log_format, "use auto, json or console")
+    mode_text = _str(d, "daemon.socket_mode", "0660")
+    try:
+        mode = int(mode_text, 8)
+    except ValueError:
+        mode = -1
+    if not 0 <= mode <= 0o777 or mode & 0o007:
+        raise ConfigError(
+            "daemon.socket_mode",
+            mode_text,
+            "use an octal mode without rights for others, e.g. 0660",
+        )
+    archive = _opt_str(d, "daemon.archive_dir")
+
+    s = _table(data, "ssh")
+    _keys("ssh", s, ("user", "identity_files", "known_hosts", "port", "connect_timeout_s"))
+    ssh = SshConfig(
+        user=_opt_str(s, "ssh.user"),
+        identity_files=_str_list(s, "ssh.identity_files"),
+        known_hosts=_opt_str(s, "ssh.known_hosts"),
+        port=_int(s, "ssh.port", 22, 1, 65535),
+        connect_timeout_s=_num(s, "ssh.connect_timeout_s", 10.0, 0.5, 300),
+    )
+
+    p = _table(data, "poll")
+    _keys("poll", p, ("min_interval_s", "max_interval_s", "command_timeout_s", "sacct_chunk"))
+    poll = PollConfig(
+        min_interval_s=_num(p, "poll.min_interval_s", 0.25, 0.05, 60),
+        max_interval_s=_num(p, "poll.max_interval_s", 5.0, 0.1, 600),
+        command_timeout_s=_num(p, "poll.command_timeout_s", 30.0, 1, 600),
+        sacct_chunk=_int(p, "poll.sacct_chunk", 200, 1, 5000),
+    )
+    if poll.max_interval_s < poll.min_interval_s:
+        raise ConfigError(
+            "poll.max_interval_s", poll.max_interval_s, "it must not be below poll.min_interval_s"
+        )
+
+    lim = _table(data, "limits")
+    names = tuple(Limits.__dataclass_fields__)
+    _keys("limits", lim, names)
+    defaults = Limits()
+    limits = Limits(
+        **{n: _num(lim, f"limits.{n}", float(getattr(defaults, n)), 0.1, 86400) for n in names}
+    )
+
+    clusters_raw = data.get("clusters", [{"name": "default"}])
+    if not isinstance(clusters_raw, list) or not clusters_raw:
+        raise ConfigError("clusters", clusters_raw, "use one or more [[clusters]] tables")
+    clusters = []
+    for i, c in enumerate(clusters_raw):
+        key = f"clusters[{i}]"
+        if not isinstance(c, dict):
+            raise ConfigError(key, c, "each [[clusters]] entry must be a table")
+        _keys(key, c, ("name", "slurm_conf", "login_host"))
+        name = _str(c, f"{key}.name", "")
+        if not name or not name.replace("-", "").replace("_", "").isalnum():
+            raise ConfigError(f"{key}.name", name, "use letters, digits, - and _")
+        clusters.append(
+            ClusterConfig(
+                name=name,
+                slurm_conf=_opt_str(c, f"{key}.slurm_conf"),
+                login_host=_opt_str(c, f"{key}.login_host"),
+            )
+        )
+    if len({c.name for c in clusters}) != len(clusters):
+        raise ConfigError("clusters", [c.name for c in clusters], "cluster names must be unique")
+
+    m = _table(data, "metrics")
+    _keys("metrics", m, ("listen",))
+    listen = _opt_str(m, "metrics.listen")
+    if listen is not None:
+        host, _, port = listen.rpartition(":")
+        if host not in ("127.0.0.1", "localhost", "[::1]") or not port.isdigit():
+            raise ConfigError(
+                "metrics.listen", listen, "use a loopback host:port, e.g. 127.0.0.1:9464"
+            )
+
+    return Config(
+        state_dir=Path(_str(d, "daemon.state_dir", "/var/lib/llmd-supervisor")),
+        archive_dir=Path(archive) if archive else None,
+        socket_path=Path(_str(d, "daemon.socket", "/run/llmd-supervisor/control.sock")),
+        socket_mode=mode,
+        admin_group=_opt_str(d, "daemon.admin_group"),
+        log_format=log_format,
+        ssh=ssh,
+        poll=poll,
+        limits=limits,
+        clusters=tuple(clusters),
+        metrics_listen=listen,
+    )
+
+
+def _keys(prefix: str, table: Mapping[str, object], allowed: tuple[str, ...]) -> None:
+    for key in table:
+        if key not in allowed:
+            where = f"{prefix}.{key}" if prefix else key
+            raise ConfigError(where, table[key], f"unknown key; allowed here: {', '.join(allowed)}")
+
+
+def _table(data: Mapping[str, object], name: str) -> Mapping[str, object]:
+    value = data.get(name, {})
+    if not isinstance(value, dict):
+        raise ConfigError(name, value, f"[{name}] must be a table")
+    return value
+
+
+def _leaf(key: str) -> str:
+    return key.rsplit(".", 1)[-1]
+
+
+def _str(t: Mapping[str, object], key: str, default: str) -> str:
+    value = t.get(_leaf(key), default)
+    if not isinstance(value, str):
+        raise ConfigError(key, value, "use a string")
+    return value
+
+
+def _opt_str(t: Mapping[str, object], key: str) -> str | None:
+    value = t.get(_leaf(key))
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ConfigError(key, value, "use a non-empty string")
+    return value
+
+
+def _str_list(t: Mapping[str, object], key: str) -> tuple[str, ...]:
+    value = t.get(_leaf(key), [])
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ConfigError(key, value, "use a list of non-empty strings")
+    return tuple(value)
+
+
+def _int(t: Mapping[str, object], key: str, default: int, lo: int, hi: int) -> int:
+    value = t.get(_leaf(key), default)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ConfigError(key, value, f"use an integer from {lo} to {hi}")
+    return value
+
+
+def _num(t: Mapping[str, object], key: str, default: float, lo: float, hi: float) -> float:
+    value = t.get(_leaf(key), default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+        raise ConfigError(key, value, f"use a number of seconds from {lo:g} to {hi:g}")
+    return float(value)
