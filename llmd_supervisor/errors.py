@@ -87,3 +87,57 @@ class SlurmJobNotFound(SlurmParseError):
 
     def __init__(self, what: str, text: str) -> None:
         super().__init__(what, text, "Slurm does not know this job id")
+
+
+class ConfigError(SupervisorError):
+    """A daemon configuration value is invalid."""
+
+    def __init__(self, key: str, value: object, hint: str) -> None:
+        self.key = key
+        self.value = value
+        self.hint = hint
+        super().__init__(f"Configuration key {key!r} has invalid value {value!r}: {hint}.")
+
+
+class JournalError(SupervisorError):
+    """The run journal (SQLite) could not be opened, read or written."""
+
+    def __init__(self, path: str, operation: str, why: str) -> None:
+        self.path = path
+        self.operation = operation
+        self.why = why
+        super().__init__(f"Journal {path} could not {operation}: {why}.")
+
+
+class JournalConflict(JournalError):
+    """A journal write was refused because the stored record is not what the writer expected.
+
+    ``expected``/``actual`` are run states (values) for compare-and-set failures and None
+    for other conflicts (duplicate run id or job name, diverged transition history).
+    """
+
+    def __init__(
+        self,
+        path: str,
+        operation: str,
+        run_id: str,
+        why: str,
+        *,
+        expected: str | None = None,
+        actual: str | None = None,
+    ) -> None:
+        self.run_id = run_id
+        self.expected = expected
+        self.actual = actual
+        super().__init__(path, operation, why)
+
+
+class TailConflict(SupervisorError):
+    """Another tailer already appends to this local log copy."""
+
+    def __init__(self, local_path: str) -> None:
+        self.local_path = local_path
+        super().__init__(
+            f"Local log copy {local_path} is already being appended by another tailer; "
+            "refusing to start a second one (it would duplicate bytes)."
+        )
