@@ -528,6 +528,7 @@ class Agent(object):
                 "port": self.port_of(self.rank),
                 "pid": os.getpid(),
                 "engine_pid": self.engine.pid if self.engine is not None else None,
+                "bench_pid": self.bench.pid if self.bench is not None else None,
                 "engine_rc": self.engine_rc,
                 "state": self.state,
                 "reason": self.reason,
@@ -631,7 +632,7 @@ class Agent(object):
                     stderr=subprocess.STDOUT,
                     env=self.role_env(self.role.role),
                     cwd=self.job_dir,
-                    preexec_fn=_engine_preexec,
+                    preexec_fn=_child_preexec_for(os.getpid()),
                     close_fds=True,
                 )
             except OSError as exc:
@@ -878,7 +879,7 @@ class Agent(object):
                     stderr=subprocess.STDOUT,
                     env=self.role_env("bench"),
                     cwd=self.job_dir,
-                    start_new_session=True,
+                    preexec_fn=_child_preexec_for(os.getpid()),
                     close_fds=True,
                 )
             except OSError as exc:
@@ -1102,8 +1103,7 @@ class Agent(object):
             python=sys.version.split()[0],
         )
         self.write_status()
-        # Spawn the engine before any other thread exists: preexec_fn is only safe in a
-        # single-threaded parent.
+        # Spawn the engine before any other thread exists (see _child_preexec_for).
         try:
             self.start_engine()
         except LocalFailure as exc:
@@ -1200,11 +1200,26 @@ _PRCTL = _load_prctl()
 _PR_SET_PDEATHSIG = 1
 
 
-def _engine_preexec() -> None:
-    """Run in the engine child: own session/process group, SIGKILLed if the agent dies."""
-    os.setsid()
-    if _PRCTL is not None:
-        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+def _child_preexec_for(parent: int) -> Any:
+    """A preexec_fn for engine/bench children of ``parent`` (the agent's pid).
+
+    The child gets its own session and process group, and is SIGKILLed if the agent dies
+    (a SIGKILLed agent cannot stop it otherwise). If the agent died between fork and
+    prctl the signal would never come, so the child checks its parent and exits.
+
+    preexec_fn is documented as unsafe once threads exist (the bench is spawned while the
+    heartbeat thread runs): this only makes system calls (setsid, prctl through a ctypes
+    function resolved at import, getppid), and glibc keeps malloc usable in the child.
+    """
+
+    def preexec() -> None:
+        os.setsid()
+        if _PRCTL is not None:
+            _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+            if os.getppid() != parent:
+                os._exit(RC_INTERNAL)
+
+    return preexec
 
 
 def load_config(path: str) -> Dict[str, Any]:

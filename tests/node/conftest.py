@@ -240,13 +240,19 @@ class LocalRun:
     def signal(self, rank: int, sig: int) -> None:
         os.kill(self.procs[rank].pid, sig)
 
-    def engine_pids(self) -> list[int]:
+    def engine_pids(self, key: str = "engine_pid") -> list[int]:
         pids = []
         for rank in range(self.nranks):
-            pid = self.status(rank).get("engine_pid")
+            pid = self.status(rank).get(key)
             if isinstance(pid, int):
                 pids.append(pid)
         return pids
+
+    def live_children(self) -> list[int]:
+        """Engines and bench clients of this run that are still running."""
+        return self.live_engines() + [
+            p for p in self.engine_pids("bench_pid") if _is_our_process(p, "bench.py")
+        ]
 
     def live_engines(self) -> list[int]:
         return [p for p in self.engine_pids() if _is_our_process(p, "engine.py")]
@@ -260,13 +266,14 @@ class LocalRun:
 
     def stop_all(self) -> None:
         """Teardown: SIGKILL what is still running, by PID (agents, then engines)."""
-        engines = self.engine_pids()
+        children = [(p, "engine.py") for p in self.engine_pids()]
+        children += [(p, "bench.py") for p in self.engine_pids("bench_pid")]
         for p in self.procs.values():
             if p.poll() is None:
                 p.kill()
             p.wait(timeout=10)
-        for pid in engines:
-            if _is_our_process(pid, "engine.py"):
+        for pid, needle in children:
+            if _is_our_process(pid, needle):
                 os.kill(pid, signal.SIGKILL)
 
 

@@ -89,7 +89,7 @@ def test_success_all_ranks_exit_zero_soon_after_marker(local_run: MakeRun) -> No
         assert result["completed"] == conc * 2 and result["failed"] == 0
         # Requests went to both prefill leaders and to the single decode leader.
         assert len(result["prefill_urls"]) == 2 and len(result["decode_urls"]) == 1
-    assert run.live_engines() == []
+    assert run.live_children() == []
     assert not list(run.log_dir.glob(".*.tmp.*")), "temp files left behind"
 
 
@@ -106,7 +106,7 @@ def test_failing_bench_point_gives_rc_7_and_sweep_continues(local_run: MakeRun) 
     assert "concurrency 2 exited rc 7" in str(marker["reason"])
     ok3 = json.loads((run.job_dir / "bench" / "c3.json").read_text())
     assert ok3["completed"] == 6, "the sweep must continue after a failed point"
-    assert run.live_engines() == []
+    assert run.live_children() == []
 
 
 def test_prefill_crash_ends_every_rank_promptly_naming_the_rank(local_run: MakeRun) -> None:
@@ -132,7 +132,7 @@ def test_prefill_crash_ends_every_rank_promptly_naming_the_rank(local_run: MakeR
     assert "engine exited with rc 3" in str(marker["reason"])
     assert elapsed < 15, f"took {elapsed:.1f} s"
     assert run.status(1)["engine_rc"] == 3
-    assert run.live_engines() == []
+    assert run.live_children() == []
 
 
 def test_sigterm_every_rank_exits_143_within_grace_with_diagnostic(local_run: MakeRun) -> None:
@@ -164,13 +164,13 @@ def test_sigterm_every_rank_exits_143_within_grace_with_diagnostic(local_run: Ma
     assert "(none)" not in (run.job_dir / "rank3.diag.txt").read_text().split("needed SIGKILL")[1]
     marker = run.marker()
     assert marker is not None and marker["rc"] == 143 and marker["reason"] == "sigterm"
-    assert run.live_engines() == []
+    assert run.live_children() == []
 
 
 def test_coordinator_dying_before_publishing_does_not_hang_workers(local_run: MakeRun) -> None:
     run = local_run(env={"bench": {"LLMD_FAKE_BENCH_HANG": "1"}})
     run.start()
-    run.wait_for(lambda: run.status(2).get("state") == "benchmarking", 20, "the sweep")
+    run.wait_for(lambda: run.status(2).get("bench_pid") is not None, 20, "the sweep")
     run.wait_for(
         lambda: all(run.status(r).get("state") == "ready" for r in (0, 1, 3)), 10, "workers"
     )
@@ -184,8 +184,8 @@ def test_coordinator_dying_before_publishing_does_not_hang_workers(local_run: Ma
     assert elapsed < 10, f"workers took {elapsed:.1f} s"
     assert run.marker() is None, "a killed coordinator must not look finished"
     assert "coordinator" in str(run.status(0)["reason"])
-    # The coordinator's engine died with its agent (parent-death signal), not left behind.
-    run.wait_for(lambda: run.live_engines() == [], 5, "engines to be gone")
+    # The coordinator's engine and hung bench died with its agent (parent-death signal).
+    run.wait_for(lambda: run.live_children() == [], 5, "engine and bench to be gone")
 
 
 def test_engine_death_rereads_marker_that_appears_late(local_run: MakeRun) -> None:
@@ -228,4 +228,4 @@ def test_blackholed_health_endpoint_hits_the_deadline(local_run: MakeRun) -> Non
     assert marker is not None and marker["rc"] == 74 and marker["rank"] == 1
     assert "rank 0 (prefill, 127.0.0.1:" in str(marker["reason"])
     assert "timed out" in str(marker["reason"])
-    assert run.live_engines() == []
+    assert run.live_children() == []
