@@ -1,0 +1,738 @@
+"""The daemon's run journal: SQLite in the state directory (DESIGN.md section 3).
+
+One connection, used by one worker thread at a time (a dedicated ``CapacityLimiter(1)``),
+so the event loop never waits on the disk and every operation is serialised. The database
+is in WAL mode with ``synchronous=FULL``: when a write method returns, the write is on
+disk and survives a crash of the daemon or the machine.
+
+Guarantees every public method keeps:
+
+- A write is one transaction: it is applied completely or not at all.
+- sqlite3 and OS errors (disk full, read-only file, corrupt database) surface as
+  :class:`JournalError` naming the database path and the operation.
+- Cancellation: a task cancelled while waiting for its turn does nothing. Once the
+  operation has started in the worker thread it runs to its end (commit or rollback) and
+  the cancellation is delivered afterwards, so a cancelled caller that needs to know
+  whether its write landed re-reads the run.
+- Times are stored as UTC ISO 8601 with microseconds and come back timezone-aware in UTC;
+  naive datetimes are refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Final, TypeVar
+
+import anyio
+import anyio.to_thread
+
+from llmd_supervisor.errors import JournalConflict, JournalError
+from llmd_supervisor.lifecycle import Run, RunState, Transition
+from llmd_supervisor.verdict import Outcome
+
+__all__ = ["SCHEMA_VERSION", "Journal", "RunMeta", "StoredRun"]
+
+_T = TypeVar("_T")
+
+BUSY_TIMEOUT_MS: Final = 10_000
+_DIR_MODE: Final = 0o750
+_FILE_MODE: Final = 0o640
+_RESERVED_EVENT_KEYS: Final = frozenset({"at", "kind"})
+
+# Ordered migrations: MIGRATIONS[i] takes the schema from user_version i to i + 1. Append
+# only; never edit a migration that has shipped. Each is a sequence of single statements
+# (executescript() would commit on its own and break the enclosing transaction).
+MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
+    (
+        """
+        CREATE TABLE runs (
+            run_id           TEXT PRIMARY KEY NOT NULL,
+            job_name         TEXT NOT NULL UNIQUE,
+            state            TEXT NOT NULL,
+            attempt          INTEGER NOT NULL CHECK (attempt >= 1),
+            slurm_job_id     TEXT,
+            nodes            TEXT NOT NULL,  -- JSON array of host names
+            cancel_requested INTEGER NOT NULL CHECK (cancel_requested IN (0, 1)),
+            outcome          TEXT,
+            reason           TEXT NOT NULL,
+            owner_uid        INTEGER NOT NULL,
+            cluster          TEXT NOT NULL,
+            spec_toml        TEXT NOT NULL,
+            script           TEXT NOT NULL,
+            log_dir          TEXT NOT NULL,
+            archive_dir      TEXT NOT NULL,
+            created_at       TEXT NOT NULL,  -- UTC ISO 8601, fixed width
+            updated_at       TEXT NOT NULL
+        )
+        """,
+        "CREATE INDEX runs_by_created ON runs (created_at)",
+        "CREATE INDEX runs_by_owner ON runs (owner_uid, created_at)",
+        """
+        CREATE TABLE transitions (
+            run_id TEXT NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
+            seq    INTEGER NOT NULL CHECK (seq >= 0),
+            state  TEXT NOT NULL,
+            at     TEXT NOT NULL,
+            event  TEXT NOT NULL,
+            PRIMARY KEY (run_id, seq)
+        )
+        """,
+        """
+        CREATE TABLE events (
+            id     INTEGER PRIMARY KEY AUTOINCREMENT,
+            run_id TEXT NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
+            at     TEXT NOT NULL,
+            kind   TEXT NOT NULL,
+            fields TEXT NOT NULL  -- JSON object
+        )
+        """,
+        "CREATE INDEX events_by_run ON events (run_id, id)",
+        """
+        CREATE TABLE log_offsets (
+            run_id      TEXT NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
+            name        TEXT NOT NULL,
+            byte_offset INTEGER NOT NULL CHECK (byte_offset >= 0),
+            updated_at  TEXT NOT NULL,
+            PRIMARY KEY (run_id, name)
+        )
+        """,
+    ),
+)
+
+SCHEMA_VERSION: Final = len(MIGRATIONS)
+
+_FINAL_STATES: Final = tuple(s.value for s in RunState if s.is_final)
+
+_RUN_COLUMNS: Final = (
+    "run_id, job_name, state, attempt, slurm_job_id, nodes, cancel_requested, outcome, "
+    "reason, owner_uid, cluster, spec_toml, script, log_dir, archive_dir, created_at"
+)
+
+
+@dataclass(frozen=True)
+class RunMeta:
+    """What the journal keeps about a run besides its state-machine record."""
+
+    owner_uid: int
+    cluster: str
+    spec_toml: str
+    script: str  # the rendered sbatch script
+    log_dir: str  # the run's log directory on the cluster's shared filesystem
+    archive_dir: str  # local archive directory for this run
+    created_at: datetime
+
+
+@dataclass(frozen=True)
+class StoredRun:
+    """A run as read back from the journal."""
+
+    run: Run  # transitions included
+    meta: RunMeta
+
+
+class Journal:
+    """The run journal; create with :meth:`open`, end with :meth:`aclose`."""
+
+    def __init__(
+        self, path: Path, conn: sqlite3.Connection, limiter: anyio.CapacityLimiter
+    ) -> None:
+        self._path = path
+        self._conn: sqlite3.Connection | None = conn
+        self._limiter = limiter
+
+    @property
+    def path(self) -> Path:
+        """The database file."""
+        return self._path
+
+    # --- lifetime ---------------------------------------------------------------------------
+
+    @classmethod
+    async def open(cls, path: Path) -> Journal:
+        """Open (creating it and its directory, mode 0o750, if needed) and migrate the journal.
+
+        Raises JournalError when the file is not a usable SQLite database, WAL cannot be
+        enabled, or its schema version is newer than this code knows.
+        """
+        limiter = anyio.CapacityLimiter(1)
+        with anyio.CancelScope(shield=True):
+            conn = await anyio.to_thread.run_sync(_open_sync, path, limiter=limiter)
+        return cls(path, conn, limiter)
+
+    async def aclose(self) -> None:
+        """Close the connection (idempotent). Waits for a running operation to finish first."""
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(self._close_sync, limiter=self._limiter)
+
+    async def __aenter__(self) -> Journal:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def _close_sync(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except sqlite3.Error as exc:
+                raise _error(self._path, "close the database", exc) from exc
+
+    # --- runs -------------------------------------------------------------------------------
+
+    async def insert_run(self, run: Run, meta: RunMeta) -> None:
+        """Journal a new run with its transitions.
+
+        Raises JournalConflict when a run with the same run id or job name exists.
+        """
+        operation = f"insert run {run.run_id}"
+        _check_consistent(self._path, operation, run)
+        now = _iso(datetime.now(UTC), self._path, operation)
+        created = _iso(meta.created_at, self._path, operation)
+        transitions = _transition_rows(run, 0, self._path, operation)
+
+        def work(conn: sqlite3.Connection) -> None:
+            clash = conn.execute(
+                "SELECT run_id, job_name FROM runs WHERE run_id = ? OR job_name = ?",
+                (run.run_id, run.job_name),
+            ).fetchone()
+            if clash is not None:
+                what = "run id" if clash[0] == run.run_id else f"job name {run.job_name!r}"
+                raise JournalConflict(
+                    str(self._path),
+                    operation,
+                    run.run_id,
+                    f"the journal already holds run {clash[0]} with that {what}",
+                )
+            conn.execute(
+                f"INSERT INTO runs ({_RUN_COLUMNS}, updated_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    *_run_values(run),
+                    meta.owner_uid,
+                    meta.cluster,
+                    meta.spec_toml,
+                    meta.script,
+                    meta.log_dir,
+                    meta.archive_dir,
+                    created,
+                    now,
+                ),
+            )
+            _insert_transitions(conn, run.run_id, transitions)
+
+        await self._call(operation, _write(work))
+
+    async def save(self, run: Run, *, expected: RunState) -> None:
+        """Compare-and-set: store ``run`` only if the stored run's state is ``expected``.
+
+        The stored transitions must be a prefix of ``run.transitions`` (the new ones are
+        appended), so a stale copy that happens to be in the same state (pending, requeued,
+        pending again) is refused too. With ``expected == run.state`` this records non-state
+        changes such as ``cancel_requested``. Raises JournalConflict (state or history
+        mismatch, unknown run) and leaves the stored run untouched.
+        """
+        operation = f"save run {run.run_id}"
+        _check_consistent(self._path, operation, run)
+        now = _iso(datetime.now(UTC), self._path, operation)
+        path = str(self._path)
+
+        def work(conn: sqlite3.Connection) -> None:
+            row = conn.execute(
+                "SELECT state, job_name FROM runs WHERE run_id = ?", (run.run_id,)
+            ).fetchone()
+            if row is None:
+                raise JournalConflict(
+                    path,
+                    operation,
+                    run.run_id,
+                    "the journal holds no such run",
+                    expected=expected.value,
+                )
+            actual, job_name = row
+            if actual != expected.value:
+                raise JournalConflict(
+                    path,
+                    operation,
+                    run.run_id,
+                    f"run {run.run_id} is in state {actual!r}, not the expected "
+                    f"{expected.value!r}; the save was rejected",
+                    expected=expected.value,
+                    actual=actual,
+                )
+            if job_name != run.job_name:
+                raise JournalConflict(
+                    path,
+                    operation,
+                    run.run_id,
+                    f"the job name of a run never changes (stored {job_name!r}, "
+                    f"given {run.job_name!r})",
+                    expected=expected.value,
+                    actual=actual,
+                )
+            stored = _load_transitions(conn, run.run_id, self._path, operation)
+            if run.transitions[: len(stored)] != stored:
+                raise JournalConflict(
+                    path,
+                    operation,
+                    run.run_id,
+                    f"the run's {len(run.transitions)} transitions do not extend the "
+                    f"{len(stored)} already journaled (a stale copy of the run?)",
+                    expected=expected.value,
+                    actual=actual,
+                )
+            conn.execute(
+                "UPDATE runs SET state = ?, attempt = ?, slurm_job_id = ?, nodes = ?, "
+                "cancel_requested = ?, outcome = ?, reason = ?, updated_at = ? "
+                "WHERE run_id = ?",
+                (*_run_values(run)[2:], now, run.run_id),
+            )
+            _insert_transitions(
+                conn, run.run_id, _transition_rows(run, len(stored), self._path, operation)
+            )
+
+        await self._call(operation, _write(work))
+
+    async def get(self, run_id: str) -> StoredRun | None:
+        """The run with this id, or None."""
+        operation = f"read run {run_id}"
+        runs = await self._call(
+            operation,
+            _read(lambda c: _load_runs(c, "run_id = ?", (run_id,), self._path, operation)),
+        )
+        return runs[0] if runs else None
+
+    async def find_by_job_name(self, job_name: str) -> StoredRun | None:
+        """The run submitted (or to be submitted) under this Slurm job name, or None."""
+        operation = f"look up job name {job_name!r}"
+        runs = await self._call(
+            operation,
+            _read(lambda c: _load_runs(c, "job_name = ?", (job_name,), self._path, operation)),
+        )
+        return runs[0] if runs else None
+
+    async def list_runs(
+        self, *, active_only: bool = False, owner_uid: int | None = None
+    ) -> list[StoredRun]:
+        """Runs in creation order; ``active_only`` keeps those not in a final state."""
+        clauses: list[str] = []
+        params: list[object] = []
+        if active_only:
+            clauses.append(f"state NOT IN ({', '.join('?' * len(_FINAL_STATES))})")
+            params.extend(_FINAL_STATES)
+        if owner_uid is not None:
+            clauses.append("owner_uid = ?")
+            params.append(owner_uid)
+        where = " AND ".join(clauses) or "1"
+        operation = "list runs"
+        return await self._call(
+            operation, _read(lambda c: _load_runs(c, where, params, self._path, operation))
+        )
+
+    # --- events and log offsets -------------------------------------------------------------
+
+    async def add_event(
+        self, run_id: str, kind: str, fields: Mapping[str, object], at: datetime
+    ) -> None:
+        """Append an event to the run's event log.
+
+        ``fields`` must be JSON-serialisable and may not use the keys ``at`` or ``kind``.
+        """
+        operation = f"add event {kind!r} to run {run_id}"
+        reserved = sorted(_RESERVED_EVENT_KEYS.intersection(fields))
+        if reserved:
+            raise JournalError(
+                str(self._path), operation, f"event fields may not use the keys {reserved}"
+            )
+        try:
+            encoded = json.dumps(dict(fields), allow_nan=False, ensure_ascii=False)
+        except (TypeError, ValueError) as exc:
+            raise JournalError(
+                str(self._path), operation, f"event fields are not JSON: {exc}"
+            ) from exc
+        when = _iso(at, self._path, operation)
+
+        def work(conn: sqlite3.Connection) -> None:
+            _require_run(conn, run_id, self._path, operation)
+            conn.execute(
+                "INSERT INTO events (run_id, at, kind, fields) VALUES (?, ?, ?, ?)",
+                (run_id, when, kind, encoded),
+            )
+
+        await self._call(operation, _write(work))
+
+    async def events(self, run_id: str) -> list[dict[str, object]]:
+        """The run's events in the order they were added: ``{"at": iso, "kind": ..., **fields}``."""
+        operation = f"read the events of run {run_id}"
+
+        def work(conn: sqlite3.Connection) -> list[dict[str, object]]:
+            rows = conn.execute(
+                "SELECT at, kind, fields FROM events WHERE run_id = ? ORDER BY id", (run_id,)
+            ).fetchall()
+            out: list[dict[str, object]] = []
+            for at, kind, fields in rows:
+                decoded = _json(fields, dict, self._path, operation)
+                out.append({"at": at, "kind": kind, **decoded})
+            return out
+
+        return await self._call(operation, _read(work))
+
+    async def set_offset(self, run_id: str, name: str, offset: int) -> None:
+        """Record how many bytes of the run's log ``name`` have been copied."""
+        operation = f"set the offset of log {name!r} of run {run_id}"
+        if offset < 0:
+            raise JournalError(str(self._path), operation, f"offset {offset} is negative")
+        now = _iso(datetime.now(UTC), self._path, operation)
+
+        def work(conn: sqlite3.Connection) -> None:
+            _require_run(conn, run_id, self._path, operation)
+            conn.execute(
+                "INSERT INTO log_offsets (run_id, name, byte_offset, updated_at) "
+                "VALUES (?, ?, ?, ?) ON CONFLICT (run_id, name) DO UPDATE SET "
+                "byte_offset = excluded.byte_offset, updated_at = excluded.updated_at",
+                (run_id, name, offset, now),
+            )
+
+        await self._call(operation, _write(work))
+
+    async def offsets(self, run_id: str) -> dict[str, int]:
+        """The recorded log offsets of the run, by log name."""
+        operation = f"read the log offsets of run {run_id}"
+
+        def work(conn: sqlite3.Connection) -> dict[str, int]:
+            rows = conn.execute(
+                "SELECT name, byte_offset FROM log_offsets WHERE run_id = ? ORDER BY name",
+                (run_id,),
+            ).fetchall()
+            return {str(name): int(offset) for name, offset in rows}
+
+        return await self._call(operation, _read(work))
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    async def _call(self, operation: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Run ``fn`` on the connection in the worker thread, serialised with every other call."""
+        return await anyio.to_thread.run_sync(self._call_sync, operation, fn, limiter=self._limiter)
+
+    def _call_sync(self, operation: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        conn = self._conn
+        if conn is None:
+            raise JournalError(str(self._path), operation, "the journal is closed")
+        try:
+            return fn(conn)
+        except sqlite3.Error as exc:
+            raise _error(self._path, operation, exc) from exc
+
+
+# --- helpers that run in the worker thread ---------------------------------------------------
+
+
+def _open_sync(path: Path) -> sqlite3.Connection:
+    try:
+        path.parent.mkdir(mode=_DIR_MODE, parents=True, exist_ok=True)
+        created = _create_file(path)
+    except OSError as exc:
+        raise JournalError(str(path), "create the database file", str(exc)) from exc
+    try:
+        conn = sqlite3.connect(
+            path,
+            timeout=BUSY_TIMEOUT_MS / 1000,
+            isolation_level=None,  # we issue BEGIN/COMMIT ourselves
+            check_same_thread=False,  # serialised by the journal's CapacityLimiter(1)
+        )
+    except sqlite3.Error as exc:
+        raise _error(path, "open the database", exc) from exc
+    try:
+        _configure(conn, path)
+        if created:
+            _fsync_dir(path.parent)
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _create_file(path: Path) -> bool:
+    """Create the empty database file with restrictive permissions; True if it is new."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
+    except FileExistsError:
+        return False
+    os.close(fd)
+    return True
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise JournalError(str(directory), "sync the state directory", str(exc)) from exc
+
+
+def _configure(conn: sqlite3.Connection, path: Path) -> None:
+    operation = "open the database"
+    try:
+        # Refuse a newer schema before changing anything in the file (even its journal mode).
+        _check_version(path, _user_version(conn))
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if str(mode).lower() != "wal":
+            raise JournalError(
+                str(path), operation, f"SQLite refused WAL mode (journal_mode is {mode!r})"
+            )
+        conn.execute("PRAGMA synchronous = FULL")
+        conn.execute("PRAGMA foreign_keys = ON")
+        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS:d}")
+        _write(_migrate(path))(conn)
+    except sqlite3.Error as exc:
+        raise _error(path, operation, exc) from exc
+
+
+def _migrate(path: Path) -> Callable[[sqlite3.Connection], None]:
+    def work(conn: sqlite3.Connection) -> None:
+        version = _user_version(conn)  # again, under the write lock
+        _check_version(path, version)
+        for statements in MIGRATIONS[version:]:
+            for statement in statements:
+                conn.execute(statement)
+        if version != SCHEMA_VERSION:
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION:d}")
+
+    return work
+
+
+def _user_version(conn: sqlite3.Connection) -> int:
+    return int(conn.execute("PRAGMA user_version").fetchone()[0])
+
+
+def _check_version(path: Path, version: int) -> None:
+    if version > SCHEMA_VERSION:
+        raise JournalError(
+            str(path),
+            "open the database",
+            f"its schema version is {version} but this llmd-supervisor knows versions up to "
+            f"{SCHEMA_VERSION}; run a newer llmd-supervisor",
+        )
+
+
+def _write(fn: Callable[[sqlite3.Connection], _T]) -> Callable[[sqlite3.Connection], _T]:
+    """Wrap ``fn`` in an immediate write transaction, rolled back if anything fails."""
+
+    def run(conn: sqlite3.Connection) -> _T:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            result = fn(conn)
+            conn.execute("COMMIT")
+        except BaseException:
+            _rollback(conn)
+            raise
+        return result
+
+    return run
+
+
+def _read(fn: Callable[[sqlite3.Connection], _T]) -> Callable[[sqlite3.Connection], _T]:
+    """Wrap ``fn`` in a read transaction, so its several queries see one snapshot."""
+
+    def run(conn: sqlite3.Connection) -> _T:
+        conn.execute("BEGIN")
+        try:
+            return fn(conn)
+        finally:
+            _rollback(conn)
+
+    return run
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    # SQLite may already have rolled back on its own (e.g. SQLITE_FULL); the original
+    # error is the one worth reporting.
+    if conn.in_transaction:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+
+
+def _require_run(conn: sqlite3.Connection, run_id: str, path: Path, operation: str) -> None:
+    if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is None:
+        raise JournalError(str(path), operation, f"the journal holds no run {run_id}")
+
+
+def _run_values(run: Run) -> tuple[object, ...]:
+    return (
+        run.run_id,
+        run.job_name,
+        run.state.value,
+        run.attempt,
+        run.slurm_job_id,
+        json.dumps(list(run.nodes)),
+        int(run.cancel_requested),
+        None if run.outcome is None else run.outcome.value,
+        run.reason,
+    )
+
+
+def _transition_rows(
+    run: Run, start: int, path: Path, operation: str
+) -> list[tuple[str, int, str, str, str]]:
+    return [
+        (run.run_id, seq, t.state.value, _iso(t.at, path, operation), t.event)
+        for seq, t in enumerate(run.transitions)
+        if seq >= start
+    ]
+
+
+def _insert_transitions(
+    conn: sqlite3.Connection, run_id: str, rows: Iterable[tuple[str, int, str, str, str]]
+) -> None:
+    conn.executemany(
+        "INSERT INTO transitions (run_id, seq, state, at, event) VALUES (?, ?, ?, ?, ?)", rows
+    )
+
+
+def _load_transitions(
+    conn: sqlite3.Connection, run_id: str, path: Path, operation: str
+) -> tuple[Transition, ...]:
+    rows = conn.execute(
+        "SELECT state, at, event FROM transitions WHERE run_id = ? ORDER BY seq", (run_id,)
+    ).fetchall()
+    return tuple(_transition(row, path, operation) for row in rows)
+
+
+def _load_runs(
+    conn: sqlite3.Connection, where: str, params: Sequence[object], path: Path, operation: str
+) -> list[StoredRun]:
+    rows = conn.execute(
+        f"SELECT {_RUN_COLUMNS} FROM runs WHERE {where} ORDER BY created_at, rowid", params
+    ).fetchall()
+    if not rows:
+        return []
+    by_run: dict[str, list[Transition]] = {row[0]: [] for row in rows}
+    for run_id, state, at, event in conn.execute(
+        f"SELECT run_id, state, at, event FROM transitions WHERE run_id IN "
+        f"(SELECT run_id FROM runs WHERE {where}) ORDER BY run_id, seq",
+        params,
+    ):
+        by_run[run_id].append(_transition((state, at, event), path, operation))
+    return [_stored_run(row, tuple(by_run[row[0]]), path, operation) for row in rows]
+
+
+def _stored_run(
+    row: Sequence[Any], transitions: tuple[Transition, ...], path: Path, operation: str
+) -> StoredRun:
+    (
+        run_id,
+        job_name,
+        state,
+        attempt,
+        slurm_job_id,
+        nodes,
+        cancel_requested,
+        outcome,
+        reason,
+        owner_uid,
+        cluster,
+        spec_toml,
+        script,
+        log_dir,
+        archive_dir,
+        created_at,
+    ) = row
+    try:
+        run = Run(
+            run_id=run_id,
+            job_name=job_name,
+            state=RunState(state),
+            attempt=int(attempt),
+            slurm_job_id=slurm_job_id,
+            nodes=tuple(str(n) for n in _json(nodes, list, path, operation)),
+            cancel_requested=bool(cancel_requested),
+            outcome=None if outcome is None else Outcome(outcome),
+            reason=reason,
+            transitions=transitions,
+        )
+    except ValueError as exc:
+        raise JournalError(str(path), operation, f"run {run_id} has a corrupt row: {exc}") from exc
+    meta = RunMeta(
+        owner_uid=int(owner_uid),
+        cluster=cluster,
+        spec_toml=spec_toml,
+        script=script,
+        log_dir=log_dir,
+        archive_dir=archive_dir,
+        created_at=_parse_time(created_at, path, operation),
+    )
+    return StoredRun(run=run, meta=meta)
+
+
+def _transition(row: Sequence[Any], path: Path, operation: str) -> Transition:
+    state, at, event = row
+    try:
+        return Transition(RunState(state), _parse_time(at, path, operation), event)
+    except ValueError as exc:
+        raise JournalError(str(path), operation, f"corrupt transition row: {exc}") from exc
+
+
+def _json(text: str, kind: type[_T], path: Path, operation: str) -> _T:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise JournalError(str(path), operation, f"corrupt JSON {text!r}: {exc}") from exc
+    if not isinstance(value, kind):
+        raise JournalError(
+            str(path), operation, f"corrupt JSON {text!r}: expected a {kind.__name__}"
+        )
+    return value
+
+
+# --- pure helpers -------------------------------------------------------------------------
+
+
+def _check_consistent(path: Path, operation: str, run: Run) -> None:
+    if run.transitions and run.transitions[-1].state is not run.state:
+        raise JournalError(
+            str(path),
+            operation,
+            f"the run is in state {run.state.value!r} but its last transition is to "
+            f"{run.transitions[-1].state.value!r}",
+        )
+
+
+def _iso(moment: datetime, path: Path, operation: str) -> str:
+    """Fixed-width UTC ISO 8601, so text order is time order."""
+    if moment.tzinfo is None or moment.utcoffset() is None:
+        raise JournalError(
+            str(path), operation, f"time {moment.isoformat()} has no timezone; refusing to guess"
+        )
+    return moment.astimezone(UTC).isoformat(timespec="microseconds")
+
+
+def _parse_time(text: str, path: Path, operation: str) -> datetime:
+    try:
+        moment = datetime.fromisoformat(text)
+    except ValueError as exc:
+        raise JournalError(str(path), operation, f"corrupt time {text!r}") from exc
+    if moment.tzinfo is None:
+        raise JournalError(str(path), operation, f"stored time {text!r} has no timezone")
+    return moment.astimezone(UTC)
+
+
+def _error(path: Path, operation: str, exc: sqlite3.Error) -> JournalError:
+    name = getattr(exc, "sqlite_errorname", None)
+    detail = f"{exc} ({name})" if name else str(exc)
+    return JournalError(str(path), operation, detail)

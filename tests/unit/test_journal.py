@@ -1,0 +1,568 @@
+"""The run journal against real SQLite files on disk."""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import stat
+from collections.abc import AsyncIterator, Iterator
+from contextlib import closing, contextmanager
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta, timezone
+from functools import partial
+from pathlib import Path
+
+import anyio
+import anyio.lowlevel
+import pytest
+import pytest_asyncio
+
+from llmd_supervisor.errors import JournalConflict, JournalError
+from llmd_supervisor.journal import SCHEMA_VERSION, Journal, RunMeta, StoredRun
+from llmd_supervisor.lifecycle import (
+    Archived,
+    CancelRequested,
+    Event,
+    LeftQueue,
+    Requeued,
+    Run,
+    RunState,
+    Started,
+    Submit,
+    Submitted,
+    Verified,
+    WatchersStopped,
+    new_run,
+    step,
+)
+from llmd_supervisor.verdict import Outcome
+
+T0 = datetime(2025, 3, 4, 5, 6, 7, 890123, tzinfo=UTC)
+
+
+def at(minutes: float) -> datetime:
+    return T0 + timedelta(minutes=minutes)
+
+
+def meta(*, owner_uid: int = 1000, created_at: datetime = T0, cluster: str = "dev") -> RunMeta:
+    return RunMeta(
+        owner_uid=owner_uid,
+        cluster=cluster,
+        spec_toml='name = "demo"\n[bench]\nrc = 0\n',
+        script="#!/bin/bash\n#SBATCH --job-name=x\nsrun true\n",
+        log_dir="/shared/logs/r",
+        archive_dir="/var/lib/llmd/archive/r",
+        created_at=created_at,
+    )
+
+
+def advance(run: Run, *events: Event, start: float = 1.0) -> Run:
+    for i, event in enumerate(events):
+        run, _ = step(run, event, at(start + i))
+    return run
+
+
+@contextmanager
+def raw(path: Path) -> Iterator[sqlite3.Connection]:
+    """A plain sqlite3 connection to the journal file, closed afterwards."""
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        yield conn
+
+
+@pytest_asyncio.fixture
+async def journal(tmp_path: Path) -> AsyncIterator[Journal]:
+    async with await Journal.open(tmp_path / "state" / "journal.db") as j:
+        yield j
+
+
+async def inserted(
+    journal: Journal, run_id: str, *, owner_uid: int = 1000, created_at: datetime = T0
+) -> Run:
+    run = new_run(run_id, f"llmd-{run_id}", at(0))
+    await journal.insert_run(run, meta(owner_uid=owner_uid, created_at=created_at))
+    return run
+
+
+# --- round trip -------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_round_trip_through_the_whole_lifecycle(journal: Journal) -> None:
+    run = new_run("r-1", "llmd-r-1", T0)
+    m = meta()
+    await journal.insert_run(run, m)
+    assert await journal.get("r-1") == StoredRun(run, m)
+
+    plus_two = timezone(timedelta(hours=2))
+    events: list[tuple[Event, datetime]] = [
+        (Submit(), at(1)),
+        (Submitted("4242"), at(2)),
+        (Started(("node-a", "node-b")), at(3).astimezone(plus_two)),
+        (Requeued(), at(4)),
+        (Started(("node-c", "node-d")), at(5)),
+        (CancelRequested(), at(6)),
+        (LeftQueue(), at(7)),
+        (WatchersStopped(), at(8)),
+        (Verified(Outcome.CANCELLED, "scancel by user 1000"), at(9)),
+        (Archived(), at(10)),
+    ]
+    for event, when in events:
+        before = run.state
+        run, _ = step(run, event, when)
+        await journal.save(run, expected=before)
+        stored = await journal.get("r-1")
+        assert stored == StoredRun(run, m)
+        assert stored is not None
+        assert all(t.at.tzinfo is UTC for t in stored.run.transitions)
+
+    assert run.state is RunState.CANCELLED
+    assert run.attempt == 2
+    assert run.cancel_requested
+    stored = await journal.get("r-1")
+    assert stored is not None
+    assert stored.run.outcome is Outcome.CANCELLED
+    assert stored.run.nodes == ("node-c", "node-d")
+    assert len(stored.run.transitions) == 10  # accepted + 9 state changes (cancel is a flag)
+    assert await journal.find_by_job_name("llmd-r-1") == stored
+    assert await journal.find_by_job_name("llmd-nope") is None
+    assert await journal.get("nope") is None
+
+
+@pytest.mark.asyncio
+async def test_pragmas_are_as_promised(journal: Journal) -> None:
+    def pragmas(conn: sqlite3.Connection) -> tuple[object, ...]:
+        return tuple(
+            conn.execute(f"PRAGMA {name}").fetchone()[0]
+            for name in ("journal_mode", "synchronous", "foreign_keys", "busy_timeout")
+        )
+
+    mode, synchronous, foreign_keys, busy = await journal._call("test", pragmas)
+    assert (mode, synchronous, foreign_keys) == ("wal", 2, 1)  # 2 is FULL
+    assert isinstance(busy, int)
+    assert busy > 0
+
+
+# --- compare-and-set and conflicts ------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_save_with_wrong_expected_state_is_a_conflict(journal: Journal) -> None:
+    run = await inserted(journal, "r-1")
+    submitting = advance(run, Submit())
+    await journal.save(submitting, expected=RunState.ACCEPTED)
+    pending = advance(submitting, Submitted("7"), start=2)
+
+    with pytest.raises(JournalConflict) as info:
+        await journal.save(pending, expected=RunState.ACCEPTED)
+    err = info.value
+    assert (err.run_id, err.expected, err.actual) == ("r-1", "accepted", "submitting")
+    assert "r-1" in str(err)
+    assert "'accepted'" in str(err)
+    assert "'submitting'" in str(err)
+    assert str(journal.path) in str(err)
+    stored = await journal.get("r-1")
+    assert stored is not None
+    assert stored.run == submitting
+
+
+@pytest.mark.asyncio
+async def test_stale_copy_in_the_same_state_is_a_conflict(journal: Journal) -> None:
+    run = await inserted(journal, "r-1")
+    pending = advance(run, Submit(), Submitted("7"))
+    await journal.save(pending, expected=RunState.ACCEPTED)
+    # Another task sees the job start and be requeued: pending again, attempt 2.
+    requeued = advance(pending, Started(("n1",)), Requeued(), start=5)
+    await journal.save(requeued, expected=RunState.PENDING)
+    # A stale holder of the first pending copy must not overwrite attempt 2.
+    stale = replace(pending, cancel_requested=True)
+    with pytest.raises(JournalConflict, match="do not extend"):
+        await journal.save(stale, expected=RunState.PENDING)
+    stored = await journal.get("r-1")
+    assert stored is not None
+    assert stored.run == requeued
+
+
+@pytest.mark.asyncio
+async def test_non_state_change_is_saved_with_expected_equal_to_state(journal: Journal) -> None:
+    run = await inserted(journal, "r-1")
+    running = advance(run, Submit(), Submitted("7"), Started(("n1", "n2")))
+    await journal.save(running, expected=RunState.ACCEPTED)
+    flagged, actions = step(running, CancelRequested(), at(9))
+    assert actions
+    await journal.save(flagged, expected=RunState.RUNNING)
+    stored = await journal.get("r-1")
+    assert stored is not None
+    assert stored.run.cancel_requested
+    assert stored.run == flagged
+
+
+@pytest.mark.asyncio
+async def test_save_of_unknown_run_is_a_conflict(journal: Journal) -> None:
+    run = new_run("ghost", "llmd-ghost", T0)
+    with pytest.raises(JournalConflict, match="no such run"):
+        await journal.save(run, expected=RunState.ACCEPTED)
+
+
+@pytest.mark.asyncio
+async def test_inconsistent_run_record_is_refused(journal: Journal) -> None:
+    run = await inserted(journal, "r-1")
+    with pytest.raises(JournalError, match="last transition"):
+        await journal.save(replace(run, state=RunState.RUNNING), expected=RunState.ACCEPTED)
+
+
+@pytest.mark.asyncio
+async def test_naive_datetimes_are_refused(journal: Journal) -> None:
+    naive = datetime(2025, 1, 1, 12, 0)
+    with pytest.raises(JournalError, match="no timezone"):
+        await journal.insert_run(new_run("r-1", "j-1", naive), meta())
+    with pytest.raises(JournalError, match="no timezone"):
+        await journal.insert_run(new_run("r-2", "j-2", T0), meta(created_at=naive))
+    assert await journal.list_runs() == []
+
+
+@pytest.mark.asyncio
+async def test_duplicate_run_id_or_job_name_is_a_conflict(journal: Journal) -> None:
+    original = await inserted(journal, "r-1")
+    with pytest.raises(JournalConflict, match="run id") as info:
+        await journal.insert_run(new_run("r-1", "llmd-other", at(1)), meta(owner_uid=2))
+    assert info.value.run_id == "r-1"
+    with pytest.raises(JournalConflict, match="job name 'llmd-r-1'"):
+        await journal.insert_run(new_run("r-2", "llmd-r-1", at(1)), meta(owner_uid=2))
+    runs = await journal.list_runs()
+    assert [s.run for s in runs] == [original]
+    assert runs[0].meta == meta()
+
+
+# --- listing ----------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_list_runs_filters_and_orders_by_creation(journal: Journal) -> None:
+    # Inserted out of creation order, two owners, some final.
+    specs = [("c", 1000, 3), ("a", 1000, 1), ("d", 2000, 4), ("b", 2000, 2), ("e", 1000, 0.5)]
+    for run_id, owner, minute in specs:
+        await inserted(journal, run_id, owner_uid=owner, created_at=at(minute))
+    cancelled, _ = step((await _get(journal, "a")).run, CancelRequested(), at(9))
+    await journal.save(cancelled, expected=RunState.ACCEPTED)
+    failed = advance(
+        (await _get(journal, "d")).run,
+        Submit(),
+        Submitted("1"),
+        LeftQueue(),
+        WatchersStopped(),
+        Verified(Outcome.FAILED, "bench rc 7"),
+        Archived(),
+    )
+    await journal.save(failed, expected=RunState.ACCEPTED)
+
+    async def ids(*, active_only: bool = False, owner_uid: int | None = None) -> list[str]:
+        runs = await journal.list_runs(active_only=active_only, owner_uid=owner_uid)
+        return [s.run.run_id for s in runs]
+
+    assert await ids() == ["e", "a", "b", "c", "d"]
+    assert await ids(active_only=True) == ["e", "b", "c"]
+    assert await ids(owner_uid=1000) == ["e", "a", "c"]
+    assert await ids(owner_uid=2000, active_only=True) == ["b"]
+    assert await ids(owner_uid=3000) == []
+    listed = {s.run.run_id: s for s in await journal.list_runs()}
+    assert listed["d"].run == failed
+    assert listed["a"].run == cancelled
+    assert listed["c"].meta.created_at == at(3)
+
+
+async def _get(journal: Journal, run_id: str) -> StoredRun:
+    stored = await journal.get(run_id)
+    assert stored is not None
+    return stored
+
+
+# --- events and offsets -----------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_events_keep_order_and_fields(journal: Journal) -> None:
+    await inserted(journal, "r-1")
+    await inserted(journal, "r-2")
+    await journal.add_event("r-1", "run.submitted", {"job_id": "7", "attempt": 1}, at(2))
+    await journal.add_event("r-2", "run.other", {}, at(1))
+    await journal.add_event(
+        "r-1", "node.unreachable", {"host": "n1", "silent_s": 31.5, "ok": None}, at(1)
+    )
+    await journal.add_event("r-1", "stalled", {"logs": ["a.log", "b.log"], "note": "é"}, at(3))
+
+    assert await journal.events("r-1") == [
+        {"at": at(2).isoformat(), "kind": "run.submitted", "job_id": "7", "attempt": 1},
+        {
+            "at": at(1).isoformat(),
+            "kind": "node.unreachable",
+            "host": "n1",
+            "silent_s": 31.5,
+            "ok": None,
+        },
+        {"at": at(3).isoformat(), "kind": "stalled", "logs": ["a.log", "b.log"], "note": "é"},
+    ]
+    assert await journal.events("r-2") == [{"at": at(1).isoformat(), "kind": "run.other"}]
+    assert await journal.events("nope") == []
+
+
+@pytest.mark.asyncio
+async def test_bad_events_are_refused(journal: Journal) -> None:
+    await inserted(journal, "r-1")
+    with pytest.raises(JournalError, match="keys"):
+        await journal.add_event("r-1", "x", {"kind": "y"}, at(1))
+    with pytest.raises(JournalError, match="not JSON"):
+        await journal.add_event("r-1", "x", {"when": datetime.now(UTC)}, at(1))
+    with pytest.raises(JournalError, match="not JSON"):
+        await journal.add_event("r-1", "x", {"v": float("nan")}, at(1))
+    with pytest.raises(JournalError, match="no run ghost"):
+        await journal.add_event("ghost", "x", {}, at(1))
+    assert await journal.events("r-1") == []
+
+
+@pytest.mark.asyncio
+async def test_offsets_are_upserted_per_log(journal: Journal) -> None:
+    await inserted(journal, "r-1")
+    await inserted(journal, "r-2")
+    assert await journal.offsets("r-1") == {}
+    await journal.set_offset("r-1", "batch.out", 100)
+    await journal.set_offset("r-1", "rank-0.log", 5)
+    await journal.set_offset("r-1", "batch.out", 4096)
+    await journal.set_offset("r-2", "batch.out", 1)
+    assert await journal.offsets("r-1") == {"batch.out": 4096, "rank-0.log": 5}
+    assert await journal.offsets("r-2") == {"batch.out": 1}
+    with pytest.raises(JournalError, match="negative"):
+        await journal.set_offset("r-1", "batch.out", -1)
+    with pytest.raises(JournalError, match="no run ghost"):
+        await journal.set_offset("ghost", "batch.out", 1)
+
+
+# --- opening, migrations, reopening ------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_open_creates_directory_and_migrates_an_empty_file(tmp_path: Path) -> None:
+    path = tmp_path / "a" / "b" / "journal.db"
+    async with await Journal.open(path):
+        pass
+    assert stat.S_IMODE(path.parent.stat().st_mode) & ~0o750 == 0
+    assert stat.S_IMODE(path.stat().st_mode) & ~0o640 == 0
+
+    empty = tmp_path / "empty.db"
+    empty.touch()
+    async with await Journal.open(empty) as j:
+        await inserted(j, "r-1")
+    with raw(empty) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert {"runs", "transitions", "events", "log_offsets"} <= tables
+
+
+@pytest.mark.asyncio
+async def test_a_newer_schema_is_refused_untouched(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    newer = SCHEMA_VERSION + 5
+    with raw(path) as conn:
+        conn.execute(f"PRAGMA user_version = {newer}")
+    with pytest.raises(JournalError) as info:
+        await Journal.open(path)
+    message = str(info.value)
+    assert f"schema version is {newer}" in message
+    assert f"up to {SCHEMA_VERSION}" in message
+    assert str(path) in message
+    with raw(path) as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == newer
+
+
+@pytest.mark.asyncio
+async def test_garbage_file_and_directory_are_journal_errors(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.db"
+    garbage.write_bytes(b"this is not an SQLite database, not even a little" * 100)
+    with pytest.raises(JournalError, match=re.escape(str(garbage))):
+        await Journal.open(garbage)
+    directory = tmp_path / "dir.db"
+    directory.mkdir()
+    with pytest.raises(JournalError, match=re.escape(str(directory))):
+        await Journal.open(directory)
+
+
+@pytest.mark.asyncio
+async def test_reopening_keeps_everything(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    journal = await Journal.open(path)
+    run = await inserted(journal, "r-1")
+    running = advance(run, Submit(), Submitted("9"), Started(("n1",)))
+    await journal.save(running, expected=RunState.ACCEPTED)
+    await journal.add_event("r-1", "run.started", {"nodes": ["n1"]}, at(3))
+    await journal.set_offset("r-1", "batch.out", 77)
+    await journal.aclose()
+    await journal.aclose()  # idempotent
+    with pytest.raises(JournalError, match="closed"):
+        await journal.get("r-1")
+
+    async with await Journal.open(path) as again:
+        assert await again.get("r-1") == StoredRun(running, meta())
+        assert await again.events("r-1") == [
+            {"at": at(3).isoformat(), "kind": "run.started", "nodes": ["n1"]}
+        ]
+        assert await again.offsets("r-1") == {"batch.out": 77}
+        assert [s.run.run_id for s in await again.list_runs(active_only=True)] == ["r-1"]
+
+
+# --- sqlite errors surface as JournalError ----------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_full_disk_is_a_journal_error_and_rolls_back(journal: Journal) -> None:
+    await inserted(journal, "r-1")
+
+    def cap(conn: sqlite3.Connection) -> None:
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count = {pages}")
+
+    await journal._call("test", cap)
+    big = replace(meta(), spec_toml="x" * 1_000_000)
+    with pytest.raises(JournalError) as info:
+        await journal.insert_run(new_run("r-2", "llmd-r-2", at(1)), big)
+    assert not isinstance(info.value, JournalConflict)
+    assert "SQLITE_FULL" in str(info.value)
+    assert "insert run r-2" in str(info.value)
+    assert str(journal.path) in str(info.value)
+    assert isinstance(info.value.__cause__, sqlite3.OperationalError)
+    # Nothing half-written, and the journal still works.
+    assert [s.run.run_id for s in await journal.list_runs()] == ["r-1"]
+    await journal.set_offset("r-1", "batch.out", 3)
+    assert await journal.offsets("r-1") == {"batch.out": 3}
+
+
+@pytest.mark.asyncio
+async def test_read_only_database_is_a_journal_error(journal: Journal) -> None:
+    run = await inserted(journal, "r-1")
+    await journal._call("test", lambda c: c.execute("PRAGMA query_only = ON"))
+    with pytest.raises(JournalError, match="save run r-1") as info:
+        await journal.save(advance(run, Submit()), expected=RunState.ACCEPTED)
+    assert isinstance(info.value.__cause__, sqlite3.Error)
+    await journal._call("test", lambda c: c.execute("PRAGMA query_only = OFF"))
+    stored = await journal.get("r-1")
+    assert stored is not None
+    assert stored.run == run
+
+
+# --- concurrency -------------------------------------------------------------------------------
+
+
+async def _drive(journal: Journal, run_id: str) -> None:
+    run = await inserted(journal, run_id)
+    path: list[Event] = [
+        Submit(),
+        Submitted(run_id),
+        Started(("n1", "n2")),
+        LeftQueue(),
+        WatchersStopped(),
+        Verified(Outcome.SUCCEEDED, "ok"),
+        Archived(),
+    ]
+    for i, event in enumerate(path):
+        before = run.state
+        run, _ = step(run, event, at(i + 1))
+        await journal.save(run, expected=before)
+        await journal.set_offset(run_id, "batch.out", i)
+
+
+@pytest.mark.asyncio
+async def test_many_tasks_saving_concurrently_are_serialised(journal: Journal) -> None:
+    async with anyio.create_task_group() as tg:
+        for i in range(40):
+            tg.start_soon(_drive, journal, f"r-{i:02d}")
+    runs = await journal.list_runs()
+    assert len(runs) == 40
+    assert all(s.run.state is RunState.SUCCEEDED for s in runs)
+    assert await journal.list_runs(active_only=True) == []
+
+
+@pytest.mark.asyncio
+async def test_racing_compare_and_set_has_exactly_one_winner(journal: Journal) -> None:
+    run = await inserted(journal, "r-1")
+    outcomes: list[str] = []
+
+    async def contender(i: int) -> None:
+        candidate, _ = step(run, Submit(), at(i))
+        try:
+            await journal.save(candidate, expected=RunState.ACCEPTED)
+        except JournalConflict as exc:
+            assert exc.actual == "submitting"
+            outcomes.append("conflict")
+        else:
+            outcomes.append(f"won {i}")
+
+    async with anyio.create_task_group() as tg:
+        for i in range(30):
+            tg.start_soon(contender, i)
+    winners = [o for o in outcomes if o.startswith("won")]
+    assert len(winners) == 1
+    assert outcomes.count("conflict") == 29
+    stored = await _get(journal, "r-1")
+    assert stored.run.state is RunState.SUBMITTING
+    assert len(stored.run.transitions) == 2
+
+
+@pytest.mark.asyncio
+async def test_two_journals_on_one_file_wait_for_each_other(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    async with await Journal.open(path) as first, await Journal.open(path) as second:
+        async with anyio.create_task_group() as tg:
+            for i in range(10):
+                tg.start_soon(_drive, first, f"a-{i}")
+                tg.start_soon(_drive, second, f"b-{i}")
+        assert len(await first.list_runs(active_only=False)) == 20
+        assert await second.list_runs(active_only=True) == []
+
+
+# --- the event loop keeps running -----------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_event_loop_runs_while_a_save_waits_for_the_database(journal: Journal) -> None:
+    """A save blocked on SQLite's lock must not block the loop: only the loop can free it."""
+    run = await inserted(journal, "r-1")
+    ticks = 0
+    with raw(journal.path) as other:
+        other.execute("BEGIN IMMEDIATE")  # hold the write lock, as another process could
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while ticks < 200:
+                ticks += 1
+                await anyio.lowlevel.checkpoint()
+            other.execute("COMMIT")
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(partial(journal.save, advance(run, Submit()), expected=RunState.ACCEPTED))
+            tg.start_soon(ticker)
+    assert ticks == 200
+    assert (await _get(journal, "r-1")).run.state is RunState.SUBMITTING
+
+
+@pytest.mark.asyncio
+async def test_ticker_keeps_ticking_during_a_large_batch_of_saves(journal: Journal) -> None:
+    runs = [await inserted(journal, f"r-{i:03d}") for i in range(150)]
+    ticks = 0
+    progress: list[int] = []
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(ticker)
+        for run in runs:
+            before = ticks
+            await journal.save(advance(run, Submit()), expected=RunState.ACCEPTED)
+            progress.append(ticks - before)
+        tg.cancel_scope.cancel()
+    # Every save handed the loop back to the ticker at least once while it ran.
+    assert min(progress) >= 1
+    assert ticks >= len(runs)
+    assert await journal.list_runs(active_only=True) == await journal.list_runs()
