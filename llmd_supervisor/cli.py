@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llmd_supervisor import __version__
+from llmd_supervisor.cli_daemon import add_parsers as add_daemon_parsers
 from llmd_supervisor.errors import SpecError
 
 # A subcommand handler takes the parsed args and returns the process exit status.
@@ -26,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_render_parser(sub)
     _add_verify_parser(sub)
+    add_daemon_parsers(sub)
     return parser
 
 

@@ -17,13 +17,17 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Protocol
 
 import anyio
 
 from llmd_supervisor.errors import SlurmCommandError
-from llmd_supervisor.slurm_parse import SACCT_FIELDS, SQUEUE_FORMAT, parse_sbatch_parsable
+from llmd_supervisor.slurm_parse import (
+    SACCT_FIELDS,
+    SQUEUE_FORMAT,
+    accounting_disabled,
+    parse_sbatch_parsable,
+)
 
 DEFAULT_TIMEOUT_S = 30.0
 
@@ -47,7 +51,9 @@ class CommandResult:
 class CommandRunner(Protocol):
     """Runs an argv somewhere (locally, or on a login node over SSH)."""
 
-    async def run(self, argv: Sequence[str], *, time_limit: float) -> CommandResult: ...
+    async def run(
+        self, argv: Sequence[str], *, time_limit: float, stdin: bytes | None = None
+    ) -> CommandResult: ...
 
 
 class LocalRunner:
@@ -56,12 +62,14 @@ class LocalRunner:
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         self._env = {**os.environ, **(env or {})}
 
-    async def run(self, argv: Sequence[str], *, time_limit: float) -> CommandResult:
+    async def run(
+        self, argv: Sequence[str], *, time_limit: float, stdin: bytes | None = None
+    ) -> CommandResult:
         started_at = datetime.now(UTC)
         t0 = time.monotonic()
         try:
             with anyio.fail_after(time_limit):
-                proc = await anyio.run_process(list(argv), check=False, env=self._env)
+                proc = await anyio.run_process(list(argv), input=stdin, check=False, env=self._env)
         except TimeoutError as exc:
             raise SlurmCommandError(argv, None, "", timed_out_after=time_limit) from exc
         except OSError as exc:
@@ -83,19 +91,50 @@ class SlurmClient:
         self.runner = runner
         self.timeout = timeout
 
-    async def _run(self, argv: Sequence[str]) -> CommandResult:
-        return await self.runner.run(argv, time_limit=self.timeout)
+    async def _run(self, argv: Sequence[str], stdin: bytes | None = None) -> CommandResult:
+        return await self.runner.run(argv, time_limit=self.timeout, stdin=stdin)
 
-    async def _run_checked(self, argv: Sequence[str]) -> CommandResult:
-        result = await self._run(argv)
+    async def _run_checked(self, argv: Sequence[str], stdin: bytes | None = None) -> CommandResult:
+        result = await self._run(argv, stdin)
         if not result.ok:
             raise SlurmCommandError(argv, result.returncode, _tail(result.stderr))
         return result
 
-    async def sbatch(self, script: Path, *options: str) -> str:
-        """Submit a batch script; return the job id."""
-        result = await self._run_checked(["sbatch", "--parsable", *options, str(script)])
+    async def sbatch(self, script: str, *options: str) -> str:
+        """Submit a batch script's text (on stdin, so it works through a remote login node too)."""
+        result = await self._run_checked(["sbatch", "--parsable", *options], script.encode())
         return parse_sbatch_parsable(result.stdout).job_id
+
+    async def find_by_name(self, job_name: str, *, starttime: str) -> str | None:
+        """The id of the job named `job_name`, from squeue, else sacct; None if neither has it.
+
+        Raises SlurmCommandError when squeue fails, or when it does not know the job and
+        sacct fails too: "not found" must be a real answer, never a failed query.
+        """
+        queue = await self._run_checked(
+            ["squeue", "--noheader", "--states=all", f"--name={job_name}", "--format=%i"]
+        )
+        ids = queue.stdout.split()
+        if not ids:
+            acct = await self._run(
+                [
+                    "sacct",
+                    "--noheader",
+                    "--parsable2",
+                    "--allocations",
+                    f"--name={job_name}",
+                    f"--starttime={starttime}",
+                    "--format=JobIDRaw",
+                ]
+            )
+            if not acct.ok and not accounting_disabled(acct.stderr):
+                raise SlurmCommandError(acct.argv, acct.returncode, _tail(acct.stderr))
+            ids = acct.stdout.split()
+        return ids[-1] if ids else None
+
+    async def mkdir(self, path: str) -> None:
+        """`mkdir -p` where the Slurm commands run (the log directory must exist for sbatch)."""
+        await self._run_checked(["mkdir", "-p", "--", path])
 
     async def squeue(self, job_ids: Sequence[str]) -> CommandResult:
         """One squeue for all the given jobs, every state (finished jobs too, until purged)."""

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Quickstart on a fresh Debian 12 machine, as root: install what is missing, bring up the
+# local dev Slurm cluster (4 nodes), start the supervisor daemon, submit the demo 2P+2D
+# llm-d run (stand-in engines and benchmark), follow it to its verified outcome, print
+# where its archive is, and stop the daemon again (the cluster stays up; stop it with
+# `deploy/devcluster/devcluster down`). Exit status: the run's (0 only for succeeded).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+deploy/install-dev.sh
+deploy/devcluster/devcluster up
+eval "$(deploy/devcluster/devcluster env)"
+
+QS=/var/tmp/llmd-quickstart
+mkdir -p "$QS"
+cat > "$QS/config.toml" <<CONF
+[daemon]
+state_dir = "$QS/state"
+socket = "$QS/control.sock"
+log_format = "json"
+
+[ssh]
+user = "$DEVCLUSTER_SSH_USER"
+identity_files = ["$DEVCLUSTER_SSH_KEY"]
+known_hosts = "$DEVCLUSTER_KNOWN_HOSTS"
+
+[[clusters]]
+name = "dev"
+slurm_conf = "$SLURM_CONF"
+CONF
+
+.venv/bin/llmd-supervisor daemon --config "$QS/config.toml" >>"$QS/daemon.log" 2>&1 &
+DAEMON_PID=$!
+stop_daemon() { kill -TERM "$DAEMON_PID" 2>/dev/null && wait "$DAEMON_PID" || true; }
+trap stop_daemon EXIT
+for _ in $(seq 100); do
+    [ -S "$QS/control.sock" ] && break
+    kill -0 "$DAEMON_PID" 2>/dev/null || { echo "quickstart: the daemon died; see $QS/daemon.log" >&2; exit 1; }
+    sleep 0.1
+done
+
+echo "quickstart: submitting deploy/llm-d/demo.toml (daemon log: $QS/daemon.log)" >&2
+set +e
+.venv/bin/llmd-supervisor submit deploy/llm-d/demo.toml --wait --follow --socket "$QS/control.sock"
+rc=$?
+set -e
+echo "quickstart: exit status $rc (0 = verified success)" >&2
+exit "$rc"

@@ -1,0 +1,84 @@
+"""The per-run archive: everything an operator needs to trust (or debug) an outcome.
+
+Layout of `<archive_root>/<run_id>/`:
+  spec.toml, job.sbatch        what was submitted
+  logs/                        local copies of the batch .out/.err and per-rank logs
+                               (written by the tailers while the run is live)
+  marker.json                  the completion marker's bytes, when it existed
+  scontrol-show-job.txt        the last `scontrol show job` record seen
+  events.jsonl                 the run's journal events
+  receipt.json                 the verdict's receipt (written last)
+
+`write_archive` fsyncs every file and directory it writes before returning; an OSError
+(disk full, permissions) propagates and the caller must not declare the outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+from llmd_supervisor.fsutil import write_atomic
+
+LOGS = "logs"
+
+
+def run_dir(archive_root: Path, run_id: str) -> Path:
+    return archive_root / run_id
+
+
+def logs_dir(archive_root: Path, run_id: str) -> Path:
+    return run_dir(archive_root, run_id) / LOGS
+
+
+def prepare(archive_root: Path, run_id: str, *, spec_toml: str, script: str) -> Path:
+    """Create the run's archive directory with what is known at submission."""
+    d = run_dir(archive_root, run_id)
+    (d / LOGS).mkdir(parents=True, exist_ok=True)
+    write_atomic(d / "spec.toml", spec_toml.encode())
+    write_atomic(d / "job.sbatch", script.encode(), mode=0o755)
+    return d
+
+
+def write_archive(
+    archive_root: Path,
+    run_id: str,
+    *,
+    spec_toml: str,
+    script: str,
+    receipt: Mapping[str, object],
+    events: Sequence[Mapping[str, object]],
+    marker: bytes | None,
+    scontrol_snapshot: str | None,
+) -> Path:
+    """Write (or rewrite: idempotent) the archive; the receipt goes last. Returns its path."""
+    d = prepare(archive_root, run_id, spec_toml=spec_toml, script=script)
+    if marker is not None:
+        write_atomic(d / "marker.json", marker)
+    if scontrol_snapshot:
+        write_atomic(d / "scontrol-show-job.txt", scontrol_snapshot.encode())
+    lines = "".join(json.dumps(e, sort_keys=True, default=str) + "\n" for e in events)
+    write_atomic(d / "events.jsonl", lines.encode())
+    _fsync_tree(d / LOGS)
+    write_atomic(
+        d / "receipt.json", (json.dumps(receipt, indent=2, sort_keys=True) + "\n").encode()
+    )
+    return d
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under `root` and the directories themselves (the log copies)."""
+    for dirpath, _dirnames, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fd = os.open(dirpath, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,661 @@
+"""Per-run supervision: drives each run through the pure state machine.
+
+One task per run, inside the daemon's root task group, with its own task group for the
+watchers (SSH heartbeats, log tailers, marker watch) and the cancel sequence. The loop is
+state-driven: whatever state the journal holds, the matching step is (re)done, so a
+daemon restart resumes every run exactly where it was:
+
+  accepted    -> journal `submitting` with the unique job name, then sbatch
+  submitting  -> after a restart: look the job name up (squeue, then sacct); never resubmit
+  pending/running -> follow the poller's squeue views; start/restart watchers when running
+  finishing   -> drain and stop the watchers, snapshot `scontrol show job`
+  verifying   -> collect evidence until the verdict is final (poller-batched queries)
+  archiving   -> write and fsync the archive (retried until it succeeds), then declare
+
+Every transition goes through `lifecycle.step` and is journaled (compare-and-set) before
+its action is relied on. Stopping the daemon cancels these tasks and never the jobs.
+"""
+
+from __future__ import annotations
+
+import getpass
+import json
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import structlog
+
+from llmd_supervisor import archive
+from llmd_supervisor.config import ClusterConfig, Config
+from llmd_supervisor.errors import (
+    IllegalTransition,
+    RemoteError,
+    SlurmCommandError,
+    SpecError,
+    SupervisorError,
+)
+from llmd_supervisor.fsutil import read_optional
+from llmd_supervisor.journal import Journal, RunMeta, StoredRun
+from llmd_supervisor.lifecycle import (
+    Action,
+    Archived,
+    CancelRequested,
+    Declare,
+    Event,
+    LeftQueue,
+    Requeued,
+    Run,
+    RunState,
+    SendCancel,
+    Started,
+    StartWatchers,
+    StopWatchers,
+    Submit,
+    SubmitFailed,
+    Submitted,
+    Verified,
+    WatchersStopped,
+    new_run,
+    step,
+)
+from llmd_supervisor.marker import marker_filename
+from llmd_supervisor.poller import Poller, QueueView
+from llmd_supervisor.remote import NodeLink, SshSettings, tail_to_local
+from llmd_supervisor.render import render_sbatch
+from llmd_supervisor.slurm import SlurmClient
+from llmd_supervisor.slurm_parse import JobState
+from llmd_supervisor.spec import RunSpec, load_spec
+from llmd_supervisor.verdict import SlurmQuery, Source
+from llmd_supervisor.verify import verify_job
+
+log = structlog.get_logger("llmd_supervisor.runs")
+
+_REQUEUED_STATES = frozenset(
+    {JobState.PENDING, JobState.REQUEUED, JobState.REQUEUE_HOLD, JobState.REQUEUE_FED}
+)
+RECEIPT_EVENT = "verify.receipt"
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass
+class NodeHealth:
+    """What the heartbeat watcher last learnt about one node."""
+
+    rank: int
+    reachable: bool = False
+    last_ok: float | None = None  # time.monotonic()
+    agent_state: str = ""
+    reported_unreachable: bool = False
+
+
+@dataclass
+class RunHandle:
+    """A run's in-memory companion to its journal row."""
+
+    stored: StoredRun
+    spec: RunSpec
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    changed: anyio.Event = field(default_factory=anyio.Event)
+    version: int = 0
+    tg: anyio.abc.TaskGroup | None = None
+    submitting_here: bool = False  # this process journaled `submitting` and may call sbatch
+    last_view: QueueView | None = None
+    watchers_running: bool = False
+    stop_watchers: anyio.Event = field(default_factory=anyio.Event)
+    watchers_done: anyio.Event = field(default_factory=anyio.Event)
+    health: dict[str, NodeHealth] = field(default_factory=dict)
+    marker_copy: bytes | None = None
+    scontrol_snapshot: str | None = None
+    tail_bytes: int = 0
+
+    @property
+    def run(self) -> Run:
+        return self.stored.run
+
+    @property
+    def meta(self) -> RunMeta:
+        return self.stored.meta
+
+    def notify(self) -> None:
+        self.version += 1
+        self.changed.set()
+        self.changed = anyio.Event()
+
+
+class Supervisor:
+    """Owns every run's task; the control handler talks to it."""
+
+    def __init__(
+        self,
+        config: Config,
+        journal: Journal,
+        pollers: dict[str, Poller],
+        clients: dict[str, SlurmClient],
+        tg: anyio.abc.TaskGroup,
+        *,
+        clock: Callable[[], datetime] = utcnow,
+    ) -> None:
+        self.config = config
+        self.journal = journal
+        self.pollers = pollers
+        self.clients = clients
+        self.tg = tg
+        self.clock = clock
+        self.handles: dict[str, RunHandle] = {}
+        self.ssh = SshSettings(
+            username=config.ssh.user or getpass.getuser(),
+            client_keys=config.ssh.identity_files,
+            known_hosts=config.ssh.known_hosts,
+            port=config.ssh.port,
+            connect_timeout=config.ssh.connect_timeout_s,
+        )
+
+    # --- entry points ------------------------------------------------------------------
+
+    async def submit(
+        self, spec_toml: str, *, owner_uid: int, cluster: str | None = None
+    ) -> RunHandle:
+        """Validate, render, journal as `accepted` and start supervising; SpecError if bad."""
+        spec = load_spec(spec_toml)
+        cluster_cfg = self.config.cluster(cluster)
+        run_id = uuid.uuid4().hex[:12]
+        job_name = f"llmd-{run_id}"
+        script = render_sbatch(spec, job_name=job_name)
+        now = self.clock()
+        arch = await anyio.to_thread.run_sync(
+            lambda: archive.prepare(
+                self.config.archive_root, run_id, spec_toml=spec_toml, script=script
+            )
+        )
+        meta = RunMeta(
+            owner_uid=owner_uid,
+            cluster=cluster_cfg.name,
+            spec_toml=spec_toml,
+            script=script,
+            log_dir=spec.log_dir,
+            archive_dir=str(arch),
+            created_at=now,
+        )
+        run = new_run(run_id, job_name, now)
+        await self.journal.insert_run(run, meta)
+        handle = RunHandle(StoredRun(run, meta), spec)
+        self.handles[run_id] = handle
+        log.info("run.accepted", run_id=run_id, job_name=job_name, cluster=cluster_cfg.name)
+        self.tg.start_soon(self._supervise, handle)
+        return handle
+
+    async def resume_all(self) -> int:
+        """Start a task for every run the journal holds as not final; return how many."""
+        count = 0
+        for stored in await self.journal.list_runs():
+            try:
+                spec = load_spec(stored.meta.spec_toml)
+            except SpecError as exc:  # a spec valid at submission fails validation now
+                log.error("run.resume_failed", run_id=stored.run.run_id, error=str(exc))
+                continue
+            handle = RunHandle(stored, spec)
+            self.handles[stored.run.run_id] = handle
+            if not stored.run.state.is_final:
+                if stored.meta.cluster not in self.pollers:
+                    log.error(
+                        "run.resume_failed",
+                        run_id=stored.run.run_id,
+                        error=f"cluster {stored.meta.cluster!r} is no longer configured",
+                    )
+                    continue
+                count += 1
+                log.info("run.resumed", run_id=stored.run.run_id, state=stored.run.state.value)
+                self.tg.start_soon(self._supervise, handle)
+        return count
+
+    def get(self, ref: str) -> RunHandle | None:
+        """A run by id, job name or Slurm job id."""
+        if ref in self.handles:
+            return self.handles[ref]
+        for h in self.handles.values():
+            if ref in (h.run.job_name, h.run.slurm_job_id):
+                return h
+        return None
+
+    async def cancel(self, handle: RunHandle) -> None:
+        """Ask for cancellation; IllegalTransition if the run is already final."""
+        await self._apply(handle, CancelRequested())
+
+    # --- the per-run loop ----------------------------------------------------------------
+
+    async def _supervise(self, h: RunHandle) -> None:
+        with structlog.contextvars.bound_contextvars(run_id=h.run.run_id):
+            try:
+                async with anyio.create_task_group() as tg:
+                    h.tg = tg
+                    while not h.run.state.is_final:
+                        await self._advance(h)
+                    tg.cancel_scope.cancel()  # a cancel sequence still sleeping its grace
+            except Exception as exc:
+                # A bug or a journal failure stops this run's task, never the daemon and
+                # never the job; the journal holds the last good state for the next start.
+                log.error(
+                    "run.supervision_failed",
+                    error=str(exc),
+                    state=h.run.state.value,
+                    exc_info=not isinstance(exc, SupervisorError),
+                )
+            finally:
+                h.tg = None
+
+    async def _advance(self, h: RunHandle) -> None:
+        state = h.run.state
+        if state is RunState.ACCEPTED:
+            h.submitting_here = True
+            await self._apply(h, Submit())
+        elif state is RunState.SUBMITTING:
+            await self._submit(h)
+        elif state in (RunState.PENDING, RunState.RUNNING):
+            await self._follow_queue(h)
+        elif state is RunState.FINISHING:
+            await self._finish(h)
+        elif state is RunState.VERIFYING:
+            await self._verify(h)
+        elif state is RunState.ARCHIVING:
+            await self._archive(h)
+
+    async def _apply(self, h: RunHandle, event: Event) -> tuple[Action, ...]:
+        """step → journal (compare-and-set) → execute the actions the loop does not own."""
+        async with h.lock:
+            before = h.run
+            now = self.clock()
+            after, actions = step(before, event, now)
+            if after is before:
+                return ()
+            await self.journal.save(after, expected=before.state)
+            h.stored = StoredRun(after, h.meta)
+            if after.state is not before.state:
+                await self.journal.add_event(
+                    after.run_id,
+                    "run.transition",
+                    {
+                        "from": before.state.value,
+                        "to": after.state.value,
+                        "event": type(event).__name__,
+                    },
+                    now,
+                )
+            log.info(
+                "run.transition",
+                frm=before.state.value,
+                to=after.state.value,
+                trigger=type(event).__name__,
+                slurm_job_id=after.slurm_job_id,
+            )
+            h.notify()
+        for action in actions:
+            self._execute(h, action)
+        return actions
+
+    def _execute(self, h: RunHandle, action: Action) -> None:
+        if isinstance(action, SendCancel) and h.tg is not None:
+            h.tg.start_soon(self._cancel_sequence, h, action.job_id)
+        elif isinstance(action, StartWatchers) and h.tg is not None:
+            self._start_watchers(h, action.nodes)
+        elif isinstance(action, StopWatchers):
+            h.stop_watchers.set()
+        elif isinstance(action, Declare):
+            run = h.run
+            created = run.transitions[0].at
+            log.info(
+                "run.finished",
+                outcome=action.outcome.value,
+                reason=action.reason,
+                slurm_job_id=run.slurm_job_id,
+                attempt=run.attempt,
+                seconds=round((self.clock() - created).total_seconds(), 1),
+                archive=h.meta.archive_dir,
+            )
+        # CallSbatch, RunVerify and WriteArchive are done by the state loop itself.
+
+    # --- submitting ------------------------------------------------------------------------
+
+    def _client(self, h: RunHandle) -> SlurmClient:
+        return self.clients[h.meta.cluster]
+
+    def _poller(self, h: RunHandle) -> Poller:
+        return self.pollers[h.meta.cluster]
+
+    def _starttime(self, h: RunHandle) -> str:
+        start = h.meta.created_at - timedelta(minutes=5)
+        return start.astimezone().strftime("%Y-%m-%dT%H:%M:%S")
+
+    async def _submit(self, h: RunHandle) -> None:
+        client = self._client(h)
+        job_name = h.run.job_name
+        if h.submitting_here:
+            h.submitting_here = False
+            try:
+                await client.mkdir(h.meta.log_dir)
+                job_id = await client.sbatch(h.meta.script)
+                log.info("run.submitted", job_name=job_name, slurm_job_id=job_id)
+                await self._apply(h, Submitted(job_id))
+                return
+            except SlurmCommandError as exc:
+                log.warning("run.sbatch_failed", error=str(exc))
+                failure = str(exc)
+        else:
+            failure = "the daemon stopped while submitting"
+        # sbatch may have worked even if we did not see its answer: look the name up.
+        for attempt in range(5):
+            try:
+                job_id_found = await client.find_by_name(job_name, starttime=self._starttime(h))
+                break
+            except SlurmCommandError as exc:
+                log.warning("run.lookup_failed", job_name=job_name, error=str(exc))
+                await anyio.sleep(min(2**attempt, 30))
+        else:
+            # Slurm cannot tell us; stay in `submitting` and let the next start try again.
+            raise SupervisorError(
+                f"Could not find out whether job {job_name} was submitted; "
+                "left in `submitting` for the next daemon start to reconcile."
+            )
+        if job_id_found is not None:
+            log.info("run.reconciled", job_name=job_name, slurm_job_id=job_id_found)
+            await self._apply(h, Submitted(job_id_found))
+        else:
+            await self._apply(
+                h,
+                SubmitFailed(
+                    f"{failure}; no job named {job_name} in squeue or sacct, not resubmitted"
+                ),
+            )
+
+    # --- pending / running -------------------------------------------------------------------
+
+    async def _follow_queue(self, h: RunHandle) -> None:
+        job_id = _job_id(h)
+        poller = self._poller(h)
+        poller.track(job_id)
+        if h.run.state is RunState.RUNNING and not h.watchers_running:
+            self._start_watchers(h, h.run.nodes)  # resumed after a restart
+        view = await poller.next_view(job_id, h.last_view)
+        h.last_view = view
+        if view.left_queue:
+            await self._apply(h, LeftQueue())
+        elif view.state in (JobState.RUNNING, JobState.COMPLETING, JobState.SUSPENDED):
+            if h.run.state is RunState.PENDING and view.nodes:
+                await self._apply(h, Started(view.nodes))
+        elif view.state in _REQUEUED_STATES and h.run.state is RunState.RUNNING:
+            await self._apply(h, Requeued())
+            await h.watchers_done.wait()
+            h.stop_watchers = anyio.Event()
+
+    async def _cancel_sequence(self, h: RunHandle, job_id: str) -> None:
+        """TERM every step's tasks, wait the run's grace, then plain scancel if still queued.
+
+        On cancellation (daemon stopping) the sequence just stops: the cancel request is
+        journaled, the job keeps its TERM, and the outcome will still say `cancelled`.
+        """
+        client = self._client(h)
+        grace = h.spec.sigterm_grace_s
+        log.info("run.cancel_term", slurm_job_id=job_id, grace_s=grace)
+        try:
+            await client.scancel(job_id, signal="TERM")
+        except SlurmCommandError as exc:
+            log.warning("run.cancel_failed", step="term", error=str(exc))
+        await self.journal.add_event(
+            h.run.run_id,
+            "cancel.term_sent",
+            {"slurm_job_id": job_id, "grace_s": grace},
+            self.clock(),
+        )
+        deadline = time.monotonic() + grace + 5
+        while time.monotonic() < deadline:
+            view = self._poller(h).latest(job_id)
+            if view is not None and view.left_queue:
+                return
+            await anyio.sleep(0.5)
+        log.info("run.cancel_kill", slurm_job_id=job_id)
+        try:
+            await client.scancel(job_id)
+        except SlurmCommandError as exc:
+            log.warning("run.cancel_failed", step="kill", error=str(exc))
+
+    # --- watchers --------------------------------------------------------------------------
+
+    def _start_watchers(self, h: RunHandle, nodes: tuple[str, ...]) -> None:
+        assert h.tg is not None
+        h.watchers_running = True
+        h.watchers_done = anyio.Event()
+        h.tg.start_soon(self._watch, h, nodes)
+
+    async def _watch(self, h: RunHandle, nodes: tuple[str, ...]) -> None:
+        """One SSH link per node; per node a heartbeat/discovery loop and its tailers."""
+        links = [NodeLink(node, self.ssh) for node in nodes]
+        try:
+            async with anyio.create_task_group() as tg:
+                for rank, link in enumerate(links):
+                    h.health.setdefault(link.host, NodeHealth(rank))
+                    tg.start_soon(self._watch_node, h, rank, link, tg)
+        finally:
+            with anyio.CancelScope(shield=True):
+                for link in links:
+                    await link.aclose()
+            h.watchers_running = False
+            h.watchers_done.set()
+
+    async def _watch_node(
+        self, h: RunHandle, rank: int, link: NodeLink, tg: anyio.abc.TaskGroup
+    ) -> None:
+        job_id = _job_id(h)
+        limits = self.config.limits
+        log_dir = h.meta.log_dir
+        job_dir = f"{log_dir}/{job_id}"
+        local = archive.logs_dir(self.config.archive_root, h.run.run_id) / f"attempt{h.run.attempt}"
+        tailing: set[str] = set()
+        wanted: dict[str, str] = {}  # local name -> remote path
+        if rank == 0:
+            for ext in ("out", "err"):
+                name = f"{h.run.job_name}-{job_id}.{ext}"
+                wanted[name] = f"{log_dir}/{name}"
+        coordinator = rank == h.spec.topology.coordinator_rank
+        marker_path = f"{log_dir}/{marker_filename(job_id)}"
+        health = h.health[link.host]
+        prefix = f"rank{rank}."
+        while not h.stop_watchers.is_set():
+            try:
+                for name in await link.list_dir(job_dir):
+                    if name.startswith(prefix) and not name.endswith(".status.json"):
+                        wanted.setdefault(name, f"{job_dir}/{name}")
+                status = await link.read_file(f"{job_dir}/rank{rank}.status.json")
+                if status is not None:
+                    health.agent_state = _status_state(status)
+                if coordinator and h.marker_copy is None:
+                    data = await link.read_file(marker_path)
+                    if data:
+                        h.marker_copy = data
+                        log.info("run.marker_seen", node=link.host, size=len(data))
+                        self._poller(h).poke()
+                health.reachable = True
+                health.last_ok = time.monotonic()
+                health.reported_unreachable = False
+            except RemoteError as exc:
+                health.reachable = False
+                silent = time.monotonic() - (health.last_ok or time.monotonic())
+                if silent > limits.node_silent_s and not health.reported_unreachable:
+                    health.reported_unreachable = True
+                    log.warning("run.node_unreachable", node=link.host, silent_s=round(silent))
+                    await self.journal.add_event(
+                        h.run.run_id,
+                        "node.unreachable",
+                        {"node": link.host, "error": str(exc)},
+                        self.clock(),
+                    )
+            for name, remote_path in wanted.items():
+                if name not in tailing:
+                    tailing.add(name)
+                    tg.start_soon(self._tail, h, link, remote_path, local / name)
+            h.notify()
+            with anyio.move_on_after(limits.heartbeat_interval_s):
+                await h.stop_watchers.wait()
+
+    async def _tail(self, h: RunHandle, link: NodeLink, remote_path: str, local_path: Path) -> None:
+        def count(n: int) -> None:
+            h.tail_bytes += n
+
+        local_path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            await tail_to_local(link, remote_path, local_path, stop=h.stop_watchers, on_bytes=count)
+        except SupervisorError as exc:
+            log.warning("run.tail_failed", remote=remote_path, error=str(exc))
+
+    # --- end of run ----------------------------------------------------------------------
+
+    async def _finish(self, h: RunHandle) -> None:
+        h.stop_watchers.set()
+        if h.watchers_running:
+            with anyio.move_on_after(self.config.limits.finish_drain_s):
+                await h.watchers_done.wait()
+        result = await self._client(h).scontrol_job(_job_id(h))
+        if result.ok and result.stdout.strip():
+            h.scontrol_snapshot = result.stdout
+            path = Path(h.meta.archive_dir) / "scontrol-show-job.txt"
+            await anyio.to_thread.run_sync(path.write_text, result.stdout)
+        await self._apply(h, WatchersStopped())
+
+    async def _verify(self, h: RunHandle) -> None:
+        job_id = _job_id(h)
+        poller = self._poller(h)
+        starttime = self._starttime(h)
+        cluster = self.config.cluster(h.meta.cluster)
+
+        class _Evidence:
+            async def query(self, source: Source, job_id: str) -> SlurmQuery:
+                return await poller.evidence(source, job_id, starttime)
+
+        async def marker_bytes() -> bytes | None:
+            data = await self._read_marker(cluster, h)
+            return data if data is not None else h.marker_copy
+
+        result = await verify_job(
+            _Evidence(),
+            job_id,
+            marker_bytes=marker_bytes,
+            evidence_timeout=self.config.limits.verify_timeout_s,
+            interval=self.config.poll.min_interval_s,
+            cancel_requested=h.run.cancel_requested,
+            clock=self.clock,
+        )
+        if h.marker_copy is None:
+            h.marker_copy = await marker_bytes()
+        await self.journal.add_event(
+            h.run.run_id, RECEIPT_EVENT, {"receipt": result.receipt}, self.clock()
+        )
+        poller.untrack(job_id)
+        await self._apply(h, Verified(result.verdict.outcome, result.verdict.reason))
+
+    async def _read_marker(self, cluster: ClusterConfig, h: RunHandle) -> bytes | None:
+        path = Path(h.meta.log_dir) / marker_filename(_job_id(h))
+        if cluster.login_host is None:  # the login node shares the log directory
+            return await anyio.to_thread.run_sync(read_optional, path)
+        return h.marker_copy
+
+    async def _archive(self, h: RunHandle) -> None:
+        """Write the archive, retrying with backoff while the disk refuses (never declare first)."""
+        events = await self.journal.events(h.run.run_id)
+        receipts = [e["receipt"] for e in events if e.get("kind") == RECEIPT_EVENT]
+        receipt = receipts[-1] if receipts else {"outcome": h.run.outcome, "reason": h.run.reason}
+        delay = 1.0
+        while True:
+            try:
+                with anyio.fail_after(self.config.limits.archive_timeout_s, shield=True):
+                    path = await anyio.to_thread.run_sync(
+                        lambda: archive.write_archive(
+                            self.config.archive_root,
+                            h.run.run_id,
+                            spec_toml=h.meta.spec_toml,
+                            script=h.meta.script,
+                            receipt=receipt if isinstance(receipt, dict) else {},
+                            events=events,
+                            marker=h.marker_copy,
+                            scontrol_snapshot=h.scontrol_snapshot,
+                        )
+                    )
+                break
+            except (OSError, TimeoutError) as exc:
+                log.error("run.archive_failed", error=str(exc), retry_in_s=delay)
+                await self.journal.add_event(
+                    h.run.run_id, "archive.failed", {"error": str(exc)}, self.clock()
+                )
+                await anyio.sleep(delay)
+                delay = min(delay * 2, 60.0)
+        log.info("run.archived", archive=str(path))
+        with anyio.CancelScope(shield=True):
+            await self._apply(h, Archived())
+
+
+def _job_id(h: RunHandle) -> str:
+    if h.run.slurm_job_id is None:
+        raise IllegalTransition(h.run.state.value, "an operation needing a Slurm job id")
+    return h.run.slurm_job_id
+
+
+def _status_state(data: bytes) -> str:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return "unreadable"
+    return str(value.get("state", "")) if isinstance(value, dict) else "unreadable"
+
+
+def run_summary(h: RunHandle, now: datetime) -> dict[str, object]:
+    """The run as the control socket shows it."""
+    run = h.run
+    healthy = sum(1 for n in h.health.values() if n.reachable)
+    return {
+        "run": run.run_id,
+        "job_name": run.job_name,
+        "state": run.state.value,
+        "outcome": run.outcome.value if run.outcome else None,
+        "reason": run.reason,
+        "slurm_job_id": run.slurm_job_id,
+        "attempt": run.attempt,
+        "nodes": list(run.nodes),
+        "nodes_healthy": healthy,
+        "cancel_requested": run.cancel_requested,
+        "cluster": h.meta.cluster,
+        "owner_uid": h.meta.owner_uid,
+        "created_at": h.meta.created_at.isoformat(),
+        "elapsed_s": round((now - h.meta.created_at).total_seconds(), 1),
+        "archive": h.meta.archive_dir,
+        "log_dir": h.meta.log_dir,
+        "health": {
+            node: {"rank": n.rank, "reachable": n.reachable, "agent_state": n.agent_state}
+            for node, n in h.health.items()
+        },
+        "transitions": [
+            {"state": t.state.value, "at": t.at.isoformat(), "event": t.event}
+            for t in run.transitions
+        ],
+        "last_log_line": _last_line(
+            archive.logs_dir(Path(h.meta.archive_dir).parent, run.run_id)
+            / f"attempt{run.attempt}"
+            / f"{run.job_name}-{run.slurm_job_id}.out"
+        ),
+    }
+
+
+def _last_line(path: Path) -> str:
+    """The last non-empty line of a (local, small-read) log copy, or ""."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 4096))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    return next((line for line in reversed(lines) if line.strip()), "")

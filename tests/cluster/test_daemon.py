@@ -1,0 +1,158 @@
+"""The daemon end to end on the real cluster: submit, supervise over SSH, verify, archive."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_helpers import Daemon, demo_spec
+from tests.devcluster import DevCluster
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture
+def daemon(cluster: DevCluster, tmp_path: Path) -> Iterator[Daemon]:
+    d = Daemon(cluster, tmp_path)
+    d.start()
+    yield d
+    d.stop()
+
+
+@pytest.fixture
+def log_dir(shared_tmp: Path) -> Path:
+    d = shared_tmp / "runs"
+    return d
+
+
+def _result(proc_stdout: str) -> dict[str, object]:
+    data = json.loads(proc_stdout)
+    assert isinstance(data, dict)
+    return data
+
+
+def _assert_copies_identical(archive: Path, log_dir: Path, job_id: str) -> list[str]:
+    """Every local log copy equals the node-side file byte for byte; return their names."""
+    copies = sorted(p for p in (archive / "logs").rglob("*") if p.is_file())
+    assert copies, f"no log copies under {archive / 'logs'}"
+    names = []
+    for copy in copies:
+        name = copy.name
+        remote = log_dir / name if name.endswith((".out", ".err")) else log_dir / job_id / name
+        assert copy.read_bytes() == remote.read_bytes(), f"{name} differs from {remote}"
+        names.append(name)
+    return names
+
+
+def test_demo_run_succeeds_with_verified_receipt_and_identical_logs(
+    daemon: Daemon, log_dir: Path, cluster: DevCluster
+) -> None:
+    proc = daemon.submit(demo_spec(log_dir), "--wait")
+    assert proc.returncode == 0, proc.stderr + daemon.log_text()[-3000:]
+    result = _result(proc.stdout)
+    assert result["state"] == result["outcome"] == "succeeded"
+    assert "State=COMPLETED ExitCode=0:0" in str(result["reason"])
+    assert "marker rc=0 from rank 2" in str(result["reason"])
+    job_id = str(result["slurm_job_id"])
+    archive = Path(str(result["archive"]))
+    receipt = json.loads((archive / "receipt.json").read_text())
+    assert receipt["outcome"] == "succeeded" and receipt["job_id"] == job_id
+    for name in ("spec.toml", "job.sbatch", "events.jsonl", "marker.json"):
+        assert (archive / name).is_file(), name
+    names = _assert_copies_identical(archive, log_dir, job_id)
+    assert any(n.endswith(".out") for n in names)
+    assert {f"rank{r}.agent.log" for r in range(4)} <= set(names)
+    # exactly one job with the run's name
+    rows = cluster.slurm(
+        ["sacct", "-X", "-n", "-P", f"--name={result['job_name']}", "--format=JobIDRaw"]
+    ).stdout.split()
+    assert rows == [job_id]
+    finished = daemon.events("run.finished")
+    assert [e["outcome"] for e in finished] == ["succeeded"]
+
+
+def test_failing_bench_point_fails_the_run_naming_rc_and_rank(
+    daemon: Daemon, log_dir: Path
+) -> None:
+    spec = demo_spec(log_dir, tables={"bench": {"LLMD_FAKE_BENCH_FAIL_CONCURRENCY": "2"}})
+    proc = daemon.submit(spec, "--wait")
+    assert proc.returncode == 10, proc.stderr
+    result = _result(proc.stdout)
+    assert result["outcome"] == "failed"
+    assert "rc=7" in str(result["reason"])
+
+
+def test_cancel_mid_run_terms_every_rank_and_ends_cancelled(daemon: Daemon, log_dir: Path) -> None:
+    spec = demo_spec(log_dir, grace_s=8, tables={"bench": {"LLMD_FAKE_BENCH_HANG": "1"}})
+    proc = daemon.submit(spec)
+    run = str(_result(proc.stdout)["run"])
+    status = daemon.wait_state(run, {"running"})
+    job_id = str(status["slurm_job_id"])
+    deadline = time.monotonic() + 60
+    while not (log_dir / job_id / "bench").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    daemon.cli("cancel", run)
+    final = _result(daemon.cli("wait", run, "--json", check=False).stdout)
+    assert final["outcome"] == "cancelled", final["reason"]
+    for rank in range(4):
+        diag = log_dir / job_id / f"rank{rank}.diag.txt"
+        assert diag.is_file(), f"rank {rank} wrote no SIGTERM diagnostic"
+    assert time.monotonic() - t0 < 60
+
+
+def test_worker_crash_ends_the_run_promptly(daemon: Daemon, log_dir: Path) -> None:
+    spec = demo_spec(
+        log_dir,
+        tables={
+            "prefill": {"LLMD_FAKE_FAULT_RANKS": "1", "LLMD_FAKE_ENGINE_CRASH_AFTER_S": "3"},
+            "bench": {"LLMD_FAKE_BENCH_HANG": "1"},
+        },
+    )
+    t0 = time.monotonic()
+    proc = daemon.submit(spec, "--wait")
+    assert proc.returncode == 10, proc.stderr
+    result = _result(proc.stdout)
+    assert result["outcome"] == "failed"
+    assert time.monotonic() - t0 < 120  # far below the 5-minute time limit
+
+
+@pytest.mark.parametrize("state", ["pending", "running", "verifying"])
+def test_daemon_sigkilled_then_restarted_resumes_the_same_job(
+    daemon: Daemon, log_dir: Path, cluster: DevCluster, state: str
+) -> None:
+    spec = demo_spec(log_dir, common={"LLMD_FAKE_MARKER_DELAY_S": "3"})
+    proc = daemon.submit(spec)
+    run = str(_result(proc.stdout)["run"])
+    daemon.wait_state(run, {state, "running", "finishing", "verifying", "archiving", "succeeded"})
+    daemon.stop(signal.SIGKILL)
+    daemon.start()
+    final = _result(daemon.cli("wait", run, "--json", check=False).stdout)
+    assert final["outcome"] == "succeeded", final["reason"]
+    job_id = str(final["slurm_job_id"])
+    rows = cluster.slurm(
+        ["sacct", "-X", "-n", "-P", f"--name={final['job_name']}", "--format=JobIDRaw"]
+    ).stdout.split()
+    assert rows == [job_id]
+    _assert_copies_identical(Path(str(final["archive"])), log_dir, job_id)
+
+
+def test_daemon_sigterm_never_cancels_the_job(
+    daemon: Daemon, log_dir: Path, cluster: DevCluster
+) -> None:
+    proc = daemon.submit(demo_spec(log_dir, common={"LLMD_FAKE_MARKER_DELAY_S": "3"}))
+    run = str(_result(proc.stdout)["run"])
+    status = daemon.wait_state(run, {"running"})
+    assert daemon.stop(signal.SIGTERM) == 0
+    state = cluster.slurm(
+        ["squeue", "-h", "-t", "all", "-j", str(status["slurm_job_id"]), "-o", "%T"]
+    )
+    assert state.stdout.strip() in {"RUNNING", "COMPLETING", "COMPLETED"}
+    daemon.start()
+    final = _result(daemon.cli("wait", run, "--json", check=False).stdout)
+    assert final["outcome"] == "succeeded", final["reason"]

@@ -1,0 +1,178 @@
+"""Start the real daemon (as a subprocess) against the dev cluster, and drive its CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tests.devcluster import REPO, DevCluster
+
+DEMO_SPEC = REPO / "deploy" / "llm-d" / "demo.toml"
+
+
+def demo_spec(
+    log_dir: Path,
+    *,
+    common: dict[str, str] | None = None,
+    tables: dict[str, dict[str, str]] | None = None,
+    port: int = 8300,
+    grace_s: int | None = None,
+) -> str:
+    """deploy/llm-d/demo.toml with its own log directory, port and fault knobs."""
+    text = DEMO_SPEC.read_text()
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("log_dir ="):
+            line = f'log_dir = "{log_dir}"'
+        elif line.startswith("port = "):
+            line = f"port = {port}"
+        elif grace_s is not None and line.startswith("sigterm_grace_s ="):
+            line = f"sigterm_grace_s = {grace_s}"
+        lines.append(line)
+    assert lines[-2:] != [] and "[env.common]" in text
+    # [env.common] is the demo's last table: extra keys appended here land in it.
+    lines += [f'{k} = "{v}"' for k, v in (common or {}).items()]
+    for table, values in (tables or {}).items():
+        lines.append(f"[env.{table}]")
+        lines += [f'{k} = "{v}"' for k, v in values.items()]
+    return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Daemon:
+    """One daemon process with its own state directory and socket."""
+
+    cluster: DevCluster
+    root: Path
+    proc: subprocess.Popen[bytes] | None = None
+    starts: int = 0
+    extra_config: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "control.sock"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / "state"
+
+    @property
+    def config_path(self) -> Path:
+        return self.root / "config.toml"
+
+    def write_config(self) -> None:
+        e = self.cluster.env
+        self.config_path.write_text(
+            f"""
+[daemon]
+state_dir = "{self.state_dir}"
+socket = "{self.socket}"
+log_format = "json"
+
+[ssh]
+user = "root"
+identity_files = ["{e["DEVCLUSTER_SSH_KEY"]}"]
+known_hosts = "{e["DEVCLUSTER_KNOWN_HOSTS"]}"
+
+[limits]
+verify_timeout_s = 60
+heartbeat_interval_s = 1
+
+[[clusters]]
+name = "dev"
+slurm_conf = "{e["SLURM_CONF"]}"
+{self.extra_config}
+"""
+        )
+
+    def start(self) -> None:
+        """Start the daemon and wait until its socket answers."""
+        assert self.proc is None or self.proc.poll() is not None
+        self.write_config()
+        self.starts += 1
+        log = open(self.root / f"daemon-{self.starts}.log", "wb")  # noqa: SIM115 - child's
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "llmd_supervisor", "daemon", "--config", str(self.config_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **self.cluster.slurm_env, **self.env},
+        )
+        log.close()
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"daemon exited {self.proc.returncode}: {self.log_text()[-2000:]}"
+                )
+            if self.socket.exists() and self.cli("list", "--json", check=False).returncode == 0:
+                return
+            time.sleep(0.1)
+        raise TimeoutError(f"daemon not answering after 20 s: {self.log_text()[-2000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Signal the daemon and wait for it; return its exit status."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout=30)
+
+    def log_text(self) -> str:
+        return "".join(
+            p.read_text(errors="replace") for p in sorted(self.root.glob("daemon-*.log"))
+        )
+
+    def events(self, name: str) -> list[dict[str, object]]:
+        """The daemon's JSON log lines with event == name."""
+        out = []
+        for line in self.log_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("event") == name:
+                out.append(record)
+        return out
+
+    def cli(
+        self, *args: str, check: bool = True, timeout: float = 300
+    ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run(
+            [sys.executable, "-m", "llmd_supervisor", *args, "--socket", str(self.socket)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+            env={**os.environ, **self.cluster.slurm_env},
+        )
+        if check and proc.returncode != 0:
+            raise RuntimeError(
+                f"llmd-supervisor {' '.join(args)} exited {proc.returncode}: {proc.stderr}"
+            )
+        return proc
+
+    def submit(self, spec_text: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        spec = self.root / f"spec-{time.monotonic_ns()}.toml"
+        spec.write_text(spec_text)
+        return self.cli("submit", str(spec), "--json", *extra, check=False)
+
+    def status(self, run: str) -> dict[str, object]:
+        result = json.loads(self.cli("status", run, "--json").stdout)
+        assert isinstance(result, dict)
+        return result
+
+    def wait_state(self, run: str, states: set[str], timeout: float = 120) -> dict[str, object]:
+        deadline = time.monotonic() + timeout
+        last: dict[str, object] = {}
+        while time.monotonic() < deadline:
+            last = self.status(run)
+            if last["state"] in states:
+                return last
+            time.sleep(0.2)
+        raise TimeoutError(f"run {run} not in {states} after {timeout:g} s: {last.get('state')}")
