@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import getpass
 import json
+import os
+import signal
 import time
 import uuid
 from collections.abc import Callable
@@ -80,6 +82,15 @@ _REQUEUED_STATES = frozenset(
     {JobState.PENDING, JobState.REQUEUED, JobState.REQUEUE_HOLD, JobState.REQUEUE_FED}
 )
 RECEIPT_EVENT = "verify.receipt"
+
+# Fault injection for the crash tests: SIGKILL this process right after the journal
+# committed a transition into this state (before any of its actions ran).
+_CRASH_AFTER = os.environ.get("LLMD_SUPERVISOR_TEST_CRASH_AFTER", "")
+
+
+def _crash(run: Run) -> None:
+    log.warning("test.crash", state=run.state.value, run_id=run.run_id)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def utcnow() -> datetime:
@@ -277,6 +288,8 @@ class Supervisor:
             if after is before:
                 return ()
             await self.journal.save(after, expected=before.state)
+            if _CRASH_AFTER and after.state.value == _CRASH_AFTER:
+                _crash(after)
             h.stored = StoredRun(after, h.meta)
             if after.state is not before.state:
                 await self.journal.add_event(
