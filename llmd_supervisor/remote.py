@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
 import random
 import shlex
@@ -147,6 +148,11 @@ class NodeLink:
     def connected(self) -> bool:
         """Whether a live connection is held right now (no I/O; keepalives detect drops)."""
         return self._conn is not None and not self._conn.is_closed()
+
+    @property
+    def closed(self) -> bool:
+        """Whether `aclose` was called; every later operation raises `RemoteError`."""
+        return self._closed
 
     # ---- connection management
 
@@ -478,41 +484,45 @@ async def tail_to_local(
 ) -> None:
     """Append remote_path's bytes to local_path, starting at local_path's current size.
 
-    The local size is the resume offset. SSH drops are survived: the follower is restarted
-    (reconnecting with backoff) at the local size. A file that does not exist yet is
-    waited for (GNU ``tail -F``, which polls every `poll_interval` s where inotify is not
-    available). When `stop` is set, the remote's current size is read and bytes are
-    copied until the local copy reaches it, for at most DRAIN_LIMIT_S (best effort), then
-    the function returns.
+    The local size is the resume offset. The node runs GNU ``tail -c +<size+1> -F`` over
+    a channel of `link`'s shared connection (inotify where available, else polling every
+    `poll_interval`). SSH drops are survived: the follower is restarted (reconnecting with
+    backoff) at the local size. A file that does not exist yet is waited for, polled over
+    SFTP every `poll_interval` (also when resuming at a nonzero offset, so a vanished file
+    is never re-read from its start). When `stop` is set, the remote's current size is
+    read and bytes are copied until the local copy reaches it, for at most DRAIN_LIMIT_S
+    (best effort), then the function returns.
 
-    The local file is held with an exclusive flock; a second tailer on the same local
-    file raises `TailConflict`. Every chunk is written completely before the next await,
-    so on cancellation (or a crash) the local file is a byte-exact prefix of the remote
-    one. On return or cancellation the remote follower is closed (its shell kills
-    ``tail`` when the channel's stdin reaches EOF) and the local copy is fsynced.
-    A remote file that is replaced or truncated is followed by name, as ``tail -F`` does.
+    The local file is held with an exclusive flock; a second tailer on the same local file
+    raises `TailConflict`. Every chunk is written completely before the next await, so on
+    cancellation (or a crash) the local file is a byte-exact prefix of the remote one. On
+    return or cancellation the remote follower is closed (its shell kills ``tail`` when the
+    channel's stdin reaches EOF, also after a connection drop) and the local copy is
+    fsynced (shielded, bounded). If `link` is closed under it, the tailer raises
+    `RemoteError` (the local copy is still a consistent prefix). A remote file replaced
+    or truncated while being followed is followed by name, as ``tail -F`` does: its new
+    bytes are appended.
     """
     log = _log.bind(host=link.host, remote=remote_path, local=str(local_path))
     copy = _LocalCopy(local_path, on_bytes)
+    drain = _Drain(stop)
     try:
         log.info("tail.resumed" if copy.offset else "tail.started", offset=copy.offset)
         failures = 0
-        drain_deadline: float | None = None
         while True:
-            if stop.is_set() and drain_deadline is None:
-                drain_deadline = time.monotonic() + DRAIN_LIMIT_S
             before = copy.offset
-            with anyio.move_on_after(
-                drain_deadline - time.monotonic() if drain_deadline is not None else None
-            ) as scope:
+            drain.notice()
+            with anyio.CancelScope(deadline=drain.deadline):
                 try:
-                    drained = await _follow_once(link, remote_path, copy, stop, poll_interval, log)
+                    if await _follow_once(link, remote_path, copy, drain, poll_interval, log):
+                        log.info("tail.stopped", offset=copy.offset)
+                        return
                 except RemoteError as exc:
-                    drained = False
                     log.warning("tail.interrupted", error=str(exc), offset=copy.offset)
-            if drained or drain_deadline is not None or scope.cancelled_caught:
-                if not drained:
-                    log.warning("tail.drain_incomplete", offset=copy.offset)
+                    if link.closed:
+                        raise
+            if drain.expired():
+                log.warning("tail.drain_incomplete", offset=copy.offset, limit_s=DRAIN_LIMIT_S)
                 log.info("tail.stopped", offset=copy.offset)
                 return
             failures = 0 if copy.offset > before else failures + 1
@@ -525,15 +535,53 @@ async def tail_to_local(
         await copy.aclose()
 
 
+class _Drain:
+    """The stop request and the deadline of the drain it starts (set once, when noticed)."""
+
+    def __init__(self, stop: anyio.Event) -> None:
+        self.stop = stop
+        self.deadline = math.inf
+
+    def notice(self) -> None:
+        """Start the drain clock if `stop` is set and the clock is not running yet."""
+        if self.stop.is_set() and self.deadline == math.inf:
+            self.deadline = anyio.current_time() + DRAIN_LIMIT_S
+
+    def expired(self) -> bool:
+        self.notice()
+        return anyio.current_time() >= self.deadline
+
+
 async def _follow_once(
     link: NodeLink,
     remote_path: str,
     copy: _LocalCopy,
-    stop: anyio.Event,
+    drain: _Drain,
     poll_interval: float,
     log: structlog.typing.FilteringBoundLogger,
 ) -> bool:
-    """Run one remote follower until it ends (False) or `stop` is drained (True)."""
+    """Run one remote follower until it ends (False) or the stop request is drained (True)."""
+    remote_size = await link.size(remote_path)
+    warned = False
+    while remote_size is None:
+        # Start `tail` only on an existing file: it then follows it with inotify (a file
+        # that appears later is polled every -s), and it would print a file appearing
+        # later from its first byte, ignoring +N, which duplicates bytes on a resume.
+        if not warned:
+            if copy.offset:
+                log.warning("tail.remote_missing", offset=copy.offset)
+            else:
+                log.info("tail.waiting_for_file")
+            warned = True
+        with anyio.move_on_after(poll_interval):
+            await drain.stop.wait()
+        if drain.stop.is_set():
+            return True  # nothing to drain from a missing file
+        remote_size = await link.size(remote_path)
+    if remote_size is not None and remote_size < copy.offset:
+        # `tail -c +N` prints nothing until the file grows past N: a replaced or truncated
+        # remote file shows up as a stalled log.
+        log.warning("tail.remote_shorter", remote_size=remote_size, offset=copy.offset)
     stream = await link._open_tail(remote_path, copy.offset, poll_interval)
     drained = False
     ended = False
@@ -543,7 +591,9 @@ async def _follow_once(
 
             async def watch_stop() -> None:
                 nonlocal target, drained
-                await stop.wait()
+                await drain.stop.wait()
+                drain.notice()
+                tg.cancel_scope.deadline = drain.deadline
                 end = await link.size(remote_path, time_limit=DRAIN_LIMIT_S)
                 target = end if end is not None else copy.offset
                 if copy.offset >= target:

@@ -301,6 +301,32 @@ async def test_tail_resumes_at_the_local_size(link: NodeLink, shared_tmp: Path) 
 
 
 @pytest.mark.asyncio
+async def test_resume_into_a_missing_file_waits_instead_of_duplicating(
+    link: NodeLink, shared_tmp: Path
+) -> None:
+    src, dst = shared_tmp / "gone.log", shared_tmp / "gone.copy"
+    src.write_bytes(b"one\ntwo\n")
+    with anyio.fail_after(30):
+        stop = anyio.Event()
+        stop.set()
+        await tail_to_local(link, str(src), dst, stop=stop)
+        content = src.read_bytes()
+        src.unlink()
+        stop = anyio.Event()
+        with capture_logs() as logs:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: tail_to_local(link, str(src), dst, stop=stop))
+                await wait_until(
+                    "missing noticed",
+                    lambda: any(e["event"] == "tail.remote_missing" for e in logs),
+                )
+                src.write_bytes(content + b"three\n")  # the same file is back (NFS blip)
+                await wait_until("copied", lambda: size_of(dst) == size_of(src))
+                stop.set()
+    assert dst.read_bytes() == b"one\ntwo\nthree\n"
+
+
+@pytest.mark.asyncio
 async def test_tail_waits_for_a_file_that_appears_late(link: NodeLink, shared_tmp: Path) -> None:
     src, dst = shared_tmp / "late" / "rank3.agent.log", shared_tmp / "late.copy"
     stop = anyio.Event()
@@ -355,6 +381,31 @@ async def test_cancelled_tail_leaves_a_prefix_and_no_remote_follower(
         stop.set()
         await tail_to_local(link, str(src), dst, stop=stop)
     assert dst.read_bytes() == src.read_bytes()
+
+
+@pytest.mark.asyncio
+async def test_closing_the_link_ends_its_tailers_with_a_remote_error(
+    cluster: DevCluster, settings: SshSettings, shared_tmp: Path
+) -> None:
+    src, dst = shared_tmp / "closing.log", shared_tmp / "closing.copy"
+    src.write_bytes(b"data\n")
+    own = NodeLink(cluster.nodes[1], settings)
+    failed: list[RemoteError] = []
+
+    async def tailer() -> None:
+        try:
+            await tail_to_local(own, str(src), dst, stop=anyio.Event())
+        except RemoteError as exc:
+            failed.append(exc)
+
+    with anyio.fail_after(30):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(tailer)
+            await wait_until("copied", lambda: size_of(dst) == 5)
+            await own.aclose()
+    assert failed and own.closed
+    assert dst.read_bytes() == b"data\n"
+    await wait_until("remote tail gone", lambda: not remote_followers(src), 10)
 
 
 @pytest.mark.asyncio
