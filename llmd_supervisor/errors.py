@@ -141,3 +141,39 @@ class TailConflict(SupervisorError):
             f"Local log copy {local_path} is already being appended by another tailer; "
             "refusing to start a second one (it would duplicate bytes)."
         )
+
+
+class ControlError(SupervisorError):
+    """A control-socket request was refused; `code` is the wire error code (see control.py)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        self.code = code
+        self.message = message
+        super().__init__(message)
+
+
+class ControlSocketError(SupervisorError):
+    """The daemon could not set up or keep its control socket."""
+
+    def __init__(self, path: object, why: str) -> None:
+        self.path = path
+        self.why = why
+        super().__init__(f"Control socket {path}: {why}.")
+
+
+class DaemonUnreachable(SupervisorError):
+    """The CLI could not connect to the daemon's control socket."""
+
+    def __init__(self, path: object, why: str) -> None:
+        self.path = path
+        self.why = why
+        super().__init__(f"Cannot reach the llmd-supervisor daemon at {path}: {why}.")
+
+
+class ControlProtocolError(SupervisorError):
+    """The control connection broke or carried something that is not the protocol."""
+
+    def __init__(self, path: object, why: str) -> None:
+        self.path = path
+        self.why = why
+        super().__init__(f"Control connection to {path} failed: {why}.")
