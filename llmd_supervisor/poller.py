@@ -1,19 +1,28 @@
 """One poller per cluster: the only place the daemon asks Slurm about its jobs.
 
-Each tick issues at most one `squeue` for every tracked job, one `sacct` (chunked only
-when the id list is long) for every job whose verification asked for accounting
-evidence, and one `scontrol show job` per job that asked for the scontrol fallback.
-Never a Slurm call per run per tick beyond that fallback (DESIGN.md section 6).
+Each tick issues at most one `sacct` (allocation and step rows, chunked only when the id
+list is long) covering every tracked job and every job whose verification asked for
+accounting evidence, and one `scontrol show job` per job that asked for the scontrol
+fallback. `squeue` (the authority on "left the queue", and the only source without
+accounting) runs once per `squeue_interval_s` for all tracked jobs. sacct is answered
+by slurmdbd and costs slurmctld nothing, so state changes are seen within
+`min_interval_s` while jobs run, at a slurmctld load independent of the number of jobs
+(DESIGN.md section 6; SLURM-FACTS "Polling cost").
 
-The interval adapts: `min_interval_s` while something changes or evidence is wanted,
-growing to `max_interval_s` while idle, and always below MinJobAge/2 so scontrol can
-still answer for a job that just ended. `poke()` asks for a tick now (a watcher saw the
-marker appear). A failed squeue changes nothing: the previous view of every job stands.
+The interval adapts: `min_interval_s` while a tracked job runs, something changed or
+evidence is wanted, growing to `max_interval_s` while everything is pending, and always
+below MinJobAge/2 so scontrol can still answer for a job that just ended. `poke()` asks
+for a tick now (a watcher saw the marker appear). A failed or empty answer changes
+nothing: the previous view of every job stands, and a job missing from sacct (which
+lags sbatch by a second) is not taken as gone.
 """
 
 from __future__ import annotations
 
+import math
 import random
+import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -29,6 +38,8 @@ from llmd_supervisor.slurm import SlurmClient
 from llmd_supervisor.slurm_parse import (
     JobState,
     accounting_disabled,
+    allocation_row,
+    parse_sacct,
     parse_scontrol_config,
     parse_squeue,
 )
@@ -41,22 +52,24 @@ DEFAULT_MIN_JOB_AGE_S = 300
 
 @dataclass(frozen=True)
 class QueueView:
-    """What one squeue said about one job; `state is None` means it is no longer listed."""
+    """What Slurm last said about one job; `state is None` means squeue no longer lists it."""
 
     job_id: str
     state: JobState | None
     nodes: tuple[str, ...]
     reason: str
     seen_at: datetime
+    source: str  # "squeue" or "sacct"
 
     @property
     def left_queue(self) -> bool:
-        """Not listed any more, or listed in a terminal state (kept until MinJobAge)."""
+        """Not listed any more, or in a terminal state (squeue keeps those until MinJobAge)."""
         return self.state is None or self.state.is_terminal
 
 
 @dataclass
 class _Tracked:
+    starttime: str | None
     latest: QueueView | None = None
     changed: anyio.Event = field(default_factory=anyio.Event)
 
@@ -73,24 +86,36 @@ class _EvidenceRequest:
 class Poller:
     """Batches every Slurm query of one cluster into ticks."""
 
-    def __init__(self, cluster: str, client: SlurmClient, poll: PollConfig) -> None:
+    def __init__(
+        self,
+        cluster: str,
+        client: SlurmClient,
+        poll: PollConfig,
+        *,
+        squeue_interval_s: float = 12.0,
+    ) -> None:
         self.cluster = cluster
         self.client = client
         self.poll = poll
+        self.squeue_interval_s = squeue_interval_s
         self.min_job_age_s = DEFAULT_MIN_JOB_AGE_S
         self.accounting_enabled = True
         self._tracked: dict[str, _Tracked] = {}
         self._requests: list[_EvidenceRequest] = []
         self._wake = anyio.Event()
         self._interval = poll.min_interval_s
+        self._last_squeue = -math.inf
         self.ticks = 0
+        self.calls: Counter[str] = Counter()
 
     # --- what runs ask for -------------------------------------------------------------
 
-    def track(self, job_id: str) -> None:
-        """Include `job_id` in every squeue from now on."""
-        self._tracked.setdefault(job_id, _Tracked())
-        self.poke()
+    def track(self, job_id: str, starttime: str | None = None) -> None:
+        """Follow `job_id` from now on (`starttime`: sacct --starttime covering its submit)."""
+        if job_id not in self._tracked:
+            self._tracked[job_id] = _Tracked(starttime)
+            self._last_squeue = -math.inf  # see a new job in squeue at once
+            self.poke()
 
     def untrack(self, job_id: str) -> None:
         self._tracked.pop(job_id, None)
@@ -100,11 +125,15 @@ class Poller:
         return tracked.latest if tracked else None
 
     async def next_view(self, job_id: str, after: QueueView | None) -> QueueView:
-        """Wait for a squeue view of `job_id` newer than `after`."""
+        """Wait for a view of `job_id` that differs from `after` (state, nodes or source)."""
         while True:
-            tracked = self._tracked.setdefault(job_id, _Tracked())
-            if tracked.latest is not None and tracked.latest is not after:
-                return tracked.latest
+            tracked = self._tracked.get(job_id)
+            if tracked is None:
+                self.track(job_id)
+                continue
+            latest = tracked.latest
+            if latest is not None and (after is None or _key(latest) != _key(after)):
+                return latest
             await tracked.changed.wait()
 
     async def evidence(self, source: Source, job_id: str, starttime: str | None) -> SlurmQuery:
@@ -163,17 +192,66 @@ class Poller:
         )
 
     async def _tick(self) -> bool:
-        """One round of queries; True if anything changed or evidence was asked for."""
+        """One round of queries; True while fast polling is warranted."""
         self.ticks += 1
-        changed = await self._squeue(list(self._tracked))
         requests, self._requests = self._requests, []
-        if requests:
-            await self._answer(requests)
-        return changed or bool(requests) or bool(self._requests)
+        changed = False
+        sacct_ok = True
+        tracked = list(self._tracked)
+        sacct_requests = [r for r in requests if r.source is Source.SACCT]
+        if self.accounting_enabled and (tracked or sacct_requests):
+            sacct_ok, changed = await self._sacct(tracked, sacct_requests)
+        else:
+            self._answer_without_accounting(sacct_requests)
+        now = time.monotonic()
+        if tracked and (
+            now - self._last_squeue >= self.squeue_interval_s
+            or not self.accounting_enabled
+            or not sacct_ok
+        ):
+            self._last_squeue = now
+            changed = await self._squeue(tracked) or changed
+        for request in requests:
+            if request.source is Source.SCONTROL:
+                request.result = await self._scontrol(request.job_id)
+            request.done.set()
+        running = any(
+            t.latest is not None and t.latest.state in _FAST_STATES for t in self._tracked.values()
+        )
+        return changed or running or bool(requests) or bool(self._requests)
+
+    def _set_view(self, view: QueueView) -> bool:
+        """Record a view; True if it changed what is known. A stale sacct RUNNING after
+        squeue said the job left is ignored (sacct lags the queue)."""
+        tracked = self._tracked.get(view.job_id)
+        if tracked is None:
+            return False
+        previous = tracked.latest
+        if (
+            previous is not None
+            and previous.left_queue
+            and view.source == "sacct"
+            and view.state is not None
+            and view.state.is_active
+        ):
+            return False
+        tracked.latest = view
+        tracked.changed.set()
+        tracked.changed = anyio.Event()
+        if previous is not None and _key(previous)[:2] == _key(view)[:2]:
+            return False
+        log.info(
+            "slurm.job_state",
+            cluster=self.cluster,
+            slurm_job_id=view.job_id,
+            state=view.state.value if view.state else "gone",
+            nodes=",".join(view.nodes),
+            source=view.source,
+        )
+        return True
 
     async def _squeue(self, job_ids: list[str]) -> bool:
-        if not job_ids:
-            return False
+        self.calls["squeue"] += 1
         try:
             result = await self.client.squeue(job_ids)
         except SlurmCommandError as exc:
@@ -196,9 +274,6 @@ class Poller:
             return False
         changed = False
         for job_id in job_ids:
-            tracked = self._tracked.get(job_id)
-            if tracked is None:
-                continue
             row = rows.get(job_id)
             view = QueueView(
                 job_id=job_id,
@@ -206,43 +281,39 @@ class Poller:
                 nodes=tuple(expand_hostlist(row.node_list)) if row and row.node_list else (),
                 reason=row.reason if row else "",
                 seen_at=result.started_at,
+                source="squeue",
             )
-            previous = tracked.latest
-            if previous is None or (previous.state, previous.nodes) != (view.state, view.nodes):
-                changed = True
-                log.info(
-                    "slurm.job_state",
-                    cluster=self.cluster,
-                    slurm_job_id=job_id,
-                    state=view.state.value if view.state else "gone",
-                    nodes=",".join(view.nodes),
-                )
-            tracked.latest = view
-            tracked.changed.set()
-            tracked.changed = anyio.Event()
+            changed = self._set_view(view) or changed
         return changed
 
-    async def _answer(self, requests: list[_EvidenceRequest]) -> None:
-        sacct = [r for r in requests if r.source is Source.SACCT]
-        for chunk in _chunks(sacct, self.poll.sacct_chunk):
-            await self._sacct(chunk)
-        for request in requests:
-            if request.source is Source.SCONTROL:
-                request.result = await self._scontrol(request.job_id)
-            request.done.set()
+    async def _sacct(
+        self, tracked: list[str], requests: list[_EvidenceRequest]
+    ) -> tuple[bool, bool]:
+        """sacct for the tracked jobs and the evidence requests; (answered, changed)."""
+        ids = sorted(set(tracked) | {r.job_id for r in requests})
+        starts = [r.starttime for r in requests if r.starttime] + [
+            t.starttime for t in self._tracked.values() if t.starttime
+        ]
+        answered, changed = True, False
+        for chunk in _chunks(ids, self.poll.sacct_chunk):
+            wanted = set(chunk)
+            mine = [r for r in requests if r.job_id in wanted]
+            ok, moved = await self._sacct_chunk(chunk, mine, min(starts) if starts else None)
+            answered, changed = answered and ok, changed or moved
+        return answered, changed
 
-    async def _sacct(self, requests: list[_EvidenceRequest]) -> None:
-        ids = sorted({r.job_id for r in requests})
-        starts = [r.starttime for r in requests if r.starttime]
+    async def _sacct_chunk(
+        self, ids: list[str], requests: list[_EvidenceRequest], starttime: str | None
+    ) -> tuple[bool, bool]:
+        self.calls["sacct"] += 1
         taken_at = datetime.now(UTC)
         try:
-            result = await self.client.sacct(ids, starttime=min(starts) if starts else None)
+            result = await self.client.sacct(ids, starttime=starttime)
         except SlurmCommandError as exc:
             for r in requests:
                 r.result = failed_query(Source.SACCT, r.job_id, taken_at=taken_at, error=str(exc))
-            return
-        if accounting_disabled(result.stderr):
-            self.accounting_enabled = False
+            await self._backoff()
+            return False, False
         for r in requests:
             r.result = sacct_query(
                 r.job_id,
@@ -250,6 +321,46 @@ class Poller:
                 returncode=result.returncode,
                 stdout=result.stdout,
                 stderr=result.stderr,
+            )
+        if accounting_disabled(result.stderr):
+            log.info("slurm.accounting_disabled", cluster=self.cluster)
+            self.accounting_enabled = False
+            return False, False
+        if not result.ok:
+            log.warning(
+                "slurm.sacct_failed", cluster=self.cluster, stderr=result.stderr.strip()[-300:]
+            )
+            return False, False
+        try:
+            rows = parse_sacct(result.stdout)
+        except SlurmParseError as exc:
+            log.warning("slurm.sacct_unparsable", cluster=self.cluster, error=str(exc))
+            return False, False
+        changed = False
+        for job_id in ids:
+            row = allocation_row(rows, job_id)
+            if row is None or job_id not in self._tracked:
+                continue  # sacct lags sbatch: absence here means nothing
+            view = QueueView(
+                job_id=job_id,
+                state=row.state.state,
+                nodes=_nodes(row.node_list),
+                reason=row.reason,
+                seen_at=result.started_at,
+                source="sacct",
+            )
+            changed = self._set_view(view) or changed
+        return True, changed
+
+    def _answer_without_accounting(self, requests: list[_EvidenceRequest]) -> None:
+        taken_at = datetime.now(UTC)
+        for r in requests:
+            r.result = sacct_query(
+                r.job_id,
+                taken_at=taken_at,
+                returncode=1,
+                stdout="",
+                stderr="Slurm accounting storage is disabled",
             )
 
     async def _scontrol(self, job_id: str) -> SlurmQuery:
@@ -272,6 +383,21 @@ class Poller:
         await anyio.sleep(random.uniform(0, self.poll.min_interval_s))
 
 
-def _chunks(items: list[_EvidenceRequest], size: int) -> Iterable[list[_EvidenceRequest]]:
+def _chunks(items: list[str], size: int) -> Iterable[list[str]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
+
+
+def _key(view: QueueView) -> tuple[JobState | None, tuple[str, ...], str]:
+    return (view.state, view.nodes, view.source)
+
+
+def _nodes(node_list: str) -> tuple[str, ...]:
+    # sacct prints "None assigned" for a pending job.
+    if not node_list or " " in node_list:
+        return ()
+    return tuple(expand_hostlist(node_list))
+
+
+# While a tracked job is in one of these states its end can come any moment: poll fast.
+_FAST_STATES = frozenset({JobState.RUNNING, JobState.COMPLETING, JobState.CONFIGURING})

@@ -393,7 +393,7 @@ class Supervisor:
     async def _follow_queue(self, h: RunHandle) -> None:
         job_id = _job_id(h)
         poller = self._poller(h)
-        poller.track(job_id)
+        poller.track(job_id, self._starttime(h))
         if h.run.state is RunState.RUNNING and not h.watchers_running:
             self._start_watchers(h, h.run.nodes)  # resumed after a restart
         view = await poller.next_view(job_id, h.last_view)
