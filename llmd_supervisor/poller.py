@@ -160,14 +160,17 @@ class Poller:
         while True:
             busy = await self._tick()
             self._interval = (
-                self.poll.min_interval_s
-                if busy
-                else min(self._interval * 1.5, self.poll.max_interval_s)
+                self.poll.min_interval_s if busy else min(self._interval * 1.5, self._idle_cap())
             )
             interval = min(self._interval, self.min_job_age_s / 2 - 1)
             with anyio.move_on_after(max(interval, 0.05)):
                 await self._wake.wait()
             self._wake = anyio.Event()
+
+    def _idle_cap(self) -> float:
+        """The longest idle interval: ~1 s for a handful of pending jobs (a start should be
+        seen promptly to attach the watchers), stretching with their number (sacct CPU)."""
+        return min(self.poll.max_interval_s, max(1.0, len(self._tracked) / 50))
 
     async def _read_config(self) -> None:
         try:
@@ -341,15 +344,22 @@ class Poller:
             row = allocation_row(rows, job_id)
             if row is None or job_id not in self._tracked:
                 continue  # sacct lags sbatch: absence here means nothing
+            previous = self._tracked[job_id].latest
             view = QueueView(
                 job_id=job_id,
                 state=row.state.state,
-                nodes=_nodes(row.node_list),
+                # sacct's early record of a job can name only the batch host (seen with
+                # JobName "allocation"): node lists come from squeue alone.
+                nodes=previous.nodes if previous else (),
                 reason=row.reason,
                 seen_at=result.started_at,
                 source="sacct",
             )
-            changed = self._set_view(view) or changed
+            if self._set_view(view):
+                changed = True
+                if view.state in _FAST_STATES:
+                    self._last_squeue = -math.inf  # learn the nodes now
+
         return True, changed
 
     def _answer_without_accounting(self, requests: list[_EvidenceRequest]) -> None:
@@ -390,13 +400,6 @@ def _chunks(items: list[str], size: int) -> Iterable[list[str]]:
 
 def _key(view: QueueView) -> tuple[JobState | None, tuple[str, ...], str]:
     return (view.state, view.nodes, view.source)
-
-
-def _nodes(node_list: str) -> tuple[str, ...]:
-    # sacct prints "None assigned" for a pending job.
-    if not node_list or " " in node_list:
-        return ()
-    return tuple(expand_hostlist(node_list))
 
 
 # While a tracked job is in one of these states its end can come any moment: poll fast.

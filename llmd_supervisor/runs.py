@@ -39,6 +39,7 @@ from llmd_supervisor.errors import (
     IllegalTransition,
     RemoteError,
     SlurmCommandError,
+    SlurmParseError,
     SpecError,
     SupervisorError,
 )
@@ -67,11 +68,12 @@ from llmd_supervisor.lifecycle import (
     step,
 )
 from llmd_supervisor.marker import marker_filename
+from llmd_supervisor.node.agent import expand_hostlist
 from llmd_supervisor.poller import Poller, QueueView
 from llmd_supervisor.remote import NodeLink, SshSettings, tail_to_local
 from llmd_supervisor.render import render_sbatch
 from llmd_supervisor.slurm import SlurmClient
-from llmd_supervisor.slurm_parse import JobState
+from llmd_supervisor.slurm_parse import JobState, parse_scontrol_job
 from llmd_supervisor.spec import RunSpec, load_spec
 from llmd_supervisor.verdict import SlurmQuery, Source
 from llmd_supervisor.verify import verify_job
@@ -121,6 +123,7 @@ class RunHandle:
     submitting_here: bool = False  # this process journaled `submitting` and may call sbatch
     last_view: QueueView | None = None
     watchers_running: bool = False
+    watchers_started: bool = False  # for the current attempt
     stop_watchers: anyio.Event = field(default_factory=anyio.Event)
     watchers_done: anyio.Event = field(default_factory=anyio.Event)
     health: dict[str, NodeHealth] = field(default_factory=dict)
@@ -405,8 +408,10 @@ class Supervisor:
                 await self._apply(h, Started(view.nodes))
         elif view.state in _REQUEUED_STATES and h.run.state is RunState.RUNNING:
             await self._apply(h, Requeued())
-            await h.watchers_done.wait()
+            if h.watchers_running:
+                await h.watchers_done.wait()
             h.stop_watchers = anyio.Event()
+            h.watchers_started = False
 
     async def _cancel_sequence(self, h: RunHandle, job_id: str) -> None:
         """TERM every step's tasks, wait the run's grace, then plain scancel if still queued.
@@ -444,6 +449,7 @@ class Supervisor:
     def _start_watchers(self, h: RunHandle, nodes: tuple[str, ...]) -> None:
         assert h.tg is not None
         h.watchers_running = True
+        h.watchers_started = True
         h.watchers_done = anyio.Event()
         h.tg.start_soon(self._watch, h, nodes)
 
@@ -480,7 +486,8 @@ class Supervisor:
         marker_path = f"{log_dir}/{marker_filename(job_id)}"
         health = h.health[link.host]
         prefix = f"rank{rank}."
-        while not h.stop_watchers.is_set():
+        while True:  # at least one pass: a run that ended before it was seen running
+            stopping = h.stop_watchers.is_set()
             try:
                 for name in await link.list_dir(job_dir):
                     if name.startswith(prefix) and not name.endswith(".status.json"):
@@ -514,6 +521,8 @@ class Supervisor:
                     tailing.add(name)
                     tg.start_soon(self._tail, h, link, remote_path, local / name)
             h.notify()
+            if stopping:
+                return
             with anyio.move_on_after(limits.heartbeat_interval_s):
                 await h.stop_watchers.wait()
 
@@ -531,14 +540,20 @@ class Supervisor:
 
     async def _finish(self, h: RunHandle) -> None:
         h.stop_watchers.set()
-        if h.watchers_running:
-            with anyio.move_on_after(self.config.limits.finish_drain_s):
-                await h.watchers_done.wait()
         result = await self._client(h).scontrol_job(_job_id(h))
+        nodes = h.run.nodes or (h.last_view.nodes if h.last_view else ())
         if result.ok and result.stdout.strip():
             h.scontrol_snapshot = result.stdout
             path = Path(h.meta.archive_dir) / "scontrol-show-job.txt"
             await anyio.to_thread.run_sync(path.write_text, result.stdout)
+            nodes = nodes or _scontrol_nodes(result.stdout)
+        if not h.watchers_started and nodes:
+            # The job ended before it was seen running (or before a restart re-attached):
+            # one drain-only pass still copies its logs and reads the marker.
+            self._start_watchers(h, nodes)
+        if h.watchers_running:
+            with anyio.move_on_after(self.config.limits.finish_drain_s):
+                await h.watchers_done.wait()
         await self._apply(h, WatchersStopped())
 
     async def _verify(self, h: RunHandle) -> None:
@@ -616,6 +631,17 @@ def _job_id(h: RunHandle) -> str:
     if h.run.slurm_job_id is None:
         raise IllegalTransition(h.run.state.value, "an operation needing a Slurm job id")
     return h.run.slurm_job_id
+
+
+def _scontrol_nodes(text: str) -> tuple[str, ...]:
+    """The allocated nodes from a `scontrol show job` record (empty if unparsable)."""
+    try:
+        node_list = parse_scontrol_job(text).node_list
+    except SlurmParseError:
+        return ()
+    if not node_list or node_list == "(null)":
+        return ()
+    return tuple(expand_hostlist(node_list))
 
 
 def _status_state(data: bytes) -> str:
