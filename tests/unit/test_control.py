@@ -51,13 +51,16 @@ class DummyHandler:
     ping reports the peer. Otherwise by `run`: "quiet..." returns a small result; "boom"
     raises RuntimeError; "missing" raises ControlError; "unjson" returns a non-JSON result;
     "send-anyway", "final-key" and "huge-item" send a stream item (the last two bad ones);
-    for wait, "<n>" streams n items and "forever" sleeps until cancelled; else it echoes.
+    for wait, "<n>" streams n items and "forever" sleeps until cancelled; for cancel,
+    "gated" waits for `gate`; else it echoes.
     """
 
     def __init__(self) -> None:
         self.requests: list[tuple[Request, Peer]] = []
         self.started = anyio.Event()
         self.cancelled = anyio.Event()
+        self.gate = anyio.Event()
+        self.finished = anyio.Event()
 
     async def handle(self, request: Request, peer: Peer, send: Send) -> Mapping[str, object]:
         self.requests.append((request, peer))
@@ -78,6 +81,11 @@ class DummyHandler:
             await send({"final": 1})
         if run == "huge-item":
             await send({"x": "y" * 5000})
+        if request.op == "cancel" and run == "gated":
+            self.started.set()
+            await self.gate.wait()
+            self.finished.set()
+            return {"cancelled": True}
         if request.op == "wait" and run == "forever":
             self.started.set()
             try:
@@ -471,6 +479,20 @@ async def test_client_disconnect_mid_stream_cancels_the_handler(sock: Path) -> N
                 await conn.send(b'{"v":1,"id":1,"op":"wait","args":{"run":"forever"}}')
                 await handler.started.wait()
             await handler.cancelled.wait()
+            async with ControlClient(sock) as client:
+                assert (await client.call("ping"))["pong"] is True
+
+
+@pytest.mark.asyncio
+async def test_a_non_streaming_request_completes_after_the_client_leaves(sock: Path) -> None:
+    with anyio.fail_after(TIMEOUT):
+        async with serving(sock) as handler:
+            async with raw(sock) as conn:
+                await conn.send(b'{"v":1,"id":1,"op":"cancel","args":{"run":"gated"}}')
+                await handler.started.wait()
+            handler.gate.set()
+            await handler.finished.wait()
+            assert not handler.cancelled.is_set()
             async with ControlClient(sock) as client:
                 assert (await client.call("ping"))["pong"] is True
 
