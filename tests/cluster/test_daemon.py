@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import signal
+import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon_helpers import Daemon, demo_spec
-from tests.devcluster import DevCluster
+from tests.devcluster import DevCluster, devcluster
 
 pytestmark = pytest.mark.cluster
 
@@ -156,3 +160,141 @@ def test_daemon_sigterm_never_cancels_the_job(
     daemon.start()
     final = _result(daemon.cli("wait", run, "--json", check=False).stdout)
     assert final["outcome"] == "succeeded", final["reason"]
+
+
+def _kill_ssh_sessions(node: str) -> int:
+    """SIGKILL every sshd process (listener and sessions) in the node's namespace."""
+    pids = subprocess.run(
+        ["ip", "netns", "pids", f"llmd-{node}"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    killed = 0
+    for pid in pids:
+        with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() == "sshd":
+                os.kill(int(pid), signal.SIGKILL)
+                killed += 1
+    return killed
+
+
+def test_ssh_drop_mid_tail_loses_and_duplicates_nothing(
+    daemon: Daemon, log_dir: Path, cluster: DevCluster
+) -> None:
+    """Kill node1's sshd (sessions too) while a rank log grows, restart it, compare bytes."""
+    proc = daemon.submit(demo_spec(log_dir, common={"LLMD_FAKE_MARKER_DELAY_S": "20"}))
+    run = str(_result(proc.stdout)["run"])
+    status = daemon.wait_state(run, {"running"})
+    job_id = str(status["slurm_job_id"])
+    extra = log_dir / job_id / "rank0.extra.log"
+    down = False
+    try:
+        with extra.open("ab") as f:
+            for n in range(1200):
+                f.write(f"line {n} {'x' * (n % 97)}\n".encode())
+                f.flush()
+                if n == 200:
+                    devcluster("sshd", "node1", "stop")
+                    assert _kill_ssh_sessions("node1") >= 1
+                    down = True
+                elif n == 600:
+                    devcluster("sshd", "node1", "start")
+                    down = False
+                time.sleep(0.01)
+    finally:
+        if down:
+            devcluster("sshd", "node1", "start")
+    final = _result(daemon.cli("wait", run, "--json", check=False).stdout)
+    assert final["outcome"] == "succeeded", final["reason"]
+    names = _assert_copies_identical(Path(str(final["archive"])), log_dir, job_id)
+    assert "rank0.extra.log" in names
+    assert daemon.events("ssh.reconnect"), "the link was never re-established"
+
+
+def test_twenty_concurrent_runs_all_verified(daemon: Daemon, shared_tmp: Path) -> None:
+    runs = []
+    for i in range(20):
+        spec = demo_spec(shared_tmp / f"r{i}", port=8300 + 10 * i)
+        proc = daemon.submit(spec)
+        assert proc.returncode == 0, proc.stderr
+        runs.append(str(_result(proc.stdout)["run"]))
+    outcomes = {}
+    for run in runs:
+        final = _result(daemon.cli("wait", run, "--json", check=False, timeout=600).stdout)
+        outcomes[run] = (final["outcome"], final["reason"])
+    assert {o for o, _ in outcomes.values()} == {"succeeded"}, outcomes
+    assert len(daemon.events("run.finished")) == 20
+
+
+def test_logs_follow_prints_the_batch_log(daemon: Daemon, log_dir: Path) -> None:
+    proc = daemon.submit(demo_spec(log_dir, common={"LLMD_FAKE_MARKER_DELAY_S": "3"}))
+    run = str(_result(proc.stdout)["run"])
+    followed = daemon.cli("logs", run, "--follow", timeout=120)
+    final = daemon.status(run)
+    assert final["outcome"] == "succeeded"
+    out = log_dir / f"{final['job_name']}-{final['slurm_job_id']}.out"
+    assert followed.stdout == out.read_text()
+    rank2 = daemon.cli("logs", run, "--rank", "2").stdout
+    assert "publish" in rank2 or "marker" in rank2
+
+
+@pytest.fixture
+def open_daemon(cluster: DevCluster) -> Iterator[Daemon]:
+    """A daemon whose socket directory other uids can traverse (tmp_path is 0700)."""
+    with tempfile.TemporaryDirectory(prefix="llmd-daemon-", dir="/tmp") as root:
+        Path(root).chmod(0o711)
+        d = Daemon(cluster, Path(root))
+        d.start()
+        try:
+            yield d
+        finally:
+            d.stop()
+
+
+def test_control_socket_survives_bad_input_and_guards_other_uids(
+    open_daemon: Daemon, log_dir: Path
+) -> None:
+    daemon = open_daemon
+    import socket as socketlib
+    import subprocess
+    import sys
+
+    with socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM) as s:
+        s.connect(str(daemon.socket))
+        s.settimeout(10)
+        reader = s.makefile("rb")
+        for line in (
+            b"not json\n",
+            b"[1,2]\n",
+            b'{"v":1,"id":1,"op":"frobnicate","args":{}}\n',
+            b'{"v":1,"id":2,"op":"status","args":{"run":7}}\n',
+        ):
+            s.sendall(line)
+            reply = json.loads(reader.readline())
+            assert reply["ok"] is False, reply
+        # The daemon answers too_large and hangs up while the rest is still arriving.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            s.sendall(b"x" * (2 << 20) + b"\n")
+        assert json.loads(reader.readline())["error"]["code"] == "too_large"
+        reader.close()
+    assert daemon.cli("list", "--json").returncode == 0  # still alive
+
+    proc = daemon.submit(demo_spec(log_dir))
+    run = str(_result(proc.stdout)["run"])
+    daemon.socket.chmod(0o666)  # let uid 65534 connect at all; ownership is the daemon's check
+    # The interpreter lives under /root (mode 0700): import as root, then drop to 65534.
+    drop = (
+        "import os, sys, anyio._backends._asyncio, llmd_supervisor.control, "
+        "llmd_supervisor.cli as cli; os.setgroups([]); os.setgid(65534); os.setuid(65534); "
+        "sys.exit(cli.main(sys.argv[1:]))"
+    )
+    for op in ("status", "cancel"):
+        other = subprocess.run(
+            [sys.executable, "-c", drop, op, run, "--socket", str(daemon.socket)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert other.returncode == 2, other.stderr
+        assert "uid 65534 may not" in other.stderr
+    final = _result(daemon.cli("wait", run, "--json", check=False).stdout)
+    assert final["outcome"] == "succeeded"
