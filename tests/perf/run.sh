@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Benchmarks against the naive launcher loop on the real dev cluster (issue 7), as root.
+#   tests/perf/run.sh            full mode (~20 min): writes tests/perf/report.{json,md}
+#   tests/perf/run.sh --quick    short windows (~5 min)
+#   tests/perf/run.sh --out /tmp/r --only rpc,end,cancel,resume,footprint
+# Exit status: 0 when every measurement ran (missed targets included), 1 on harness errors.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+PY=python
+[ -x .venv/bin/python ] && PY=.venv/bin/python
+exec "$PY" -m tests.perf.bench "$@"
