@@ -247,7 +247,9 @@ class Supervisor:
     # --- the per-run loop ----------------------------------------------------------------
 
     async def _supervise(self, h: RunHandle) -> None:
-        with structlog.contextvars.bound_contextvars(run_id=h.run.run_id):
+        with structlog.contextvars.bound_contextvars(
+            run_id=h.run.run_id, slurm_job_id=h.run.slurm_job_id
+        ):
             try:
                 async with anyio.create_task_group() as tg:
                     h.tg = tg
@@ -305,12 +307,13 @@ class Supervisor:
                     },
                     now,
                 )
+            if after.slurm_job_id != before.slurm_job_id:
+                structlog.contextvars.bind_contextvars(slurm_job_id=after.slurm_job_id)
             log.info(
                 "run.transition",
                 frm=before.state.value,
                 to=after.state.value,
                 trigger=type(event).__name__,
-                slurm_job_id=after.slurm_job_id,
             )
             h.notify()
         for action in actions:
@@ -486,6 +489,7 @@ class Supervisor:
         marker_path = f"{log_dir}/{marker_filename(job_id)}"
         health = h.health[link.host]
         prefix = f"rank{rank}."
+        grown_at, last_size, stalled = time.monotonic(), -1, False
         while True:  # at least one pass: a run that ended before it was seen running
             stopping = h.stop_watchers.is_set()
             try:
@@ -520,6 +524,19 @@ class Supervisor:
                 if name not in tailing:
                     tailing.add(name)
                     tg.start_soon(self._tail, h, link, remote_path, local / name)
+            size = sum(_size(local / name) for name in tailing)
+            if size != last_size:
+                grown_at, last_size, stalled = time.monotonic(), size, False
+            elif not stalled and time.monotonic() - grown_at > limits.log_stall_s:
+                stalled = True
+                quiet = round(time.monotonic() - grown_at)
+                log.warning("run.stalled", node=link.host, rank=rank, quiet_s=quiet)
+                await self.journal.add_event(
+                    h.run.run_id,
+                    "log.stalled",
+                    {"node": link.host, "rank": rank, "quiet_s": quiet},
+                    self.clock(),
+                )
             h.notify()
             if stopping:
                 return
@@ -642,6 +659,13 @@ def _scontrol_nodes(text: str) -> tuple[str, ...]:
     if not node_list or node_list == "(null)":
         return ()
     return tuple(expand_hostlist(node_list))
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _status_state(data: bytes) -> str:

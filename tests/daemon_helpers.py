@@ -53,6 +53,7 @@ class Daemon:
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     extra_config: str = ""
+    limits: dict[str, float] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -69,6 +70,8 @@ class Daemon:
 
     def write_config(self) -> None:
         e = self.cluster.env
+        values = {"verify_timeout_s": 60.0, "heartbeat_interval_s": 1.0, **self.limits}
+        limits = "\n".join(f"{k} = {v}" for k, v in values.items())
         self.config_path.write_text(
             f"""
 [daemon]
@@ -82,8 +85,7 @@ identity_files = ["{e["DEVCLUSTER_SSH_KEY"]}"]
 known_hosts = "{e["DEVCLUSTER_KNOWN_HOSTS"]}"
 
 [limits]
-verify_timeout_s = 60
-heartbeat_interval_s = 1
+{limits}
 
 [[clusters]]
 name = "dev"

@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -298,3 +299,57 @@ def test_control_socket_survives_bad_input_and_guards_other_uids(
         assert "uid 65534 may not" in other.stderr
     final = _result(daemon.cli("wait", run, "--json", check=False).stdout)
     assert final["outcome"] == "succeeded"
+
+
+def test_a_log_that_stops_growing_raises_a_stalled_event(
+    cluster: DevCluster, tmp_path: Path, log_dir: Path
+) -> None:
+    d = Daemon(cluster, tmp_path, limits={"log_stall_s": 2.0})
+    d.start()
+    try:
+        proc = d.submit(demo_spec(log_dir, common={"LLMD_FAKE_MARKER_DELAY_S": "8"}))
+        final = _result(d.cli("wait", str(_result(proc.stdout)["run"]), "--json").stdout)
+    finally:
+        d.stop()
+    assert final["outcome"] == "succeeded"
+    stalled = d.events("run.stalled")
+    assert stalled and {"node", "rank", "quiet_s"} <= set(stalled[0])
+    events = (Path(str(final["archive"])) / "events.jsonl").read_text()
+    assert '"kind": "log.stalled"' in events
+
+
+def test_sigint_to_a_waiting_client_cancels_its_run(daemon: Daemon, log_dir: Path) -> None:
+    spec = daemon.root / "hang.toml"
+    spec.write_text(demo_spec(log_dir, grace_s=5, tables={"bench": {"LLMD_FAKE_BENCH_HANG": "1"}}))
+    client = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "llmd_supervisor",
+            "submit",
+            str(spec),
+            "--wait",
+            "--json",
+            "--socket",
+            str(daemon.socket),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **daemon.cluster.slurm_env},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        runs: list[dict[str, object]] = []
+        while time.monotonic() < deadline and not any(r["state"] == "running" for r in runs):
+            runs = json.loads(daemon.cli("list", "--json").stdout)["runs"]
+            time.sleep(0.3)
+        time.sleep(2)
+        client.send_signal(signal.SIGINT)
+        out, err = client.communicate(timeout=120)
+    finally:
+        if client.poll() is None:
+            client.kill()
+    assert client.returncode == 11, err
+    assert "cancelling run" in err
+    assert json.loads(out)["outcome"] == "cancelled"
