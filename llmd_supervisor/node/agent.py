@@ -47,11 +47,17 @@ Exit codes:
   * ``74``   -- (coordinator) a remote engine did not become healthy before the deadline;
   * ``75``   -- (worker) the coordinator went silent and no marker appeared;
   * ``143``  -- SIGTERM (the coordinator also publishes a marker with rc 143, reason
-    ``sigterm``).
+    ``sigterm``). After stopping its engine and writing its diagnostic a rank waits
+    (within the grace) until the other ranks have finished theirs, so that srun's
+    kill-on-bad-exit, triggered by the first exit, finds nothing left to SIGKILL.
 When a worker fails locally (71/72/73) the coordinator notices it through the worker's
 status file and publishes a marker carrying that rc and naming the rank, so all ranks end
 with the same rc. Once a rank has decided its final rc, a late SIGTERM (for example from
-``srun --kill-on-bad-exit``) does not change it.
+``srun --kill-on-bad-exit``) does not change it; and a worker whose SIGTERM arrives while
+the marker is already published (it had not polled it yet) exits with the marker's rc,
+not 143 -- measured on Slurm 22.05: the first task exiting nonzero makes srun TERM the
+others at once, and srun's rc is the highest task rc, so one 143 would turn a run's rc 7
+into 143.
 
 Fault knobs for the stand-in tests (environment of the agent, or ``env.common`` of the
 spec):
@@ -92,6 +98,8 @@ RC_SIGTERM = 143
 LOCAL_FAILURE_RCS = (RC_ENGINE_START, RC_ENGINE_UNHEALTHY, RC_ENGINE_DIED)
 MARKER_PREFIX = ".bench_done."
 POLL_S = 0.2
+# After its own SIGTERM handling a rank waits this long for peers to report "terminating".
+TERM_NOTICE_S = 2.0
 
 
 class ConfigError(Exception):
@@ -375,6 +383,13 @@ def list_processes(pgid: Optional[int] = None) -> List[Tuple[int, int, str]]:
                 cmd = fh.read().replace(b"\0", b" ").decode("utf-8", "replace").strip()
         except OSError:
             cmd = "?"
+        if not cmd:  # a zombie (or kernel thread) has no command line: name it anyway
+            try:
+                with open("/proc/%d/comm" % pid, "rb") as fh:
+                    comm = fh.read().decode("utf-8", "replace").strip()
+            except OSError:
+                comm = "?"
+            cmd = "[%s] (exited)" % comm
         result.append((pid, group, cmd))
     return result
 
@@ -466,6 +481,7 @@ class Agent(object):
         self.marker_published = False
         self.term_received = False
         self.term_handled = False
+        self.term_at: Optional[float] = None  # monotonic time of the first SIGTERM
         self._lock = threading.Lock()
         self._stop_heartbeat = threading.Event()
         self._status_seq = 0
@@ -556,6 +572,8 @@ class Agent(object):
     # ---- signals
 
     def on_sigterm(self, signum: int, frame: Any) -> None:
+        if self.term_at is None:
+            self.term_at = time.monotonic()
         self.term_received = True
 
     def check_term(self) -> None:
@@ -663,7 +681,10 @@ class Agent(object):
         pgid = proc.pid  # the child called setsid(): its pid is its process group id
         killed: List[str] = []
         if not group_alive(pgid):
+            # Already gone (e.g. Slurm signalled the whole step): still record its status.
             self._reap(proc)
+            if proc is self.engine:
+                self.poll_engine()
             return killed
         self.log("%s.stop" % what, pgid=pgid, signal="TERM", timeout_s=self.stop_timeout_s)
         with contextlib.suppress(OSError):
@@ -926,6 +947,18 @@ class Agent(object):
             others = [r for r in others if self._alive_rank(r, stale_s)]
             time.sleep(POLL_S)
 
+    def _still_stopping(self, rank: int, stale_s: float, noticing: bool) -> bool:
+        """Whether to keep waiting for ``rank`` after our own TERM handling."""
+        path = self.status_path(rank)
+        try:
+            age = time.time() - os.stat(path).st_mtime
+        except OSError:
+            return False
+        state = (read_json(path) or {}).get("state")
+        if age >= stale_s or state in ("exited", "terminated"):
+            return False
+        return state == "terminating" or noticing
+
     def _alive_rank(self, rank: int, stale_s: float) -> bool:
         path = self.status_path(rank)
         try:
@@ -1042,9 +1075,65 @@ class Agent(object):
         if self.bench is not None and self.bench.poll() is None:
             bench_procs = list_processes(self.bench.pid)
         killed = self.stop_group(self.bench, "bench") + self.stop_group(self.engine, "engine")
-        self.final_rc = RC_SIGTERM
+        rc = RC_SIGTERM
+        if not self.role.is_coordinator:
+            # A marker that is already there decides: the TERM is most likely srun
+            # --kill-on-bad-exit reacting to a peer that saw the marker first and exited
+            # with its nonzero rc. Exiting 143 here would make srun's rc (the highest task
+            # rc) 143 instead of the marker's rc.
+            marker = read_marker(self.log_dir, self.job_id, self.knob("LLMD_FAKE_MARKER_LAG_S"))
+            if marker is not None:
+                rc = int(marker["rc"])
+                self.log(
+                    "sigterm.marker",
+                    rc=rc,
+                    from_rank=marker.get("rank"),
+                    reason=marker.get("reason", ""),
+                )
+                with self._lock:
+                    self.reason = "sigterm after marker rc=%d from rank %s" % (
+                        rc,
+                        marker.get("rank"),
+                    )
+        self.final_rc = rc
         self.write_diag(state_at_term, engine_procs + bench_procs, killed)
-        return RC_SIGTERM
+        if rc == RC_SIGTERM:
+            with self._lock:
+                self.state = "terminated"
+            self.write_status()
+            self.linger_after_term()
+        return rc
+
+    def linger_after_term(self) -> None:
+        """After our own TERM handling, wait (within the grace) for the other ranks' own.
+
+        A cancel with ``--signal=TERM`` and the time limit TERM every rank at once. The first
+        rank to exit 143 makes ``srun --kill-on-bad-exit`` terminate the step, and Slurm
+        SIGKILLs what is left after its KillWait (30 s by default, 5 s on the dev
+        cluster) -- possibly less than our grace, so a rank still stopping a slow engine
+        would die without its diagnostic and turn srun's rc into 137. Ranks therefore
+        leave together: each waits while another rank reports ``terminating`` (it got
+        its TERM and is still stopping), or until the grace is nearly used up. A rank in
+        any other unfinished state is waited for only ``TERM_NOTICE_S`` after our TERM
+        (time to notice its own): it may be dead -- a killed agent's status file stays
+        fresh-looking for a while -- and waiting for it would outlast Slurm's KillWait.
+        """
+        start = self.term_at if self.term_at is not None else time.monotonic()
+        deadline = start + max(self.stop_timeout_s + 0.5, self.grace_s - 1.0)
+        others = [
+            r for r in range(self.role.prefill_nodes + self.role.decode_nodes) if r != self.rank
+        ]
+        stale_s = max(2.0, 3 * self.heartbeat_s)
+        waited = False
+        while True:
+            noticing = time.monotonic() < start + TERM_NOTICE_S
+            others = [r for r in others if self._still_stopping(r, stale_s, noticing)]
+            if not others or time.monotonic() >= deadline:
+                break
+            waited = True
+            time.sleep(POLL_S)
+        if waited:
+            self.log("sigterm.linger_done", still_running=",".join(map(str, others)))
 
     def write_diag(
         self, state_at_term: str, procs: List[Tuple[int, int, str]], killed: List[str]
@@ -1127,6 +1216,12 @@ class Agent(object):
         if self.term_received and not self.term_handled and self.final_rc is None:
             rc = self.handle_term()
         self.final_rc = rc
+        # The rc is decided: a TERM from now on (srun --kill-on-bad-exit reacting to a peer
+        # that exited first) must neither change it nor kill us by the default action --
+        # which is what Python restores during interpreter shutdown. Measured: ranks that
+        # had logged "exit rc=7" were reported "Terminated" and srun's rc became 143.
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         self._stop_heartbeat.set()
         hb.join(timeout=5)
         with self._lock:
