@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llmd_supervisor import __version__
+from llmd_supervisor.cli_config import add_parsers as add_config_parsers
 from llmd_supervisor.cli_daemon import add_parsers as add_daemon_parsers
 from llmd_supervisor.errors import SpecError
 
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_render_parser(sub)
     _add_verify_parser(sub)
     add_daemon_parsers(sub)
+    add_config_parsers(sub)
     return parser
 
 

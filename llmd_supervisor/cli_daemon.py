@@ -10,6 +10,7 @@ client that gets SIGINT/SIGTERM while waiting forwards a cancel for its run unle
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -33,7 +34,12 @@ def socket_default() -> Path:
 
 def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
     d = sub.add_parser("daemon", help="run the supervisor daemon (foreground)")
-    d.add_argument("--config", type=Path, default=None, help="config TOML")
+    d.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="config TOML (default: $LLMD_SUPERVISOR_CONFIG or /etc/llmd-supervisor/config.toml)",
+    )
     d.set_defaults(handler=cmd_daemon)
 
     def client(name: str, help_: str, *, run: bool = True) -> argparse.ArgumentParser:
@@ -52,6 +58,9 @@ def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument("--follow", action="store_true", help="print the batch log while waiting")
     p.add_argument("--dry-run", action="store_true", help="validate and print the script only")
     p.add_argument("--detach", action="store_true", help="on Ctrl-C stop waiting, keep the run")
+    p.add_argument(
+        "--cluster", default=None, help="the configured cluster to run on (default: the first)"
+    )
     p.set_defaults(handler=cmd_submit)
     p = client("list", "list runs", run=False)
     p.add_argument("--all", action="store_true", help="include finished runs")
@@ -78,23 +87,33 @@ def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
-    from llmd_supervisor.config import DEFAULT_PATH, read_config
+    from llmd_supervisor.cli_config import config_default
+    from llmd_supervisor.config import read_config
     from llmd_supervisor.daemon import serve
     from llmd_supervisor.log import configure
+    from llmd_supervisor.sdnotify import Notifier, watchdog_interval
 
     try:
-        config = read_config(args.config or DEFAULT_PATH)
+        config = read_config(args.config or config_default())
     except SupervisorError as exc:
         print(f"llmd-supervisor daemon: {exc}", file=sys.stderr)
         return 2
     configure(
         json={"auto": None, "json": True, "console": False}[config.log_format], stream=sys.stdout
     )
+    notifier = Notifier.from_environ()
     try:
-        anyio.run(serve, config)
+        anyio.run(
+            functools.partial(
+                serve, config, notify=notifier.notify, watchdog_s=watchdog_interval()
+            )
+        )
     except SupervisorError as exc:
+        notifier.notify(f"STATUS=failed: {exc}")
         print(f"llmd-supervisor daemon: {exc}", file=sys.stderr)
         return 1
+    finally:
+        notifier.close()
     return 0
 
 
@@ -166,7 +185,12 @@ def cmd_submit(args: argparse.Namespace) -> int:
         async with ControlClient(args.socket) as c:
             return await c.call(
                 "submit",
-                {"spec_toml": spec_toml, "spec_path": str(args.spec), "dry_run": args.dry_run},
+                {
+                    "spec_toml": spec_toml,
+                    "spec_path": str(args.spec),
+                    "dry_run": args.dry_run,
+                    "cluster": args.cluster,
+                },
             )
 
     try:

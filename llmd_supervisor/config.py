@@ -7,6 +7,8 @@ default). Pure: takes TOML text, returns frozen dataclasses.
 
 from __future__ import annotations
 
+import json
+import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -23,7 +25,8 @@ class SshConfig:
 
     user: str | None = None  # None: the user the daemon runs as
     identity_files: tuple[str, ...] = ()
-    known_hosts: str | None = None  # None: asyncssh's default (~/.ssh/known_hosts)
+    # Host keys are always verified; default: the daemon user's ~/.ssh/known_hosts.
+    known_hosts: str = field(default_factory=lambda: default_known_hosts())
     port: int = 22
     connect_timeout_s: float = 10.0
 
@@ -110,6 +113,11 @@ def read_config(path: Path) -> Config:
     return load_config(text)
 
 
+def default_known_hosts() -> str:
+    """~/.ssh/known_hosts of the user the daemon runs as (systemd sets HOME for User=)."""
+    return os.path.expanduser("~/.ssh/known_hosts")
+
+
 _TOP = ("daemon", "ssh", "poll", "limits", "clusters", "metrics")
 
 
@@ -142,7 +150,7 @@ def parse_config(data: Mapping[str, object]) -> Config:
     ssh = SshConfig(
         user=_opt_str(s, "ssh.user"),
         identity_files=_str_list(s, "ssh.identity_files"),
-        known_hosts=_opt_str(s, "ssh.known_hosts"),
+        known_hosts=_opt_str(s, "ssh.known_hosts") or default_known_hosts(),
         port=_int(s, "ssh.port", 22, 1, 65535),
         connect_timeout_s=_num(s, "ssh.connect_timeout_s", 10.0, 0.5, 300),
     )
@@ -195,9 +203,15 @@ def parse_config(data: Mapping[str, object]) -> Config:
     listen = _opt_str(m, "metrics.listen")
     if listen is not None:
         host, _, port = listen.rpartition(":")
-        if host not in ("127.0.0.1", "localhost", "[::1]") or not port.isdigit():
+        if (
+            host not in ("127.0.0.1", "localhost", "[::1]")
+            or not port.isdigit()
+            or not 1 <= int(port) <= 65535
+        ):
             raise ConfigError(
-                "metrics.listen", listen, "use a loopback host:port, e.g. 127.0.0.1:9464"
+                "metrics.listen",
+                listen,
+                "use a loopback host:port with a port from 1 to 65535, e.g. 127.0.0.1:9464",
             )
 
     return Config(
@@ -268,3 +282,77 @@ def _num(t: Mapping[str, object], key: str, default: float, lo: float, hi: float
     if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
         raise ConfigError(key, value, f"use a number of seconds from {lo:g} to {hi:g}")
     return float(value)
+
+
+def effective(config: Config) -> dict[str, object]:
+    """The effective configuration in the file's own layout (defaults filled in).
+
+    Unset optional keys are None. `load_config(to_toml(effective(c)))` equals `c`, except
+    that an unset `daemon.archive_dir` is shown as its effective value.
+    """
+    return {
+        "daemon": {
+            "state_dir": str(config.state_dir),
+            "archive_dir": str(config.archive_root),
+            "socket": str(config.socket_path),
+            "socket_mode": f"{config.socket_mode:04o}",
+            "admin_group": config.admin_group,
+            "log_format": config.log_format,
+        },
+        "ssh": {
+            "user": config.ssh.user,
+            "identity_files": list(config.ssh.identity_files),
+            "known_hosts": config.ssh.known_hosts,
+            "port": config.ssh.port,
+            "connect_timeout_s": config.ssh.connect_timeout_s,
+        },
+        "poll": {
+            "min_interval_s": config.poll.min_interval_s,
+            "max_interval_s": config.poll.max_interval_s,
+            "command_timeout_s": config.poll.command_timeout_s,
+            "sacct_chunk": config.poll.sacct_chunk,
+        },
+        "limits": {n: getattr(config.limits, n) for n in Limits.__dataclass_fields__},
+        "metrics": {"listen": config.metrics_listen},
+        "clusters": [
+            {"name": c.name, "slurm_conf": c.slurm_conf, "login_host": c.login_host}
+            for c in config.clusters
+        ],
+    }
+
+
+def to_toml(tables: Mapping[str, object]) -> str:
+    """Render `effective()`'s shape as TOML; None values become comments ("not set")."""
+    out: list[str] = []
+
+    def body(table: Mapping[str, object]) -> None:
+        for key, value in table.items():
+            if value is None:
+                out.append(f"# {key} is not set")
+            else:
+                out.append(f"{key} = {_toml_value(value)}")
+
+    for name, value in tables.items():
+        if isinstance(value, list):
+            for entry in value:
+                assert isinstance(entry, Mapping)
+                out.append(f"\n[[{name}]]")
+                body(entry)
+        else:
+            assert isinstance(value, Mapping)
+            out.append(f"\n[{name}]")
+            body(value)
+    return "\n".join(out).lstrip("\n") + "\n"
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        # A JSON string is a valid TOML basic string for everything a config holds.
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    raise TypeError(f"cannot render {value!r} as TOML")

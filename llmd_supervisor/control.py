@@ -150,6 +150,8 @@ OPS: Final[Mapping[str, OpSpec]] = MappingProxyType(
                 "spec_toml": ArgSpec(_STR, required=True),
                 "spec_path": ArgSpec(_STR, default=None),  # only for messages
                 "dry_run": ArgSpec(_BOOL, default=False),
+                # None: the daemon's first configured cluster
+                "cluster": ArgSpec(frozenset({"str", "null"}), default=None),
             }
         ),
         "list": OpSpec({"all": ArgSpec(_BOOL, default=False)}),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
 
@@ -19,14 +20,19 @@ import anyio.abc
 import structlog
 
 from llmd_supervisor import archive
-from llmd_supervisor.config import Config
+from llmd_supervisor.config import ClusterConfig, Config
 from llmd_supervisor.control import ControlServer, Handler, Peer, Request, Send, may_access
 from llmd_supervisor.errors import ControlError, IllegalTransition, SpecError, SupervisorError
 from llmd_supervisor.journal import Journal
+from llmd_supervisor.lifecycle import RunState
+from llmd_supervisor.metrics import InstrumentedRunner, Metrics, serve_metrics
 from llmd_supervisor.poller import Poller
+from llmd_supervisor.remote import NodeLink
 from llmd_supervisor.render import render_sbatch
 from llmd_supervisor.runs import RunHandle, Supervisor, run_summary, utcnow
-from llmd_supervisor.slurm import LocalRunner, SlurmClient
+from llmd_supervisor.sdnotify import loop_monitor
+from llmd_supervisor.slurm import CommandRunner, LocalRunner, SlurmClient
+from llmd_supervisor.slurm_ssh import SshRunner, ssh_settings
 from llmd_supervisor.spec import load_spec
 
 log = structlog.get_logger("llmd_supervisor.daemon")
@@ -58,30 +64,58 @@ def lock_state_dir(state_dir: Path) -> int:
     return fd
 
 
-async def serve(config: Config, *, notify: Notify = _no_notify) -> None:
-    """Run until SIGTERM/SIGINT (or cancellation); see the module docstring."""
+async def serve(
+    config: Config, *, notify: Notify = _no_notify, watchdog_s: float | None = None
+) -> None:
+    """Run until SIGTERM/SIGINT (or cancellation); see the module docstring.
+
+    `notify` gets the sd_notify messages: ``READY=1`` once the journal is open, every
+    in-flight run is re-attached (its task started) and the control socket (and the
+    metrics endpoint, if configured) listens; ``STATUS=`` whenever the run counts change;
+    ``STOPPING=1`` on SIGTERM/SIGINT; ``WATCHDOG=1`` every `watchdog_s`/2 from the event
+    loop when `watchdog_s` is set.
+    """
     lock_fd = lock_state_dir(config.state_dir)
     try:
-        await _serve(config, notify)
+        await _serve(config, notify, watchdog_s)
     finally:
         os.close(lock_fd)
 
 
-async def _serve(config: Config, notify: Notify) -> None:
+def _runner(
+    cluster: ClusterConfig, config: Config, metrics: Metrics, links: list[NodeLink]
+) -> CommandRunner:
+    """Where this cluster's Slurm commands run: here, or over SSH on its login host."""
+    env = {"SLURM_CONF": cluster.slurm_conf} if cluster.slurm_conf else {}
+    runner: CommandRunner
+    if cluster.login_host is not None:
+        link = NodeLink(cluster.login_host, ssh_settings(config.ssh))
+        links.append(link)
+        runner = SshRunner(link, env)
+    else:
+        runner = LocalRunner(env)
+    return InstrumentedRunner(runner, metrics, cluster.name)
+
+
+async def _serve(config: Config, notify: Notify, watchdog_s: float | None) -> None:
+    metrics = Metrics()
+    login_links: list[NodeLink] = []
     journal = await Journal.open(config.journal_path)
     try:
         async with anyio.create_task_group() as tg:
+            await tg.start(loop_monitor, notify, watchdog_s, metrics.record_lag)
             pollers: dict[str, Poller] = {}
             clients: dict[str, SlurmClient] = {}
             for cluster in config.clusters:
-                env = {"SLURM_CONF": cluster.slurm_conf} if cluster.slurm_conf else {}
-                clients[cluster.name] = SlurmClient(
-                    LocalRunner(env), timeout=config.poll.command_timeout_s
-                )
+                runner = _runner(cluster, config, metrics, login_links)
+                clients[cluster.name] = SlurmClient(runner, timeout=config.poll.command_timeout_s)
                 pollers[cluster.name] = Poller(cluster.name, clients[cluster.name], config.poll)
                 await tg.start(pollers[cluster.name].run)
             supervisor = Supervisor(config, journal, pollers, clients, tg)
             resumed = await supervisor.resume_all()
+            metrics.attach(supervisor.handles)
+            if config.metrics_listen is not None:
+                await tg.start(serve_metrics, metrics, config.metrics_listen)
             server = ControlServer(
                 config.socket_path,
                 DaemonHandler(supervisor),
@@ -90,17 +124,47 @@ async def _serve(config: Config, notify: Notify) -> None:
             )
             await tg.start(server.serve)
             log.info("daemon.ready", socket=str(config.socket_path), resumed=resumed)
-            notify(f"READY=1\nSTATUS=supervising {resumed} resumed runs")
+            notify(f"READY=1\nSTATUS={status_line(supervisor.handles)}")
+            tg.start_soon(_report_status, supervisor, metrics, notify)
             with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for signum in signals:
                     log.info("daemon.stopping", signal=signal.Signals(signum).name)
-                    notify("STOPPING=1")
+                    notify("STOPPING=1\nSTATUS=stopping; Slurm jobs keep running")
                     break
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
+            for link in login_links:
+                await link.aclose()
             await journal.aclose()
         log.info("daemon.stopped")
+
+
+STATUS_REFRESH_S = 2.0
+
+
+def status_line(handles: Mapping[str, RunHandle]) -> str:
+    """The one-line STATUS= text: runs in flight by state, and how many are finished."""
+    counts = Counter(h.run.state for h in list(handles.values()))
+    order = list(RunState)
+    active = sorted((s for s in counts if not s.is_final), key=order.index)
+    in_flight = sum(counts[s] for s in active)
+    finished = sum(n for s, n in counts.items() if s.is_final)
+    detail = ", ".join(f"{counts[s]} {s.value}" for s in active)
+    shown = f" ({detail})" if detail else ""
+    return f"{in_flight} runs in flight{shown}; {finished} finished"
+
+
+async def _report_status(supervisor: Supervisor, metrics: Metrics, notify: Notify) -> None:
+    """Send STATUS= whenever the counts change (checked every STATUS_REFRESH_S)."""
+    last = status_line(supervisor.handles)
+    while True:
+        await anyio.sleep(STATUS_REFRESH_S)
+        metrics.observe_verdicts()
+        line = status_line(supervisor.handles)
+        if line != last:
+            notify(f"STATUS={line}")
+            last = line
 
 
 class DaemonHandler(Handler):
@@ -152,11 +216,21 @@ class DaemonHandler(Handler):
     async def _submit(self, args: Mapping[str, object], peer: Peer) -> Mapping[str, object]:
         spec_toml = str(args["spec_toml"])
         where = str(args.get("spec_path") or "the spec")
+        cluster = args.get("cluster")
+        names = [c.name for c in self.sup.config.clusters]
+        if cluster is not None and cluster not in names:
+            raise ControlError(
+                "bad_request",
+                f"Cluster {cluster!r} is not configured in this daemon; "
+                f"use one of: {', '.join(names)}.",
+            )
         try:
             if args.get("dry_run"):
                 script = render_sbatch(load_spec(spec_toml), job_name="llmd-dry-run")
                 return {"dry_run": True, "script": script}
-            handle = await self.sup.submit(spec_toml, owner_uid=peer.uid)
+            handle = await self.sup.submit(
+                spec_toml, owner_uid=peer.uid, cluster=None if cluster is None else str(cluster)
+            )
         except SpecError as exc:
             raise ControlError("bad_request", f"{where}: {exc}") from exc
         return run_summary(handle, utcnow())

@@ -21,6 +21,7 @@ import os
 import random
 import shlex
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +92,24 @@ class RemoteResult:
     stderr: bytes
 
 
+@dataclass
+class LinkStats:
+    """Process-wide SSH counters over every `NodeLink` (read by the metrics)."""
+
+    connects: int = 0  # first connections of a link
+    reconnects: int = 0  # connections re-established after a drop
+    connect_failures: int = 0
+
+
+LINK_STATS = LinkStats()
+_LINKS: weakref.WeakSet[NodeLink] = weakref.WeakSet()
+
+
+def open_connections() -> int:
+    """How many links hold a live connection right now."""
+    return sum(1 for link in list(_LINKS) if link.connected)
+
+
 def backoff_delay(failures: int, rand: Callable[[], float] = random.random) -> float:
     """Delay before the next attempt after `failures` consecutive failures (jittered)."""
     if failures <= 0:
@@ -139,6 +158,7 @@ class NodeLink:
         self._not_before = 0.0
         self._closed = False
         self._log = _log.bind(host=host)
+        _LINKS.add(self)
 
     def __repr__(self) -> str:
         state = "connected" if self.connected else "idle"
@@ -191,6 +211,7 @@ class NodeLink:
                     )
             except (asyncssh.Error, OSError) as exc:  # TimeoutError is an OSError
                 self._failures += 1
+                LINK_STATS.connect_failures += 1
                 delay = backoff_delay(self._failures)
                 self._not_before = time.monotonic() + delay
                 why = (
@@ -210,8 +231,10 @@ class NodeLink:
             self._not_before = 0.0
             if self._connected_once:
                 self.reconnects += 1
+                LINK_STATS.reconnects += 1
                 self._log.info("ssh.reconnect", reconnects=self.reconnects)
             else:
+                LINK_STATS.connects += 1
                 self._log.info("ssh.connect", port=s.port, user=s.username)
             self._connected_once = True
             self._conn = conn
@@ -271,8 +294,10 @@ class NodeLink:
 
     # ---- operations
 
-    async def run(self, argv: Sequence[str], *, time_limit: float) -> RemoteResult:
-        """Run `shlex.join(argv)` on the node with stdin at EOF and return its result.
+    async def run(
+        self, argv: Sequence[str], *, time_limit: float, stdin: bytes | None = None
+    ) -> RemoteResult:
+        """Run `shlex.join(argv)` on the node, feed it `stdin` then EOF, and return its result.
 
         Raises `RemoteError` on connect/channel failure, a lost exit status, or when
         `time_limit` expires. The command runs under GNU ``timeout`` (TERM at `time_limit`
@@ -289,6 +314,8 @@ class NodeLink:
         async def op(conn: asyncssh.SSHClientConnection) -> RemoteResult:
             proc = await conn.create_process(command, encoding=None)
             try:
+                if stdin:
+                    proc.stdin.write(stdin)
                 proc.stdin.write_eof()
                 stdout, stderr = await proc.communicate()
                 status = proc.returncode

@@ -605,10 +605,22 @@ class Supervisor:
         await self._apply(h, Verified(result.verdict.outcome, result.verdict.reason))
 
     async def _read_marker(self, cluster: ClusterConfig, h: RunHandle) -> bytes | None:
+        """The marker as this machine (local cluster) or the cluster's login host sees it.
+
+        None when it is missing or cannot be read now (the caller falls back to the copy
+        the SSH watcher took from the coordinator).
+        """
+        from llmd_supervisor.slurm_ssh import read_file  # the login-host read path
+
         path = Path(h.meta.log_dir) / marker_filename(_job_id(h))
-        if cluster.login_host is None:  # the login node shares the log directory
+        if cluster.login_host is None:  # this machine shares the log directory
             return await anyio.to_thread.run_sync(read_optional, path)
-        return h.marker_copy
+        client = self._client(h)
+        try:
+            return await read_file(client.runner, str(path), time_limit=client.timeout)
+        except SlurmCommandError as exc:
+            log.warning("run.marker_unreadable", host=cluster.login_host, error=str(exc))
+            return None
 
     async def _archive(self, h: RunHandle) -> None:
         """Write the archive, retrying with backoff while the disk refuses (never declare first)."""

@@ -161,11 +161,15 @@ def sock(tmp_path: Path) -> Path:
 
 GOOD: list[tuple[str, dict[str, object], dict[str, object]]] = [
     ("ping", {}, {}),
-    ("submit", {"spec_toml": "x = 1"}, {"spec_toml": "x = 1", "spec_path": None, "dry_run": False}),
     (
         "submit",
-        {"spec_toml": "", "spec_path": "/a/b.toml", "dry_run": True},
-        {"spec_toml": "", "spec_path": "/a/b.toml", "dry_run": True},
+        {"spec_toml": "x = 1"},
+        {"spec_toml": "x = 1", "spec_path": None, "dry_run": False, "cluster": None},
+    ),
+    (
+        "submit",
+        {"spec_toml": "", "spec_path": "/a/b.toml", "dry_run": True, "cluster": "dev"},
+        {"spec_toml": "", "spec_path": "/a/b.toml", "dry_run": True, "cluster": "dev"},
     ),
     ("list", {}, {"all": False}),
     ("list", {"all": True}, {"all": True}),

@@ -1,0 +1,135 @@
+"""`llmd-supervisor config check` and `config show`.
+
+`check` validates the file as the daemon would and then looks at the machine: the files
+the configuration names must exist (SSH identities and known_hosts, a local cluster's
+slurm.conf), the admin group must exist, and the state directory's nearest existing
+parent must be a directory. Every problem is printed as one line naming the key and the
+fix; the exit status is 0 when there is none, 2 otherwise.
+
+`show` prints the effective configuration (defaults filled in) as TOML, or as JSON with
+`--json`; its TOML output is itself a valid configuration file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import grp
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from llmd_supervisor.config import DEFAULT_PATH, Config, effective, read_config, to_toml
+from llmd_supervisor.errors import ConfigError, SupervisorError
+
+
+def config_default() -> Path:
+    return Path(os.environ.get("LLMD_SUPERVISOR_CONFIG", str(DEFAULT_PATH)))
+
+
+def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
+    c = sub.add_parser("config", help="check or show the daemon configuration")
+    csub = c.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    p = csub.add_parser("check", help="validate the configuration file (exit 0 or 2)")
+    p.add_argument("--config", type=Path, default=None, help=f"config TOML ({DEFAULT_PATH})")
+    p.set_defaults(handler=cmd_check)
+    p = csub.add_parser("show", help="print the effective configuration, defaults included")
+    p.add_argument("--config", type=Path, default=None, help=f"config TOML ({DEFAULT_PATH})")
+    p.add_argument("--json", action="store_true", help="print JSON instead of TOML")
+    p.set_defaults(handler=cmd_show)
+
+
+def environment_problems(config: Config) -> list[ConfigError]:
+    """What on this machine keeps the configuration from working (files, groups)."""
+    problems: list[ConfigError] = []
+    for i, path in enumerate(config.ssh.identity_files):
+        if not os.path.isfile(path):
+            problems.append(
+                ConfigError(
+                    f"ssh.identity_files[{i}]",
+                    path,
+                    "no such file; create the key (ssh-keygen -t ed25519 -f PATH) or fix the path",
+                )
+            )
+    kh = config.ssh.known_hosts
+    if not os.path.isfile(kh):
+        problems.append(
+            ConfigError(
+                "ssh.known_hosts",
+                kh,
+                "no such file; collect the nodes' host keys into it (ssh-keyscan) or fix the path",
+            )
+        )
+    for i, cluster in enumerate(config.clusters):
+        conf = cluster.slurm_conf
+        if conf is not None and cluster.login_host is None and not os.path.isfile(conf):
+            problems.append(
+                ConfigError(
+                    f"clusters[{i}].slurm_conf",
+                    conf,
+                    "no such file on this machine; fix the path or remove the key "
+                    "(a login_host cluster reads it on that host)",
+                )
+            )
+    if config.admin_group is not None:
+        try:
+            grp.getgrnam(config.admin_group)
+        except KeyError:
+            problems.append(
+                ConfigError(
+                    "daemon.admin_group",
+                    config.admin_group,
+                    "no such group; create it (groupadd) or remove the key",
+                )
+            )
+    parent = config.state_dir
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        problems.append(
+            ConfigError(
+                "daemon.state_dir", str(config.state_dir), f"{parent} is not a directory"
+            )
+        )
+    return problems
+
+
+def _load(args: argparse.Namespace, command: str) -> tuple[Path, Config] | None:
+    path: Path = args.config or config_default()
+    try:
+        return path, read_config(path)
+    except SupervisorError as exc:
+        print(f"llmd-supervisor config {command}: {path}: {exc}", file=sys.stderr)
+        return None
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    loaded = _load(args, "check")
+    if loaded is None:
+        return 2
+    path, config = loaded
+    problems = environment_problems(config)
+    for problem in problems:
+        print(f"llmd-supervisor config check: {path}: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    where = ", ".join(
+        f"{c.name} ({'ssh ' + c.login_host if c.login_host else 'local'})" for c in config.clusters
+    )
+    note = "" if path.exists() else " (no file: built-in defaults)"
+    print(f"{path}: OK{note}; clusters: {where}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    loaded = _load(args, "show")
+    if loaded is None:
+        return 2
+    path, config = loaded
+    tables = effective(config)
+    if args.json:
+        print(json.dumps(tables, indent=2))
+    else:
+        sys.stdout.write(f"# effective configuration of {path}\n" + to_toml(tables))
+    return 0

@@ -1,0 +1,286 @@
+"""Prometheus metrics: one registry per daemon, served on a loopback address.
+
+What an operator gets (all prefixed ``llmd_supervisor_``):
+
+- ``runs{state}`` and ``runs_by_outcome{outcome}``: the runs this daemon knows (the
+  journal's, finished ones included), read at scrape time;
+- ``slurm_command_duration_seconds{cluster,command}`` (histogram) and
+  ``slurm_command_errors_total{cluster,command,kind}`` with kind ``exit_status`` (the
+  command ran and failed), ``timeout`` or ``unavailable`` (could not be started / SSH to
+  the login node failed), from `InstrumentedRunner`;
+- ``ssh_connections_open``, ``ssh_connects_total``, ``ssh_reconnects_total``,
+  ``ssh_connect_failures_total`` from the `NodeLink` counters (node and login links);
+- ``tail_bytes_total{cluster}``: log bytes copied from the nodes since the daemon started;
+- ``verify_duration_seconds{outcome}``: time from `verifying` to the verdict, for runs
+  that reached their verdict while this daemon ran;
+- ``loop_lag_seconds`` (histogram) and ``loop_lag_last_seconds``: how late the event
+  loop resumed the watchdog task;
+- ``build_info{version}``.
+
+The exposition server runs on the event loop (`serve_metrics`), so scrapes read the
+supervisor's state without locks, and a blocked loop shows up as a failed scrape too.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter as Tally
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING
+
+import anyio
+import anyio.abc
+import structlog
+from anyio.streams.buffered import BufferedByteReceiveStream
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector
+
+from llmd_supervisor import __version__, remote
+from llmd_supervisor.errors import ConfigError, SlurmCommandError
+from llmd_supervisor.lifecycle import RunState
+from llmd_supervisor.slurm import CommandResult, CommandRunner
+from llmd_supervisor.verdict import Outcome
+
+if TYPE_CHECKING:
+    from llmd_supervisor.runs import RunHandle
+
+log = structlog.get_logger("llmd_supervisor.metrics")
+
+_P = "llmd_supervisor_"
+_SLURM_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_VERIFY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
+_REQUEST_LIMIT = 8192
+_REQUEST_TIMEOUT_S = 5.0
+
+
+class Metrics:
+    """Every metric of one daemon, in its own `CollectorRegistry` (never the global one)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.slurm_seconds = Histogram(
+            _P + "slurm_command_duration_seconds",
+            "Wall time of Slurm client commands (and other commands run where Slurm runs).",
+            ["cluster", "command"],
+            buckets=_SLURM_BUCKETS,
+            registry=r,
+        )
+        self.slurm_errors = Counter(
+            _P + "slurm_command_errors",
+            "Slurm commands that failed: exit_status, timeout or unavailable.",
+            ["cluster", "command", "kind"],
+            registry=r,
+        )
+        self.verify_seconds = Histogram(
+            _P + "verify_duration_seconds",
+            "Time from entering `verifying` to the verdict, by outcome.",
+            ["outcome"],
+            buckets=_VERIFY_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag = Histogram(
+            _P + "loop_lag_seconds",
+            "How much later than asked the event loop resumed the watchdog task.",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+        self.loop_lag_last = Gauge(
+            _P + "loop_lag_last_seconds", "The latest event-loop lag measurement.", registry=r
+        )
+        Gauge(_P + "build_info", "The running version.", ["version"], registry=r).labels(
+            __version__
+        ).set(1)
+        self._handles: Mapping[str, RunHandle] = {}
+        self._verdicts_seen: set[str] = set()
+        r.register(_StateCollector(self))
+
+    def attach(self, handles: Mapping[str, RunHandle]) -> None:
+        """Read runs from `handles` (the supervisor's); runs already final are not re-observed."""
+        self._handles = handles
+        self._verdicts_seen = {h.run.run_id for h in handles.values() if h.run.state.is_final}
+
+    def record_lag(self, lag_s: float) -> None:
+        self.loop_lag.observe(lag_s)
+        self.loop_lag_last.set(lag_s)
+
+    def observe_verdicts(self) -> None:
+        """Observe verify durations of runs that reached a final state since the last call."""
+        for h in list(self._handles.values()):
+            run = h.run
+            if not run.state.is_final or run.run_id in self._verdicts_seen:
+                continue
+            self._verdicts_seen.add(run.run_id)
+            seconds = verify_seconds(run.transitions)
+            if seconds is not None:
+                self.verify_seconds.labels(run.outcome.value if run.outcome else "").observe(
+                    seconds
+                )
+
+    def exposition(self) -> bytes:
+        self.observe_verdicts()
+        return generate_latest(self.registry)
+
+
+def verify_seconds(transitions: Sequence[object]) -> float | None:
+    """Seconds between the last entry into `verifying` and the transition after it."""
+    states = [(getattr(t, "state", None), getattr(t, "at", None)) for t in transitions]
+    for i in range(len(states) - 2, -1, -1):
+        state, at = states[i]
+        if state is RunState.VERIFYING:
+            end = states[i + 1][1]
+            if at is not None and end is not None:
+                return max(0.0, float((end - at).total_seconds()))
+    return None
+
+
+class _StateCollector(Collector):
+    """Scrape-time view of the runs and the SSH links."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # unchecked: the families below are built per scrape
+
+    def collect(self) -> Iterable[Metric]:
+        handles = list(self.metrics._handles.values())
+        by_state = Tally(h.run.state.value for h in handles)
+        runs = GaugeMetricFamily(_P + "runs", "Runs this daemon knows, by state.", labels=["state"])
+        for state in RunState:
+            runs.add_metric([state.value], by_state.get(state.value, 0))
+        yield runs
+        by_outcome = Tally(h.run.outcome.value for h in handles if h.run.outcome is not None)
+        outcomes = GaugeMetricFamily(
+            _P + "runs_by_outcome",
+            "Runs with a verdict (archiving or final), by outcome.",
+            labels=["outcome"],
+        )
+        for outcome in Outcome:
+            if outcome is not Outcome.PENDING_EVIDENCE:
+                outcomes.add_metric([outcome.value], by_outcome.get(outcome.value, 0))
+        yield outcomes
+        tail = CounterMetricFamily(
+            _P + "tail_bytes",
+            "Log bytes copied from the nodes into local copies since the daemon started.",
+            labels=["cluster"],
+        )
+        per_cluster: Tally[str] = Tally()
+        for h in handles:
+            per_cluster[h.meta.cluster] += h.tail_bytes
+        for cluster, n in sorted(per_cluster.items()):
+            tail.add_metric([cluster], n)
+        yield tail
+        s = remote.LINK_STATS
+        yield GaugeMetricFamily(
+            _P + "ssh_connections_open",
+            "SSH connections held now (node and login-node links).",
+            value=remote.open_connections(),
+        )
+        yield CounterMetricFamily(
+            _P + "ssh_connects", "SSH connections established (first connects).", value=s.connects
+        )
+        yield CounterMetricFamily(
+            _P + "ssh_reconnects",
+            "SSH connections re-established after a drop.",
+            value=s.reconnects,
+        )
+        yield CounterMetricFamily(
+            _P + "ssh_connect_failures", "Failed SSH connect attempts.", value=s.connect_failures
+        )
+
+
+class InstrumentedRunner:
+    """A `CommandRunner` that records latency and errors of every command it runs."""
+
+    def __init__(self, inner: CommandRunner, metrics: Metrics, cluster: str) -> None:
+        self.inner = inner
+        self.metrics = metrics
+        self.cluster = cluster
+
+    async def run(
+        self, argv: Sequence[str], *, time_limit: float, stdin: bytes | None = None
+    ) -> CommandResult:
+        command = os.path.basename(argv[0]) if argv else ""
+        t0 = time.monotonic()
+        try:
+            result = await self.inner.run(argv, time_limit=time_limit, stdin=stdin)
+        except SlurmCommandError as exc:
+            kind = "timeout" if exc.timed_out_after is not None else "unavailable"
+            self.metrics.slurm_errors.labels(self.cluster, command, kind).inc()
+            self.metrics.slurm_seconds.labels(self.cluster, command).observe(
+                time.monotonic() - t0
+            )
+            raise
+        self.metrics.slurm_seconds.labels(self.cluster, command).observe(time.monotonic() - t0)
+        if not result.ok:
+            self.metrics.slurm_errors.labels(self.cluster, command, "exit_status").inc()
+        return result
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """`host:port` of `metrics.listen` (already validated) as a bind address."""
+    host, _, port = listen.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+async def serve_metrics(
+    metrics: Metrics,
+    listen: str,
+    *,
+    task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``GET /metrics`` on `listen` until cancelled; report the bound port when listening.
+
+    Raises `ConfigError` naming ``metrics.listen`` when the address cannot be bound.
+    Each connection gets one response and is closed; a client that sends nothing for
+    5 s or more than 8 KiB of headers is dropped.
+    """
+    host, port = parse_listen(listen)
+    try:
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
+    except OSError as exc:
+        raise ConfigError(
+            "metrics.listen",
+            listen,
+            f"it cannot be bound ({exc.strerror or exc}); pick a free loopback port",
+        ) from exc
+    bound = listener.extra(anyio.abc.SocketAttribute.local_port)
+    log.info("metrics.listening", host=host, port=bound)
+    task_status.started(bound)
+
+    async def handle(stream: anyio.abc.SocketStream) -> None:
+        async with stream:
+            try:
+                with anyio.fail_after(_REQUEST_TIMEOUT_S):
+                    head = await BufferedByteReceiveStream(stream).receive_until(
+                        b"\r\n\r\n", _REQUEST_LIMIT
+                    )
+                    request = head.split(b"\r\n", 1)[0].decode("latin-1").split()
+                    path = request[1].split("?", 1)[0] if len(request) >= 2 else ""
+                    if request[:1] in (["GET"], ["HEAD"]) and path in ("/metrics", "/"):
+                        body = metrics.exposition()
+                        status, ctype = "200 OK", CONTENT_TYPE_LATEST
+                    else:
+                        body, status, ctype = b"not found\n", "404 Not Found", "text/plain"
+                    header = (
+                        f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
+                        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+                    ).encode()
+                    await stream.send(header + (b"" if request[:1] == ["HEAD"] else body))
+            except (
+                TimeoutError,
+                anyio.EndOfStream,
+                anyio.IncompleteRead,
+                anyio.DelimiterNotFound,
+                anyio.BrokenResourceError,
+                anyio.ClosedResourceError,
+            ):
+                return
+
+    async with listener:
+        await listener.serve(handle)

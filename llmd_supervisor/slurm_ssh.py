@@ -1,0 +1,91 @@
+"""Slurm commands on a remote login node: a `CommandRunner` over one `NodeLink`.
+
+A cluster configured with ``login_host`` runs every Slurm client command (and the few
+file commands the supervisor needs where Slurm runs: ``mkdir -p``, ``cat`` of the marker)
+over one multiplexed SSH connection to that host, as ``env SLURM_CONF=... <argv>`` quoted
+with shlex. sbatch gets its script on stdin, exactly as locally.
+
+Every SSH failure becomes `SlurmCommandError` (returncode None: "could not be started";
+the link's time limit: ``timed_out_after``), so the poller and the verifier treat a lost
+login node like a Slurm command that could not answer: the previous knowledge stands.
+On cancellation the channel is closed and the remote command is ended by its ``timeout``
+wrapper (see `NodeLink.run`).
+"""
+
+from __future__ import annotations
+
+import getpass
+import time
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+
+from llmd_supervisor.config import SshConfig
+from llmd_supervisor.errors import RemoteError, SlurmCommandError
+from llmd_supervisor.remote import NodeLink, SshSettings
+from llmd_supervisor.slurm import CommandResult, CommandRunner
+
+
+def ssh_settings(ssh: SshConfig) -> SshSettings:
+    """The `SshSettings` the daemon uses for nodes and login hosts alike."""
+    return SshSettings(
+        username=ssh.user or getpass.getuser(),
+        client_keys=ssh.identity_files,
+        known_hosts=ssh.known_hosts,
+        port=ssh.port,
+        connect_timeout=ssh.connect_timeout_s,
+    )
+
+
+def remote_argv(argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
+    """`argv` prefixed with ``env K=V ...`` (NodeLink.run shlex-quotes every word)."""
+    if not env:
+        return list(argv)
+    return ["env", *(f"{k}={v}" for k, v in sorted(env.items())), "--", *argv]
+
+
+class SshRunner:
+    """Runs commands on a login node over `link`, with `env` (e.g. SLURM_CONF) set there."""
+
+    def __init__(self, link: NodeLink, env: Mapping[str, str] | None = None) -> None:
+        self.link = link
+        self.env = dict(env or {})
+
+    async def run(
+        self, argv: Sequence[str], *, time_limit: float, stdin: bytes | None = None
+    ) -> CommandResult:
+        started_at = datetime.now(UTC)
+        t0 = time.monotonic()
+        try:
+            result = await self.link.run(
+                remote_argv(argv, self.env), time_limit=time_limit, stdin=stdin
+            )
+        except RemoteError as exc:
+            timed_out = exc.why.startswith("no answer within")
+            raise SlurmCommandError(
+                argv,
+                None,
+                f"on {self.link.host}: {exc.why}",
+                timed_out_after=time_limit if timed_out else None,
+            ) from exc
+        return CommandResult(
+            argv=tuple(argv),
+            returncode=result.exit_status,
+            stdout=result.stdout.decode("utf-8", "replace"),
+            stderr=result.stderr.decode("utf-8", "replace"),
+            started_at=started_at,
+            duration_s=time.monotonic() - t0,
+        )
+
+
+async def read_file(runner: CommandRunner, path: str, *, time_limit: float) -> bytes | None:
+    """`cat` `path` where `runner` runs commands: its bytes, or None if it does not exist.
+
+    Raises `SlurmCommandError` when the file exists but cannot be read, or the command
+    could not run.
+    """
+    result = await runner.run(["cat", "--", path], time_limit=time_limit)
+    if result.ok:
+        return result.stdout.encode()
+    if "No such file" in result.stderr:
+        return None
+    raise SlurmCommandError(result.argv, result.returncode, result.stderr)
