@@ -1,0 +1,173 @@
+"""`config check` / `config show`, the effective-config round trip, and the new validations."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmd_supervisor.config import Config, effective, load_config, to_toml
+from llmd_supervisor.errors import ConfigError
+from tests.devcluster import REPO
+
+FULL = """
+[daemon]
+state_dir = "/srv/llmd/state"
+socket = "/srv/llmd/control.sock"
+socket_mode = "0640"
+admin_group = "root"
+log_format = "json"
+
+[ssh]
+user = "svc"
+identity_files = ["/k/id_ed25519", "/k/id_rsa"]
+known_hosts = "/k/known_hosts"
+port = 2222
+connect_timeout_s = 5
+
+[poll]
+min_interval_s = 0.5
+max_interval_s = 7.5
+command_timeout_s = 20
+sacct_chunk = 50
+
+[limits]
+verify_timeout_s = 90
+
+[metrics]
+listen = "127.0.0.1:9464"
+
+[[clusters]]
+name = "alpha"
+slurm_conf = "/etc/slurm-alpha/slurm.conf"
+
+[[clusters]]
+name = "beta"
+login_host = "login.beta"
+slurm_conf = "/etc/slurm/slurm.conf"
+"""
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "llmd_supervisor", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("text", ["", FULL, (REPO / "deploy" / "llmd-supervisor.toml").read_text()])
+def test_show_output_is_a_config_that_loads_back_to_the_same_values(text: str) -> None:
+    config = load_config(text)
+    again = load_config(to_toml(effective(config)))
+    assert effective(again) == effective(config)
+    assert again.clusters == config.clusters and again.ssh == config.ssh
+    assert again.poll == config.poll and again.limits == config.limits
+
+
+def test_defaults_verify_host_keys_against_the_users_known_hosts() -> None:
+    assert Config().ssh.known_hosts.endswith("/.ssh/known_hosts")
+    assert load_config("").ssh.known_hosts == Config().ssh.known_hosts
+
+
+@pytest.mark.parametrize(
+    "listen", ["0.0.0.0:9464", "127.0.0.1:0", "127.0.0.1:70000", "127.0.0.1", "example.org:9464"]
+)
+def test_metrics_listen_must_be_loopback_with_a_real_port(listen: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(f'[metrics]\nlisten = "{listen}"\n')
+    assert info.value.key == "metrics.listen"
+    assert "127.0.0.1:9464" in str(info.value)  # the fix is in the message
+
+
+def test_config_show_prints_effective_values_as_toml_and_json(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(FULL)
+    toml_out = cli("config", "show", "--config", str(path))
+    assert toml_out.returncode == 0, toml_out.stderr
+    assert 'archive_dir = "/srv/llmd/state/archive"' in toml_out.stdout  # a default, shown
+    assert "heartbeat_interval_s = 2.0" in toml_out.stdout
+    assert 'login_host = "login.beta"' in toml_out.stdout
+    json_out = cli("config", "show", "--config", str(path), "--json")
+    data = json.loads(json_out.stdout)
+    assert data["clusters"][0] == {
+        "name": "alpha",
+        "slurm_conf": "/etc/slurm-alpha/slurm.conf",
+        "login_host": None,
+    }
+    assert data["metrics"]["listen"] == "127.0.0.1:9464"
+    assert data["daemon"]["socket_mode"] == "0640"
+
+
+def test_config_check_names_the_key_and_the_fix_and_exits_2(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('[poll]\nmin_interval_s = 0.01\n')
+    out = cli("config", "check", "--config", str(path))
+    assert out.returncode == 2
+    assert "'poll.min_interval_s'" in out.stderr
+    assert "use a number of seconds from 0.05" in out.stderr
+    path.write_text("[[clusters]]\nname = 'a'\nlogin = 'x'\n")
+    out = cli("config", "check", "--config", str(path))
+    assert out.returncode == 2 and "'clusters[0].login'" in out.stderr
+    assert "allowed here: name, slurm_conf, login_host" in out.stderr
+    out = cli("config", "check", "--config", str(tmp_path / "missing.toml"))
+    assert out.returncode == 2 and "does not exist" in out.stderr
+
+
+def test_config_check_reports_every_missing_file_and_group(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(
+        f"""
+[daemon]
+state_dir = "{tmp_path}/state"
+admin_group = "no-such-group-llmd"
+[ssh]
+identity_files = ["{tmp_path}/nokey"]
+known_hosts = "{tmp_path}/nohosts"
+[[clusters]]
+name = "local"
+slurm_conf = "{tmp_path}/no-slurm.conf"
+[[clusters]]
+name = "remote"
+login_host = "login1"
+slurm_conf = "/only/on/login1/slurm.conf"
+"""
+    )
+    out = cli("config", "check", "--config", str(path))
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    keys = ["ssh.identity_files[0]", "ssh.known_hosts", "clusters[0].slurm_conf", "admin_group"]
+    for key in keys:
+        assert any(key in line for line in lines), (key, lines)
+    assert len(lines) == 4  # the login_host cluster's slurm.conf is not looked for here
+    assert "ssh-keygen" in out.stderr and "ssh-keyscan" in out.stderr
+
+
+def test_config_check_passes_a_good_file(tmp_path: Path) -> None:
+    key = tmp_path / "key"
+    hosts = tmp_path / "known_hosts"
+    key.write_text("k")
+    hosts.write_text("")
+    path = tmp_path / "c.toml"
+    path.write_text(
+        f"""
+[daemon]
+state_dir = "{tmp_path}/not/yet/state"
+[ssh]
+identity_files = ["{key}"]
+known_hosts = "{hosts}"
+[[clusters]]
+name = "here"
+[[clusters]]
+name = "there"
+login_host = "login1"
+"""
+    )
+    out = cli("config", "check", "--config", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "OK" in out.stdout and "here (local), there (ssh login1)" in out.stdout
