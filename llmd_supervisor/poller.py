@@ -224,19 +224,17 @@ class Poller:
         return changed or running or bool(requests) or bool(self._requests)
 
     def _set_view(self, view: QueueView) -> bool:
-        """Record a view; True if it changed what is known. A stale sacct RUNNING after
-        squeue said the job left is ignored (sacct lags the queue)."""
+        """Record a view; True if it changed what is known.
+
+        sacct lags the queue (it said PENDING for a job squeue already showed running,
+        and RUNNING after squeue saw it end), so a sacct view may only move a job
+        forward (pending → running → ended); going back (a requeue) is squeue's to say.
+        """
         tracked = self._tracked.get(view.job_id)
         if tracked is None:
             return False
         previous = tracked.latest
-        if (
-            previous is not None
-            and previous.left_queue
-            and view.source == "sacct"
-            and view.state is not None
-            and view.state.is_active
-        ):
+        if view.source == "sacct" and previous is not None and _phase(view) < _phase(previous):
             return False
         tracked.latest = view
         tracked.changed.set()
@@ -396,6 +394,13 @@ class Poller:
 def _chunks(items: list[str], size: int) -> Iterable[list[str]]:
     for i in range(0, len(items), size):
         yield items[i : i + size]
+
+
+def _phase(view: QueueView) -> int:
+    """0 waiting (or unknown), 1 running, 2 left the queue."""
+    if view.left_queue:
+        return 2
+    return 1 if view.state in _FAST_STATES or view.state is JobState.SUSPENDED else 0
 
 
 def _key(view: QueueView) -> tuple[JobState | None, tuple[str, ...], str]:

@@ -72,7 +72,7 @@ from llmd_supervisor.node.agent import expand_hostlist
 from llmd_supervisor.poller import Poller, QueueView
 from llmd_supervisor.remote import NodeLink, SshSettings, tail_to_local
 from llmd_supervisor.render import render_sbatch
-from llmd_supervisor.slurm import SlurmClient
+from llmd_supervisor.slurm import NameLookup, SlurmClient
 from llmd_supervisor.slurm_parse import JobState, parse_scontrol_job
 from llmd_supervisor.spec import RunSpec, load_spec
 from llmd_supervisor.verdict import SlurmQuery, Source
@@ -84,15 +84,23 @@ _REQUEUED_STATES = frozenset(
     {JobState.PENDING, JobState.REQUEUED, JobState.REQUEUE_HOLD, JobState.REQUEUE_FED}
 )
 RECEIPT_EVENT = "verify.receipt"
+# After a restart in `submitting`, look the job name up no earlier than this long after
+# the state was journaled (an sbatch in flight then has finished or died with its daemon).
+SUBMIT_SETTLE_S = 5.0
 
-# Fault injection for the crash tests: SIGKILL this process right after the journal
-# committed a transition into this state (before any of its actions ran).
-_CRASH_AFTER = os.environ.get("LLMD_SUPERVISOR_TEST_CRASH_AFTER", "")
+# Fault injection for the crash tests: "STATE" or "STATE:N" SIGKILLs this process right
+# after the journal committed the N-th (default first) transition into STATE, before any
+# of its actions ran.
+_CRASH_AFTER, _, _CRASH_NTH = os.environ.get("LLMD_SUPERVISOR_TEST_CRASH_AFTER", "").partition(":")
+_crash_count = 0
 
 
 def _crash(run: Run) -> None:
-    log.warning("test.crash", state=run.state.value, run_id=run.run_id)
-    os.kill(os.getpid(), signal.SIGKILL)
+    global _crash_count
+    _crash_count += 1
+    if _crash_count >= int(_CRASH_NTH or 1):
+        log.warning("test.crash", state=run.state.value, run_id=run.run_id)
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def utcnow() -> datetime:
@@ -354,45 +362,74 @@ class Supervisor:
         return start.astimezone().strftime("%Y-%m-%dT%H:%M:%S")
 
     async def _submit(self, h: RunHandle) -> None:
-        client = self._client(h)
+        """sbatch once; after any sbatch failure or a crash, reconcile by the job's name.
+
+        A job found by name is adopted. After an sbatch failure that left no job, the run
+        fails with sbatch's error. After a crash during submission (no sbatch answer was
+        seen), the job is submitted again only when squeue and sacct both answer that no
+        job has the run's name, after a settle delay so that an sbatch the previous daemon
+        left in flight has finished or died with it; with accounting disabled a purged
+        job cannot be ruled out, so the run fails instead of risking a second job.
+        """
         job_name = h.run.job_name
-        if h.submitting_here:
-            h.submitting_here = False
-            try:
-                await client.mkdir(h.meta.log_dir)
-                job_id = await client.sbatch(h.meta.script)
-                log.info("run.submitted", job_name=job_name, slurm_job_id=job_id)
-                await self._apply(h, Submitted(job_id))
-                return
-            except SlurmCommandError as exc:
-                log.warning("run.sbatch_failed", error=str(exc))
-                failure = str(exc)
-        else:
+        resumed = not h.submitting_here
+        h.submitting_here = False
+        if resumed:
+            since = self.clock() - h.run.transitions[-1].at
+            await anyio.sleep(max(0.0, SUBMIT_SETTLE_S - since.total_seconds()))
             failure = "the daemon stopped while submitting"
-        # sbatch may have worked even if we did not see its answer: look the name up.
+        else:
+            sbatch_error = await self._sbatch(h)
+            if sbatch_error is None:
+                return
+            failure = f"sbatch failed: {sbatch_error}"
+        lookup = await self._lookup(h)
+        if lookup.job_id is not None:
+            log.info("run.reconciled", job_name=job_name, slurm_job_id=lookup.job_id)
+            await self._apply(h, Submitted(lookup.job_id))
+        elif resumed and lookup.certain:
+            log.info("run.resubmitting", job_name=job_name, why=failure)
+            sbatch_error = await self._sbatch(h)
+            if sbatch_error is not None:
+                lookup = await self._lookup(h)
+                if lookup.job_id is not None:
+                    await self._apply(h, Submitted(lookup.job_id))
+                else:
+                    await self._apply(h, SubmitFailed(f"sbatch failed: {sbatch_error}"))
+        else:
+            why = "" if lookup.certain else " (accounting is disabled: it may have been purged)"
+            await self._apply(
+                h, SubmitFailed(f"{failure}; no job named {job_name} exists{why}; not resubmitted")
+            )
+
+    async def _lookup(self, h: RunHandle) -> NameLookup:
+        """find_by_name with retries; SupervisorError (run left in `submitting`) if Slurm
+        cannot answer at all."""
         for attempt in range(5):
             try:
-                job_id_found = await client.find_by_name(job_name, starttime=self._starttime(h))
-                break
+                return await self._client(h).find_by_name(
+                    h.run.job_name, starttime=self._starttime(h)
+                )
             except SlurmCommandError as exc:
-                log.warning("run.lookup_failed", job_name=job_name, error=str(exc))
+                log.warning("run.lookup_failed", job_name=h.run.job_name, error=str(exc))
                 await anyio.sleep(min(2**attempt, 30))
-        else:
-            # Slurm cannot tell us; stay in `submitting` and let the next start try again.
-            raise SupervisorError(
-                f"Could not find out whether job {job_name} was submitted; "
-                "left in `submitting` for the next daemon start to reconcile."
-            )
-        if job_id_found is not None:
-            log.info("run.reconciled", job_name=job_name, slurm_job_id=job_id_found)
-            await self._apply(h, Submitted(job_id_found))
-        else:
-            await self._apply(
-                h,
-                SubmitFailed(
-                    f"{failure}; no job named {job_name} in squeue or sacct, not resubmitted"
-                ),
-            )
+        raise SupervisorError(
+            f"Could not find out whether job {h.run.job_name} was submitted; "
+            "left in `submitting` for the next daemon start to reconcile."
+        )
+
+    async def _sbatch(self, h: RunHandle) -> str | None:
+        """Submit the run's script; None on success (journaled), else the error text."""
+        client = self._client(h)
+        try:
+            await client.mkdir(h.meta.log_dir)
+            job_id = await client.sbatch(h.meta.script)
+        except SlurmCommandError as exc:
+            log.warning("run.sbatch_failed", error=str(exc))
+            return str(exc)
+        log.info("run.submitted", job_name=h.run.job_name, slurm_job_id=job_id)
+        await self._apply(h, Submitted(job_id))
+        return None
 
     # --- pending / running -------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ propagates; nothing is left behind.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -61,6 +62,10 @@ class LocalRunner:
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
         self._env = {**os.environ, **(env or {})}
+        # Children die with the daemon: an sbatch orphaned by a crash could otherwise
+        # submit after the restarted daemon concluded the job did not exist.
+        setpriv = shutil.which("setpriv")
+        self._prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
 
     async def run(
         self, argv: Sequence[str], *, time_limit: float, stdin: bytes | None = None
@@ -69,7 +74,9 @@ class LocalRunner:
         t0 = time.monotonic()
         try:
             with anyio.fail_after(time_limit):
-                proc = await anyio.run_process(list(argv), input=stdin, check=False, env=self._env)
+                proc = await anyio.run_process(
+                    [*self._prefix, *argv], input=stdin, check=False, env=self._env
+                )
         except TimeoutError as exc:
             raise SlurmCommandError(argv, None, "", timed_out_after=time_limit) from exc
         except OSError as exc:
@@ -82,6 +89,14 @@ class LocalRunner:
             started_at=started_at,
             duration_s=time.monotonic() - t0,
         )
+
+
+@dataclass(frozen=True)
+class NameLookup:
+    """The result of looking a job up by its unique name."""
+
+    job_id: str | None
+    certain: bool  # both squeue and sacct answered: a None job_id means "never submitted"
 
 
 class SlurmClient:
@@ -105,32 +120,36 @@ class SlurmClient:
         result = await self._run_checked(["sbatch", "--parsable", *options], script.encode())
         return parse_sbatch_parsable(result.stdout).job_id
 
-    async def find_by_name(self, job_name: str, *, starttime: str) -> str | None:
-        """The id of the job named `job_name`, from squeue, else sacct; None if neither has it.
+    async def find_by_name(self, job_name: str, *, starttime: str) -> NameLookup:
+        """Look for the job named `job_name` in squeue, then in sacct.
 
-        Raises SlurmCommandError when squeue fails, or when it does not know the job and
-        sacct fails too: "not found" must be a real answer, never a failed query.
+        `certain` is True only when both answered (a job purged from slurmctld after
+        MinJobAge is only in sacct): then "not found" is a fact. Raises SlurmCommandError
+        when squeue fails, or when it does not know the job and sacct fails.
         """
         queue = await self._run_checked(
             ["squeue", "--noheader", "--states=all", f"--name={job_name}", "--format=%i"]
         )
         ids = queue.stdout.split()
-        if not ids:
-            acct = await self._run(
-                [
-                    "sacct",
-                    "--noheader",
-                    "--parsable2",
-                    "--allocations",
-                    f"--name={job_name}",
-                    f"--starttime={starttime}",
-                    "--format=JobIDRaw",
-                ]
-            )
-            if not acct.ok and not accounting_disabled(acct.stderr):
-                raise SlurmCommandError(acct.argv, acct.returncode, _tail(acct.stderr))
-            ids = acct.stdout.split()
-        return ids[-1] if ids else None
+        if ids:
+            return NameLookup(ids[-1], certain=True)
+        acct = await self._run(
+            [
+                "sacct",
+                "--noheader",
+                "--parsable2",
+                "--allocations",
+                f"--name={job_name}",
+                f"--starttime={starttime}",
+                "--format=JobIDRaw",
+            ]
+        )
+        if accounting_disabled(acct.stderr):
+            return NameLookup(None, certain=False)
+        if not acct.ok:
+            raise SlurmCommandError(acct.argv, acct.returncode, _tail(acct.stderr))
+        ids = acct.stdout.split()
+        return NameLookup(ids[-1] if ids else None, certain=True)
 
     async def mkdir(self, path: str) -> None:
         """`mkdir -p` where the Slurm commands run (the log directory must exist for sbatch)."""

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -178,3 +179,21 @@ slurm_conf = "{e["SLURM_CONF"]}"
                 return last
             time.sleep(0.2)
         raise TimeoutError(f"run {run} not in {states} after {timeout:g} s: {last.get('state')}")
+
+
+def assert_copies_identical(final: Mapping[str, object], *, settle_s: float = 5.0) -> list[str]:
+    """Every local log copy of the run's last attempt equals the node-side file byte for
+    byte (allowing `settle_s` for a file still being drained); return their names."""
+    job_id = str(final["slurm_job_id"])
+    log_dir = Path(str(final["log_dir"]))
+    copies_dir = Path(str(final["archive"])) / "logs" / f"attempt{final['attempt']}"
+    copies = sorted(p for p in copies_dir.rglob("*") if p.is_file())
+    assert copies, f"no log copies under {copies_dir}"
+    deadline = time.monotonic() + settle_s
+    for copy in copies:
+        name = copy.name
+        remote = log_dir / name if name.endswith((".out", ".err")) else log_dir / job_id / name
+        while copy.read_bytes() != remote.read_bytes() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert copy.read_bytes() == remote.read_bytes(), f"{copy} differs from {remote}"
+    return [c.name for c in copies]

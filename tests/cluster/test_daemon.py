@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_helpers import Daemon, demo_spec
+from tests.daemon_helpers import Daemon, assert_copies_identical, demo_spec
 from tests.devcluster import DevCluster, devcluster
 
 pytestmark = pytest.mark.cluster
@@ -41,19 +41,6 @@ def _result(proc_stdout: str) -> dict[str, object]:
     return data
 
 
-def _assert_copies_identical(archive: Path, log_dir: Path, job_id: str) -> list[str]:
-    """Every local log copy equals the node-side file byte for byte; return their names."""
-    copies = sorted(p for p in (archive / "logs").rglob("*") if p.is_file())
-    assert copies, f"no log copies under {archive / 'logs'}"
-    names = []
-    for copy in copies:
-        name = copy.name
-        remote = log_dir / name if name.endswith((".out", ".err")) else log_dir / job_id / name
-        assert copy.read_bytes() == remote.read_bytes(), f"{name} differs from {remote}"
-        names.append(name)
-    return names
-
-
 def test_demo_run_succeeds_with_verified_receipt_and_identical_logs(
     daemon: Daemon, log_dir: Path, cluster: DevCluster
 ) -> None:
@@ -69,7 +56,7 @@ def test_demo_run_succeeds_with_verified_receipt_and_identical_logs(
     assert receipt["outcome"] == "succeeded" and receipt["job_id"] == job_id
     for name in ("spec.toml", "job.sbatch", "events.jsonl", "marker.json"):
         assert (archive / name).is_file(), name
-    names = _assert_copies_identical(archive, log_dir, job_id)
+    names = assert_copies_identical(result)
     assert any(n.endswith(".out") for n in names)
     assert {f"rank{r}.agent.log" for r in range(4)} <= set(names)
     # exactly one job with the run's name
@@ -144,7 +131,7 @@ def test_daemon_sigkilled_then_restarted_resumes_the_same_job(
         ["sacct", "-X", "-n", "-P", f"--name={final['job_name']}", "--format=JobIDRaw"]
     ).stdout.split()
     assert rows == [job_id]
-    _assert_copies_identical(Path(str(final["archive"])), log_dir, job_id)
+    assert_copies_identical(final)
 
 
 def test_daemon_sigterm_never_cancels_the_job(
@@ -205,7 +192,7 @@ def test_ssh_drop_mid_tail_loses_and_duplicates_nothing(
             devcluster("sshd", "node1", "start")
     final = _result(daemon.cli("wait", run, "--json", check=False).stdout)
     assert final["outcome"] == "succeeded", final["reason"]
-    names = _assert_copies_identical(Path(str(final["archive"])), log_dir, job_id)
+    names = assert_copies_identical(final)
     assert "rank0.extra.log" in names
     assert daemon.events("ssh.reconnect"), "the link was never re-established"
 

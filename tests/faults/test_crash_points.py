@@ -1,0 +1,67 @@
+"""SIGKILL the daemon right after each state transition is journaled, restart it, and
+check: no double submission, no lost run, the right outcome, log copies byte-identical."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_helpers import Daemon, assert_copies_identical, demo_spec
+from tests.devcluster import DevCluster
+
+pytestmark = pytest.mark.cluster
+
+RUNS = 3
+# (state journaled just before the kill, which entry into it)
+CRASH_POINTS = [
+    ("submitting", 1),
+    ("submitting", RUNS),
+    ("pending", RUNS),
+    ("running", 2),
+    ("finishing", 2),
+    ("verifying", 2),
+    ("archiving", 2),
+    ("succeeded", 1),
+]
+
+
+@pytest.mark.parametrize(("state", "nth"), CRASH_POINTS, ids=[f"{s}-{n}" for s, n in CRASH_POINTS])
+def test_sigkill_after_transition_then_restart(
+    cluster: DevCluster, tmp_path: Path, shared_tmp: Path, state: str, nth: int
+) -> None:
+    daemon = Daemon(cluster, tmp_path, env={"LLMD_SUPERVISOR_TEST_CRASH_AFTER": f"{state}:{nth}"})
+    daemon.start()
+    for i in range(RUNS):
+        spec = demo_spec(shared_tmp / f"r{i}", port=8400 + 10 * i)
+        daemon.submit(spec)  # may fail once the daemon has killed itself: that is the point
+    assert daemon.proc is not None
+    daemon.proc.wait(timeout=120)
+    assert daemon.proc.returncode == -9, daemon.log_text()[-2000:]
+    assert daemon.events("test.crash")
+
+    daemon.env = {}
+    daemon.start()
+    runs = json.loads(daemon.cli("list", "--all", "--json").stdout)["runs"]
+    assert len(runs) >= nth if state == "submitting" else len(runs) == RUNS
+    for r in runs:
+        final = json.loads(daemon.cli("wait", str(r["run"]), "--json", check=False).stdout)
+        assert final["outcome"] == "succeeded", (r["run"], final["reason"])
+        job_id = str(final["slurm_job_id"])
+        ids = cluster.slurm(
+            [
+                "sacct",
+                "-X",
+                "-n",
+                "-P",
+                f"--name={final['job_name']}",
+                "--format=JobIDRaw",
+                "--starttime=now-1hour",
+            ]
+        ).stdout.split()
+        assert ids == [job_id], f"{final['job_name']}: Slurm jobs {ids}"
+        assert_copies_identical(final)
+        receipt = json.loads((Path(str(final["archive"])) / "receipt.json").read_text())
+        assert receipt["outcome"] == "succeeded"
+    daemon.stop()
