@@ -53,15 +53,18 @@ class NaiveLauncher:
     workdir: Path
     env: dict[str, str]
     period_s: float = 10.0
+    argv_prefix: tuple[str, ...] = ()  # e.g. run the loops as another user
     loops: dict[str, NaiveLoop] = field(default_factory=dict)
 
     def track(self, job_id: str, log_path: str, *, stagger_s: float | None = None) -> None:
         """Start the loop for `job_id` (after a random delay in [0, stagger_s) if given)."""
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.workdir.chmod(0o777)  # the loops may run as another user
         state = self.workdir / f"job{job_id}"
         delay = random.uniform(0, stagger_s) if stagger_s else 0.0
         proc = subprocess.Popen(
             [
+                *self.argv_prefix,
                 "bash",
                 "-c",
                 LOOP,
@@ -76,6 +79,7 @@ class NaiveLauncher:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env=self.env,
+            cwd="/tmp",
             start_new_session=True,
         )
         self.loops[job_id] = NaiveLoop(job_id, state, proc)

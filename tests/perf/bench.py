@@ -43,6 +43,8 @@ from tests.cluster.llmd_helpers import Run
 from tests.devcluster import REPO, DevCluster, devcluster
 from tests.perf.baseline import NaiveLauncher
 from tests.perf.common import (
+    AS_RPC_USER,
+    RPC_USER,
     LineReader,
     RpcWindow,
     code_under_test,
@@ -111,7 +113,7 @@ class Mode:
     resume_runs: int
 
 
-QUICK = Mode(True, 12, (10, 100, 500), 1, 3, 1, 40, 16, 1, 300, 15, 100)
+QUICK = Mode(True, 24, (10, 100, 500), 1, 3, 1, 40, 16, 1, 300, 15, 100)
 FULL = Mode(False, 60, (10, 100, 500), 4, 3, 3, 200, 64, 3, 1000, 60, 100)
 
 
@@ -192,7 +194,7 @@ def _row(
 
 
 class CountingRunner(LocalRunner):
-    """LocalRunner that counts the commands it runs (by program name)."""
+    """LocalRunner that runs commands as RPC_USER and counts them (by program name)."""
 
     def __init__(self, env: dict[str, str]) -> None:
         super().__init__(env)
@@ -202,7 +204,7 @@ class CountingRunner(LocalRunner):
         self, argv: Sequence[str], *, time_limit: float, stdin: bytes | None = None
     ) -> CommandResult:
         self.calls[argv[0]] = self.calls.get(argv[0], 0) + 1
-        return await super().run(argv, time_limit=time_limit, stdin=stdin)
+        return await super().run([*AS_RPC_USER, *argv], time_limit=time_limit, stdin=stdin)
 
 
 def _poller_window(ctx: Ctx, ids: list[str], seconds: float) -> tuple[RpcWindow, dict[str, Any]]:
@@ -231,7 +233,9 @@ def _poller_window(ctx: Ctx, ids: list[str], seconds: float) -> tuple[RpcWindow,
 
 
 def _naive_window(ctx: Ctx, ids: list[str], seconds: float) -> tuple[RpcWindow, int]:
-    launcher = NaiveLauncher(ctx.work / f"naive-rpc-{len(ids)}", ctx.cluster.slurm_env)
+    launcher = NaiveLauncher(
+        ctx.work / f"naive-rpc-{len(ids)}", ctx.cluster.slurm_env, argv_prefix=AS_RPC_USER
+    )
     try:
         for job_id in ids:
             launcher.track(job_id, str(ctx.work / f"no-log-{job_id}.out"), stagger_s=10)
@@ -244,60 +248,62 @@ def _naive_window(ctx: Ctx, ids: list[str], seconds: float) -> tuple[RpcWindow, 
 
 
 def bench_rpc(ctx: Ctx) -> dict[str, Any]:
+    """RPCs/min at slurmctld by the project's poller and by the naive loops, same N jobs.
+
+    Everything measured runs as RPC_USER, so sdiag's per-user count is exactly its traffic
+    (other sessions on the shared cluster run as root); all users' totals are kept too.
+    """
     m = ctx.mode
-    say(f"[rpc] submitting {max(m.rpc_ns)} held jobs")
+    say(f"[rpc] submitting {max(m.rpc_ns)} held jobs as {RPC_USER}")
     ids = submit_held(ctx.cluster, max(m.rpc_ns), "pf")
     ctx.jobs.update(ids)
     rows: list[dict[str, Any]] = []
     windows: list[dict[str, Any]] = []
     try:
         for n in m.rpc_ns:
-            say(f"[rpc] N={n}: background, project, baseline ({m.rpc_window_s:g} s each)")
-            bg = measure_rpcs(ctx.cluster, m.rpc_window_s)
+            say(f"[rpc] N={n}: project, then baseline ({m.rpc_window_s:g} s each)")
             proj, info = _poller_window(ctx, ids[:n], m.rpc_window_s)
             base, base_calls = _naive_window(ctx, ids[:n], m.rpc_window_s)
-            bg_after = measure_rpcs(ctx.cluster, m.rpc_window_s) if not m.quick else bg
-            background = min(bg.per_min, bg_after.per_min)
-            net_proj = max(proj.per_min - background, 0.0)
-            net_base = max(base.per_min - background, 0.0)
-            for name, w in (("background", bg), ("project", proj), ("baseline", base)):
+            for name, w, extra in (
+                ("project", proj, {"client_calls": info}),
+                ("baseline", base, {"squeue_calls": base_calls}),
+            ):
                 windows.append(
                     {
                         "n": n,
                         "kind": name,
                         "seconds": round(w.seconds, 1),
-                        "rpcs": w.total,
+                        "rpcs": w.mine,
                         "per_min": round(w.per_min, 1),
                         "sub_window_per_min": summary(w.step_rates),
-                        "by_type": w.by_type,
+                        "all_users_per_min": round(w.all_users_per_min, 1),
+                        "all_users_by_type": w.by_type,
                         "counter_reset_by_someone_else": w.reset_by_someone_else,
+                        **extra,
                     }
                 )
-            if not m.quick:
-                windows.append(
-                    {"n": n, "kind": "background-after", "per_min": round(bg_after.per_min, 1)}
-                )
-            windows[-3 if m.quick else -4]["project_client_calls"] = info
-            windows[-2 if m.quick else -3]["baseline_squeue_calls"] = base_calls
             ratio_target = {100: 100.0, 500: 500.0}.get(n)
             target = "<= 15/min" + (f"; >= {ratio_target:g}x fewer" if ratio_target else "")
-            ratio = _ratio(net_base, net_proj) if net_proj > 0 else None
-            met = _met(net_proj, 15)
+            ratio = _ratio(base.per_min, proj.per_min) if proj.mine > 0 else None
+            met = _met(proj.per_min, 15)
             if ratio_target is not None and met is not None:
                 met = met and (ratio is None or ratio >= ratio_target)
+            calls = ", ".join(f"{k} {v}" for k, v in sorted(info["client_calls"].items()) if v)
             rows.append(
                 _row(
                     f"slurmctld RPCs/min, N={n}",
-                    round(net_proj, 1),
-                    round(net_base, 1),
+                    round(proj.per_min, 1),
+                    round(base.per_min, 1),
                     "RPC/min",
                     target,
                     met,
                     ratio=ratio,
                     detail=(
-                        f"raw {proj.per_min:.0f} vs {base.per_min:.0f}, background "
-                        f"{background:.0f}/min subtracted; project calls {info['client_calls']}, "
-                        f"baseline squeue calls {base_calls}"
+                        f"{proj.mine} vs {base.mine} RPCs in {proj.seconds:.0f} s windows; "
+                        f"project client calls: {calls} ({info['ticks']} ticks); baseline "
+                        f"squeue calls {base_calls}; sub-window median "
+                        f"{_fmt_opt(summary(proj.step_rates)['median'])} vs "
+                        f"{_fmt_opt(summary(base.step_rates)['median'])}/min"
                     ),
                 )
             )
@@ -305,6 +311,10 @@ def bench_rpc(ctx: Ctx) -> dict[str, Any]:
     finally:
         scancel(ctx.cluster, ids)
     return {"rows": rows, "windows": windows}
+
+
+def _fmt_opt(value: float | int | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
 
 
 # --- 2. end detection -------------------------------------------------------------------------
@@ -595,11 +605,13 @@ def _throughput(
         total = len(first) + size
         wait_until(lambda: copy.stat().st_size >= total, 300, "bulk copy complete", 0.01)
         elapsed = time.time() - t0
-        path.unlink()
+        path.write_bytes(first)  # keep the name (the copy is compared later); drop the bulk
+        copy.unlink()
         return size / elapsed / 1e6
 
     def baseline() -> float:
-        path = log_dir / job_id / f"rank1.sshbulk{rep}.log"
+        # not named rank<r>.*: the daemon does not tail it, so it does not compete with ssh
+        path = log_dir / job_id / f"perf-sshbulk{rep}.log"
         path.write_bytes(first)
         reader = _ssh_tail(ctx, str(nodes[1]), path, by_lines=False)
         try:
@@ -631,6 +643,8 @@ def bench_cancel_and_logs(ctx: Ctx, d: PerfDaemon) -> dict[str, Any]:
     lat_b: list[float] = []
     tp_p: list[float] = []
     tp_b: list[float] = []
+    missing: list[int] = []
+    missing_detail: list[str] = []
     for rep in range(m.cancel_reps):
         say(f"[cancel/logs] rep {rep + 1}/{m.cancel_reps}")
         log_dir = ctx.log_dir(f"cancel{rep}")
@@ -668,7 +682,10 @@ def bench_cancel_and_logs(ctx: Ctx, d: PerfDaemon) -> dict[str, Any]:
         ctx.cluster.slurm(["scancel", base_job])
         times = _wait_sigterms(log_dir, base_job)
         cancel_base.append(max(times) - t0)
-        d.wait_runs([run], _FINAL, 120)
+        final = d.wait_runs([run], _FINAL, 120)[run]
+        copies = _compare_copies(final, log_dir)
+        missing.append(sum(c["lost"] + c["extra"] for c in copies))
+        missing_detail += [f"{c['file']} {c['copy']}/{c['remote']}" for c in copies if c["lost"]]
     c, cb = summary(cancel_project), summary(cancel_base)
     lp, lb = summary(lat_p), summary(lat_b)
     tp, tb = summary(tp_p), summary(tp_b)
@@ -710,12 +727,22 @@ def bench_cancel_and_logs(ctx: Ctx, d: PerfDaemon) -> dict[str, Any]:
             ratio=tp_ratio,
             detail="ratio here is project/baseline",
         ),
+        _row(
+            "cancelled run (no restart): log copy bytes missing after the outcome",
+            float(sum(missing)),
+            None,
+            "bytes",
+            "0",
+            sum(missing) == 0,
+            detail="; ".join(missing_detail),
+        ),
     ]
     return {
         "rows": rows,
         "cancel_project_s": cancel_project,
         "cancel_daemon_logged_term_s": cancel_daemon_term,
         "cancel_baseline_s": cancel_base,
+        "copy_bytes_missing_after_cancel": missing,
         "log_latency_project": lp,
         "log_latency_baseline": lb,
         "throughput_project_mb_s": tp_p,
@@ -754,6 +781,19 @@ def _compare(remote: Path, local: Path) -> dict[str, int]:
             break
         common += 1
     return {"remote": len(r), "copy": len(c), "lost": len(r) - common, "extra": len(c) - common}
+
+
+def _compare_copies(s: dict[str, object], log_dir: Path) -> list[dict[str, Any]]:
+    """Every local log copy of the run against its node-side file."""
+    job_id = str(s["slurm_job_id"])
+    out: list[dict[str, Any]] = []
+    for copy in sorted(p for p in (Path(str(s["archive"])) / "logs").rglob("*") if p.is_file()):
+        name = copy.name
+        if "perfbulk" in name:  # truncated and its copy removed by the throughput step
+            continue
+        remote = log_dir / name if name.endswith((".out", ".err")) else log_dir / job_id / name
+        out.append({"file": name, **_compare(remote, copy)})
+    return out
 
 
 def _wait_nonempty(path: Path, what: str, timeout: float = 30) -> None:
@@ -862,21 +902,22 @@ def bench_resume(ctx: Ctx) -> dict[str, Any]:
         merged_path.write_bytes(merged)
         naive_bytes.append(_compare(probe, merged_path))
     naive2.stop()
-    # the project's copies: cancel the live runs, wait for the outcome (tails drained)
+    # The project's copies, settled (nothing is written now): the restart's effect.
+    time.sleep(2)
+    settled: list[dict[str, Any]] = []
+    for run in live:
+        settled += _compare_copies(d.wait_runs([run], {"running"}, 10)[run], log_dir)
+    # Then cancel the live runs and compare again once final (the end-of-run drain).
     for run in live:
         d.cli("cancel", run)
     finals = d.wait_runs(live, _FINAL, 120)
     comparisons: list[dict[str, Any]] = []
     for run in live:
-        s = finals[run]
-        job_id = job_ids[run]
-        copies = sorted(p for p in (Path(str(s["archive"])) / "logs").rglob("*") if p.is_file())
-        for copy in copies:
-            name = copy.name
-            remote = log_dir / name if name.endswith((".out", ".err")) else log_dir / job_id / name
-            comparisons.append({"file": name, **_compare(remote, copy)})
-    lost = sum(c["lost"] for c in comparisons)
-    extra = sum(c["extra"] for c in comparisons)
+        comparisons += _compare_copies(finals[run], log_dir)
+    lost = sum(c["lost"] for c in settled)
+    extra = sum(c["extra"] for c in settled)
+    end_lost = sum(c["lost"] for c in comparisons)
+    end_extra = sum(c["extra"] for c in comparisons)
     reattach = max(att.values()) - t_spawn
     _stop_daemon(ctx, d)
     base_lost = sum(c["lost"] for c in naive_bytes)
@@ -897,7 +938,7 @@ def bench_resume(ctx: Ctx) -> dict[str, Any]:
             ),
         ),
         _row(
-            "resume: log bytes lost + duplicated (running runs)",
+            "resume: log bytes lost + duplicated across the SIGKILL (2 running runs)",
             float(lost + extra),
             float(base_lost + base_extra),
             "bytes",
@@ -905,8 +946,20 @@ def bench_resume(ctx: Ctx) -> dict[str, Any]:
             lost + extra == 0,
             ratio=None,
             detail=(
-                f"{len(comparisons)} copies compared; baseline: `tail -F -n +1` restarted "
-                "into the same copy"
+                f"{len(settled)} copies compared with the node files while the runs were "
+                "still running, writes settled; baseline: `tail -F -n +1` restarted into the "
+                "same copy (probe files)"
+            ),
+        ),
+        _row(
+            "resume: after cancelling those runs, copy bytes missing at the end",
+            float(end_lost + end_extra),
+            None,
+            "bytes",
+            "0",
+            end_lost + end_extra == 0,
+            detail="; ".join(
+                f"{c['file']} {c['copy']}/{c['remote']}" for c in comparisons if c["lost"]
             ),
         ),
     ]
@@ -914,7 +967,8 @@ def bench_resume(ctx: Ctx) -> dict[str, Any]:
         "rows": rows,
         "submit_s": submit_s,
         "attach_times_from_spawn_s": {k: v - t_spawn for k, v in att.items()},
-        "comparisons": comparisons,
+        "settled_comparisons": settled,
+        "end_comparisons": comparisons,
         "baseline_bytes": naive_bytes,
     }
 
@@ -1012,6 +1066,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="report path without suffix: writes .json and .md (tests/perf/report)",
     )
     parser.add_argument(
+        "--keep", action="store_true", help="keep the work directory (daemon logs, copies)"
+    )
+    parser.add_argument(
         "--only", default=",".join(MEASUREMENTS), help=f"subset of {','.join(MEASUREMENTS)}"
     )
     args = parser.parse_args(raw)
@@ -1086,7 +1143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     report["workdir"] = str(work)
     md = write_reports(report, args.out)
     say(md)
-    if not report["errors"]:
+    if not report["errors"] and not args.keep:
         shutil.rmtree(work, ignore_errors=True)
         report["workdir"] = None
     shutil.rmtree(snap, ignore_errors=True)

@@ -101,24 +101,43 @@ _RPC_LINE = re.compile(r"^\s+(\S+)\s+\(\s*\d+\)\s+count:(\d+)")
 _OWN_TYPES = frozenset({"REQUEST_STATS_INFO"})
 
 
-def sdiag_counts(cluster: DevCluster) -> dict[str, int]:
-    """RPC counts by message type since the last reset (sdiag's own excluded)."""
+# The harness's own Slurm traffic runs as this user, so that sdiag's per-user counts
+# separate it from the other sessions on the shared cluster (they all run as root).
+RPC_USER = "nobody"
+RPC_UID = 65534
+AS_RPC_USER = ("setpriv", f"--reuid={RPC_UID}", f"--regid={RPC_UID}", "--clear-groups", "--")
+
+
+@dataclass
+class Sdiag:
+    """RPC counts since the last reset, by message type (all users) and by user."""
+
+    by_type: dict[str, int]
+    by_user: dict[str, int]
+
+
+def sdiag_counts(cluster: DevCluster) -> Sdiag:
+    """Parse sdiag's RPC sections (sdiag's own REQUEST_STATS_INFO left out of by_type)."""
     out = cluster.slurm(["sdiag"]).stdout
-    counts: dict[str, int] = {}
-    inside = False
+    found = Sdiag({}, {})
+    section: dict[str, int] | None = None
     for line in out.splitlines():
         if line.startswith("Remote Procedure Call statistics by message type"):
-            inside = True
+            section = found.by_type
             continue
-        if inside:
-            m = _RPC_LINE.match(line)
-            if m is None:
-                if line.strip():
-                    break
-                continue
-            if m.group(1) not in _OWN_TYPES:
-                counts[m.group(1)] = int(m.group(2))
-    return counts
+        if line.startswith("Remote Procedure Call statistics by user"):
+            section = found.by_user
+            continue
+        if section is None:
+            continue
+        m = _RPC_LINE.match(line)
+        if m is None:
+            if line.strip():
+                section = None
+            continue
+        if m.group(1) not in _OWN_TYPES:
+            section[m.group(1)] = int(m.group(2))
+    return found
 
 
 def sdiag_reset(cluster: DevCluster) -> None:
@@ -130,22 +149,26 @@ class RpcWindow:
     """RPCs counted by sdiag over one window, read every `step_s`."""
 
     seconds: float
-    total: int
+    total: int  # every user's RPCs (other sessions included)
+    mine: int  # RPCs by RPC_USER: the traffic of what the harness runs
     by_type: dict[str, int]
-    step_rates: list[float]  # RPCs/min of each sub-interval
+    step_rates: list[float]  # RPC_USER's RPCs/min of each sub-interval
     reset_by_someone_else: bool = False
 
     @property
     def per_min(self) -> float:
+        return self.mine * 60 / self.seconds if self.seconds else 0.0
+
+    @property
+    def all_users_per_min(self) -> float:
         return self.total * 60 / self.seconds if self.seconds else 0.0
 
 
 def measure_rpcs(cluster: DevCluster, seconds: float, step_s: float = 10.0) -> RpcWindow:
-    """sdiag --reset, then read sdiag every `step_s` for `seconds`; sum all message types."""
+    """sdiag --reset, then read sdiag every `step_s` for `seconds`."""
     sdiag_reset(cluster)
     t0 = time.monotonic()
-    prev = sdiag_counts(cluster)
-    first = dict(prev)
+    first = prev = sdiag_counts(cluster)
     prev_t = t0
     rates: list[float] = []
     broken = False
@@ -157,27 +180,33 @@ def measure_rpcs(cluster: DevCluster, seconds: float, step_s: float = 10.0) -> R
         time.sleep(min(step_s, end - now))
         counts = sdiag_counts(cluster)
         t = time.monotonic()
-        delta = sum(counts.values()) - sum(prev.values())
-        if delta < 0:  # another session reset the counters under us
-            broken = True
+        delta = counts.by_user.get(RPC_USER, 0) - prev.by_user.get(RPC_USER, 0)
+        if sum(counts.by_type.values()) < sum(prev.by_type.values()) or delta < 0:
+            broken = True  # another session reset the counters under us
         else:
             rates.append(delta * 60 / (t - prev_t))
         prev, prev_t = counts, t
-    elapsed = prev_t - t0
-    by_type = {k: v - first.get(k, 0) for k, v in prev.items() if v - first.get(k, 0) > 0}
-    return RpcWindow(elapsed, sum(by_type.values()), by_type, rates, broken)
+    by_type = {
+        k: v - first.by_type.get(k, 0)
+        for k, v in prev.by_type.items()
+        if v - first.by_type.get(k, 0) > 0
+    }
+    mine = prev.by_user.get(RPC_USER, 0) - first.by_user.get(RPC_USER, 0)
+    return RpcWindow(prev_t - t0, sum(by_type.values()), mine, by_type, rates, broken)
 
 
 # --- held jobs -------------------------------------------------------------------------------
 
 
 def submit_held(cluster: DevCluster, count: int, prefix: str) -> list[str]:
-    """Submit `count` held 1-node `sleep` jobs (they stay PENDING); return their ids."""
+    """Submit `count` held 1-node `sleep` jobs as RPC_USER (they stay PENDING); their ids."""
 
     def one(i: int) -> str:
         out = cluster.slurm(
             [
+                *AS_RPC_USER,
                 "sbatch",
+                "--chdir=/tmp",
                 "--parsable",
                 "--hold",
                 f"--job-name={prefix}{i}",
