@@ -605,8 +605,6 @@ def _throughput(
         total = len(first) + size
         wait_until(lambda: copy.stat().st_size >= total, 300, "bulk copy complete", 0.01)
         elapsed = time.time() - t0
-        path.write_bytes(first)  # keep the name (the copy is compared later); drop the bulk
-        copy.unlink()
         return size / elapsed / 1e6
 
     def baseline() -> float:
@@ -622,7 +620,6 @@ def _throughput(
             elapsed = reader.byte_times[-1][0] - t0
         finally:
             reader.stop()
-            path.unlink()
         return size / elapsed / 1e6
 
     if rep % 2 == 0:
@@ -789,8 +786,6 @@ def _compare_copies(s: dict[str, object], log_dir: Path) -> list[dict[str, Any]]
     out: list[dict[str, Any]] = []
     for copy in sorted(p for p in (Path(str(s["archive"])) / "logs").rglob("*") if p.is_file()):
         name = copy.name
-        if "perfbulk" in name:  # truncated and its copy removed by the throughput step
-            continue
         remote = log_dir / name if name.endswith((".out", ".err")) else log_dir / job_id / name
         out.append({"file": name, **_compare(remote, copy)})
     return out
