@@ -19,6 +19,7 @@ lags sbatch by a second) is not taken as gone.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 import time
@@ -39,6 +40,7 @@ from llmd_supervisor.slurm_parse import (
     JobState,
     accounting_disabled,
     allocation_row,
+    invalid_job_id,
     parse_sacct,
     parse_scontrol_config,
     parse_squeue,
@@ -259,6 +261,10 @@ class Poller:
             log.warning("slurm.squeue_failed", cluster=self.cluster, error=str(exc))
             await self._backoff()
             return False
+        if not result.ok and invalid_job_id(result.stderr):
+            # squeue omits unknown ids from a list, but errors when it knows none of them:
+            # every one of them has been purged (MinJobAge after its end).
+            result = dataclasses.replace(result, returncode=0, stdout="")
         if not result.ok:
             log.warning(
                 "slurm.squeue_failed",

@@ -18,6 +18,7 @@ its action is relied on. Stopping the daemon cancels these tasks and never the j
 
 from __future__ import annotations
 
+import functools
 import getpass
 import json
 import os
@@ -87,6 +88,7 @@ RECEIPT_EVENT = "verify.receipt"
 # After a restart in `submitting`, look the job name up no earlier than this long after
 # the state was journaled (an sbatch in flight then has finished or died with its daemon).
 SUBMIT_SETTLE_S = 5.0
+ARCHIVE_RETRY_CAP_S = 15.0
 
 # Fault injection for the crash tests: "STATE" or "STATE:N" SIGKILLs this process right
 # after the journal committed the N-th (default first) transition into STATE, before any
@@ -136,6 +138,8 @@ class RunHandle:
     watchers_done: anyio.Event = field(default_factory=anyio.Event)
     health: dict[str, NodeHealth] = field(default_factory=dict)
     marker_copy: bytes | None = None
+    tail_failed: str = ""  # a tailer gave up ("local" disk or "remote"): drain again
+    known_nodes: tuple[str, ...] = ()  # the allocation's nodes, however learnt
     scontrol_snapshot: str | None = None
     tail_bytes: int = 0
 
@@ -255,26 +259,35 @@ class Supervisor:
     # --- the per-run loop ----------------------------------------------------------------
 
     async def _supervise(self, h: RunHandle) -> None:
+        """Drive the run to a final state. An unexpected error (a bug, the journal briefly
+        failing) is logged and the step retried with backoff: a run is never dropped, and
+        its job is never touched because of it."""
+        delay = 1.0
         with structlog.contextvars.bound_contextvars(
             run_id=h.run.run_id, slurm_job_id=h.run.slurm_job_id
         ):
-            try:
-                async with anyio.create_task_group() as tg:
-                    h.tg = tg
-                    while not h.run.state.is_final:
-                        await self._advance(h)
-                    tg.cancel_scope.cancel()  # a cancel sequence still sleeping its grace
-            except Exception as exc:
-                # A bug or a journal failure stops this run's task, never the daemon and
-                # never the job; the journal holds the last good state for the next start.
-                log.error(
-                    "run.supervision_failed",
-                    error=str(exc),
-                    state=h.run.state.value,
-                    exc_info=not isinstance(exc, SupervisorError),
-                )
-            finally:
-                h.tg = None
+            while not h.run.state.is_final:
+                try:
+                    async with anyio.create_task_group() as tg:
+                        h.tg = tg
+                        while not h.run.state.is_final:
+                            await self._advance(h)
+                            delay = 1.0
+                        tg.cancel_scope.cancel()  # a cancel sequence still sleeping its grace
+                except Exception as exc:
+                    log.error(
+                        "run.supervision_failed",
+                        error=str(exc),
+                        state=h.run.state.value,
+                        retry_in_s=delay,
+                        exc_info=not isinstance(exc, SupervisorError),
+                    )
+                    h.watchers_running = h.watchers_started = False
+                    h.stop_watchers = anyio.Event()
+                    await anyio.sleep(delay)
+                    delay = min(delay * 2, 60.0)
+                finally:
+                    h.tg = None
 
     async def _advance(self, h: RunHandle) -> None:
         state = h.run.state
@@ -584,11 +597,17 @@ class Supervisor:
         def count(n: int) -> None:
             h.tail_bytes += n
 
-        local_path.parent.mkdir(parents=True, exist_ok=True)
         try:
+            local_path.parent.mkdir(parents=True, exist_ok=True)
             await tail_to_local(link, remote_path, local_path, stop=h.stop_watchers, on_bytes=count)
-        except SupervisorError as exc:
-            log.warning("run.tail_failed", remote=remote_path, error=str(exc))
+        except* OSError as group:
+            # Local disk trouble: the copy stays an exact prefix; the archive step drains
+            # it again and does not declare before it is complete.
+            h.tail_failed = "local"
+            log.warning("run.tail_failed", remote=remote_path, error=str(group.exceptions[0]))
+        except* SupervisorError as group:
+            h.tail_failed = h.tail_failed or "remote"
+            log.warning("run.tail_failed", remote=remote_path, error=str(group.exceptions[0]))
 
     # --- end of run ----------------------------------------------------------------------
 
@@ -601,6 +620,7 @@ class Supervisor:
             path = Path(h.meta.archive_dir) / "scontrol-show-job.txt"
             await anyio.to_thread.run_sync(path.write_text, result.stdout)
             nodes = nodes or _scontrol_nodes(result.stdout)
+        h.known_nodes = nodes
         if not h.watchers_started and nodes:
             # The job ended before it was seen running (or before a restart re-attached):
             # one drain-only pass still copies its logs and reads the marker.
@@ -660,37 +680,62 @@ class Supervisor:
             return None
 
     async def _archive(self, h: RunHandle) -> None:
-        """Write the archive, retrying with backoff while the disk refuses (never declare first)."""
-        events = await self.journal.events(h.run.run_id)
-        receipts = [e["receipt"] for e in events if e.get("kind") == RECEIPT_EVENT]
-        receipt = receipts[-1] if receipts else {"outcome": h.run.outcome, "reason": h.run.reason}
+        """Write the archive, retrying with backoff while it fails (disk full, permissions):
+        the outcome is never declared before its evidence is on disk. A log copy that a
+        tailer could not finish is drained again before each retry."""
+        if h.marker_copy is None and h.run.slurm_job_id is not None:
+            h.marker_copy = await self._read_marker(self.config.cluster(h.meta.cluster), h)
         delay = 1.0
+        remote_drains = 0
         while True:
+            if h.tail_failed and (h.known_nodes or h.run.nodes):
+                remote_drains += h.tail_failed == "remote"
+                h.tail_failed = ""
+                await self._drain_logs(h)
+            events = await self.journal.events(h.run.run_id)
+            receipts = [e["receipt"] for e in events if e.get("kind") == RECEIPT_EVENT]
+            receipt = receipts[-1] if receipts else None
+            write = functools.partial(
+                archive.write_archive,
+                self.config.archive_root,
+                h.run.run_id,
+                spec_toml=h.meta.spec_toml,
+                script=h.meta.script,
+                receipt=receipt
+                if isinstance(receipt, dict)
+                else {"outcome": h.run.outcome, "reason": h.run.reason},
+                events=events,
+                marker=h.marker_copy,
+                scontrol_snapshot=h.scontrol_snapshot,
+            )
             try:
                 with anyio.fail_after(self.config.limits.archive_timeout_s, shield=True):
-                    path = await anyio.to_thread.run_sync(
-                        lambda: archive.write_archive(
-                            self.config.archive_root,
-                            h.run.run_id,
-                            spec_toml=h.meta.spec_toml,
-                            script=h.meta.script,
-                            receipt=receipt if isinstance(receipt, dict) else {},
-                            events=events,
-                            marker=h.marker_copy,
-                            scontrol_snapshot=h.scontrol_snapshot,
-                        )
-                    )
-                break
+                    path = await anyio.to_thread.run_sync(write)
             except (OSError, TimeoutError) as exc:
                 log.error("run.archive_failed", error=str(exc), retry_in_s=delay)
                 await self.journal.add_event(
                     h.run.run_id, "archive.failed", {"error": str(exc)}, self.clock()
                 )
-                await anyio.sleep(delay)
-                delay = min(delay * 2, 60.0)
+                h.tail_failed = "local"  # the log copies may be short too
+            else:
+                if h.tail_failed != "local" and (not h.tail_failed or remote_drains >= 3):
+                    if h.tail_failed:  # the nodes refuse us now; say so, do not hang
+                        await self.journal.add_event(
+                            h.run.run_id, "logs.incomplete", {"drains": remote_drains}, self.clock()
+                        )
+                    break
+            await anyio.sleep(delay)
+            delay = min(delay * 2, ARCHIVE_RETRY_CAP_S)
         log.info("run.archived", archive=str(path))
         with anyio.CancelScope(shield=True):
             await self._apply(h, Archived())
+
+    async def _drain_logs(self, h: RunHandle) -> None:
+        """One drain-only watcher pass: copy what the tailers have not copied yet."""
+        h.stop_watchers.set()
+        self._start_watchers(h, h.known_nodes or h.run.nodes)
+        with anyio.move_on_after(self.config.limits.finish_drain_s):
+            await h.watchers_done.wait()
 
 
 def _job_id(h: RunHandle) -> str:

@@ -54,6 +54,7 @@ class Daemon:
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
     extra_config: str = ""
+    archive_dir: Path | None = None
     limits: dict[str, float] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -78,6 +79,7 @@ class Daemon:
 [daemon]
 state_dir = "{self.state_dir}"
 socket = "{self.socket}"
+{f'archive_dir = "{self.archive_dir}"' if self.archive_dir else ""}
 log_format = "json"
 
 [ssh]
