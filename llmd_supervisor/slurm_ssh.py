@@ -40,7 +40,8 @@ def remote_argv(argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
     """`argv` prefixed with ``env K=V ...`` (NodeLink.run shlex-quotes every word)."""
     if not env:
         return list(argv)
-    return ["env", *(f"{k}={v}" for k, v in sorted(env.items())), "--", *argv]
+    # `--` ends env's options; after the assignments the first word is the command.
+    return ["env", "--", *(f"{k}={v}" for k, v in sorted(env.items())), *argv]
 
 
 class SshRunner:
