@@ -6,6 +6,7 @@ NOTIFY_SOCKET datagram socket, or scrapes the metrics endpoint like Prometheus w
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import os
@@ -24,6 +25,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmd_supervisor.remote import NodeLink, SshSettings
+from llmd_supervisor.slurm import SlurmClient
+from llmd_supervisor.slurm_ssh import SshRunner, read_file
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.devcluster import DevCluster
 
@@ -287,3 +291,26 @@ listen = "127.0.0.1:{port}"
     assert count("login", "squeue") >= 1 and count("login", "cat") >= 1
     assert count("dev", "cat") == 0
     assert s[("llmd_supervisor_runs", (("state", "succeeded"),))] == 2
+
+
+@pytest.mark.asyncio
+async def test_ssh_runner_feeds_stdin_and_sets_slurm_conf_on_the_login_host(
+    cluster: DevCluster,
+) -> None:
+    settings = SshSettings(
+        username="root", client_keys=(cluster.ssh_key,), known_hosts=cluster.known_hosts
+    )
+    link = NodeLink("node1", settings)
+    try:
+        payload = bytes(range(256)) * 4096  # 1 MiB, every byte value
+        result = await link.run(["sha256sum"], time_limit=30, stdin=payload)
+        assert result.stdout.split()[0].decode() == hashlib.sha256(payload).hexdigest()
+        runner = SshRunner(link, {"SLURM_CONF": cluster.env["SLURM_CONF"]})
+        conf = await runner.run(["sh", "-c", 'echo "$SLURM_CONF"'], time_limit=30)
+        assert conf.stdout.strip() == cluster.env["SLURM_CONF"]
+        client = SlurmClient(runner, timeout=30)
+        assert "MinJobAge" in (await client.scontrol_config()).stdout
+        assert await read_file(runner, "/nonexistent/marker", time_limit=10) is None
+        assert await read_file(runner, "/etc/hostname", time_limit=10) is not None
+    finally:
+        await link.aclose()
