@@ -4,9 +4,10 @@ Each tick issues at most one `sacct` (allocation and step rows, chunked only whe
 list is long) covering every tracked job and every job whose verification asked for
 accounting evidence, and one `scontrol show job` per job that asked for the scontrol
 fallback. `squeue` (the authority on "left the queue", and the only source without
-accounting) runs once per `squeue_interval_s` for all tracked jobs. sacct is answered
-by slurmdbd and costs slurmctld nothing, so state changes are seen within
-`min_interval_s` while jobs run, at a slurmctld load independent of the number of jobs
+accounting) runs once per `squeue_interval_s` for all tracked jobs (2 slurmctld RPCs a
+call: 15 a minute at 8 s), or at once on `refresh()` (a run's batch log appeared: it
+started). sacct is answered by slurmdbd and costs slurmctld nothing, so ends are seen
+within `min_interval_s` while jobs run, at a slurmctld load independent of their number
 (DESIGN.md section 6; SLURM-FACTS "Polling cost").
 
 The interval adapts: `min_interval_s` while a tracked job runs, something changed or
@@ -94,7 +95,7 @@ class Poller:
         client: SlurmClient,
         poll: PollConfig,
         *,
-        squeue_interval_s: float = 12.0,
+        squeue_interval_s: float = 8.0,
     ) -> None:
         self.cluster = cluster
         self.client = client
@@ -150,6 +151,11 @@ class Poller:
     def poke(self) -> None:
         """Tick as soon as possible."""
         self._wake.set()
+
+    def refresh(self) -> None:
+        """Tick now, with a squeue (something started or ended; its nodes are wanted)."""
+        self._last_squeue = -math.inf
+        self.poke()
 
     # --- the loop ------------------------------------------------------------------------
 
