@@ -199,3 +199,25 @@ def test_garbage_marker_fails_naming_it(cluster: DevCluster, shared_tmp: Path) -
     assert (status, receipt["outcome"]) == (10, "failed")
     assert "not json" in str(receipt["reason"])
     assert receipt["marker"]["status"] == "not_json"  # type: ignore[index]
+
+
+@pytest.mark.faults_full
+def test_two_hundred_concurrent_short_runs_are_all_verified(
+    cluster: DevCluster, tmp_path: Path, shared_tmp: Path
+) -> None:
+    """Load: 200 runs submitted at once; every one ends succeeded, none is missed."""
+    d = Daemon(cluster, tmp_path)
+    d.start()
+    try:
+        runs = [_run(d, demo_spec(shared_tmp / f"r{i}", port=10000 + 10 * i)) for i in range(200)]
+        finals = [_final(d, run) for run in runs]
+    finally:
+        d.stop()
+    bad = {str(f["run"]): f["reason"] for f in finals if f["outcome"] != "succeeded"}
+    assert not bad, bad
+    assert len(d.events("run.finished")) == 200
+    for f in finals:
+        transitions = f["transitions"]
+        assert isinstance(transitions, list)
+        states = [t["state"] for t in transitions]
+        assert states[-4:] == ["finishing", "verifying", "archiving", "succeeded"], states
