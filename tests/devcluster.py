@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import subprocess
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -161,3 +163,34 @@ class DevCluster:
         if check and proc.returncode != 0:
             raise RuntimeError(f"ssh {node} {command!r} exited {proc.returncode}: {proc.stderr}")
         return proc
+
+    def verify_argv(self, job: str, log_dir: Path, *extra: str) -> list[str]:
+        """The real `llmd-supervisor verify` command line for a job of this cluster."""
+        return [
+            sys.executable,
+            "-m",
+            "llmd_supervisor",
+            "verify",
+            job,
+            "--log-dir",
+            str(log_dir),
+            "--json",
+            "--interval",
+            "0.3",
+            *extra,
+        ]
+
+    def verify(self, job: str, log_dir: Path, *extra: str) -> tuple[int, dict[str, object]]:
+        """Run the real CLI; return its exit status and the receipt it printed."""
+        proc = subprocess.run(
+            self.verify_argv(job, log_dir, *extra),
+            capture_output=True,
+            text=True,
+            timeout=180,
+            env=self.slurm_env,
+            check=False,
+        )
+        assert proc.stdout, proc.stderr
+        receipt = json.loads(proc.stdout)
+        assert isinstance(receipt, dict)
+        return proc.returncode, receipt

@@ -7,8 +7,6 @@ each is verified through the real command line.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,34 +70,6 @@ CASES = {
 }
 
 
-def verify(
-    job: str, log_dir: Path, *extra: str, env: dict[str, str]
-) -> tuple[int, dict[str, object]]:
-    """Run the real CLI; return its exit status and the receipt it printed."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llmd_supervisor",
-            "verify",
-            job,
-            "--log-dir",
-            str(log_dir),
-            "--json",
-            "--interval",
-            "0.3",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=180,
-        env=env,
-        check=False,
-    )
-    assert proc.stdout, proc.stderr
-    return proc.returncode, json.loads(proc.stdout)
-
-
 @pytest.fixture(scope="module")
 def ended_jobs(
     cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory
@@ -143,7 +113,7 @@ def test_verify_reports_each_real_end(
 ) -> None:
     log_dir, jobs = ended_jobs
     case = CASES[name]
-    status, receipt = verify(jobs[name], log_dir, "--timeout", "8", env=cluster.slurm_env)
+    status, receipt = cluster.verify(jobs[name], log_dir, "--timeout", "8")
     assert (status, receipt["outcome"]) == (case.exit_status, case.outcome), receipt["reason"]
     assert case.reason in str(receipt["reason"])
     assert receipt["schema"] == "llmd-supervisor.receipt/1"
@@ -157,8 +127,8 @@ def test_verify_writes_the_receipt_atomically(
 ) -> None:
     log_dir, jobs = ended_jobs
     receipt_path = tmp_path / "receipt.json"
-    status, printed = verify(
-        jobs["completed_marker_ok"], log_dir, "--receipt", str(receipt_path), env=cluster.slurm_env
+    status, printed = cluster.verify(
+        jobs["completed_marker_ok"], log_dir, "--receipt", str(receipt_path)
     )
     assert status == 0
     written = json.loads(receipt_path.read_text())
@@ -172,7 +142,7 @@ def test_verify_uses_scontrol_while_slurmdbd_is_down(cluster: DevCluster, shared
         script = shared_tmp / "ok.sh"
         script.write_text(f"#!/bin/bash\nLOGDIR={shared_tmp}\nsrun true\n" + MARKER.format(rc=0))
         job = cluster.sbatch(script, "-N", "2", f"--output={shared_tmp}/%j.out")
-        status, receipt = verify(job, shared_tmp, "--timeout", "20", env=cluster.slurm_env)
+        status, receipt = cluster.verify(job, shared_tmp, "--timeout", "20")
         assert status == 0, receipt["reason"]
         assert "scontrol, 2 agreeing reads" in str(receipt["reason"])
         queries = receipt["queries"]
@@ -185,6 +155,6 @@ def test_verify_uses_scontrol_while_slurmdbd_is_down(cluster: DevCluster, shared
 def test_verify_says_unverified_when_slurm_never_knew_the_job(
     cluster: DevCluster, shared_tmp: Path
 ) -> None:
-    status, receipt = verify("987654", shared_tmp, "--timeout", "3", env=cluster.slurm_env)
+    status, receipt = cluster.verify("987654", shared_tmp, "--timeout", "3")
     assert (status, receipt["outcome"]) == (15, "unverified")
     assert "after 3 s" in str(receipt["reason"])

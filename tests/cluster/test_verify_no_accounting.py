@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.test_verify_live import MARKER, verify
+from tests.cluster.test_verify_live import MARKER
 from tests.devcluster import DevCluster, devcluster
 
 pytestmark = pytest.mark.cluster
@@ -45,7 +45,7 @@ def test_verify_decides_from_scontrol_alone(
     script.write_text(f"#!/bin/bash\nLOGDIR={shared_tmp}\n{body}")
     job = no_accounting.sbatch(script, "-N", "2", f"--output={shared_tmp}/%j.out")
     no_accounting.wait_terminal(job)
-    got, receipt = verify(job, shared_tmp, "--timeout", "20", env=no_accounting.slurm_env)
+    got, receipt = no_accounting.verify(job, shared_tmp, "--timeout", "20")
     assert (got, receipt["outcome"]) == (status, outcome), receipt["reason"]
     assert reason in str(receipt["reason"])
     assert "scontrol, 2 agreeing reads" in str(receipt["reason"])
@@ -55,6 +55,6 @@ def test_verify_decides_from_scontrol_alone(
 def test_verify_gives_up_at_once_when_scontrol_forgot_the_job(
     no_accounting: DevCluster, shared_tmp: Path
 ) -> None:
-    got, receipt = verify("987654", shared_tmp, "--timeout", "60", env=no_accounting.slurm_env)
+    got, receipt = no_accounting.verify("987654", shared_tmp, "--timeout", "60")
     assert (got, receipt["outcome"]) == (15, "unverified")
     assert "accounting is disabled" in str(receipt["reason"])

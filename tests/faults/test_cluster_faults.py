@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -130,52 +129,13 @@ MARKER_LATER = (
 )
 
 
-def _verify(
-    cluster: DevCluster, job: str, log_dir: Path, *extra: str
-) -> tuple[int, dict[str, object]]:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "llmd_supervisor",
-            "verify",
-            job,
-            "--log-dir",
-            str(log_dir),
-            "--json",
-            "--interval",
-            "0.3",
-            *extra,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=cluster.slurm_env,
-        check=False,
-    )
-    return proc.returncode, json.loads(proc.stdout)
-
-
 def test_marker_that_appears_late_is_waited_for(cluster: DevCluster, shared_tmp: Path) -> None:
     script = shared_tmp / "late.sh"
     script.write_text(f"#!/bin/bash\nLOGDIR={shared_tmp}\nsrun true\n" + MARKER_LATER.format(rc=0))
     job = cluster.sbatch(script, "-N", "2", f"--output={shared_tmp}/%j.out")
     assert cluster.wait_terminal(job) == "COMPLETED|0:0"
     verifier = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "llmd_supervisor",
-            "verify",
-            job,
-            "--log-dir",
-            str(shared_tmp),
-            "--json",
-            "--interval",
-            "0.3",
-            "--timeout",
-            "30",
-        ],
+        cluster.verify_argv(job, shared_tmp, "--timeout", "30"),
         stdout=subprocess.PIPE,
         text=True,
         env=cluster.slurm_env,
@@ -195,7 +155,7 @@ def test_garbage_marker_fails_naming_it(cluster: DevCluster, shared_tmp: Path) -
     )
     job = cluster.sbatch(script, "-N", "1", f"--output={shared_tmp}/%j.out")
     assert cluster.wait_terminal(job) == "COMPLETED|0:0"
-    status, receipt = _verify(cluster, job, shared_tmp, "--timeout", "10")
+    status, receipt = cluster.verify(job, shared_tmp, "--timeout", "10")
     assert (status, receipt["outcome"]) == (10, "failed")
     assert "not json" in str(receipt["reason"])
     assert receipt["marker"]["status"] == "not_json"  # type: ignore[index]
