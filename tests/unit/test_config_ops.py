@@ -106,7 +106,7 @@ def test_config_show_prints_effective_values_as_toml_and_json(tmp_path: Path) ->
 
 def test_config_check_names_the_key_and_the_fix_and_exits_2(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text('[poll]\nmin_interval_s = 0.01\n')
+    path.write_text("[poll]\nmin_interval_s = 0.01\n")
     out = cli("config", "check", "--config", str(path))
     assert out.returncode == 2
     assert "'poll.min_interval_s'" in out.stderr
