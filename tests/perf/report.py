@@ -33,7 +33,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"{code['poller_sha256']}; uncommitted in llmd_supervisor/: "
         + (", ".join(code["uncommitted"]) or "none"),
         f"- took {report.get('seconds')} s; the dev cluster is shared with other sessions "
-        "(their Slurm traffic is measured as background and subtracted for RPCs)",
+        "(root); the harness's Slurm traffic runs as `nobody`, and the RPC rows are sdiag's "
+        "per-user counts for `nobody`",
         "",
         "| metric | project | baseline | unit | baseline/project | target | met |",
         "|---|---|---|---|---|---|---|",
