@@ -120,7 +120,8 @@ Next steps:
      [Service] ReadWritePaths=/your/shared/run/logs
   2. Let $LLMD_USER reach the nodes: authorize $STATE/.ssh/id_ed25519.pub for it on the
      nodes and collect their host keys: ssh-keyscan NODE... >> $STATE/.ssh/known_hosts
-  3. Users who submit need the socket: add them to group $LLMD_GROUP (or the admin_group).
+  3. Users who submit need the socket: set daemon.socket_group to their group (members
+     may submit and see their own runs); daemon.admin_group may act on every run.
   4. llmd-supervisor config check --config $ETC/config.toml
   5. systemctl enable --now llmd-supervisor
      journalctl -u llmd-supervisor -o json      # its logs, one JSON event per line

@@ -72,25 +72,24 @@ def environment_problems(config: Config) -> list[ConfigError]:
                     "(a login_host cluster reads it on that host)",
                 )
             )
-    if config.admin_group is not None:
+    for key, group in (
+        ("daemon.socket_group", config.socket_group),
+        ("daemon.admin_group", config.admin_group),
+    ):
+        if group is None:
+            continue
         try:
-            grp.getgrnam(config.admin_group)
+            grp.getgrnam(group)
         except KeyError:
             problems.append(
-                ConfigError(
-                    "daemon.admin_group",
-                    config.admin_group,
-                    "no such group; create it (groupadd) or remove the key",
-                )
+                ConfigError(key, group, "no such group; create it (groupadd) or remove the key")
             )
     parent = config.state_dir
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
         problems.append(
-            ConfigError(
-                "daemon.state_dir", str(config.state_dir), f"{parent} is not a directory"
-            )
+            ConfigError("daemon.state_dir", str(config.state_dir), f"{parent} is not a directory")
         )
     return problems
 

@@ -64,7 +64,8 @@ class Config:
     archive_dir: Path | None = None  # default: <state_dir>/archive
     socket_path: Path = Path("/run/llmd-supervisor/control.sock")
     socket_mode: int = 0o660
-    admin_group: str | None = None
+    socket_group: str | None = None  # who may connect (submit, see their own runs)
+    admin_group: str | None = None  # who may also see and cancel everyone's runs
     log_format: str = "auto"  # auto | json | console
     ssh: SshConfig = field(default_factory=SshConfig)
     poll: PollConfig = field(default_factory=PollConfig)
@@ -127,7 +128,15 @@ def parse_config(data: Mapping[str, object]) -> Config:
     _keys(
         "daemon",
         d,
-        ("state_dir", "archive_dir", "socket", "socket_mode", "admin_group", "log_format"),
+        (
+            "state_dir",
+            "archive_dir",
+            "socket",
+            "socket_mode",
+            "socket_group",
+            "admin_group",
+            "log_format",
+        ),
     )
     log_format = _str(d, "daemon.log_format", "auto")
     if log_format not in ("auto", "json", "console"):
@@ -219,6 +228,7 @@ def parse_config(data: Mapping[str, object]) -> Config:
         archive_dir=Path(archive) if archive else None,
         socket_path=Path(_str(d, "daemon.socket", "/run/llmd-supervisor/control.sock")),
         socket_mode=mode,
+        socket_group=_opt_str(d, "daemon.socket_group"),
         admin_group=_opt_str(d, "daemon.admin_group"),
         log_format=log_format,
         ssh=ssh,
@@ -296,6 +306,7 @@ def effective(config: Config) -> dict[str, object]:
             "archive_dir": str(config.archive_root),
             "socket": str(config.socket_path),
             "socket_mode": f"{config.socket_mode:04o}",
+            "socket_group": config.socket_group,
             "admin_group": config.admin_group,
             "log_format": config.log_format,
         },

@@ -120,7 +120,7 @@ async def _serve(config: Config, notify: Notify, watchdog_s: float | None) -> No
                 config.socket_path,
                 DaemonHandler(supervisor),
                 mode=config.socket_mode,
-                group=config.admin_group,
+                group=config.socket_group,
             )
             await tg.start(server.serve)
             log.info("daemon.ready", socket=str(config.socket_path), resumed=resumed)
