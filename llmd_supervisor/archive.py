@@ -46,15 +46,15 @@ def write_archive(
     archive_root: Path,
     run_id: str,
     *,
-    spec_toml: str,
-    script: str,
     receipt: Mapping[str, object],
     events: Sequence[Mapping[str, object]],
     marker: bytes | None,
     scontrol_snapshot: str | None,
 ) -> Path:
-    """Write (or rewrite: idempotent) the archive; the receipt goes last. Returns its path."""
-    d = prepare(archive_root, run_id, spec_toml=spec_toml, script=script)
+    """Complete (or rewrite: idempotent) the archive `prepare` started; the receipt goes
+    last. Returns its path."""
+    d = run_dir(archive_root, run_id)
+    (d / LOGS).mkdir(parents=True, exist_ok=True)
     if marker is not None:
         write_atomic(d / "marker.json", marker)
     if scontrol_snapshot:

@@ -104,9 +104,7 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     notifier = Notifier.from_environ()
     try:
         anyio.run(
-            functools.partial(
-                serve, config, notify=notifier.notify, watchdog_s=watchdog_interval()
-            )
+            functools.partial(serve, config, notify=notifier.notify, watchdog_s=watchdog_interval())
         )
     except SupervisorError as exc:
         notifier.notify(f"STATUS=failed: {exc}")

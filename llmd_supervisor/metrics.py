@@ -212,9 +212,7 @@ class InstrumentedRunner:
         except SlurmCommandError as exc:
             kind = "timeout" if exc.timed_out_after is not None else "unavailable"
             self.metrics.slurm_errors.labels(self.cluster, command, kind).inc()
-            self.metrics.slurm_seconds.labels(self.cluster, command).observe(
-                time.monotonic() - t0
-            )
+            self.metrics.slurm_seconds.labels(self.cluster, command).observe(time.monotonic() - t0)
             raise
         self.metrics.slurm_seconds.labels(self.cluster, command).observe(time.monotonic() - t0)
         if not result.ok:

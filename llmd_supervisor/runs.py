@@ -18,6 +18,7 @@ its action is relied on. Stopping the daemon cancels these tasks and never the j
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import getpass
 import json
@@ -141,6 +142,7 @@ class RunHandle:
     marker_copy: bytes | None = None
     tail_failed: str = ""  # a tailer gave up ("local" disk or "remote"): drain again
     known_nodes: tuple[str, ...] = ()  # the allocation's nodes, however learnt
+    watch_scope: anyio.CancelScope | None = None  # the watchers' task group
     scontrol_snapshot: str | None = None
     tail_bytes: int = 0
 
@@ -229,7 +231,7 @@ class Supervisor:
             except SpecError as exc:  # a spec valid at submission fails validation now
                 log.error("run.resume_failed", run_id=stored.run.run_id, error=str(exc))
                 continue
-            handle = RunHandle(stored, spec)
+            handle = RunHandle(StoredRun(stored.run, _slim(stored.meta, stored.run)), spec)
             self.handles[stored.run.run_id] = handle
             if not stored.run.state.is_final:
                 if stored.meta.cluster not in self.pollers:
@@ -317,7 +319,7 @@ class Supervisor:
             await self.journal.save(after, expected=before.state)
             if _CRASH_AFTER and after.state.value == _CRASH_AFTER:
                 _crash(after)
-            h.stored = StoredRun(after, h.meta)
+            h.stored = StoredRun(after, _slim(h.meta, after))
             if after.state is not before.state:
                 await self.journal.add_event(
                     after.run_id,
@@ -537,6 +539,7 @@ class Supervisor:
         links = [NodeLink(node, self.ssh) for node in nodes]
         try:
             async with anyio.create_task_group() as tg:
+                h.watch_scope = tg.cancel_scope
                 for rank, link in enumerate(links):
                     h.health.setdefault(link.host, NodeHealth(rank))
                     tg.start_soon(self._watch_node, h, rank, link, tg)
@@ -638,6 +641,16 @@ class Supervisor:
     # --- end of run ----------------------------------------------------------------------
 
     async def _finish(self, h: RunHandle) -> None:
+        """Stop the watchers, snapshot `scontrol show job`, complete the log copies.
+
+        Where this machine sees the run's log directory (a local cluster: the login node
+        shares it with the nodes), the SSH tailers are cancelled (their copies are exact
+        prefixes) and the copies completed from the shared filesystem in milliseconds;
+        otherwise the tailers drain over SSH, bounded by `finish_drain_s`.
+        """
+        local = self.config.cluster(h.meta.cluster).login_host is None
+        if local and h.watch_scope is not None:
+            h.watch_scope.cancel()
         h.stop_watchers.set()
         result = await self._client(h).scontrol_job(_job_id(h))
         nodes = h.run.nodes or (h.last_view.nodes if h.last_view else ())
@@ -647,13 +660,18 @@ class Supervisor:
             await anyio.to_thread.run_sync(path.write_text, result.stdout)
             nodes = nodes or _scontrol_nodes(result.stdout)
         h.known_nodes = nodes
-        if not h.watchers_started and nodes:
-            # The job ended before it was seen running (or before a restart re-attached):
-            # one drain-only pass still copies its logs and reads the marker.
-            self._start_watchers(h, nodes)
-        if h.watchers_running:
-            with anyio.move_on_after(self.config.limits.finish_drain_s):
+        if local:
+            if h.watchers_running:
                 await h.watchers_done.wait()
+            await self._drain_logs(h)
+        else:
+            if not h.watchers_started and nodes:
+                # The job ended before it was seen running (or before a restart
+                # re-attached): one drain-only pass still copies its logs.
+                self._start_watchers(h, nodes)
+            if h.watchers_running:
+                with anyio.move_on_after(self.config.limits.finish_drain_s):
+                    await h.watchers_done.wait()
         await self._apply(h, WatchersStopped())
 
     async def _verify(self, h: RunHandle) -> None:
@@ -725,8 +743,6 @@ class Supervisor:
                 archive.write_archive,
                 self.config.archive_root,
                 h.run.run_id,
-                spec_toml=h.meta.spec_toml,
-                script=h.meta.script,
                 receipt=receipt
                 if isinstance(receipt, dict)
                 else {"outcome": h.run.outcome, "reason": h.run.reason},
@@ -757,11 +773,65 @@ class Supervisor:
             await self._apply(h, Archived())
 
     async def _drain_logs(self, h: RunHandle) -> None:
-        """One drain-only watcher pass: copy what the tailers have not copied yet."""
+        """Copy what the tailers have not copied yet: from the shared log directory for a
+        local cluster, else with one drain-only SSH watcher pass."""
+        if self.config.cluster(h.meta.cluster).login_host is None:
+            try:
+                copied = await anyio.to_thread.run_sync(self._catch_up_local, h)
+            except OSError as exc:
+                h.tail_failed = "local"
+                log.warning("run.catch_up_failed", error=str(exc))
+            else:
+                log.info("run.logs_completed", bytes=copied)
+            return
         h.stop_watchers.set()
         self._start_watchers(h, h.known_nodes or h.run.nodes)
         with anyio.move_on_after(self.config.limits.finish_drain_s):
             await h.watchers_done.wait()
+
+    def _catch_up_local(self, h: RunHandle) -> int:
+        """Append to each local copy what its log file (seen through the shared log
+        directory) holds beyond it; copies files no tailer saw. Returns bytes copied."""
+        job_id = _job_id(h)
+        log_dir = Path(h.meta.log_dir)
+        local_dir = (
+            archive.logs_dir(self.config.archive_root, h.run.run_id) / f"attempt{h.run.attempt}"
+        )
+        sources = [log_dir / f"{h.run.job_name}-{job_id}.{ext}" for ext in ("out", "err")]
+        job_dir = log_dir / job_id
+        if job_dir.is_dir():
+            sources += sorted(
+                p
+                for p in job_dir.iterdir()
+                if p.name.startswith("rank") and not p.name.endswith(".status.json") and p.is_file()
+            )
+        local_dir.mkdir(parents=True, exist_ok=True)
+        copied = 0
+        for source in sources:
+            if source.exists():
+                copied += _append_missing(source, local_dir / source.name)
+        return copied
+
+
+def _append_missing(source: Path, copy: Path) -> int:
+    """Append source's bytes beyond copy's size to copy, fsynced; return how many."""
+    with copy.open("ab") as out, source.open("rb") as src:
+        src.seek(out.tell())
+        n = 0
+        while chunk := src.read(1 << 20):
+            out.write(chunk)
+            n += len(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    return n
+
+
+def _slim(meta: RunMeta, run: Run) -> RunMeta:
+    """Drop the rendered script (~75 KB: it embeds the node agent) once Slurm has it; the
+    journal and the archive's job.sbatch keep it. Keeps the daemon small with many runs."""
+    if meta.script and run.state not in (RunState.ACCEPTED, RunState.SUBMITTING):
+        return dataclasses.replace(meta, script="")
+    return meta
 
 
 def _job_id(h: RunHandle) -> str:

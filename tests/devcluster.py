@@ -194,3 +194,23 @@ class DevCluster:
         receipt = json.loads(proc.stdout)
         assert isinstance(receipt, dict)
         return proc.returncode, receipt
+
+    def job_ids_named(self, name: str, *, settle_s: float = 15.0) -> list[str]:
+        """Allocation ids sacct knows under `name` (retried: sacct's first record of a
+        job can carry a placeholder name for a few seconds)."""
+        deadline = time.monotonic() + settle_s
+        while True:
+            ids = self.slurm(
+                [
+                    "sacct",
+                    "-X",
+                    "-n",
+                    "-P",
+                    f"--name={name}",
+                    "--format=JobIDRaw",
+                    "--starttime=now-1days",
+                ]
+            ).stdout.split()
+            if ids or time.monotonic() > deadline:
+                return ids
+            time.sleep(0.5)

@@ -60,9 +60,7 @@ def test_demo_run_succeeds_with_verified_receipt_and_identical_logs(
     assert any(n.endswith(".out") for n in names)
     assert {f"rank{r}.agent.log" for r in range(4)} <= set(names)
     # exactly one job with the run's name
-    rows = cluster.slurm(
-        ["sacct", "-X", "-n", "-P", f"--name={result['job_name']}", "--format=JobIDRaw"]
-    ).stdout.split()
+    rows = cluster.job_ids_named(str(result["job_name"]))
     assert rows == [job_id]
     finished = daemon.events("run.finished")
     assert [e["outcome"] for e in finished] == ["succeeded"]
@@ -127,9 +125,7 @@ def test_daemon_sigkilled_then_restarted_resumes_the_same_job(
     final = _result(daemon.cli("wait", run, "--json", check=False).stdout)
     assert final["outcome"] == "succeeded", final["reason"]
     job_id = str(final["slurm_job_id"])
-    rows = cluster.slurm(
-        ["sacct", "-X", "-n", "-P", f"--name={final['job_name']}", "--format=JobIDRaw"]
-    ).stdout.split()
+    rows = cluster.job_ids_named(str(final["job_name"]))
     assert rows == [job_id]
     assert_copies_identical(final)
 

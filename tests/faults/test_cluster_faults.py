@@ -162,6 +162,7 @@ def test_garbage_marker_fails_naming_it(cluster: DevCluster, shared_tmp: Path) -
 
 
 @pytest.mark.faults_full
+@pytest.mark.timeout(1800)
 def test_two_hundred_concurrent_short_runs_are_all_verified(
     cluster: DevCluster, tmp_path: Path, shared_tmp: Path
 ) -> None:

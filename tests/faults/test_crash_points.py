@@ -49,17 +49,7 @@ def test_sigkill_after_transition_then_restart(
         final = json.loads(daemon.cli("wait", str(r["run"]), "--json", check=False).stdout)
         assert final["outcome"] == "succeeded", (r["run"], final["reason"])
         job_id = str(final["slurm_job_id"])
-        ids = cluster.slurm(
-            [
-                "sacct",
-                "-X",
-                "-n",
-                "-P",
-                f"--name={final['job_name']}",
-                "--format=JobIDRaw",
-                "--starttime=now-1hour",
-            ]
-        ).stdout.split()
+        ids = cluster.job_ids_named(str(final["job_name"]))
         assert ids == [job_id], f"{final['job_name']}: Slurm jobs {ids}"
         assert_copies_identical(final)
         receipt = json.loads((Path(str(final["archive"])) / "receipt.json").read_text())
