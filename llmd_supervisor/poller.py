@@ -28,6 +28,7 @@ from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 
 import anyio
 import anyio.abc
@@ -104,6 +105,7 @@ class Poller:
         self.min_job_age_s = DEFAULT_MIN_JOB_AGE_S
         self.accounting_enabled = True
         self._tracked: dict[str, _Tracked] = {}
+        self._start_files: dict[str, Path] = {}
         self._requests: list[_EvidenceRequest] = []
         self._wake = anyio.Event()
         self._interval = poll.min_interval_s
@@ -151,6 +153,16 @@ class Poller:
     def poke(self) -> None:
         """Tick as soon as possible."""
         self._wake.set()
+
+    def watch_start(self, job_id: str, path: Path) -> None:
+        """Until it exists, check `path` (the job's batch log, which appears when the job
+        starts) every tick; when it appears, squeue at once (its nodes are wanted). One
+        thread hop per tick for all such jobs, not a task per job."""
+        self._start_files[job_id] = path
+        self.poke()
+
+    def unwatch_start(self, job_id: str) -> None:
+        self._start_files.pop(job_id, None)
 
     def refresh(self) -> None:
         """Tick now, with a squeue (something started or ended; its nodes are wanted)."""
@@ -205,6 +217,14 @@ class Poller:
     async def _tick(self) -> bool:
         """One round of queries; True while fast polling is warranted."""
         self.ticks += 1
+        if self._start_files:
+            files = list(self._start_files.items())
+            started = await anyio.to_thread.run_sync(
+                lambda: [job for job, path in files if path.exists()]
+            )
+            for job in started:
+                self.unwatch_start(job)
+                self._last_squeue = -math.inf
         requests, self._requests = self._requests, []
         changed = False
         sacct_ok = True

@@ -90,7 +90,6 @@ RECEIPT_EVENT = "verify.receipt"
 # the state was journaled (an sbatch in flight then has finished or died with its daemon).
 SUBMIT_SETTLE_S = 5.0
 ARCHIVE_RETRY_CAP_S = 15.0
-START_WATCH_INTERVAL_S = 0.5
 
 # Fault injection for the crash tests: "STATE" or "STATE:N" SIGKILLs this process right
 # after the journal committed the N-th (default first) transition into STATE, before any
@@ -455,11 +454,13 @@ class Supervisor:
         poller.track(job_id, self._starttime(h))
         if h.run.state is RunState.RUNNING and not h.watchers_running:
             self._start_watchers(h, h.run.nodes)  # resumed after a restart
-        async with anyio.create_task_group() as tg:
-            if h.run.state is RunState.PENDING:
-                tg.start_soon(self._watch_for_start, h)
-            view = await poller.next_view(job_id, h.last_view)
-            tg.cancel_scope.cancel()
+        local = self.config.cluster(h.meta.cluster).login_host is None
+        if h.run.state is RunState.PENDING and local:
+            # The batch log appears when the job starts: squeue then, not at its cadence.
+            poller.watch_start(job_id, Path(h.meta.log_dir) / f"{h.run.job_name}-{job_id}.out")
+        view = await poller.next_view(job_id, h.last_view)
+        if view.state is not JobState.PENDING:
+            poller.unwatch_start(job_id)
         h.last_view = view
         if view.left_queue:
             await self._apply(h, LeftQueue())
@@ -472,27 +473,6 @@ class Supervisor:
                 await h.watchers_done.wait()
             h.stop_watchers = anyio.Event()
             h.watchers_started = False
-
-    async def _watch_for_start(self, h: RunHandle) -> None:
-        """While pending, watch for the batch log to appear in the log directory (no Slurm
-        RPC): the job has started, so ask the poller for a squeue (the nodes) right away
-        instead of at its slow squeue cadence. Cancelled by the caller."""
-        out = Path(h.meta.log_dir) / f"{h.run.job_name}-{_job_id(h)}.out"
-        cluster = self.config.cluster(h.meta.cluster)
-        while not await self._exists(cluster, h, out):  # noqa: ASYNC110 - polls a file
-            await anyio.sleep(START_WATCH_INTERVAL_S)
-        self._poller(h).refresh()
-        await anyio.sleep_forever()
-
-    async def _exists(self, cluster: ClusterConfig, h: RunHandle, path: Path) -> bool:
-        if cluster.login_host is None:
-            return await anyio.to_thread.run_sync(path.exists)
-        client = self._client(h)
-        try:
-            result = await client.runner.run(["test", "-e", str(path)], time_limit=client.timeout)
-        except SlurmCommandError:
-            return False
-        return result.ok
 
     async def _cancel_sequence(self, h: RunHandle, job_id: str) -> None:
         """TERM every step's tasks, wait the run's grace, then plain scancel if still queued.
