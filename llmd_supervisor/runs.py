@@ -525,8 +525,9 @@ class Supervisor:
                     tg.start_soon(self._watch_node, h, rank, link, tg)
         finally:
             with anyio.CancelScope(shield=True):
-                for link in links:
-                    await link.aclose()
+                async with anyio.create_task_group() as closing:
+                    for link in links:
+                        closing.start_soon(link.aclose)
             h.watchers_running = False
             h.watchers_done.set()
 
