@@ -29,11 +29,12 @@ from llmd_supervisor.metrics import InstrumentedRunner, Metrics, serve_metrics
 from llmd_supervisor.poller import Poller
 from llmd_supervisor.remote import NodeLink
 from llmd_supervisor.render import render_sbatch
-from llmd_supervisor.runs import RunHandle, Supervisor, run_summary, utcnow
+from llmd_supervisor.runs import RunHandle, Supervisor, run_summary
 from llmd_supervisor.sdnotify import loop_monitor
 from llmd_supervisor.slurm import CommandRunner, LocalRunner, SlurmClient
 from llmd_supervisor.slurm_ssh import SshRunner, ssh_settings
 from llmd_supervisor.spec import load_spec
+from llmd_supervisor.verify import utcnow
 
 log = structlog.get_logger("llmd_supervisor.daemon")
 

@@ -6,9 +6,10 @@ state-driven: whatever state the journal holds, the matching step is (re)done, s
 daemon restart resumes every run exactly where it was:
 
   accepted    -> journal `submitting` with the unique job name, then sbatch
-  submitting  -> after a restart: look the job name up (squeue, then sacct); never resubmit
-  pending/running -> follow the poller's squeue views; start/restart watchers when running
-  finishing   -> drain and stop the watchers, snapshot `scontrol show job`
+  submitting  -> after a restart: look the job name up (squeue, then sacct); resubmit only
+                 when both answer that it never existed
+  pending/running -> follow the poller's views; start/restart watchers when running
+  finishing   -> stop the watchers, snapshot `scontrol show job`, complete the log copies
   verifying   -> collect evidence until the verdict is final (poller-batched queries)
   archiving   -> write and fsync the archive (retried until it succeeds), then declare
 
@@ -28,7 +29,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 
 import anyio
@@ -78,7 +79,7 @@ from llmd_supervisor.slurm import NameLookup, SlurmClient
 from llmd_supervisor.slurm_parse import JobState, parse_scontrol_job
 from llmd_supervisor.spec import RunSpec, load_spec
 from llmd_supervisor.verdict import SlurmQuery, Source
-from llmd_supervisor.verify import verify_job
+from llmd_supervisor.verify import utcnow, verify_job
 
 log = structlog.get_logger("llmd_supervisor.runs")
 
@@ -104,10 +105,6 @@ def _crash(run: Run) -> None:
     if _crash_count >= int(_CRASH_NTH or 1):
         log.warning("test.crash", state=run.state.value, run_id=run.run_id)
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def utcnow() -> datetime:
-    return datetime.now(UTC)
 
 
 @dataclass
