@@ -5,7 +5,7 @@ list is long) covering every tracked job and every job whose verification asked 
 accounting evidence, and one `scontrol show job` per job that asked for the scontrol
 fallback. `squeue` (the authority on "left the queue", and the only source without
 accounting) runs once per `squeue_interval_s` for all tracked jobs (2 slurmctld RPCs a
-call: 15 a minute at 8 s), or at once on `refresh()` (a run's batch log appeared: it
+call: 12 a minute at 10 s), or at once on `refresh()` (a run's batch log appeared: it
 started). sacct is answered by slurmdbd and costs slurmctld nothing, so ends are seen
 within `min_interval_s` while jobs run, at a slurmctld load independent of their number
 (DESIGN.md section 6; SLURM-FACTS "Polling cost").
@@ -96,7 +96,7 @@ class Poller:
         client: SlurmClient,
         poll: PollConfig,
         *,
-        squeue_interval_s: float = 8.0,
+        squeue_interval_s: float = 10.0,
     ) -> None:
         self.cluster = cluster
         self.client = client
