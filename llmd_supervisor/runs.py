@@ -521,12 +521,14 @@ class Supervisor:
                     h.health.setdefault(link.host, NodeHealth(rank))
                     tg.start_soon(self._watch_node, h, rank, link, tg)
         finally:
+            # The tailers have stopped (their copies fsynced): the run may go on while
+            # the links close.
+            h.watchers_running = False
+            h.watchers_done.set()
             with anyio.CancelScope(shield=True):
                 async with anyio.create_task_group() as closing:
                     for link in links:
                         closing.start_soon(link.aclose)
-            h.watchers_running = False
-            h.watchers_done.set()
 
     async def _watch_node(
         self, h: RunHandle, rank: int, link: NodeLink, tg: anyio.abc.TaskGroup
@@ -630,7 +632,7 @@ class Supervisor:
         if local and h.watch_scope is not None:
             h.watch_scope.cancel()
         h.stop_watchers.set()
-        result = await self._client(h).scontrol_job(_job_id(h))
+        result = await self._client(h).scontrol_job(_job_id(h))  # while the watchers stop
         nodes = h.run.nodes or (h.last_view.nodes if h.last_view else ())
         if result.ok and result.stdout.strip():
             h.scontrol_snapshot = result.stdout
