@@ -166,12 +166,49 @@ def test_garbage_marker_fails_naming_it(cluster: DevCluster, shared_tmp: Path) -
 def test_two_hundred_concurrent_short_runs_are_all_verified(
     cluster: DevCluster, tmp_path: Path, shared_tmp: Path
 ) -> None:
-    """Load: 200 runs submitted at once; every one ends succeeded, none is missed."""
+    """Load: 200 runs submitted at once over one control connection; every one ends
+    succeeded, each through every state, none missed."""
+    import anyio
+
+    from llmd_supervisor.control import ControlClient
+
     d = Daemon(cluster, tmp_path)
     d.start()
+
+    async def submit_all() -> list[str]:
+        async with ControlClient(d.socket) as client:
+            runs = []
+            for i in range(200):
+                spec = demo_spec(shared_tmp / f"r{i}", port=10000 + 10 * i)
+                result = await client.call("submit", {"spec_toml": spec})
+                runs.append(str(result["run"]))
+            return runs
+
     try:
-        runs = [_run(d, demo_spec(shared_tmp / f"r{i}", port=10000 + 10 * i)) for i in range(200)]
-        finals = [_final(d, run) for run in runs]
+        runs = anyio.run(submit_all)
+        deadline = time.monotonic() + 1500
+        while time.monotonic() < deadline:
+            listed = json.loads(d.cli("list", "--all", "--json").stdout)["runs"]
+            if (
+                sum(
+                    1
+                    for r in listed
+                    if r["state"]
+                    in (
+                        "succeeded",
+                        "failed",
+                        "cancelled",
+                        "timed_out",
+                        "node_failed",
+                        "out_of_memory",
+                        "unverified",
+                    )
+                )
+                >= 200
+            ):
+                break
+            time.sleep(5)
+        finals = [d.status(run) for run in runs]
     finally:
         d.stop()
     bad = {str(f["run"]): f["reason"] for f in finals if f["outcome"] != "succeeded"}
