@@ -2,6 +2,6 @@
 
 import sys
 
-from llmd_supervisor.cli import main
+from llmd_supervisor.cli.main import main
 
 sys.exit(main())

@@ -1,6 +1,6 @@
 """Node-side code that runs inside the allocation (stdlib only, Python 3.9+).
 
-The batch script rendered by :mod:`llmd_supervisor.render` embeds these files verbatim and
+The batch script rendered by :mod:`llmd_supervisor.core.render` embeds these files verbatim and
 writes them to the run's log directory on the shared file system:
 
 * ``agent.py`` -- the per-node agent (completion-marker protocol, DESIGN.md section 4);

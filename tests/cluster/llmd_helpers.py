@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmd_supervisor.render import render_sbatch
-from llmd_supervisor.spec import load_spec
+from llmd_supervisor.core.render import render_sbatch
+from llmd_supervisor.core.spec import load_spec
 from tests.devcluster import REPO, DevCluster
 
 DEMO = REPO / "deploy" / "llm-d" / "demo.toml"

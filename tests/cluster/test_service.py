@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmd_supervisor.remote import NodeLink, SshSettings
-from llmd_supervisor.slurm import SlurmClient
-from llmd_supervisor.slurm_ssh import SshRunner, read_file
+from llmd_supervisor.adapters.remote import NodeLink, SshSettings
+from llmd_supervisor.adapters.slurm import SlurmClient
+from llmd_supervisor.adapters.slurm_ssh import SshRunner, read_file
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.devcluster import DevCluster
 

@@ -12,9 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.errors import SlurmJobNotFound
-from llmd_supervisor.marker import MarkerReading, read_marker
-from llmd_supervisor.slurm_parse import (
+from llmd_supervisor.core.marker import MarkerReading, read_marker
+from llmd_supervisor.core.slurm_parse import (
     ExitCode,
     JobState,
     accounting_disabled,
@@ -27,7 +26,7 @@ from llmd_supervisor.slurm_parse import (
     parse_scontrol_job,
     parse_squeue,
 )
-from llmd_supervisor.verdict import (
+from llmd_supervisor.core.verdict import (
     Outcome,
     QueryOutcome,
     VerdictState,
@@ -36,6 +35,7 @@ from llmd_supervisor.verdict import (
     sacct_query,
     scontrol_query,
 )
+from llmd_supervisor.errors import SlurmJobNotFound
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "slurm"
 T0 = datetime(2026, 11, 30, 22, 0, 0, tzinfo=UTC)

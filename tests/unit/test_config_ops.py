@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.config import Config, effective, load_config, to_toml
+from llmd_supervisor.core.config import Config, effective, load_config, to_toml
 from llmd_supervisor.errors import ConfigError
 from tests.devcluster import REPO
 

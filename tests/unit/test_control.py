@@ -21,7 +21,7 @@ import pytest
 import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from llmd_supervisor.control import (
+from llmd_supervisor.adapters.control import (
     OPS,
     PROTOCOL_VERSION,
     ControlClient,

@@ -22,7 +22,7 @@ import structlog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmd_supervisor.control import ControlServer, Peer, Request, Send
+from llmd_supervisor.adapters.control import ControlServer, Peer, Request, Send
 
 MAX_MESSAGE = 2048
 FUZZ = settings(

@@ -17,9 +17,8 @@ import anyio.lowlevel
 import pytest
 import pytest_asyncio
 
-from llmd_supervisor.errors import JournalConflict, JournalError
-from llmd_supervisor.journal import SCHEMA_VERSION, Journal, RunMeta, StoredRun
-from llmd_supervisor.lifecycle import (
+from llmd_supervisor.adapters.journal import SCHEMA_VERSION, Journal, RunMeta, StoredRun
+from llmd_supervisor.core.lifecycle import (
     Archived,
     CancelRequested,
     Event,
@@ -35,7 +34,8 @@ from llmd_supervisor.lifecycle import (
     new_run,
     step,
 )
-from llmd_supervisor.verdict import Outcome
+from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.errors import JournalConflict, JournalError
 
 T0 = datetime(2025, 3, 4, 5, 6, 7, 890123, tzinfo=UTC)
 

@@ -7,8 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from llmd_supervisor.errors import IllegalTransition
-from llmd_supervisor.lifecycle import (
+from llmd_supervisor.core.lifecycle import (
     Action,
     Archived,
     CallSbatch,
@@ -33,7 +32,8 @@ from llmd_supervisor.lifecycle import (
     new_run,
     step,
 )
-from llmd_supervisor.verdict import Outcome
+from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.errors import IllegalTransition
 
 T0 = datetime(2026, 11, 30, 22, 0, 0, tzinfo=UTC)
 NODES = ("node1", "node2", "node3")

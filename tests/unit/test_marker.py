@@ -7,7 +7,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from llmd_supervisor.marker import MarkerStatus, marker_filename, read_marker
+from llmd_supervisor.core.marker import MarkerStatus, marker_filename, read_marker
 
 JOB = "42"
 

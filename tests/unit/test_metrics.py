@@ -11,12 +11,17 @@ import anyio
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from llmd_supervisor.adapters.metrics import (
+    InstrumentedRunner,
+    Metrics,
+    serve_metrics,
+    verify_seconds,
+)
+from llmd_supervisor.adapters.remote import NodeLink, SshSettings
+from llmd_supervisor.adapters.slurm import LocalRunner
+from llmd_supervisor.adapters.slurm_ssh import SshRunner
+from llmd_supervisor.core.lifecycle import RunState, Transition
 from llmd_supervisor.errors import ConfigError, SlurmCommandError
-from llmd_supervisor.lifecycle import RunState, Transition
-from llmd_supervisor.metrics import InstrumentedRunner, Metrics, serve_metrics, verify_seconds
-from llmd_supervisor.remote import NodeLink, SshSettings
-from llmd_supervisor.slurm import LocalRunner
-from llmd_supervisor.slurm_ssh import SshRunner
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -9,9 +9,8 @@ from datetime import UTC, datetime
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmd_supervisor.errors import SlurmParseError
-from llmd_supervisor.marker import MarkerStatus, read_marker
-from llmd_supervisor.slurm_parse import (
+from llmd_supervisor.core.marker import MarkerStatus, read_marker
+from llmd_supervisor.core.slurm_parse import (
     JobState,
     parse_exit_code,
     parse_sacct,
@@ -21,7 +20,7 @@ from llmd_supervisor.slurm_parse import (
     parse_squeue,
     parse_state,
 )
-from llmd_supervisor.verdict import (
+from llmd_supervisor.core.verdict import (
     Outcome,
     QueryOutcome,
     VerdictState,
@@ -30,6 +29,7 @@ from llmd_supervisor.verdict import (
     sacct_query,
     scontrol_query,
 )
+from llmd_supervisor.errors import SlurmParseError
 
 EXAMPLES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 T0 = datetime(2026, 11, 30, tzinfo=UTC)

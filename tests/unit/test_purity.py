@@ -9,10 +9,10 @@ import sys
 import pytest
 
 PURE_MODULES = [
-    "llmd_supervisor.slurm_parse",
-    "llmd_supervisor.marker",
-    "llmd_supervisor.verdict",
-    "llmd_supervisor.lifecycle",
+    "llmd_supervisor.core.slurm_parse",
+    "llmd_supervisor.core.marker",
+    "llmd_supervisor.core.verdict",
+    "llmd_supervisor.core.lifecycle",
 ]
 FORBIDDEN = ["anyio", "asyncssh", "sqlite3", "subprocess", "socket", "asyncio", "structlog"]
 

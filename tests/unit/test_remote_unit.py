@@ -1,10 +1,15 @@
-"""Pure parts of `llmd_supervisor.remote`: backoff schedule and settings validation."""
+"""Pure parts of `llmd_supervisor.adapters.remote`: backoff schedule and settings validation."""
 
 from __future__ import annotations
 
 import pytest
 
-from llmd_supervisor.remote import BACKOFF_CAP_S, BACKOFF_FIRST_S, SshSettings, backoff_delay
+from llmd_supervisor.adapters.remote import (
+    BACKOFF_CAP_S,
+    BACKOFF_FIRST_S,
+    SshSettings,
+    backoff_delay,
+)
 
 
 @pytest.mark.parametrize(

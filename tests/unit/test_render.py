@@ -19,16 +19,16 @@ from typing import Any
 
 import pytest
 
-from llmd_supervisor.cli import main
-from llmd_supervisor.errors import SpecError
-from llmd_supervisor.render import (
+from llmd_supervisor.cli.main import main
+from llmd_supervisor.core.render import (
     NODE_FILES,
     agent_config,
     bundled_node_sources,
     render_sbatch,
     stop_timeout_s,
 )
-from llmd_supervisor.spec import RunSpec, parse_spec
+from llmd_supervisor.core.spec import RunSpec, parse_spec
+from llmd_supervisor.errors import SpecError
 
 pytestmark = [pytest.mark.timeout(30)]
 
@@ -276,7 +276,7 @@ def test_cli_render_bad_spec_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "'job_name'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", ["llmd_supervisor.spec", "llmd_supervisor.render"])
+@pytest.mark.parametrize("module", ["llmd_supervisor.core.spec", "llmd_supervisor.core.render"])
 def test_spec_and_render_import_no_io_machinery(module: str) -> None:
     probe = (
         "import importlib, json, sys; importlib.import_module(sys.argv[1]);"

@@ -11,7 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from llmd_supervisor.sdnotify import Notifier, loop_monitor, watchdog_interval
+from llmd_supervisor.adapters.sdnotify import Notifier, loop_monitor, watchdog_interval
 
 
 @pytest.fixture

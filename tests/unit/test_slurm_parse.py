@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmd_supervisor.errors import SlurmJobNotFound, SlurmParseError
-from llmd_supervisor.slurm_parse import (
+from llmd_supervisor.core.slurm_parse import (
     SACCT_FIELDS,
     SQUEUE_FORMAT,
     ExitCode,
@@ -22,6 +21,7 @@ from llmd_supervisor.slurm_parse import (
     parse_squeue,
     parse_state,
 )
+from llmd_supervisor.errors import SlurmJobNotFound, SlurmParseError
 
 # --- states --------------------------------------------------------------------------------
 

@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 
-from llmd_supervisor.errors import SpecError
-from llmd_supervisor.spec import (
+from llmd_supervisor.core.spec import (
     ContainerKind,
     RunSpec,
     load_spec,
     parse_spec,
     time_limit_seconds,
 )
+from llmd_supervisor.errors import SpecError
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "llm-d"
 DEMO = tomllib.loads((DEPLOY / "demo.toml").read_text())

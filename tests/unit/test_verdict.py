@@ -9,8 +9,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from llmd_supervisor.marker import MarkerReading, read_marker
-from llmd_supervisor.verdict import (
+from llmd_supervisor.core.marker import MarkerReading, read_marker
+from llmd_supervisor.core.verdict import (
     RECEIPT_SCHEMA,
     Outcome,
     QueryOutcome,

@@ -34,9 +34,9 @@ from typing import Any, Final, TypeVar
 import anyio
 import anyio.to_thread
 
+from llmd_supervisor.core.lifecycle import Run, RunState, Transition
+from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import JournalConflict, JournalError
-from llmd_supervisor.lifecycle import Run, RunState, Transition
-from llmd_supervisor.verdict import Outcome
 
 __all__ = ["SCHEMA_VERSION", "Journal", "RunMeta", "StoredRun"]
 

@@ -22,8 +22,8 @@ from functools import cache
 from importlib import resources
 
 from llmd_supervisor import __version__
+from llmd_supervisor.core.spec import JOB_NAME_RE, ContainerKind, RunSpec
 from llmd_supervisor.errors import SpecError
-from llmd_supervisor.spec import JOB_NAME_RE, ContainerKind, RunSpec
 
 NODE_FILES: tuple[str, ...] = ("agent.py", "engine.py", "bench.py")
 CONFIG_VERSION = 1

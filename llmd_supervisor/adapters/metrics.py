@@ -38,16 +38,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from llmd_supervisor import __version__, remote
+from llmd_supervisor import __version__
+from llmd_supervisor.adapters import remote
+from llmd_supervisor.adapters.slurm import CommandResult, CommandRunner
+from llmd_supervisor.core.lifecycle import RunState
+from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import ConfigError, SlurmCommandError
-from llmd_supervisor.lifecycle import RunState
-from llmd_supervisor.slurm import CommandResult, CommandRunner
-from llmd_supervisor.verdict import Outcome
 
 if TYPE_CHECKING:
-    from llmd_supervisor.runs import RunHandle
+    from llmd_supervisor.supervision.runs import RunHandle
 
-log = structlog.get_logger("llmd_supervisor.metrics")
+log = structlog.get_logger("llmd_supervisor.adapters.metrics")
 
 _P = "llmd_supervisor_"
 _SLURM_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -12,8 +12,8 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from enum import StrEnum
 
+from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import IllegalTransition
-from llmd_supervisor.verdict import Outcome
 
 __all__ = [
     "Action",

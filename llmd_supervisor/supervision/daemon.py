@@ -19,24 +19,24 @@ import anyio
 import anyio.abc
 import structlog
 
-from llmd_supervisor import archive
-from llmd_supervisor.config import ClusterConfig, Config
-from llmd_supervisor.control import ControlServer, Handler, Peer, Request, Send, may_access
+from llmd_supervisor.adapters import archive
+from llmd_supervisor.adapters.control import ControlServer, Handler, Peer, Request, Send, may_access
+from llmd_supervisor.adapters.journal import Journal
+from llmd_supervisor.adapters.metrics import InstrumentedRunner, Metrics, serve_metrics
+from llmd_supervisor.adapters.remote import NodeLink
+from llmd_supervisor.adapters.sdnotify import loop_monitor
+from llmd_supervisor.adapters.slurm import CommandRunner, LocalRunner, SlurmClient
+from llmd_supervisor.adapters.slurm_ssh import SshRunner, ssh_settings
+from llmd_supervisor.core.config import ClusterConfig, Config
+from llmd_supervisor.core.lifecycle import RunState
+from llmd_supervisor.core.render import render_sbatch
+from llmd_supervisor.core.spec import load_spec
 from llmd_supervisor.errors import ControlError, IllegalTransition, SpecError, SupervisorError
-from llmd_supervisor.journal import Journal
-from llmd_supervisor.lifecycle import RunState
-from llmd_supervisor.metrics import InstrumentedRunner, Metrics, serve_metrics
-from llmd_supervisor.poller import Poller
-from llmd_supervisor.remote import NodeLink
-from llmd_supervisor.render import render_sbatch
-from llmd_supervisor.runs import RunHandle, Supervisor, run_summary
-from llmd_supervisor.sdnotify import loop_monitor
-from llmd_supervisor.slurm import CommandRunner, LocalRunner, SlurmClient
-from llmd_supervisor.slurm_ssh import SshRunner, ssh_settings
-from llmd_supervisor.spec import load_spec
-from llmd_supervisor.verify import utcnow
+from llmd_supervisor.supervision.poller import Poller
+from llmd_supervisor.supervision.runs import RunHandle, Supervisor, run_summary
+from llmd_supervisor.supervision.verify import utcnow
 
-log = structlog.get_logger("llmd_supervisor.daemon")
+log = structlog.get_logger("llmd_supervisor.supervision.daemon")
 
 Notify = Callable[[str], None]
 

@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from llmd_supervisor import __version__
-from llmd_supervisor.cli_config import add_parsers as add_config_parsers
-from llmd_supervisor.cli_daemon import add_parsers as add_daemon_parsers
+from llmd_supervisor.cli.config import add_parsers as add_config_parsers
+from llmd_supervisor.cli.daemon import add_parsers as add_daemon_parsers
 from llmd_supervisor.errors import SpecError
 
 # A subcommand handler takes the parsed args and returns the process exit status.
@@ -63,8 +63,8 @@ def _add_render_parser(sub: argparse._SubParsersAction[Any]) -> None:
 
 def _cmd_render(args: argparse.Namespace) -> int:
     """Print the batch script; a bad spec prints the SpecError to stderr and exits 2."""
-    from llmd_supervisor.render import render_sbatch
-    from llmd_supervisor.spec import load_spec
+    from llmd_supervisor.core.render import render_sbatch
+    from llmd_supervisor.core.spec import load_spec
 
     path: Path = args.spec
     try:
@@ -140,12 +140,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     import anyio
 
+    from llmd_supervisor.adapters.fsutil import read_optional, write_atomic
+    from llmd_supervisor.adapters.log import configure
+    from llmd_supervisor.adapters.slurm import LocalRunner, SlurmClient
+    from llmd_supervisor.core.marker import marker_filename
     from llmd_supervisor.errors import SupervisorError
-    from llmd_supervisor.fsutil import read_optional, write_atomic
-    from llmd_supervisor.log import configure
-    from llmd_supervisor.marker import marker_filename
-    from llmd_supervisor.slurm import LocalRunner, SlurmClient
-    from llmd_supervisor.verify import EXIT_CODES, DirectEvidence, verify_job
+    from llmd_supervisor.supervision.verify import EXIT_CODES, DirectEvidence, verify_job
 
     job_id: str = args.job_id
     if not job_id.isdigit():

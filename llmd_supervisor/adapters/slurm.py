@@ -22,13 +22,13 @@ from typing import Protocol
 
 import anyio
 
-from llmd_supervisor.errors import SlurmCommandError
-from llmd_supervisor.slurm_parse import (
+from llmd_supervisor.core.slurm_parse import (
     SACCT_FIELDS,
     SQUEUE_FORMAT,
     accounting_disabled,
     parse_sbatch_parsable,
 )
+from llmd_supervisor.errors import SlurmCommandError
 
 DEFAULT_TIMEOUT_S = 30.0
 

@@ -36,19 +36,13 @@ import anyio
 import anyio.abc
 import structlog
 
-from llmd_supervisor import archive
-from llmd_supervisor.config import ClusterConfig, Config
-from llmd_supervisor.errors import (
-    IllegalTransition,
-    RemoteError,
-    SlurmCommandError,
-    SlurmParseError,
-    SpecError,
-    SupervisorError,
-)
-from llmd_supervisor.fsutil import read_optional
-from llmd_supervisor.journal import Journal, RunMeta, StoredRun
-from llmd_supervisor.lifecycle import (
+from llmd_supervisor.adapters import archive
+from llmd_supervisor.adapters.fsutil import read_optional
+from llmd_supervisor.adapters.journal import Journal, RunMeta, StoredRun
+from llmd_supervisor.adapters.remote import NodeLink, SshSettings, tail_to_local
+from llmd_supervisor.adapters.slurm import NameLookup, SlurmClient
+from llmd_supervisor.core.config import ClusterConfig, Config
+from llmd_supervisor.core.lifecycle import (
     Action,
     Archived,
     CancelRequested,
@@ -70,18 +64,24 @@ from llmd_supervisor.lifecycle import (
     new_run,
     step,
 )
-from llmd_supervisor.marker import marker_filename
+from llmd_supervisor.core.marker import marker_filename
+from llmd_supervisor.core.render import render_sbatch
+from llmd_supervisor.core.slurm_parse import JobState, parse_scontrol_job
+from llmd_supervisor.core.spec import RunSpec, load_spec
+from llmd_supervisor.core.verdict import SlurmQuery, Source
+from llmd_supervisor.errors import (
+    IllegalTransition,
+    RemoteError,
+    SlurmCommandError,
+    SlurmParseError,
+    SpecError,
+    SupervisorError,
+)
 from llmd_supervisor.node.agent import expand_hostlist
-from llmd_supervisor.poller import Poller, QueueView
-from llmd_supervisor.remote import NodeLink, SshSettings, tail_to_local
-from llmd_supervisor.render import render_sbatch
-from llmd_supervisor.slurm import NameLookup, SlurmClient
-from llmd_supervisor.slurm_parse import JobState, parse_scontrol_job
-from llmd_supervisor.spec import RunSpec, load_spec
-from llmd_supervisor.verdict import SlurmQuery, Source
-from llmd_supervisor.verify import utcnow, verify_job
+from llmd_supervisor.supervision.poller import Poller, QueueView
+from llmd_supervisor.supervision.verify import utcnow, verify_job
 
-log = structlog.get_logger("llmd_supervisor.runs")
+log = structlog.get_logger("llmd_supervisor.supervision.runs")
 
 _REQUEUED_STATES = frozenset(
     {JobState.PENDING, JobState.REQUEUED, JobState.REQUEUE_HOLD, JobState.REQUEUE_FED}
@@ -691,7 +691,7 @@ class Supervisor:
         None when it is missing or cannot be read now (the caller falls back to the copy
         the SSH watcher took from the coordinator).
         """
-        from llmd_supervisor.slurm_ssh import read_file  # the login-host read path
+        from llmd_supervisor.adapters.slurm_ssh import read_file  # the login-host read path
 
         path = Path(h.meta.log_dir) / marker_filename(_job_id(h))
         if cluster.login_host is None:  # this machine shares the log directory

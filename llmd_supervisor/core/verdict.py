@@ -13,9 +13,8 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from enum import StrEnum
 
-from llmd_supervisor.errors import SlurmJobNotFound, SlurmParseError
-from llmd_supervisor.marker import MarkerReading, marker_filename
-from llmd_supervisor.slurm_parse import (
+from llmd_supervisor.core.marker import MarkerReading, marker_filename
+from llmd_supervisor.core.slurm_parse import (
     ExitCode,
     JobState,
     ParsedState,
@@ -27,6 +26,7 @@ from llmd_supervisor.slurm_parse import (
     parse_sacct,
     parse_scontrol_job,
 )
+from llmd_supervisor.errors import SlurmJobNotFound, SlurmParseError
 
 __all__ = [
     "RECEIPT_SCHEMA",

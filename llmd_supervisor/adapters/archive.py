@@ -20,7 +20,7 @@ import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from llmd_supervisor.fsutil import write_atomic
+from llmd_supervisor.adapters.fsutil import write_atomic
 
 LOGS = "logs"
 

@@ -18,10 +18,9 @@ from typing import Protocol
 import anyio
 import structlog
 
-from llmd_supervisor.errors import SlurmCommandError
-from llmd_supervisor.marker import MarkerReading, read_marker
-from llmd_supervisor.slurm import CommandResult, SlurmClient
-from llmd_supervisor.verdict import (
+from llmd_supervisor.adapters.slurm import CommandResult, SlurmClient
+from llmd_supervisor.core.marker import MarkerReading, read_marker
+from llmd_supervisor.core.verdict import (
     Outcome,
     SlurmQuery,
     Source,
@@ -35,8 +34,9 @@ from llmd_supervisor.verdict import (
     sacct_query,
     scontrol_query,
 )
+from llmd_supervisor.errors import SlurmCommandError
 
-log = structlog.get_logger("llmd_supervisor.verify")
+log = structlog.get_logger("llmd_supervisor.supervision.verify")
 
 # Exit status of `llmd-supervisor verify` (and `wait`) per outcome: 0 only for success.
 EXIT_CODES: dict[Outcome, int] = {

@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from llmd_supervisor.config import DEFAULT_PATH, Config, effective, read_config, to_toml
+from llmd_supervisor.core.config import DEFAULT_PATH, Config, effective, read_config, to_toml
 from llmd_supervisor.errors import ConfigError, SupervisorError
 
 

@@ -19,10 +19,10 @@ import time
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
-from llmd_supervisor.config import SshConfig
+from llmd_supervisor.adapters.remote import NodeLink, SshSettings
+from llmd_supervisor.adapters.slurm import CommandResult, CommandRunner
+from llmd_supervisor.core.config import SshConfig
 from llmd_supervisor.errors import RemoteError, SlurmCommandError
-from llmd_supervisor.remote import NodeLink, SshSettings
-from llmd_supervisor.slurm import CommandResult, CommandRunner
 
 
 def ssh_settings(ssh: SshConfig) -> SshSettings:

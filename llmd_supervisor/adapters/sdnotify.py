@@ -24,7 +24,7 @@ import anyio
 import anyio.abc
 import structlog
 
-log = structlog.get_logger("llmd_supervisor.sdnotify")
+log = structlog.get_logger("llmd_supervisor.adapters.sdnotify")
 
 # Without a watchdog the loop lag is still measured, this often.
 LAG_PROBE_INTERVAL_S = 1.0

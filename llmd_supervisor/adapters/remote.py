@@ -33,7 +33,7 @@ import structlog
 
 from llmd_supervisor.errors import RemoteError, TailConflict
 
-_log = structlog.get_logger("llmd_supervisor.remote")
+_log = structlog.get_logger("llmd_supervisor.adapters.remote")
 
 T = TypeVar("T")
 

@@ -34,11 +34,9 @@ import anyio
 import anyio.abc
 import structlog
 
-from llmd_supervisor.config import PollConfig
-from llmd_supervisor.errors import SlurmCommandError, SlurmParseError
-from llmd_supervisor.node.agent import expand_hostlist
-from llmd_supervisor.slurm import SlurmClient
-from llmd_supervisor.slurm_parse import (
+from llmd_supervisor.adapters.slurm import SlurmClient
+from llmd_supervisor.core.config import PollConfig
+from llmd_supervisor.core.slurm_parse import (
     JobState,
     accounting_disabled,
     allocation_row,
@@ -47,9 +45,17 @@ from llmd_supervisor.slurm_parse import (
     parse_scontrol_config,
     parse_squeue,
 )
-from llmd_supervisor.verdict import SlurmQuery, Source, failed_query, sacct_query, scontrol_query
+from llmd_supervisor.core.verdict import (
+    SlurmQuery,
+    Source,
+    failed_query,
+    sacct_query,
+    scontrol_query,
+)
+from llmd_supervisor.errors import SlurmCommandError, SlurmParseError
+from llmd_supervisor.node.agent import expand_hostlist
 
-log = structlog.get_logger("llmd_supervisor.poller")
+log = structlog.get_logger("llmd_supervisor.supervision.poller")
 
 DEFAULT_MIN_JOB_AGE_S = 300
 

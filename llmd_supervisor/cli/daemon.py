@@ -21,8 +21,8 @@ from typing import Any
 
 import anyio
 
+from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import ControlError, SupervisorError
-from llmd_supervisor.verdict import Outcome
 
 DEFAULT_SOCKET = Path("/run/llmd-supervisor/control.sock")
 EXIT_DAEMON_UNREACHABLE = 3
@@ -87,11 +87,11 @@ def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
 
 
 def cmd_daemon(args: argparse.Namespace) -> int:
-    from llmd_supervisor.cli_config import config_default
-    from llmd_supervisor.config import read_config
-    from llmd_supervisor.daemon import serve
-    from llmd_supervisor.log import configure
-    from llmd_supervisor.sdnotify import Notifier, watchdog_interval
+    from llmd_supervisor.adapters.log import configure
+    from llmd_supervisor.adapters.sdnotify import Notifier, watchdog_interval
+    from llmd_supervisor.cli.config import config_default
+    from llmd_supervisor.core.config import read_config
+    from llmd_supervisor.supervision.daemon import serve
 
     try:
         config = read_config(args.config or config_default())
@@ -124,7 +124,7 @@ def _fail(command: str, exc: Exception) -> int:
 
 
 def cmd_simple(args: argparse.Namespace) -> int:
-    from llmd_supervisor.control import ControlClient
+    from llmd_supervisor.adapters.control import ControlClient
 
     params: dict[str, object] = {}
     if args.op == "list":
@@ -171,7 +171,7 @@ def _print_summary(r: Mapping[str, object]) -> None:
 
 
 def cmd_submit(args: argparse.Namespace) -> int:
-    from llmd_supervisor.control import ControlClient
+    from llmd_supervisor.adapters.control import ControlClient
 
     try:
         spec_toml = args.spec.read_text(encoding="utf-8")
@@ -216,7 +216,7 @@ def cmd_wait(args: argparse.Namespace) -> int:
 
 
 def cmd_logs(args: argparse.Namespace) -> int:
-    from llmd_supervisor.control import ControlClient
+    from llmd_supervisor.adapters.control import ControlClient
 
     async def go() -> None:
         async with ControlClient(args.socket) as c:
@@ -239,8 +239,8 @@ def cmd_logs(args: argparse.Namespace) -> int:
 
 def _wait(socket_path: Path, run: str, *, detach: bool, follow: bool, as_json: bool) -> int:
     """Stream `wait` (and the batch log when following) until the outcome; exit by outcome."""
-    from llmd_supervisor.control import ControlClient
-    from llmd_supervisor.verify import EXIT_CODES
+    from llmd_supervisor.adapters.control import ControlClient
+    from llmd_supervisor.supervision.verify import EXIT_CODES
 
     tty = sys.stderr.isatty() and not as_json
     final: dict[str, object] = {}

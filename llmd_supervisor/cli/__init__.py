@@ -1,0 +1,1 @@
+"""The ``llmd-supervisor`` command line."""
