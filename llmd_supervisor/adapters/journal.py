@@ -24,18 +24,29 @@ import contextlib
 import json
 import os
 import sqlite3
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Final, TypeVar
+from typing import Final, TypeVar
 
 import anyio
 import anyio.to_thread
 
-from llmd_supervisor.core.lifecycle import Run, RunState, Transition
-from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.adapters.journal_rows import (
+    RUN_COLUMNS,
+    RunMeta,
+    StoredRun,
+    check_consistent,
+    decode_json,
+    insert_transitions,
+    iso,
+    load_runs,
+    load_transitions,
+    run_values,
+    transition_rows,
+)
+from llmd_supervisor.core.lifecycle import Run, RunState
 from llmd_supervisor.errors import JournalConflict, JournalError
 
 __all__ = ["SCHEMA_VERSION", "Journal", "RunMeta", "StoredRun"]
@@ -105,37 +116,13 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         )
         """,
     ),
+    # 1 -> 2: the log copies' own sizes are the resume offsets; the table was never read.
+    ("DROP TABLE IF EXISTS log_offsets",),
 )
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 _FINAL_STATES: Final = tuple(s.value for s in RunState if s.is_final)
-
-_RUN_COLUMNS: Final = (
-    "run_id, job_name, state, attempt, slurm_job_id, nodes, cancel_requested, outcome, "
-    "reason, owner_uid, cluster, spec_toml, script, log_dir, archive_dir, created_at"
-)
-
-
-@dataclass(frozen=True)
-class RunMeta:
-    """What the journal keeps about a run besides its state-machine record."""
-
-    owner_uid: int
-    cluster: str
-    spec_toml: str
-    script: str  # the rendered sbatch script
-    log_dir: str  # the run's log directory on the cluster's shared filesystem
-    archive_dir: str  # local archive directory for this run
-    created_at: datetime
-
-
-@dataclass(frozen=True)
-class StoredRun:
-    """A run as read back from the journal."""
-
-    run: Run  # transitions included
-    meta: RunMeta
 
 
 class Journal:
@@ -199,10 +186,10 @@ class Journal:
         Raises JournalConflict when a run with the same run id or job name exists.
         """
         operation = f"insert run {run.run_id}"
-        _check_consistent(self._path, operation, run)
-        now = _iso(datetime.now(UTC), self._path, operation)
-        created = _iso(meta.created_at, self._path, operation)
-        transitions = _transition_rows(run, 0, self._path, operation)
+        check_consistent(self._path, operation, run)
+        now = iso(datetime.now(UTC), self._path, operation)
+        created = iso(meta.created_at, self._path, operation)
+        transitions = transition_rows(run, 0, self._path, operation)
 
         def work(conn: sqlite3.Connection) -> None:
             clash = conn.execute(
@@ -218,10 +205,10 @@ class Journal:
                     f"the journal already holds run {clash[0]} with that {what}",
                 )
             conn.execute(
-                f"INSERT INTO runs ({_RUN_COLUMNS}, updated_at) "
+                f"INSERT INTO runs ({RUN_COLUMNS}, updated_at) "
                 "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
-                    *_run_values(run),
+                    *run_values(run),
                     meta.owner_uid,
                     meta.cluster,
                     meta.spec_toml,
@@ -232,7 +219,7 @@ class Journal:
                     now,
                 ),
             )
-            _insert_transitions(conn, run.run_id, transitions)
+            insert_transitions(conn, run.run_id, transitions)
 
         await self._call(operation, _write(work))
 
@@ -246,8 +233,8 @@ class Journal:
         mismatch, unknown run) and leaves the stored run untouched.
         """
         operation = f"save run {run.run_id}"
-        _check_consistent(self._path, operation, run)
-        now = _iso(datetime.now(UTC), self._path, operation)
+        check_consistent(self._path, operation, run)
+        now = iso(datetime.now(UTC), self._path, operation)
         path = str(self._path)
 
         def work(conn: sqlite3.Connection) -> None:
@@ -283,7 +270,7 @@ class Journal:
                     expected=expected.value,
                     actual=actual,
                 )
-            stored = _load_transitions(conn, run.run_id, self._path, operation)
+            stored = load_transitions(conn, run.run_id, self._path, operation)
             if run.transitions[: len(stored)] != stored:
                 raise JournalConflict(
                     path,
@@ -298,10 +285,10 @@ class Journal:
                 "UPDATE runs SET state = ?, attempt = ?, slurm_job_id = ?, nodes = ?, "
                 "cancel_requested = ?, outcome = ?, reason = ?, updated_at = ? "
                 "WHERE run_id = ?",
-                (*_run_values(run)[2:], now, run.run_id),
+                (*run_values(run)[2:], now, run.run_id),
             )
-            _insert_transitions(
-                conn, run.run_id, _transition_rows(run, len(stored), self._path, operation)
+            insert_transitions(
+                conn, run.run_id, transition_rows(run, len(stored), self._path, operation)
             )
 
         await self._call(operation, _write(work))
@@ -311,7 +298,7 @@ class Journal:
         operation = f"read run {run_id}"
         runs = await self._call(
             operation,
-            _read(lambda c: _load_runs(c, "run_id = ?", (run_id,), self._path, operation)),
+            _read(lambda c: load_runs(c, "run_id = ?", (run_id,), self._path, operation)),
         )
         return runs[0] if runs else None
 
@@ -320,7 +307,7 @@ class Journal:
         operation = f"look up job name {job_name!r}"
         runs = await self._call(
             operation,
-            _read(lambda c: _load_runs(c, "job_name = ?", (job_name,), self._path, operation)),
+            _read(lambda c: load_runs(c, "job_name = ?", (job_name,), self._path, operation)),
         )
         return runs[0] if runs else None
 
@@ -339,10 +326,10 @@ class Journal:
         where = " AND ".join(clauses) or "1"
         operation = "list runs"
         return await self._call(
-            operation, _read(lambda c: _load_runs(c, where, params, self._path, operation))
+            operation, _read(lambda c: load_runs(c, where, params, self._path, operation))
         )
 
-    # --- events and log offsets -------------------------------------------------------------
+    # --- events -----------------------------------------------------------------------------
 
     async def add_event(
         self, run_id: str, kind: str, fields: Mapping[str, object], at: datetime
@@ -363,7 +350,7 @@ class Journal:
             raise JournalError(
                 str(self._path), operation, f"event fields are not JSON: {exc}"
             ) from exc
-        when = _iso(at, self._path, operation)
+        when = iso(at, self._path, operation)
 
         def work(conn: sqlite3.Connection) -> None:
             _require_run(conn, run_id, self._path, operation)
@@ -384,40 +371,9 @@ class Journal:
             ).fetchall()
             out: list[dict[str, object]] = []
             for at, kind, fields in rows:
-                decoded = _json(fields, dict, self._path, operation)
+                decoded = decode_json(fields, dict, self._path, operation)
                 out.append({"at": at, "kind": kind, **decoded})
             return out
-
-        return await self._call(operation, _read(work))
-
-    async def set_offset(self, run_id: str, name: str, offset: int) -> None:
-        """Record how many bytes of the run's log ``name`` have been copied."""
-        operation = f"set the offset of log {name!r} of run {run_id}"
-        if offset < 0:
-            raise JournalError(str(self._path), operation, f"offset {offset} is negative")
-        now = _iso(datetime.now(UTC), self._path, operation)
-
-        def work(conn: sqlite3.Connection) -> None:
-            _require_run(conn, run_id, self._path, operation)
-            conn.execute(
-                "INSERT INTO log_offsets (run_id, name, byte_offset, updated_at) "
-                "VALUES (?, ?, ?, ?) ON CONFLICT (run_id, name) DO UPDATE SET "
-                "byte_offset = excluded.byte_offset, updated_at = excluded.updated_at",
-                (run_id, name, offset, now),
-            )
-
-        await self._call(operation, _write(work))
-
-    async def offsets(self, run_id: str) -> dict[str, int]:
-        """The recorded log offsets of the run, by log name."""
-        operation = f"read the log offsets of run {run_id}"
-
-        def work(conn: sqlite3.Connection) -> dict[str, int]:
-            rows = conn.execute(
-                "SELECT name, byte_offset FROM log_offsets WHERE run_id = ? ORDER BY name",
-                (run_id,),
-            ).fetchall()
-            return {str(name): int(offset) for name, offset in rows}
 
         return await self._call(operation, _read(work))
 
@@ -571,165 +527,6 @@ def _rollback(conn: sqlite3.Connection) -> None:
 def _require_run(conn: sqlite3.Connection, run_id: str, path: Path, operation: str) -> None:
     if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is None:
         raise JournalError(str(path), operation, f"the journal holds no run {run_id}")
-
-
-def _run_values(run: Run) -> tuple[object, ...]:
-    return (
-        run.run_id,
-        run.job_name,
-        run.state.value,
-        run.attempt,
-        run.slurm_job_id,
-        json.dumps(list(run.nodes)),
-        int(run.cancel_requested),
-        None if run.outcome is None else run.outcome.value,
-        run.reason,
-    )
-
-
-def _transition_rows(
-    run: Run, start: int, path: Path, operation: str
-) -> list[tuple[str, int, str, str, str]]:
-    return [
-        (run.run_id, seq, t.state.value, _iso(t.at, path, operation), t.event)
-        for seq, t in enumerate(run.transitions)
-        if seq >= start
-    ]
-
-
-def _insert_transitions(
-    conn: sqlite3.Connection, run_id: str, rows: Iterable[tuple[str, int, str, str, str]]
-) -> None:
-    conn.executemany(
-        "INSERT INTO transitions (run_id, seq, state, at, event) VALUES (?, ?, ?, ?, ?)", rows
-    )
-
-
-def _load_transitions(
-    conn: sqlite3.Connection, run_id: str, path: Path, operation: str
-) -> tuple[Transition, ...]:
-    rows = conn.execute(
-        "SELECT state, at, event FROM transitions WHERE run_id = ? ORDER BY seq", (run_id,)
-    ).fetchall()
-    return tuple(_transition(row, path, operation) for row in rows)
-
-
-def _load_runs(
-    conn: sqlite3.Connection, where: str, params: Sequence[object], path: Path, operation: str
-) -> list[StoredRun]:
-    rows = conn.execute(
-        f"SELECT {_RUN_COLUMNS} FROM runs WHERE {where} ORDER BY created_at, rowid", params
-    ).fetchall()
-    if not rows:
-        return []
-    by_run: dict[str, list[Transition]] = {row[0]: [] for row in rows}
-    for run_id, state, at, event in conn.execute(
-        f"SELECT run_id, state, at, event FROM transitions WHERE run_id IN "
-        f"(SELECT run_id FROM runs WHERE {where}) ORDER BY run_id, seq",
-        params,
-    ):
-        by_run[run_id].append(_transition((state, at, event), path, operation))
-    return [_stored_run(row, tuple(by_run[row[0]]), path, operation) for row in rows]
-
-
-def _stored_run(
-    row: Sequence[Any], transitions: tuple[Transition, ...], path: Path, operation: str
-) -> StoredRun:
-    (
-        run_id,
-        job_name,
-        state,
-        attempt,
-        slurm_job_id,
-        nodes,
-        cancel_requested,
-        outcome,
-        reason,
-        owner_uid,
-        cluster,
-        spec_toml,
-        script,
-        log_dir,
-        archive_dir,
-        created_at,
-    ) = row
-    try:
-        run = Run(
-            run_id=run_id,
-            job_name=job_name,
-            state=RunState(state),
-            attempt=int(attempt),
-            slurm_job_id=slurm_job_id,
-            nodes=tuple(str(n) for n in _json(nodes, list, path, operation)),
-            cancel_requested=bool(cancel_requested),
-            outcome=None if outcome is None else Outcome(outcome),
-            reason=reason,
-            transitions=transitions,
-        )
-    except ValueError as exc:
-        raise JournalError(str(path), operation, f"run {run_id} has a corrupt row: {exc}") from exc
-    meta = RunMeta(
-        owner_uid=int(owner_uid),
-        cluster=cluster,
-        spec_toml=spec_toml,
-        script=script,
-        log_dir=log_dir,
-        archive_dir=archive_dir,
-        created_at=_parse_time(created_at, path, operation),
-    )
-    return StoredRun(run=run, meta=meta)
-
-
-def _transition(row: Sequence[Any], path: Path, operation: str) -> Transition:
-    state, at, event = row
-    try:
-        return Transition(RunState(state), _parse_time(at, path, operation), event)
-    except ValueError as exc:
-        raise JournalError(str(path), operation, f"corrupt transition row: {exc}") from exc
-
-
-def _json(text: str, kind: type[_T], path: Path, operation: str) -> _T:
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise JournalError(str(path), operation, f"corrupt JSON {text!r}: {exc}") from exc
-    if not isinstance(value, kind):
-        raise JournalError(
-            str(path), operation, f"corrupt JSON {text!r}: expected a {kind.__name__}"
-        )
-    return value
-
-
-# --- pure helpers -------------------------------------------------------------------------
-
-
-def _check_consistent(path: Path, operation: str, run: Run) -> None:
-    if run.transitions and run.transitions[-1].state is not run.state:
-        raise JournalError(
-            str(path),
-            operation,
-            f"the run is in state {run.state.value!r} but its last transition is to "
-            f"{run.transitions[-1].state.value!r}",
-        )
-
-
-def _iso(moment: datetime, path: Path, operation: str) -> str:
-    """Fixed-width UTC ISO 8601, so text order is time order."""
-    if moment.tzinfo is None or moment.utcoffset() is None:
-        raise JournalError(
-            str(path), operation, f"time {moment.isoformat()} has no timezone; refusing to guess"
-        )
-    return moment.astimezone(UTC).isoformat(timespec="microseconds")
-
-
-def _parse_time(text: str, path: Path, operation: str) -> datetime:
-    try:
-        moment = datetime.fromisoformat(text)
-    except ValueError as exc:
-        raise JournalError(str(path), operation, f"corrupt time {text!r}") from exc
-    if moment.tzinfo is None:
-        raise JournalError(str(path), operation, f"stored time {text!r} has no timezone")
-    return moment.astimezone(UTC)
 
 
 def _error(path: Path, operation: str, exc: sqlite3.Error) -> JournalError:

@@ -17,7 +17,13 @@ import anyio.lowlevel
 import pytest
 import pytest_asyncio
 
-from llmd_supervisor.adapters.journal import SCHEMA_VERSION, Journal, RunMeta, StoredRun
+from llmd_supervisor.adapters.journal import (
+    MIGRATIONS,
+    SCHEMA_VERSION,
+    Journal,
+    RunMeta,
+    StoredRun,
+)
 from llmd_supervisor.core.lifecycle import (
     Archived,
     CancelRequested,
@@ -319,23 +325,6 @@ async def test_bad_events_are_refused(journal: Journal) -> None:
     assert await journal.events("r-1") == []
 
 
-@pytest.mark.asyncio
-async def test_offsets_are_upserted_per_log(journal: Journal) -> None:
-    await inserted(journal, "r-1")
-    await inserted(journal, "r-2")
-    assert await journal.offsets("r-1") == {}
-    await journal.set_offset("r-1", "batch.out", 100)
-    await journal.set_offset("r-1", "rank-0.log", 5)
-    await journal.set_offset("r-1", "batch.out", 4096)
-    await journal.set_offset("r-2", "batch.out", 1)
-    assert await journal.offsets("r-1") == {"batch.out": 4096, "rank-0.log": 5}
-    assert await journal.offsets("r-2") == {"batch.out": 1}
-    with pytest.raises(JournalError, match="negative"):
-        await journal.set_offset("r-1", "batch.out", -1)
-    with pytest.raises(JournalError, match="no run ghost"):
-        await journal.set_offset("ghost", "batch.out", 1)
-
-
 # --- opening, migrations, reopening ------------------------------------------------------------
 
 
@@ -354,7 +343,81 @@ async def test_open_creates_directory_and_migrates_an_empty_file(tmp_path: Path)
     with raw(empty) as conn:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
-    assert {"runs", "transitions", "events", "log_offsets"} <= tables
+    assert {"runs", "transitions", "events"} <= tables
+    assert "log_offsets" not in tables
+
+
+def _version_1_database(path: Path) -> None:
+    """A journal as version 1 left it: a run with transitions, an event and a log offset."""
+    with raw(path) as conn:
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("BEGIN")
+        for statement in MIGRATIONS[0]:
+            conn.execute(statement)
+        conn.execute(
+            "INSERT INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                *("r-old", "llmd-r-old", "running", 1, "4242", '["n1", "n2"]', 0, None, ""),
+                *(1000, "dev", 'name = "demo"\n', "#!/bin/bash\n", "/shared/r", "/arch/r"),
+                *(_stamp(0), _stamp(3)),
+            ),
+        )
+        conn.executemany(
+            "INSERT INTO transitions VALUES ('r-old', ?, ?, ?, ?)",
+            [
+                (0, "accepted", _stamp(0), "accepted"),
+                (1, "submitting", _stamp(1), "Submit"),
+                (2, "pending", _stamp(2), "Submitted"),
+                (3, "running", _stamp(3), "Started"),
+            ],
+        )
+        conn.execute(
+            "INSERT INTO events (run_id, at, kind, fields) VALUES ('r-old', ?, 'x', ?)",
+            (_stamp(1), '{"n": 1}'),
+        )
+        conn.execute("INSERT INTO log_offsets VALUES ('r-old', 'batch.out', 77, ?)", (_stamp(3),))
+        conn.execute("PRAGMA user_version = 1")
+        conn.execute("COMMIT")
+
+
+def _stamp(minutes: float) -> str:
+    return at(minutes).isoformat(timespec="microseconds")
+
+
+@pytest.mark.asyncio
+async def test_a_version_1_journal_migrates_and_keeps_its_runs(tmp_path: Path) -> None:
+    path = tmp_path / "journal.db"
+    _version_1_database(path)
+    async with await Journal.open(path) as journal:
+        stored = await journal.get("r-old")
+        assert stored is not None
+        assert stored.run.state is RunState.RUNNING
+        assert stored.run.slurm_job_id == "4242"
+        assert stored.run.nodes == ("n1", "n2")
+        assert [t.state for t in stored.run.transitions] == [
+            RunState.ACCEPTED,
+            RunState.SUBMITTING,
+            RunState.PENDING,
+            RunState.RUNNING,
+        ]
+        assert stored.meta.created_at == at(0)
+        assert stored.meta.log_dir == "/shared/r"
+        assert await journal.events("r-old") == [{"at": _stamp(1), "kind": "x", "n": 1}]
+        # The migrated journal goes on working: the run steps on, new runs go in.
+        left = advance(stored.run, LeftQueue(), start=4)
+        await journal.save(left, expected=RunState.RUNNING)
+        await inserted(journal, "r-new")
+        assert [s.run.run_id for s in await journal.list_runs()] == ["r-old", "r-new"]
+    with raw(path) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+        assert "log_offsets" not in tables
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+    async with await Journal.open(path) as journal:  # a migrated journal reopens as it is
+        again = await journal.get("r-old")
+        assert again is not None
+        assert again.run == left
 
 
 @pytest.mark.asyncio
@@ -394,7 +457,6 @@ async def test_reopening_keeps_everything(tmp_path: Path) -> None:
     running = advance(run, Submit(), Submitted("9"), Started(("n1",)))
     await journal.save(running, expected=RunState.ACCEPTED)
     await journal.add_event("r-1", "run.started", {"nodes": ["n1"]}, at(3))
-    await journal.set_offset("r-1", "batch.out", 77)
     await journal.aclose()
     await journal.aclose()  # idempotent
     with pytest.raises(JournalError, match="closed"):
@@ -405,7 +467,6 @@ async def test_reopening_keeps_everything(tmp_path: Path) -> None:
         assert await again.events("r-1") == [
             {"at": at(3).isoformat(), "kind": "run.started", "nodes": ["n1"]}
         ]
-        assert await again.offsets("r-1") == {"batch.out": 77}
         assert [s.run.run_id for s in await again.list_runs(active_only=True)] == ["r-1"]
 
 
@@ -431,8 +492,8 @@ async def test_full_disk_is_a_journal_error_and_rolls_back(journal: Journal) -> 
     assert isinstance(info.value.__cause__, sqlite3.OperationalError)
     # Nothing half-written, and the journal still works.
     assert [s.run.run_id for s in await journal.list_runs()] == ["r-1"]
-    await journal.set_offset("r-1", "batch.out", 3)
-    assert await journal.offsets("r-1") == {"batch.out": 3}
+    await journal.add_event("r-1", "after", {}, at(1))
+    assert [e["kind"] for e in await journal.events("r-1")] == ["after"]
 
 
 @pytest.mark.asyncio
@@ -466,7 +527,7 @@ async def _drive(journal: Journal, run_id: str) -> None:
         before = run.state
         run, _ = step(run, event, at(i + 1))
         await journal.save(run, expected=before)
-        await journal.set_offset(run_id, "batch.out", i)
+        await journal.add_event(run_id, "step", {"i": i}, at(i + 1))
 
 
 @pytest.mark.asyncio

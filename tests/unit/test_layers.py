@@ -33,7 +33,6 @@ KNOWN_OFFENDERS: dict[str, frozenset[str]] = {
     "size": frozenset(
         {
             "adapters/control.py",
-            "adapters/journal.py",
             "adapters/remote.py",
             "core/spec.py",
             "supervision/runs.py",
