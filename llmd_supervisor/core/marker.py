@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
 
+from llmd_supervisor.node import common as shared
+
 __all__ = [
     "MARKER_PREFIX",
     "Marker",
@@ -21,13 +23,13 @@ __all__ = [
     "read_marker",
 ]
 
-MARKER_PREFIX = ".bench_done."
+MARKER_PREFIX = shared.MARKER_PREFIX
 _FIELDS = ("rc", "job_id", "rank", "reason", "finished_at")
 
 
 def marker_filename(job_id: str) -> str:
     """The marker's file name (no directory) for ``job_id``."""
-    return f"{MARKER_PREFIX}{job_id}"
+    return shared.marker_name(job_id)
 
 
 class MarkerStatus(StrEnum):

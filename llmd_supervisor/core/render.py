@@ -24,9 +24,9 @@ from importlib import resources
 from llmd_supervisor import __version__
 from llmd_supervisor.core.spec import JOB_NAME_RE, ContainerKind, RunSpec
 from llmd_supervisor.errors import SpecError
+from llmd_supervisor.node import NODE_FILES
+from llmd_supervisor.node import common as shared
 
-NODE_FILES: tuple[str, ...] = ("agent.py", "engine.py", "bench.py")
-CONFIG_VERSION = 1
 HEARTBEAT_S = 2.0
 # Variables the agent reads inside a docker container (docker run does not inherit env).
 DOCKER_PASS_ENV: tuple[str, ...] = (
@@ -59,7 +59,7 @@ def agent_config(spec: RunSpec) -> dict[str, object]:
     stop = stop_timeout_s(spec.sigterm_grace_s)
     b = spec.benchmark
     return {
-        "version": CONFIG_VERSION,
+        "version": shared.CONFIG_VERSION,
         "log_dir": spec.log_dir,
         "prefill_nodes": spec.topology.prefill_nodes,
         "decode_nodes": spec.topology.decode_nodes,
@@ -216,7 +216,7 @@ def render_sbatch(
         " TERM",
         f"LOG_DIR={shlex.quote(spec.log_dir)}",
         'JOB_ID="${SLURM_JOB_ID:?llmd: this script must run under sbatch}"',
-        'NODE_DIR="$LOG_DIR/$JOB_ID/node"',
+        f'NODE_DIR="$LOG_DIR/$JOB_ID/{shared.NODE_DIR}"',
         'mkdir -p -- "$NODE_DIR" || exit 1',
         "",
     ]

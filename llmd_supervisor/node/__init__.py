@@ -1,13 +1,14 @@
 """Node-side code that runs inside the allocation (stdlib only, Python 3.9+).
 
-The batch script rendered by :mod:`llmd_supervisor.core.render` embeds these files verbatim and
-writes them to the run's log directory on the shared file system:
+The batch script rendered by :mod:`llmd_supervisor.core.render` embeds these files verbatim
+and writes them to the run's job directory on the shared file system:
 
+* ``common.py`` -- the names the agent and the daemon agree on (file names, states, rc
+  codes, hostlist expansion); the only node module the daemon imports;
 * ``agent.py`` -- the per-node agent (completion-marker protocol, DESIGN.md section 4);
+  it imports ``common`` and nothing else outside the standard library;
 * ``engine.py`` -- stand-in for a vLLM prefill/decode engine;
 * ``bench.py`` -- stand-in benchmark client.
-
-Each file is a standalone script: no imports between them and none from the package.
 """
 
-NODE_FILES = ("agent.py", "engine.py", "bench.py")
+NODE_FILES = ("common.py", "agent.py", "engine.py", "bench.py")

@@ -85,18 +85,11 @@ import traceback
 from http.client import HTTPConnection
 from typing import Any, Dict, List, Optional, Tuple
 
-RC_OK = 0
-RC_CONFIG = 64
-RC_INTERNAL = 70
-RC_ENGINE_START = 71
-RC_ENGINE_UNHEALTHY = 72
-RC_ENGINE_DIED = 73
-RC_REMOTE_UNHEALTHY = 74
-RC_COORDINATOR_SILENT = 75
-RC_SIGTERM = 143
+if __package__:  # imported from the installed package (the tests)
+    from . import common as shared
+else:  # run from the job's node directory, where common.py lies beside this file
+    import common as shared  # type: ignore[import-not-found,no-redef]
 
-LOCAL_FAILURE_RCS = (RC_ENGINE_START, RC_ENGINE_UNHEALTHY, RC_ENGINE_DIED)
-MARKER_PREFIX = ".bench_done."
 POLL_S = 0.2
 # After its own SIGTERM handling a rank waits this long for peers to report "terminating".
 TERM_NOTICE_S = 2.0
@@ -112,72 +105,6 @@ class Terminated(Exception):
 
 # --------------------------------------------------------------------------------------
 # pure helpers
-
-
-def expand_hostlist(expr: str) -> List[str]:
-    """Expand a Slurm hostlist such as ``node[1-3,05],gpu-a[01-02]x`` into host names.
-
-    Zero padding of a range is kept (``n[08-10]`` -> n08 n09 n10). Several bracket groups
-    in one name are expanded as a cartesian product, as Slurm does.
-    """
-    hosts: List[str] = []
-    for item in _split_top_level(expr.strip()):
-        if item:
-            hosts.extend(_expand_one(item))
-    return hosts
-
-
-def _split_top_level(expr: str) -> List[str]:
-    parts: List[str] = []
-    depth = 0
-    current: List[str] = []
-    for ch in expr:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError("unbalanced ']' in hostlist %r" % expr)
-        if ch == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-    if depth != 0:
-        raise ValueError("unbalanced '[' in hostlist %r" % expr)
-    parts.append("".join(current))
-    return parts
-
-
-def _expand_one(item: str) -> List[str]:
-    start = item.find("[")
-    if start < 0:
-        if "]" in item:
-            raise ValueError("unbalanced ']' in hostlist item %r" % item)
-        return [item]
-    end = item.find("]", start)
-    if end < 0:
-        raise ValueError("unbalanced '[' in hostlist item %r" % item)
-    prefix, body, rest = item[:start], item[start + 1 : end], item[end + 1 :]
-    if "[" in body:
-        raise ValueError("nested brackets in hostlist item %r" % item)
-    values: List[str] = []
-    for rng in body.split(","):
-        m = re.fullmatch(r"(\d+)(?:-(\d+))?", rng.strip())
-        if m is None:
-            raise ValueError("bad range %r in hostlist item %r" % (rng, item))
-        lo_s, hi_s = m.group(1), m.group(2)
-        if hi_s is None:
-            values.append(lo_s)
-            continue
-        lo, hi = int(lo_s), int(hi_s)
-        if hi < lo:
-            raise ValueError("descending range %r in hostlist item %r" % (rng, item))
-        if hi - lo > 100000:
-            raise ValueError("range %r in hostlist item %r is too large" % (rng, item))
-        width = len(lo_s) if lo_s.startswith("0") and len(lo_s) > 1 else 0
-        values.extend(str(v).zfill(width) for v in range(lo, hi + 1))
-    return [prefix + v + tail for v in values for tail in _expand_one(rest)]
 
 
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([a-z_]+)\}|[{}]")
@@ -246,7 +173,7 @@ def leader_ranks(cfg: Dict[str, Any], role: str) -> List[int]:
 
 
 def marker_path(log_dir: str, job_id: str) -> str:
-    return os.path.join(log_dir, MARKER_PREFIX + job_id)
+    return os.path.join(log_dir, shared.marker_name(job_id))
 
 
 def now_iso() -> str:
@@ -321,7 +248,7 @@ def read_marker(log_dir: str, job_id: str, min_age_s: float = 0.0) -> Optional[D
     a marker renamed into place on another node is found without waiting for the
     attribute cache to expire.
     """
-    name = MARKER_PREFIX + job_id
+    name = shared.marker_name(job_id)
     try:
         if name not in os.listdir(log_dir):
             return None
@@ -472,7 +399,7 @@ class Agent(object):
         self.engine: Optional["subprocess.Popen[bytes]"] = None
         self.engine_rc: Optional[int] = None
         self.bench: Optional["subprocess.Popen[bytes]"] = None
-        self.state = "starting"
+        self.state = shared.STATE_STARTING
         self.reason = ""
         self.final_rc: Optional[int] = None
         self.local_rc: Optional[int] = None
@@ -496,7 +423,7 @@ class Agent(object):
         return self.port_base + rank * self.port_stride
 
     def status_path(self, rank: int) -> str:
-        return os.path.join(self.job_dir, "rank%d.status.json" % rank)
+        return os.path.join(self.job_dir, shared.status_name(rank))
 
     def rank_label(self, rank: int) -> str:
         role = Role(rank, self.cfg)
@@ -655,7 +582,7 @@ class Agent(object):
                 )
             except OSError as exc:
                 raise LocalFailure(
-                    RC_ENGINE_START, "engine could not be started: %s" % exc
+                    shared.RC_ENGINE_START, "engine could not be started: %s" % exc
                 ) from exc
         self.log("engine.started", pid=self.engine.pid)
         self.write_status()
@@ -722,7 +649,8 @@ class Agent(object):
             rc = self.poll_engine()
             if rc is not None:
                 raise LocalFailure(
-                    RC_ENGINE_DIED, "engine exited with %s before becoming healthy" % _rc_text(rc)
+                    shared.RC_ENGINE_DIED,
+                    "engine exited with %s before becoming healthy" % _rc_text(rc),
                 )
             last = check_health(host, port, self.health_path, self.connect_s, self.read_s)
             if not last:
@@ -730,7 +658,7 @@ class Agent(object):
                 return
             if time.monotonic() >= deadline:
                 raise LocalFailure(
-                    RC_ENGINE_UNHEALTHY,
+                    shared.RC_ENGINE_UNHEALTHY,
                     "engine not healthy after %gs at %s:%d%s (last: %s)"
                     % (self.health_timeout_s, host, port, self.health_path, last),
                 )
@@ -766,7 +694,7 @@ class Agent(object):
         try:
             if self.start_error is not None:
                 raise self.start_error
-            self.set_state("waiting_engines")
+            self.set_state(shared.STATE_WAITING_ENGINES)
             self.wait_all_engines(deadline)
             rc, reason = self.run_sweep()
         except LocalFailure as exc:
@@ -780,7 +708,7 @@ class Agent(object):
             self.sleep(delay)
         self.publish(rc, reason)
         self.final_rc = rc
-        self.set_state("stopping", reason)
+        self.set_state(shared.STATE_STOPPING, reason)
         self.stop_group(self.engine, "engine")
         self.linger_for_workers()
         return rc
@@ -788,7 +716,7 @@ class Agent(object):
     def publish(self, rc: int, reason: str) -> None:
         if self.marker_published:
             return
-        self.set_state("publishing", reason)
+        self.set_state(shared.STATE_PUBLISHING, reason)
         publish_marker(
             self.log_dir,
             self.job_id,
@@ -810,7 +738,8 @@ class Agent(object):
             rc = self.poll_engine()
             if rc is not None:
                 raise LocalFailure(
-                    RC_ENGINE_DIED, "engine exited with %s before becoming healthy" % _rc_text(rc)
+                    shared.RC_ENGINE_DIED,
+                    "engine exited with %s before becoming healthy" % _rc_text(rc),
                 )
             self.raise_if_others_failed()
             for r in sorted(pending):
@@ -834,7 +763,7 @@ class Agent(object):
                 own = pending.pop(self.rank, None)
                 if own is not None:
                     raise LocalFailure(
-                        RC_ENGINE_UNHEALTHY,
+                        shared.RC_ENGINE_UNHEALTHY,
                         "engine not healthy after %gs (last: %s)" % (self.health_timeout_s, own),
                     )
                 first = min(pending)
@@ -842,7 +771,7 @@ class Agent(object):
                     "%s: %s" % (self.rank_label(r), w) for r, w in sorted(pending.items())
                 )
                 raise LocalFailure(
-                    RC_REMOTE_UNHEALTHY,
+                    shared.RC_REMOTE_UNHEALTHY,
                     "engines not healthy after %gs: %s" % (self.health_timeout_s, detail),
                     from_rank=first,
                 )
@@ -850,7 +779,7 @@ class Agent(object):
 
     def run_sweep(self) -> Tuple[int, str]:
         bench = self.cfg["bench"]
-        self.set_state("benchmarking")
+        self.set_state(shared.STATE_BENCHMARKING)
         bench_dir = os.path.join(self.job_dir, "bench")
         os.makedirs(bench_dir, exist_ok=True)
         prefill = [
@@ -916,7 +845,8 @@ class Agent(object):
                 erc = self.poll_engine()
                 if erc is not None:
                     raise LocalFailure(
-                        RC_ENGINE_DIED, "engine exited with %s during the benchmark" % _rc_text(erc)
+                        shared.RC_ENGINE_DIED,
+                        "engine exited with %s during the benchmark" % _rc_text(erc),
                     )
                 self.raise_if_others_failed()
                 if time.monotonic() >= deadline:
@@ -955,9 +885,9 @@ class Agent(object):
         except OSError:
             return False
         state = (read_json(path) or {}).get("state")
-        if age >= stale_s or state in ("exited", "terminated"):
+        if age >= stale_s or state in shared.GONE_STATES:
             return False
-        return state == "terminating" or noticing
+        return state == shared.STATE_TERMINATING or noticing
 
     def _alive_rank(self, rank: int, stale_s: float) -> bool:
         path = self.status_path(rank)
@@ -966,7 +896,7 @@ class Agent(object):
         except OSError:
             return False
         state = (read_json(path) or {}).get("state")
-        return age < stale_s and state not in ("exited", "terminated")
+        return age < stale_s and state not in shared.GONE_STATES
 
     # ---- workers
 
@@ -976,9 +906,9 @@ class Agent(object):
         try:
             if self.start_error is not None:
                 raise self.start_error
-            self.set_state("waiting_health")
+            self.set_state(shared.STATE_WAITING_HEALTH)
             self.wait_own_health(time.monotonic() + self.health_timeout_s)
-            self.set_state("ready")
+            self.set_state(shared.STATE_READY)
             while True:
                 self.check_term()
                 marker = read_marker(self.log_dir, self.job_id, lag)
@@ -987,7 +917,8 @@ class Agent(object):
                 rc = self.poll_engine()
                 if rc is not None:
                     raise LocalFailure(
-                        RC_ENGINE_DIED, "engine exited with %s before the marker" % _rc_text(rc)
+                        shared.RC_ENGINE_DIED,
+                        "engine exited with %s before the marker" % _rc_text(rc),
                     )
                 if silence.expired():
                     self.set_state(
@@ -997,9 +928,9 @@ class Agent(object):
                     marker = self.wait_marker(self.marker_grace_s, lag)
                     if marker is not None:
                         return self.finish_from_marker(marker)
-                    self.final_rc = RC_COORDINATOR_SILENT
+                    self.final_rc = shared.RC_COORDINATOR_SILENT
                     self.set_state(
-                        "stopping",
+                        shared.STATE_STOPPING,
                         "coordinator %s silent for %gs and no marker within %gs"
                         % (
                             self.rank_label(self.role.prefill_nodes),
@@ -1008,7 +939,7 @@ class Agent(object):
                         ),
                     )
                     self.stop_group(self.engine, "engine")
-                    return RC_COORDINATOR_SILENT
+                    return shared.RC_COORDINATOR_SILENT
                 self.sleep(0.5)
         except LocalFailure as exc:
             # Tell the coordinator (status file), then give it a bounded time to publish.
@@ -1017,7 +948,9 @@ class Agent(object):
             if marker is not None:
                 return self.finish_from_marker(marker)
             self.final_rc = exc.rc
-            self.set_state("stopping", exc.reason + "; no marker within %gs" % self.marker_grace_s)
+            self.set_state(
+                shared.STATE_STOPPING, exc.reason + "; no marker within %gs" % self.marker_grace_s
+            )
             self.stop_group(self.engine, "engine")
             return exc.rc
 
@@ -1026,7 +959,10 @@ class Agent(object):
         with self._lock:
             self.local_rc = exc.rc
         self.log("local.failure", rc=exc.rc, reason=exc.reason)
-        self.set_state("engine_died" if exc.rc == RC_ENGINE_DIED else "failed", exc.reason)
+        self.set_state(
+            shared.STATE_ENGINE_DIED if exc.rc == shared.RC_ENGINE_DIED else shared.STATE_FAILED,
+            exc.reason,
+        )
 
     def wait_marker(self, seconds: float, lag: float) -> Optional[Dict[str, Any]]:
         deadline = time.monotonic() + seconds
@@ -1043,7 +979,9 @@ class Agent(object):
         self.log(
             "marker.seen", rc=rc, from_rank=marker.get("rank"), reason=marker.get("reason", "")
         )
-        self.set_state("stopping", "marker rc=%d from rank %s" % (rc, marker.get("rank")))
+        self.set_state(
+            shared.STATE_STOPPING, "marker rc=%d from rank %s" % (rc, marker.get("rank"))
+        )
         self.stop_group(self.engine, "engine")
         return rc
 
@@ -1054,7 +992,7 @@ class Agent(object):
         state_at_term = self.state
         self.log("sigterm", state=state_at_term)
         with self._lock:
-            self.state = "terminating"
+            self.state = shared.STATE_TERMINATING
             self.reason = "sigterm in state %s" % state_at_term
         self.write_status()
         if self.role.is_coordinator and not self.marker_published:
@@ -1065,7 +1003,7 @@ class Agent(object):
                     "%s failed: %s" % (self.rank_label(r), why) for r, _, why in failures
                 )
             try:
-                self.publish(RC_SIGTERM, reason)
+                self.publish(shared.RC_SIGTERM, reason)
             except OSError as exc:
                 self.log("marker.error", error=str(exc))
         engine_procs: List[Tuple[int, int, str]] = []
@@ -1075,7 +1013,7 @@ class Agent(object):
         if self.bench is not None and self.bench.poll() is None:
             bench_procs = list_processes(self.bench.pid)
         killed = self.stop_group(self.bench, "bench") + self.stop_group(self.engine, "engine")
-        rc = RC_SIGTERM
+        rc = shared.RC_SIGTERM
         if not self.role.is_coordinator:
             # A marker that is already there decides: the TERM is most likely srun
             # --kill-on-bad-exit reacting to a peer that saw the marker first and exited
@@ -1097,9 +1035,9 @@ class Agent(object):
                     )
         self.final_rc = rc
         self.write_diag(state_at_term, engine_procs + bench_procs, killed)
-        if rc == RC_SIGTERM:
+        if rc == shared.RC_SIGTERM:
             with self._lock:
-                self.state = "terminated"
+                self.state = shared.STATE_TERMINATED
             self.write_status()
             self.linger_after_term()
         return rc
@@ -1199,7 +1137,7 @@ class Agent(object):
             self.start_error = exc
         hb = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         hb.start()
-        rc = RC_INTERNAL
+        rc = shared.RC_INTERNAL
         try:
             try:
                 rc = self.run_coordinator() if self.role.is_coordinator else self.run_worker()
@@ -1207,7 +1145,7 @@ class Agent(object):
                 rc = self.handle_term()
         except Exception:
             self.log("internal_error", trace=traceback.format_exc())
-            rc = RC_INTERNAL
+            rc = shared.RC_INTERNAL
             if self.role.is_coordinator and not self.marker_published:
                 with contextlib.suppress(Exception):
                     self.publish(rc, "agent internal error on rank %d" % self.rank)
@@ -1225,7 +1163,11 @@ class Agent(object):
         self._stop_heartbeat.set()
         hb.join(timeout=5)
         with self._lock:
-            self.state = "terminated" if rc == RC_SIGTERM and self.term_handled else "exited"
+            self.state = (
+                shared.STATE_TERMINATED
+                if rc == shared.RC_SIGTERM and self.term_handled
+                else shared.STATE_EXITED
+            )
         self.write_status()
         self.log("exit", rc=rc, reason=self.reason)
         return rc
@@ -1258,7 +1200,7 @@ class _Silence(object):
             self.last_seen = seen
             self.changed_at = time.monotonic()
             state = (read_json(self.path) or {}).get("state")
-            if state in ("exited", "terminated"):
+            if state in shared.GONE_STATES:
                 # The coordinator is gone for good; only the marker can still arrive.
                 self.changed_at = -1e18
         return time.monotonic() - self.changed_at > self.limit_s
@@ -1312,7 +1254,7 @@ def _child_preexec_for(parent: int) -> Any:
         if _PRCTL is not None:
             _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
             if os.getppid() != parent:
-                os._exit(RC_INTERNAL)
+                os._exit(shared.RC_INTERNAL)
 
     return preexec
 
@@ -1321,6 +1263,12 @@ def load_config(path: str) -> Dict[str, Any]:
     cfg = read_json(path)
     if cfg is None:
         raise ConfigError("cannot read config %s" % path)
+    if cfg.get("version") != shared.CONFIG_VERSION:
+        raise ConfigError(
+            "config %s has version %r; this agent knows only version %d (render the batch "
+            "script with the llmd-supervisor that ships this agent)"
+            % (path, cfg.get("version"), shared.CONFIG_VERSION)
+        )
     for key in ("log_dir", "prefill_nodes", "decode_nodes", "engine", "bench", "grace_s"):
         if key not in cfg:
             raise ConfigError("config %s lacks %r" % (path, key))
@@ -1355,13 +1303,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.hosts:
             hosts = [h.strip() for h in args.hosts.split(",") if h.strip()]
         else:
-            hosts = expand_hostlist(os.environ["SLURM_JOB_NODELIST"])
+            hosts = shared.expand_hostlist(os.environ["SLURM_JOB_NODELIST"])
         if len(hosts) != nnodes:
             raise ConfigError("%d hosts %r for %d nodes (P+D)" % (len(hosts), hosts, nnodes))
         agent = Agent(cfg, rank, job_id, hosts)
     except (ConfigError, KeyError, ValueError) as exc:
         print("llmd-agent: configuration error: %s" % (exc,), file=sys.stderr, flush=True)
-        return RC_CONFIG
+        return shared.RC_CONFIG
     signal.signal(signal.SIGTERM, agent.on_sigterm)
     if _EARLY_TERM:
         agent.term_received = True

@@ -53,7 +53,7 @@ from llmd_supervisor.core.verdict import (
     scontrol_query,
 )
 from llmd_supervisor.errors import SlurmCommandError, SlurmParseError
-from llmd_supervisor.node.agent import expand_hostlist
+from llmd_supervisor.node.common import expand_hostlist
 
 log = structlog.get_logger("llmd_supervisor.supervision.poller")
 

@@ -77,7 +77,7 @@ from llmd_supervisor.errors import (
     SpecError,
     SupervisorError,
 )
-from llmd_supervisor.node.agent import expand_hostlist
+from llmd_supervisor.node.common import expand_hostlist
 from llmd_supervisor.supervision.poller import Poller, QueueView
 from llmd_supervisor.supervision.verify import utcnow, verify_job
 

@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 
 import llmd_supervisor.node
-from llmd_supervisor.core.render import NODE_FILES, agent_config
+from llmd_supervisor.core.render import agent_config
 from llmd_supervisor.core.spec import load_spec
+from llmd_supervisor.node import NODE_FILES
 
 NODE_SRC = Path(llmd_supervisor.node.__file__).parent
 # Run the node code under another interpreter (e.g. a Python 3.9) with LLMD_NODE_PYTHON.

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.node import NODE_FILES, agent
+from llmd_supervisor.node import NODE_FILES, agent, common
 from tests.node.conftest import NODE_SRC
 
 pytestmark = [pytest.mark.timeout(30)]
@@ -32,13 +32,13 @@ pytestmark = [pytest.mark.timeout(30)]
     ],
 )
 def test_expand_hostlist(expr: str, hosts: list[str]) -> None:
-    assert agent.expand_hostlist(expr) == hosts
+    assert common.expand_hostlist(expr) == hosts
 
 
 @pytest.mark.parametrize("expr", ["node[1-3", "node1-3]", "node[3-1]", "node[a-b]", "n[[1]]"])
 def test_expand_hostlist_rejects_malformed(expr: str) -> None:
     with pytest.raises(ValueError):
-        agent.expand_hostlist(expr)
+        common.expand_hostlist(expr)
 
 
 def test_expand_template() -> None:

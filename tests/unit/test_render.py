@@ -21,7 +21,6 @@ import pytest
 
 from llmd_supervisor.cli.main import main
 from llmd_supervisor.core.render import (
-    NODE_FILES,
     agent_config,
     bundled_node_sources,
     render_sbatch,
@@ -29,6 +28,7 @@ from llmd_supervisor.core.render import (
 )
 from llmd_supervisor.core.spec import RunSpec, parse_spec
 from llmd_supervisor.errors import SpecError
+from llmd_supervisor.node import NODE_FILES
 
 pytestmark = [pytest.mark.timeout(30)]
 
