@@ -164,3 +164,13 @@ def test_node_files_parse_as_python_39(name: str) -> None:
     }
     assert "llmd_supervisor" not in imported, "node files must be standalone scripts"
     assert not imported & {"anyio", "asyncssh", "structlog", "tomllib"}
+
+
+def test_agent_refuses_a_config_version_it_does_not_know(tmp_path: Path) -> None:
+    path = tmp_path / "config.json"
+    cfg = {"log_dir": "/x", "prefill_nodes": 1, "decode_nodes": 1, "engine": {}, "bench": {}}
+    path.write_text(json.dumps({**cfg, "grace_s": 5, "version": common.CONFIG_VERSION + 1}))
+    with pytest.raises(agent.ConfigError, match="knows only version 1"):
+        agent.load_config(str(path))
+    path.write_text(json.dumps({**cfg, "grace_s": 5, "version": common.CONFIG_VERSION}))
+    assert agent.load_config(str(path))["version"] == common.CONFIG_VERSION
