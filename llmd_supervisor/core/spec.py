@@ -26,17 +26,59 @@ from __future__ import annotations
 import math
 import re
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
 
+from llmd_supervisor.core.spec_fields import (
+    CONTROL_RE,
+    PATH_RE,
+    PLACEHOLDER_RE,
+    check_keys,
+    command_field,
+    int_field,
+    list_field,
+    num_field,
+    path_field,
+    pattern_field,
+)
 from llmd_supervisor.errors import SpecError
+
+__all__ = [
+    "BENCH_PLACEHOLDERS",
+    "CONTROL_RE",
+    "ENGINE_PLACEHOLDERS",
+    "ENV_NAME_RE",
+    "EXTRA_ARG_RE",
+    "HEALTH_PATH_RE",
+    "IMAGE_RE",
+    "JOB_NAME_RE",
+    "MAX_GRACE_S",
+    "MAX_NODES",
+    "NAME_RE",
+    "PATH_RE",
+    "PLACEHOLDER_RE",
+    "PYTHON_RE",
+    "RESERVED_SBATCH_OPTIONS",
+    "SERVED_NAME_RE",
+    "TIME_RE",
+    "Benchmark",
+    "Container",
+    "ContainerKind",
+    "Engine",
+    "Env",
+    "Model",
+    "RunSpec",
+    "Slurm",
+    "Topology",
+    "load_spec",
+    "parse_spec",
+    "time_limit_seconds",
+]
 
 # --- patterns ---------------------------------------------------------------------------
 
-# Absolute path, no spaces, quotes, `$`, `%` (sbatch filename patterns) or other metachars.
-PATH_RE: Final = re.compile(r"/(?:[A-Za-z0-9._+-]+/?)*")
 NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 JOB_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SERVED_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,199}")
@@ -47,8 +89,6 @@ HEALTH_PATH_RE: Final = re.compile(r"/[A-Za-z0-9._/-]{0,200}")
 # Slurm --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
 TIME_RE: Final = re.compile(r"(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)")
 EXTRA_ARG_RE: Final = re.compile(r"--([a-z][a-z0-9-]*)(?:=([A-Za-z0-9._:,/@+=-]*))?")
-PLACEHOLDER_RE: Final = re.compile(r"\{\{|\}\}|\{([a-z_]+)\}|[{}]")
-CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f]")
 
 # Options the renderer owns; an extra arg may not set them, nor be a prefix of one
 # (Slurm accepts unambiguous abbreviations of long options).
@@ -260,7 +300,7 @@ def load_spec(text: str) -> RunSpec:
 
 def parse_spec(data: Mapping[str, object]) -> RunSpec:
     """Validate an already-decoded spec mapping (the shape ``tomllib`` returns)."""
-    _check_keys("", data, tuple(_TABLES))
+    check_keys("", data, tuple(_TABLES))
     for name in _REQUIRED_TABLES:
         if name not in data:
             raise SpecError(name, None, f"the [{name}] table is required")
@@ -268,7 +308,7 @@ def parse_spec(data: Mapping[str, object]) -> RunSpec:
 
     run = t["run"]
     topo = _parse_topology(t["topology"])
-    grace = _int(run, "run.sigterm_grace_s", default=30, lo=1, hi=MAX_GRACE_S)
+    grace = int_field(run, "run.sigterm_grace_s", default=30, lo=1, hi=MAX_GRACE_S)
     slurm = _parse_slurm(t["slurm"])
     if grace >= slurm.time_limit_s:
         raise SpecError(
@@ -278,7 +318,7 @@ def parse_spec(data: Mapping[str, object]) -> RunSpec:
             f"{slurm.time_limit_s} s) so the TERM can arrive before the limit",
         )
     return RunSpec(
-        log_dir=_path(run, "run.log_dir", required=True) or "",
+        log_dir=path_field(run, "run.log_dir", required=True) or "",
         topology=topo,
         model=_parse_model(t["model"]),
         container=_parse_container(t["container"]),
@@ -287,18 +327,18 @@ def parse_spec(data: Mapping[str, object]) -> RunSpec:
         slurm=slurm,
         env=_parse_env(t["env"]),
         sigterm_grace_s=grace,
-        marker_grace_s=_num(run, "run.marker_grace_s", default=10.0, lo=0.0, hi=3600.0),
-        coordinator_silence_s=_num(
+        marker_grace_s=num_field(run, "run.marker_grace_s", default=10.0, lo=0.0, hi=3600.0),
+        coordinator_silence_s=num_field(
             run, "run.coordinator_silence_s", default=60.0, lo=1.0, hi=86400.0
         ),
     )
 
 
 def _parse_topology(t: Mapping[str, object]) -> Topology:
-    p = _int(t, "topology.prefill_nodes", lo=1, hi=MAX_NODES)
-    d = _int(t, "topology.decode_nodes", lo=1, hi=MAX_NODES)
-    pw = _int(t, "topology.prefill_workers", default=1, lo=1, hi=MAX_NODES)
-    dw = _int(t, "topology.decode_workers", default=1, lo=1, hi=MAX_NODES)
+    p = int_field(t, "topology.prefill_nodes", lo=1, hi=MAX_NODES)
+    d = int_field(t, "topology.decode_nodes", lo=1, hi=MAX_NODES)
+    pw = int_field(t, "topology.prefill_workers", default=1, lo=1, hi=MAX_NODES)
+    dw = int_field(t, "topology.decode_workers", default=1, lo=1, hi=MAX_NODES)
     if p % pw:
         raise SpecError(
             "topology.prefill_workers",
@@ -311,14 +351,14 @@ def _parse_topology(t: Mapping[str, object]) -> Topology:
             dw,
             f"decode_nodes ({d}) must be divisible by it; use a divisor of {d}",
         )
-    gpus = _int(t, "topology.gpus_per_node", default=0, lo=0, hi=64)
+    gpus = int_field(t, "topology.gpus_per_node", default=0, lo=0, hi=64)
     return Topology(p, d, pw, dw, gpus)
 
 
 def _parse_model(t: Mapping[str, object]) -> Model:
     return Model(
-        path=_path(t, "model.path", required=True) or "",
-        served_name=_pattern(
+        path=path_field(t, "model.path", required=True) or "",
+        served_name=pattern_field(
             t,
             "model.served_name",
             SERVED_NAME_RE,
@@ -337,14 +377,14 @@ def _parse_container(t: Mapping[str, object]) -> Container:
         raise SpecError(
             "container.kind", raw_kind, "use one of 'none', 'docker', 'pyxis'"
         ) from None
-    image = _pattern(
+    image = pattern_field(
         t, "container.image", IMAGE_RE, "use a registry reference like 'vllm/vllm-openai:v0.9'"
     )
-    squash = _path(t, "container.squash_file")
+    squash = path_field(t, "container.squash_file")
     mounts = tuple(
-        _mount(f"container.mounts[{i}]", m) for i, m in enumerate(_list(t, "container.mounts"))
+        _mount(f"container.mounts[{i}]", m) for i, m in enumerate(list_field(t, "container.mounts"))
     )
-    python = _pattern(
+    python = pattern_field(
         t, "container.python", PYTHON_RE, "name an interpreter like 'python3' or '/usr/bin/python3'"
     )
     if kind is ContainerKind.DOCKER and image is None:
@@ -380,20 +420,20 @@ def _mount(fld: str, value: object) -> str:
 
 def _parse_engine(t: Mapping[str, object]) -> Engine:
     return Engine(
-        prefill_command=_command(t, "engine.prefill_command", ENGINE_PLACEHOLDERS),
-        decode_command=_command(t, "engine.decode_command", ENGINE_PLACEHOLDERS),
-        port=_int(t, "engine.port", default=8000, lo=1024, hi=65535),
-        port_stride=_int(t, "engine.port_stride", default=0, lo=0, hi=1000),
-        health_path=_pattern(
+        prefill_command=command_field(t, "engine.prefill_command", ENGINE_PLACEHOLDERS),
+        decode_command=command_field(t, "engine.decode_command", ENGINE_PLACEHOLDERS),
+        port=int_field(t, "engine.port", default=8000, lo=1024, hi=65535),
+        port_stride=int_field(t, "engine.port_stride", default=0, lo=0, hi=1000),
+        health_path=pattern_field(
             t, "engine.health_path", HEALTH_PATH_RE, "use a URL path like '/health'"
         )
         or "/health",
-        health_timeout_s=_num(t, "engine.health_timeout_s", default=600.0, lo=1.0, hi=86400.0),
+        health_timeout_s=num_field(t, "engine.health_timeout_s", default=600.0, lo=1.0, hi=86400.0),
     )
 
 
 def _parse_benchmark(t: Mapping[str, object]) -> Benchmark:
-    raw = _list(t, "benchmark.concurrencies", required=True)
+    raw = list_field(t, "benchmark.concurrencies", required=True)
     if not raw:
         raise SpecError("benchmark.concurrencies", raw, "list at least one concurrency")
     concs: list[int] = []
@@ -417,18 +457,22 @@ def _parse_benchmark(t: Mapping[str, object]) -> Benchmark:
             "benchmark.request_rate", rate_raw, "use a positive number of requests/s or 'inf'"
         )
     return Benchmark(
-        command=_command(t, "benchmark.command", BENCH_PLACEHOLDERS),
+        command=command_field(t, "benchmark.command", BENCH_PLACEHOLDERS),
         concurrencies=tuple(concs),
-        input_len=_int(t, "benchmark.input_len", default=1024, lo=1, hi=10_000_000),
-        output_len=_int(t, "benchmark.output_len", default=256, lo=1, hi=10_000_000),
-        prompts_multiplier=_int(t, "benchmark.prompts_multiplier", default=10, lo=1, hi=100000),
+        input_len=int_field(t, "benchmark.input_len", default=1024, lo=1, hi=10_000_000),
+        output_len=int_field(t, "benchmark.output_len", default=256, lo=1, hi=10_000_000),
+        prompts_multiplier=int_field(
+            t, "benchmark.prompts_multiplier", default=10, lo=1, hi=100000
+        ),
         request_rate=rate,
-        point_timeout_s=_num(t, "benchmark.point_timeout_s", default=3600.0, lo=1.0, hi=604800.0),
+        point_timeout_s=num_field(
+            t, "benchmark.point_timeout_s", default=3600.0, lo=1.0, hi=604800.0
+        ),
     )
 
 
 def _parse_slurm(t: Mapping[str, object]) -> Slurm:
-    time_limit = _pattern(
+    time_limit = pattern_field(
         t,
         "slurm.time_limit",
         TIME_RE,
@@ -440,15 +484,15 @@ def _parse_slurm(t: Mapping[str, object]) -> Slurm:
         raise SpecError("slurm.time_limit", time_limit, "Slurm's minimum is 1 minute")
     hint = "use letters, digits and . _ - (at most 64 characters)"
     extra: list[str] = []
-    for i, arg in enumerate(_list(t, "slurm.extra_args")):
+    for i, arg in enumerate(list_field(t, "slurm.extra_args")):
         extra.append(_extra_arg(f"slurm.extra_args[{i}]", arg))
     requeue = t.get("requeue", False)
     if not isinstance(requeue, bool):
         raise SpecError("slurm.requeue", requeue, "use true or false (default false)")
     return Slurm(
         time_limit=time_limit,
-        partition=_pattern(t, "slurm.partition", NAME_RE, hint),
-        account=_pattern(t, "slurm.account", NAME_RE, hint),
+        partition=pattern_field(t, "slurm.partition", NAME_RE, hint),
+        account=pattern_field(t, "slurm.account", NAME_RE, hint),
         extra_args=tuple(extra),
         requeue=requeue,
     )
@@ -502,123 +546,12 @@ def _parse_env(t: Mapping[str, object]) -> Env:
     return Env(**roles)
 
 
-# --- field helpers --------------------------------------------------------------------------
-
-
-def _check_keys(prefix: str, table: Mapping[str, object], allowed: Sequence[str]) -> None:
-    for key in table:
-        if key not in allowed:
-            where = f"{prefix}.{key}" if prefix else key
-            scope = f"in [{prefix}]" if prefix else "at the top level"
-            raise SpecError(
-                where, table[key], f"unknown key; allowed {scope}: {', '.join(allowed)}"
-            )
-
-
 def _table(data: Mapping[str, object], name: str) -> Mapping[str, object]:
     value = data.get(name, {})
     if not isinstance(value, Mapping):
         raise SpecError(name, value, f"[{name}] must be a table")
-    _check_keys(name, value, _TABLES[name])
+    check_keys(name, value, _TABLES[name])
     return value
-
-
-def _present(t: Mapping[str, object], fld: str, required: bool) -> object | None:
-    key = fld.rsplit(".", 1)[1]
-    value = t.get(key)
-    if value is None and required:
-        raise SpecError(fld, None, "this field is required")
-    return value
-
-
-def _int(t: Mapping[str, object], fld: str, *, default: int | None = None, lo: int, hi: int) -> int:
-    value = _present(t, fld, default is None)
-    if value is None:
-        assert default is not None
-        return default
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise SpecError(fld, value, f"use an integer from {lo} to {hi}")
-    return value
-
-
-def _num(t: Mapping[str, object], fld: str, *, default: float, lo: float, hi: float) -> float:
-    value = _present(t, fld, False)
-    if value is None:
-        return default
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int | float)
-        or not math.isfinite(value)
-        or not lo <= value <= hi
-    ):
-        raise SpecError(fld, value, f"use a number of seconds from {lo:g} to {hi:g}")
-    return float(value)
-
-
-def _pattern(
-    t: Mapping[str, object],
-    fld: str,
-    pattern: re.Pattern[str],
-    hint: str,
-    *,
-    required: bool = False,
-) -> str | None:
-    value = _present(t, fld, required)
-    if value is None:
-        return None
-    if not isinstance(value, str) or not pattern.fullmatch(value):
-        raise SpecError(fld, value, hint)
-    return value
-
-
-def _path(t: Mapping[str, object], fld: str, *, required: bool = False) -> str | None:
-    value = _pattern(
-        t,
-        fld,
-        PATH_RE,
-        "use an absolute path of letters, digits and . _ + - / (no spaces, quotes, $ or %)",
-        required=required,
-    )
-    if value is not None and value != "/":
-        value = value.rstrip("/")
-    return value
-
-
-def _list(t: Mapping[str, object], fld: str, *, required: bool = False) -> list[object]:
-    value = _present(t, fld, required)
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        raise SpecError(fld, value, 'use a list, e.g. ["a", "b"]')
-    return value
-
-
-def _command(t: Mapping[str, object], fld: str, placeholders: frozenset[str]) -> tuple[str, ...]:
-    items = _list(t, fld, required=True)
-    if not items:
-        raise SpecError(fld, items, "give the command as a non-empty argv list")
-    argv: list[str] = []
-    for i, item in enumerate(items):
-        where = f"{fld}[{i}]"
-        if not isinstance(item, str) or not item:
-            raise SpecError(where, item, "each argv element is a non-empty string")
-        if CONTROL_RE.search(item):
-            raise SpecError(where, item, "remove control characters (newlines, tabs, NUL)")
-        for m in PLACEHOLDER_RE.finditer(item):
-            tok = m.group(0)
-            if tok in ("{{", "}}"):
-                continue
-            name = m.group(1)
-            if name is None:
-                raise SpecError(where, item, "write literal braces as '{{' and '}}'")
-            if name not in placeholders:
-                raise SpecError(
-                    where,
-                    item,
-                    f"unknown placeholder {{{name}}}; known: {', '.join(sorted(placeholders))}",
-                )
-        argv.append(item)
-    return tuple(argv)
 
 
 def time_limit_seconds(value: str) -> int:
