@@ -39,8 +39,9 @@ import structlog
 from llmd_supervisor.adapters import archive
 from llmd_supervisor.adapters.fsutil import read_optional
 from llmd_supervisor.adapters.journal import Journal, RunMeta, StoredRun
-from llmd_supervisor.adapters.remote import NodeLink, SshSettings, tail_to_local
+from llmd_supervisor.adapters.remote import NodeLink, SshSettings
 from llmd_supervisor.adapters.slurm import NameLookup, SlurmClient
+from llmd_supervisor.adapters.tail import tail_to_local
 from llmd_supervisor.core.config import ClusterConfig, Config
 from llmd_supervisor.core.lifecycle import (
     Action,

@@ -17,7 +17,8 @@ import pytest
 import pytest_asyncio
 from structlog.testing import capture_logs
 
-from llmd_supervisor.adapters.remote import NodeLink, SshSettings, tail_to_local
+from llmd_supervisor.adapters.remote import NodeLink, SshSettings
+from llmd_supervisor.adapters.tail import tail_to_local
 from llmd_supervisor.errors import RemoteError, TailConflict
 from tests.devcluster import DevCluster, devcluster
 

@@ -34,7 +34,6 @@ KNOWN_OFFENDERS: dict[str, frozenset[str]] = {
     "size": frozenset(
         {
             "adapters/control.py",
-            "adapters/remote.py",
             "supervision/runs.py",
         }
     ),
