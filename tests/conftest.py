@@ -1,4 +1,4 @@
-"""Session-wide fixtures: the real dev cluster.
+"""Session-wide fixtures: the real dev cluster, and the guard against blocking the event loop.
 
 The cluster is brought up once per session (or reused when already running) and brought
 down at the end only if this session started it. A cluster that cannot come up is an
@@ -7,14 +7,41 @@ error, never a skip: in CI a missing component must fail the run.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pytest_asyncio import is_async_test
 
 from tests.devcluster import DevCluster, devcluster
+
+# An async test fails when one callback (one step of a task) held the event loop this long.
+# Well above what a 2-core machine shared with other test runs adds to a callback that
+# does not block (scheduling, a garbage collection: tens of milliseconds), and well below
+# what a blocking call takes (a `time.sleep`, a synchronous subprocess or SSH round trip).
+LOOP_BLOCK_LIMIT_S = 0.3
+# asyncio's debug-mode report of a slow callback (asyncio/base_events.py).
+_SLOW_CALLBACK_MSG = "Executing %s took %.3f seconds"
+# Tests that block the loop because the blocked loop is what they test, until each carries
+# the `blocks_event_loop` marker itself (node id -> reason).
+_BLOCK_ON_PURPOSE = {
+    "tests/unit/test_sdnotify.py::"
+    "test_loop_monitor_pings_every_half_interval_and_a_blocked_loop_misses_them": (
+        "time.sleep(0.6) is the stall whose missed watchdog pings are tested"
+    ),
+}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "blocks_event_loop(reason): the test blocks its event loop on purpose; "
+        "the blocking guard of tests/conftest.py leaves it alone",
+    )
 
 
 @pytest.fixture(scope="session")
@@ -43,3 +70,82 @@ def shared_tmp() -> Iterator[Path]:
         path = Path(d)
         path.chmod(0o755)
         yield path
+
+
+class _SlowCallbacks(logging.Handler):
+    """Collects the callbacks asyncio's debug mode reports as slow, from `limit` seconds on."""
+
+    def __init__(self, limit: float) -> None:
+        super().__init__(logging.WARNING)
+        self.limit = limit
+        self.found: list[tuple[str, float]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args
+        if record.msg == _SLOW_CALLBACK_MSG and isinstance(args, tuple) and len(args) == 2:
+            what, took = args
+            if isinstance(took, float) and took >= self.limit:
+                self.found.append((str(what), took))
+
+
+@contextlib.contextmanager
+def slow_callbacks(limit: float = LOOP_BLOCK_LIMIT_S) -> Iterator[list[tuple[str, float]]]:
+    """Yield the list of (callback, seconds) that debug-mode loops report as slower than `limit`.
+
+    Only loops in debug mode report (`loop.set_debug(True)`; pytest-asyncio's loops with
+    ``asyncio_debug = true``), and only callbacks slower than their
+    `slow_callback_duration` (0.1 s by default), which must not exceed `limit`.
+    """
+    logger = logging.getLogger("asyncio")
+    handler = _SlowCallbacks(limit)
+    level = logger.level
+    if logger.getEffectiveLevel() > logging.WARNING:
+        logger.setLevel(logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield handler.found
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+def blocked_loop_report(found: list[tuple[str, float]]) -> str:
+    """The failure message for the slow callbacks `slow_callbacks` found."""
+    lines = [f"  {took:.3f} s: {what}" for what, took in found]
+    return "\n".join(
+        [
+            f"the event loop was blocked: {len(found)} callback(s) ran for "
+            f"{LOOP_BLOCK_LIMIT_S:g} s or more without awaiting (a blocking call in async "
+            "code? run it with anyio.to_thread.run_sync or use the async API)",
+            *lines,
+        ]
+    )
+
+
+@pytest.fixture(autouse=True)
+def _event_loop_never_blocks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail an async test whose code, or whose async fixtures, block the event loop.
+
+    pytest-asyncio runs every async test's loop in asyncio debug mode (``asyncio_debug =
+    true`` in pyproject.toml), in which the loop logs each callback that ran longer than
+    `loop.slow_callback_duration` (0.1 s). This guard fails the test (as an error at
+    teardown, listing the callbacks) when one ran for LOOP_BLOCK_LIMIT_S (0.3 s) or more:
+    high enough not to flake on a busy 2-core machine, low enough to catch any real
+    blocking call. It watches from before the test's loop starts until after it closed,
+    so async fixtures' setup and teardown count too. Sync tests are not watched, nor tests
+    marked ``@pytest.mark.blocks_event_loop(reason)`` (the blocked loop is what they test).
+    """
+    node = request.node
+    if (
+        not is_async_test(node)
+        or node.get_closest_marker("blocks_event_loop") is not None
+        or node.nodeid in _BLOCK_ON_PURPOSE
+    ):
+        yield
+        return
+    if not request.config.getini("asyncio_debug"):
+        pytest.fail("asyncio_debug is off: the event-loop blocking guard needs debug mode")
+    with slow_callbacks() as found:
+        yield
+    if found:
+        pytest.fail(blocked_loop_report(found), pytrace=False)
