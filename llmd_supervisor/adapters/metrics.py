@@ -9,7 +9,7 @@ What an operator gets (all prefixed ``llmd_supervisor_``):
   command ran and failed), ``timeout`` or ``unavailable`` (could not be started / SSH to
   the login node failed), from `InstrumentedRunner`;
 - ``ssh_connections_open``, ``ssh_connects_total``, ``ssh_reconnects_total``,
-  ``ssh_connect_failures_total`` from the `NodeLink` counters (node and login links);
+  ``ssh_connect_failures_total`` from the SSH link counters (node and login links);
 - ``tail_bytes_total{cluster}``: log bytes copied from the nodes since the daemon started;
 - ``verify_duration_seconds{outcome}``: time from `verifying` to the verdict, for runs
   that reached their verdict while this daemon ran;
@@ -17,8 +17,11 @@ What an operator gets (all prefixed ``llmd_supervisor_``):
   loop resumed the watchdog task;
 - ``build_info{version}``.
 
-The exposition server runs on the event loop (`serve_metrics`), so scrapes read the
-supervisor's state without locks, and a blocked loop shows up as a failed scrape too.
+The daemon root hands `Metrics.attach` two snapshot functions, one for the runs
+(`RunSample` each) and one for the SSH link counters (`LinkCounts`): this module knows
+nothing of the supervisor. The exposition server runs on the event loop (`serve_metrics`),
+so the snapshots are taken without locks, and a blocked loop shows up as a failed scrape
+too.
 """
 
 from __future__ import annotations
@@ -26,8 +29,8 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter as Tally
-from collections.abc import Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
 import anyio
 import anyio.abc
@@ -39,14 +42,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from llmd_supervisor import __version__
-from llmd_supervisor.adapters import remote
 from llmd_supervisor.adapters.slurm import CommandResult, CommandRunner
-from llmd_supervisor.core.lifecycle import RunState
+from llmd_supervisor.core.lifecycle import RunState, Transition
 from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import ConfigError, SlurmCommandError
-
-if TYPE_CHECKING:
-    from llmd_supervisor.supervision.runs import RunHandle
 
 log = structlog.get_logger("llmd_supervisor.adapters.metrics")
 
@@ -56,6 +55,32 @@ _VERIFY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
 _REQUEST_LIMIT = 8192
 _REQUEST_TIMEOUT_S = 5.0
+
+
+@dataclass(frozen=True)
+class RunSample:
+    """What the metrics read of one run."""
+
+    run_id: str
+    cluster: str
+    state: RunState
+    outcome: Outcome | None
+    transitions: Sequence[Transition]
+    tail_bytes: int  # log bytes copied for it since the daemon started
+
+
+@dataclass(frozen=True)
+class LinkCounts:
+    """The SSH links' counters, over every node and login-node link of the daemon."""
+
+    open: int = 0  # connections held now
+    connects: int = 0  # first connections of a link
+    reconnects: int = 0  # connections re-established after a drop
+    connect_failures: int = 0
+
+
+def _no_runs() -> list[RunSample]:
+    return []
 
 
 class Metrics:
@@ -96,14 +121,18 @@ class Metrics:
         Gauge(_P + "build_info", "The running version.", ["version"], registry=r).labels(
             __version__
         ).set(1)
-        self._handles: Mapping[str, RunHandle] = {}
+        self.runs: Callable[[], Iterable[RunSample]] = _no_runs
+        self.links: Callable[[], LinkCounts] = LinkCounts
         self._verdicts_seen: set[str] = set()
         r.register(_StateCollector(self))
 
-    def attach(self, handles: Mapping[str, RunHandle]) -> None:
-        """Read runs from `handles` (the supervisor's); runs already final are not re-observed."""
-        self._handles = handles
-        self._verdicts_seen = {h.run.run_id for h in handles.values() if h.run.state.is_final}
+    def attach(
+        self, runs: Callable[[], Iterable[RunSample]], links: Callable[[], LinkCounts]
+    ) -> None:
+        """Read the runs and link counters from these snapshots from now on; runs already
+        final are not observed again."""
+        self.runs, self.links = runs, links
+        self._verdicts_seen = {r.run_id for r in runs() if r.state.is_final}
 
     def record_lag(self, lag_s: float) -> None:
         self.loop_lag.observe(lag_s)
@@ -111,8 +140,7 @@ class Metrics:
 
     def observe_verdicts(self) -> None:
         """Observe verify durations of runs that reached a final state since the last call."""
-        for h in list(self._handles.values()):
-            run = h.run
+        for run in self.runs():
             if not run.state.is_final or run.run_id in self._verdicts_seen:
                 continue
             self._verdicts_seen.add(run.run_id)
@@ -127,15 +155,11 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def verify_seconds(transitions: Sequence[object]) -> float | None:
+def verify_seconds(transitions: Sequence[Transition]) -> float | None:
     """Seconds between the last entry into `verifying` and the transition after it."""
-    states = [(getattr(t, "state", None), getattr(t, "at", None)) for t in transitions]
-    for i in range(len(states) - 2, -1, -1):
-        state, at = states[i]
-        if state is RunState.VERIFYING:
-            end = states[i + 1][1]
-            if at is not None and end is not None:
-                return max(0.0, float((end - at).total_seconds()))
+    for i in range(len(transitions) - 2, -1, -1):
+        if transitions[i].state is RunState.VERIFYING:
+            return max(0.0, (transitions[i + 1].at - transitions[i].at).total_seconds())
     return None
 
 
@@ -149,13 +173,15 @@ class _StateCollector(Collector):
         return []  # unchecked: the families below are built per scrape
 
     def collect(self) -> Iterable[Metric]:
-        handles = list(self.metrics._handles.values())
-        by_state = Tally(h.run.state.value for h in handles)
-        runs = GaugeMetricFamily(_P + "runs", "Runs this daemon knows, by state.", labels=["state"])
+        runs = list(self.metrics.runs())
+        by_state = Tally(r.state.value for r in runs)
+        states = GaugeMetricFamily(
+            _P + "runs", "Runs this daemon knows, by state.", labels=["state"]
+        )
         for state in RunState:
-            runs.add_metric([state.value], by_state.get(state.value, 0))
-        yield runs
-        by_outcome = Tally(h.run.outcome.value for h in handles if h.run.outcome is not None)
+            states.add_metric([state.value], by_state.get(state.value, 0))
+        yield states
+        by_outcome = Tally(r.outcome.value for r in runs if r.outcome is not None)
         outcomes = GaugeMetricFamily(
             _P + "runs_by_outcome",
             "Runs with a verdict (archiving or final), by outcome.",
@@ -171,16 +197,16 @@ class _StateCollector(Collector):
             labels=["cluster"],
         )
         per_cluster: Tally[str] = Tally()
-        for h in handles:
-            per_cluster[h.meta.cluster] += h.tail_bytes
+        for r in runs:
+            per_cluster[r.cluster] += r.tail_bytes
         for cluster, n in sorted(per_cluster.items()):
             tail.add_metric([cluster], n)
         yield tail
-        s = remote.LINK_STATS
+        s = self.metrics.links()
         yield GaugeMetricFamily(
             _P + "ssh_connections_open",
             "SSH connections held now (node and login-node links).",
-            value=remote.open_connections(),
+            value=s.open,
         )
         yield CounterMetricFamily(
             _P + "ssh_connects", "SSH connections established (first connects).", value=s.connects

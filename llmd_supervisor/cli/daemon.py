@@ -4,7 +4,13 @@ cancel, wait, archive.
 Every client command takes `--json` (machine output) and `--socket`. `submit --wait` and
 `wait` exit 0 only for `succeeded` (the other outcomes use `verify`'s exit codes). A
 client that gets SIGINT/SIGTERM while waiting forwards a cancel for its run unless
-`--detach` was given; a second signal exits at once.
+`--detach` was given; a second signal stops waiting at once.
+
+Clients that wait (`wait`, `submit --wait`, `logs --follow`) survive a daemon restart: when
+the connection drops or nothing listens yet they reconnect with backoff and resume (a
+followed log from the byte offsets already printed, so nothing is printed twice or lost),
+for up to `--reconnect-s` seconds per outage; after that they exit 3 with one line on
+stderr. A cancel asked for while the daemon is away is sent once it is back.
 """
 
 from __future__ import annotations
@@ -15,21 +21,51 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TypeVar
 
 import anyio
+import anyio.abc
 
+from llmd_supervisor.adapters.control_client import (
+    ControlClient,
+    Reconnect,
+    call_retrying,
+    resumable_stream,
+)
+from llmd_supervisor.core.summary import (
+    ArchiveInfo,
+    DryRun,
+    LogChunk,
+    RunList,
+    RunSummary,
+    read,
+)
 from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import ControlError, SupervisorError
 
 DEFAULT_SOCKET = Path("/run/llmd-supervisor/control.sock")
+DEFAULT_RECONNECT_S = 600.0
 EXIT_DAEMON_UNREACHABLE = 3
+EXIT_INTERRUPTED = 130
+
+T = TypeVar("T")
 
 
 def socket_default() -> Path:
     return Path(os.environ.get("LLMD_SUPERVISOR_SOCKET", str(DEFAULT_SOCKET)))
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds >= 0")
+    return value
 
 
 def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
@@ -52,15 +88,28 @@ def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
         )
         return p
 
+    def reconnect(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--reconnect-s",
+            type=_seconds,
+            default=DEFAULT_RECONNECT_S,
+            metavar="S",
+            help="while waiting, how long to keep reconnecting to a daemon that went away "
+            f"(default {DEFAULT_RECONNECT_S:g}; 0: give up at once)",
+        )
+
     p = client("submit", "submit a run spec to the daemon", run=False)
     p.add_argument("spec", metavar="SPEC", type=Path)
     p.add_argument("--wait", action="store_true", help="wait for the verified outcome")
-    p.add_argument("--follow", action="store_true", help="print the batch log while waiting")
+    p.add_argument(
+        "--follow", action="store_true", help="print the batch log while waiting (implies --wait)"
+    )
     p.add_argument("--dry-run", action="store_true", help="validate and print the script only")
     p.add_argument("--detach", action="store_true", help="on Ctrl-C stop waiting, keep the run")
     p.add_argument(
         "--cluster", default=None, help="the configured cluster to run on (default: the first)"
     )
+    reconnect(p)
     p.set_defaults(handler=cmd_submit)
     p = client("list", "list runs", run=False)
     p.add_argument("--all", action="store_true", help="include finished runs")
@@ -77,9 +126,11 @@ def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
         "--rank", type=int, default=None, help="one rank's logs instead of the batch log"
     )
     p.add_argument("--follow", action="store_true", help="keep printing until the run ends")
+    reconnect(p)
     p.set_defaults(handler=cmd_logs)
     p = client("wait", "wait for a run's verified outcome")
     p.add_argument("--detach", action="store_true", help="on Ctrl-C stop waiting, keep the run")
+    reconnect(p)
     p.set_defaults(handler=cmd_wait)
 
 
@@ -106,26 +157,101 @@ def cmd_daemon(args: argparse.Namespace) -> int:
         anyio.run(
             functools.partial(serve, config, notify=notifier.notify, watchdog_s=watchdog_interval())
         )
-    except SupervisorError as exc:
-        notifier.notify(f"STATUS=failed: {exc}")
-        print(f"llmd-supervisor daemon: {exc}", file=sys.stderr)
+    except BaseException as exc:
+        found = _expected(exc)  # task groups wrap our errors in an ExceptionGroup
+        if not isinstance(found, SupervisorError):
+            raise
+        notifier.notify(f"STATUS=failed: {found}")
+        print(f"llmd-supervisor daemon: {found}", file=sys.stderr)
         return 1
     finally:
         notifier.close()
     return 0
 
 
+# --- running a client ---------------------------------------------------------------------
+
+
+class _Exit(Exception):
+    """End the command with this status (after its one line on stderr, if any)."""
+
+    def __init__(self, status: int) -> None:
+        super().__init__(status)
+        self.status = status
+
+
+def _expected(exc: BaseException) -> BaseException | None:
+    """The first of our own errors (or `_Exit`) in `exc`, unwrapping task-group
+    ExceptionGroups, when every leaf of it is one; None when something else failed."""
+    if isinstance(exc, BaseExceptionGroup):
+        leaves = [_expected(e) for e in exc.exceptions]
+        if not leaves or any(leaf is None for leaf in leaves):
+            return None
+        return next((e for e in leaves if isinstance(e, _Exit)), leaves[0])
+    return exc if isinstance(exc, SupervisorError | _Exit | BrokenPipeError) else None
+
+
+def _run(command: str, go: Callable[[], Awaitable[T]]) -> T:
+    """`anyio.run(go)`; an expected failure becomes `_Exit` after one line on stderr.
+
+    Our errors print their message (exit 2 for an error reply, 3 when the daemon cannot be
+    reached or answers nonsense); Ctrl-C outside a wait exits 130; a closed stdout (a
+    pager that quit) exits 0. Anything else is a bug and keeps its traceback.
+    """
+    try:
+        return anyio.run(go)
+    except KeyboardInterrupt:
+        raise _Exit(EXIT_INTERRUPTED) from None
+    except BaseException as exc:  # sorted below; re-raised when unexpected
+        found = _expected(exc)
+        if found is None:
+            raise
+        if isinstance(found, _Exit):
+            raise found from None
+        if isinstance(found, BrokenPipeError):
+            _silence_stdout()
+            raise _Exit(0) from None
+        print(f"llmd-supervisor {command}: {found}", file=sys.stderr)
+        status = 2 if isinstance(found, ControlError) else EXIT_DAEMON_UNREACHABLE
+        raise _Exit(status) from None
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush finds no broken pipe."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def _exits(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    @functools.wraps(cmd)
+    def wrapper(args: argparse.Namespace) -> int:
+        try:
+            return cmd(args)
+        except _Exit as exc:
+            return exc.status
+
+    return wrapper
+
+
+def _write(data: str, out: IO[str] | None = None) -> None:
+    """Print log text as the bytes it came from (UTF-8), whatever the locale says."""
+    out = out or sys.stdout
+    out.flush()
+    buffer = getattr(out, "buffer", None)
+    if buffer is None:
+        out.write(data)
+    else:
+        buffer.write(data.encode("utf-8", "replace"))
+        buffer.flush()
+    out.flush()
+
+
 # --- clients ------------------------------------------------------------------------------
 
 
-def _fail(command: str, exc: Exception) -> int:
-    print(f"llmd-supervisor {command}: {exc}", file=sys.stderr)
-    return 2 if isinstance(exc, ControlError) else EXIT_DAEMON_UNREACHABLE
-
-
+@_exits
 def cmd_simple(args: argparse.Namespace) -> int:
-    from llmd_supervisor.adapters.control import ControlClient
-
     params: dict[str, object] = {}
     if args.op == "list":
         params["all"] = args.all
@@ -136,15 +262,12 @@ def cmd_simple(args: argparse.Namespace) -> int:
         async with ControlClient(args.socket) as c:
             return await c.call(args.op, params)
 
-    try:
-        result = anyio.run(go)
-    except SupervisorError as exc:
-        return _fail(args.op, exc)
-    if args.json:
-        print(json.dumps(result, indent=2, sort_keys=True))
-    elif args.op == "list":
-        runs = result.get("runs", [])
-        assert isinstance(runs, list)
+    result = _run(args.op, go)
+    if args.op == "list":
+        runs = _read(args.op, RunList, result)["runs"]
+        if args.json:
+            print(json.dumps({"runs": runs}, indent=2, sort_keys=True))
+            return 0
         print(f"{'RUN':14} {'STATE':12} {'JOB':>8} {'NODES':>5} OUTCOME / REASON")
         for r in runs:
             print(
@@ -152,163 +275,234 @@ def cmd_simple(args: argparse.Namespace) -> int:
                 f"{len(r['nodes']):>5} {r['outcome'] or ''} {r['reason']}".rstrip()
             )
     elif args.op == "archive":
-        print(result["archive"])
+        info = _read(args.op, ArchiveInfo, result)
+        print(json.dumps(info, indent=2, sort_keys=True) if args.json else info["archive"])
     else:
-        _print_summary(result)
+        summary = _read(args.op, RunSummary, result)
+        if args.json:
+            print(json.dumps(summary, indent=2, sort_keys=True))
+        else:
+            _print_summary(summary)
     return 0
 
 
-def _print_summary(r: Mapping[str, object]) -> None:
-    print(f"run {r['run']} ({r['job_name']}): {r['state']}")
-    print(f"  slurm job {r['slurm_job_id'] or '-'}, attempt {r['attempt']}, cluster {r['cluster']}")
-    nodes = r.get("nodes") or []
-    assert isinstance(nodes, list)
-    if nodes:
-        print(f"  nodes {','.join(map(str, nodes))} ({r['nodes_healthy']}/{len(nodes)} reachable)")
-    if r.get("outcome"):
-        print(f"  outcome {r['outcome']}: {r['reason']}")
-    print(f"  archive {r['archive']}")
+def _read(command: str, kind: type[T], value: object) -> T:
+    """`value` as `kind`; a reply of the wrong shape ends the command with status 3."""
+    try:
+        return read(kind, value)
+    except SupervisorError as exc:
+        print(f"llmd-supervisor {command}: {exc}", file=sys.stderr)
+        raise _Exit(EXIT_DAEMON_UNREACHABLE) from None
 
 
+def _print_summary(r: RunSummary, out: IO[str] | None = None) -> None:
+    out = out or sys.stdout
+    print(f"run {r['run']} ({r['job_name']}): {r['state']}", file=out)
+    print(
+        f"  slurm job {r['slurm_job_id'] or '-'}, attempt {r['attempt']}, cluster {r['cluster']}",
+        file=out,
+    )
+    if r["nodes"]:
+        print(
+            f"  nodes {','.join(r['nodes'])} ({r['nodes_healthy']}/{len(r['nodes'])} reachable)",
+            file=out,
+        )
+    if r["outcome"]:
+        print(f"  outcome {r['outcome']}: {r['reason']}", file=out)
+    print(f"  archive {r['archive']}", file=out)
+
+
+def _reconnect(args: argparse.Namespace) -> Reconnect:
+    return Reconnect(window_s=args.reconnect_s)
+
+
+@_exits
 def cmd_submit(args: argparse.Namespace) -> int:
-    from llmd_supervisor.adapters.control import ControlClient
-
     try:
         spec_toml = args.spec.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         print(f"llmd-supervisor submit: cannot read {args.spec}: {exc}", file=sys.stderr)
         return 2
+    waits = (args.wait or args.follow) and not args.dry_run
+    # Waiting for a daemon that is not up yet is part of waiting; a broken connection
+    # after the request was sent is not retried (it may have been accepted).
+    policy = _reconnect(args) if waits else Reconnect(window_s=0)
+    params = {
+        "spec_toml": spec_toml,
+        "spec_path": str(args.spec),
+        "dry_run": args.dry_run,
+        "cluster": args.cluster,
+    }
 
     async def go() -> dict[str, object]:
-        async with ControlClient(args.socket) as c:
-            return await c.call(
-                "submit",
-                {
-                    "spec_toml": spec_toml,
-                    "spec_path": str(args.spec),
-                    "dry_run": args.dry_run,
-                    "cluster": args.cluster,
-                },
-            )
+        return await call_retrying(
+            args.socket, "submit", params, reconnect=policy, resend=False, on_lost=_lost(policy)
+        )
 
-    try:
-        result = anyio.run(go)
-    except SupervisorError as exc:
-        return _fail("submit", exc)
+    result = _run("submit", go)
     if args.dry_run:
-        sys.stdout.write(str(result["script"]))
+        sys.stdout.write(_read("submit", DryRun, result)["script"])
         return 0
-    if not args.wait and not args.follow:
+    summary = _read("submit", RunSummary, result)
+    if not waits:
         if args.json:
-            print(json.dumps(result, indent=2, sort_keys=True))
+            print(json.dumps(summary, indent=2, sort_keys=True))
         else:
-            print(f"submitted run {result['run']} ({result['job_name']})")
+            print(f"submitted run {summary['run']} ({summary['job_name']})")
         return 0
     if not args.json:
-        print(f"submitted run {result['run']} ({result['job_name']})", file=sys.stderr)
-    return _wait(
-        args.socket, str(result["run"]), detach=args.detach, follow=args.follow, as_json=args.json
-    )
+        print(f"submitted run {summary['run']} ({summary['job_name']})", file=sys.stderr)
+    return _wait(args, summary["run"], follow=args.follow)
 
 
+@_exits
 def cmd_wait(args: argparse.Namespace) -> int:
-    return _wait(args.socket, args.run, detach=args.detach, follow=False, as_json=args.json)
+    return _wait(args, args.run, follow=False)
 
 
+@_exits
 def cmd_logs(args: argparse.Namespace) -> int:
-    from llmd_supervisor.adapters.control import ControlClient
+    params = {"run": args.run, "rank": args.rank, "follow": args.follow}
+
+    def show(chunk: LogChunk) -> None:
+        if args.json:
+            print(json.dumps(chunk), flush=True)
+        else:
+            _write(chunk["data"])
 
     async def go() -> None:
-        async with ControlClient(args.socket) as c:
-            params = {"run": args.run, "rank": args.rank, "follow": args.follow}
-            async for item in c.stream("logs", params):
-                if "final" in item:
-                    continue
-                if args.json:
-                    print(json.dumps(item), flush=True)
-                else:
-                    sys.stdout.write(str(item["data"]))
-                    sys.stdout.flush()
+        if args.follow:
+            await _follow(args.socket, params, _reconnect(args), show)
+            return
+        async with ControlClient(args.socket) as c, aclosing(c.stream("logs", params)) as items:
+            async for item in items:
+                if "final" not in item:
+                    show(_read("logs", LogChunk, item))
 
-    try:
-        anyio.run(go)
-    except SupervisorError as exc:
-        return _fail("logs", exc)
+    _run("logs", go)
     return 0
 
 
-def _wait(socket_path: Path, run: str, *, detach: bool, follow: bool, as_json: bool) -> int:
-    """Stream `wait` (and the batch log when following) until the outcome; exit by outcome."""
-    from llmd_supervisor.adapters.control import ControlClient
+def _lost(policy: Reconnect) -> Callable[[str], None]:
+    """What to say when the daemon goes away while waiting (on a terminal only)."""
+
+    def say(why: str) -> None:
+        if sys.stderr.isatty():
+            sys.stderr.write(
+                f"\r\x1b[Kllmd-supervisor: lost the daemon ({why}); "
+                f"reconnecting for up to {policy.window_s:g} s\n"
+            )
+            sys.stderr.flush()
+
+    return say
+
+
+async def _follow(
+    socket_path: Path,
+    params: dict[str, object],
+    policy: Reconnect,
+    show: Callable[[LogChunk], None],
+) -> None:
+    """Stream ``logs`` until its final reply, reconnecting and resuming at the byte offsets
+    of what `show` was given (so across a daemon restart nothing repeats or goes missing)."""
+    offsets: dict[str, int] = {}
+
+    def request() -> dict[str, object]:
+        return {**params, "offsets": dict(offsets)}
+
+    stream = resumable_stream(socket_path, "logs", request, reconnect=policy, on_lost=_lost(policy))
+    async with aclosing(stream) as items:
+        async for item in items:
+            if "final" in item:
+                return
+            chunk = _read("logs", LogChunk, item)
+            if chunk["end"] <= offsets.get(chunk["file"], 0):
+                continue  # already shown (a daemon that ignored the offsets)
+            show(chunk)
+            offsets[chunk["file"]] = chunk["end"]
+
+
+def _wait(args: argparse.Namespace, run: str, *, follow: bool) -> int:
+    """Stream `wait` (and the batch log when following) until the outcome; exit by outcome.
+
+    With `follow`, stdout carries the log alone and the final summary goes to stderr.
+    """
     from llmd_supervisor.supervision.verify import EXIT_CODES
 
-    tty = sys.stderr.isatty() and not as_json
-    final: dict[str, object] = {}
+    socket_path: Path = args.socket
+    policy = _reconnect(args)
+    tty = sys.stderr.isatty() and not args.json
+    final: list[RunSummary] = []
+    cancel_sent = False
 
-    async def forward_signals(scope: anyio.CancelScope) -> None:
-        cancel_sent = False
+    async def send_cancel() -> None:
+        try:
+            await call_retrying(socket_path, "cancel", {"run": run}, reconnect=policy, resend=True)
+        except SupervisorError as exc:
+            print(f"llmd-supervisor: {exc}", file=sys.stderr)
+
+    async def forward_signals(tg: anyio.abc.TaskGroup) -> None:
+        nonlocal cancel_sent
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async for _ in signals:
-                if detach or cancel_sent:
-                    scope.cancel()
+                if args.detach or cancel_sent:
+                    tg.cancel_scope.cancel()
                     return
                 cancel_sent = True
                 print(
                     f"\nllmd-supervisor: cancelling run {run} (again: stop waiting)",
                     file=sys.stderr,
                 )
-                try:
-                    async with ControlClient(socket_path) as c:
-                        await c.call("cancel", {"run": run})
-                except ControlError as exc:
-                    print(f"llmd-supervisor: {exc}", file=sys.stderr)
+                tg.start_soon(send_cancel)  # retried across a daemon restart
 
-    async def follow_logs() -> None:
-        async with ControlClient(socket_path) as c:
-            async for item in c.stream("logs", {"run": run, "follow": True}):
-                if "data" in item:
-                    sys.stdout.write(str(item["data"]))
-                    sys.stdout.flush()
+    def show_log(chunk: LogChunk) -> None:
+        _write(chunk["data"])
 
     async def go() -> None:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(forward_signals, tg.cancel_scope)
+            tg.start_soon(forward_signals, tg)
+            logs_done = anyio.Event()
+
+            async def follow_logs() -> None:
+                await _follow(socket_path, {"run": run, "follow": True}, policy, show_log)
+                logs_done.set()
+
             if follow:
                 tg.start_soon(follow_logs)
-            async with ControlClient(socket_path) as c:
-                async for item in c.stream("wait", {"run": run}):
+            else:
+                logs_done.set()
+            stream = resumable_stream(
+                socket_path, "wait", lambda: {"run": run}, reconnect=policy, on_lost=_lost(policy)
+            )
+            async with aclosing(stream) as items:
+                async for item in items:
                     if "final" in item:
-                        result = item["final"]
-                        assert isinstance(result, dict)
-                        final.update(result)
+                        final.append(_read("wait", RunSummary, item["final"]))
                     elif tty:
-                        _status_line(item)
+                        _status_line(_read("wait", RunSummary, item))
             if tty:
                 sys.stderr.write("\r\x1b[K")
-            await anyio.sleep(0.3 if follow else 0)  # let the log stream print its tail
+            await logs_done.wait()  # the log stream ends once the run is final and read
             tg.cancel_scope.cancel()
 
-    try:
-        anyio.run(go)
-    except SupervisorError as exc:
-        return _fail("wait", exc)
+    _run("wait", go)
     if not final:
-        print(f"llmd-supervisor: stopped waiting; run {run} goes on", file=sys.stderr)
+        what = "its cancel was asked for" if cancel_sent else "it goes on"
+        print(f"llmd-supervisor: stopped waiting for run {run}; {what}", file=sys.stderr)
         return 0
-    if as_json:
-        print(json.dumps(final, indent=2, sort_keys=True))
+    out = sys.stderr if follow else sys.stdout
+    if args.json:
+        print(json.dumps(final[0], indent=2, sort_keys=True), file=out)
     else:
-        _print_summary(final)
-    outcome = final.get("outcome")
-    return EXIT_CODES[Outcome(str(outcome))] if outcome else 1
+        _print_summary(final[0], out)
+    outcome = final[0]["outcome"]
+    return EXIT_CODES[Outcome(outcome)] if outcome else 1
 
 
-def _status_line(item: Mapping[str, object]) -> None:
-    nodes = item.get("nodes") or []
-    assert isinstance(nodes, list)
+def _status_line(item: RunSummary) -> None:
     line = (
-        f"{item['state']:<10} nodes {item['nodes_healthy']}/{len(nodes)}  "
-        f"{float(str(item['elapsed_s'])):7.0f}s  {str(item.get('last_log_line') or '')[:60]}"
+        f"{item['state']:<10} nodes {item['nodes_healthy']}/{len(item['nodes'])}  "
+        f"{item['elapsed_s']:7.0f}s  {item['last_log_line'][:60]}"
     )
     sys.stderr.write("\r\x1b[K" + line)
     sys.stderr.flush()

@@ -12,29 +12,33 @@ import fcntl
 import os
 import signal
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import anyio
 import anyio.abc
 import structlog
 
-from llmd_supervisor.adapters import archive
-from llmd_supervisor.adapters.control import ControlServer, Handler, Peer, Request, Send, may_access
+from llmd_supervisor.adapters import remote
+from llmd_supervisor.adapters.control_server import ControlServer
 from llmd_supervisor.adapters.journal import Journal
-from llmd_supervisor.adapters.metrics import InstrumentedRunner, Metrics, serve_metrics
+from llmd_supervisor.adapters.metrics import (
+    InstrumentedRunner,
+    LinkCounts,
+    Metrics,
+    RunSample,
+    serve_metrics,
+)
 from llmd_supervisor.adapters.remote import NodeLink
 from llmd_supervisor.adapters.sdnotify import loop_monitor
 from llmd_supervisor.adapters.slurm import CommandRunner, LocalRunner, SlurmClient
 from llmd_supervisor.adapters.slurm_ssh import SshRunner, ssh_settings
 from llmd_supervisor.core.config import ClusterConfig, Config
 from llmd_supervisor.core.lifecycle import RunState
-from llmd_supervisor.core.render import render_sbatch
-from llmd_supervisor.core.spec import load_spec
-from llmd_supervisor.errors import ControlError, IllegalTransition, SpecError, SupervisorError
+from llmd_supervisor.errors import SupervisorError
+from llmd_supervisor.supervision.api import ControlApi
 from llmd_supervisor.supervision.poller import Poller
-from llmd_supervisor.supervision.runs import RunHandle, Supervisor, run_summary
-from llmd_supervisor.supervision.verify import utcnow
+from llmd_supervisor.supervision.runs import RunHandle, Supervisor
 
 log = structlog.get_logger("llmd_supervisor.supervision.daemon")
 
@@ -114,12 +118,12 @@ async def _serve(config: Config, notify: Notify, watchdog_s: float | None) -> No
                 await tg.start(pollers[cluster.name].run)
             supervisor = Supervisor(config, journal, pollers, clients, tg)
             resumed = await supervisor.resume_all()
-            metrics.attach(supervisor.handles)
+            metrics.attach(lambda: run_samples(supervisor.handles), link_counts)
             if config.metrics_listen is not None:
                 await tg.start(serve_metrics, metrics, config.metrics_listen)
             server = ControlServer(
                 config.socket_path,
-                DaemonHandler(supervisor),
+                ControlApi(supervisor),
                 mode=config.socket_mode,
                 group=config.socket_group,
             )
@@ -168,140 +172,27 @@ async def _report_status(supervisor: Supervisor, metrics: Metrics, notify: Notif
             last = line
 
 
-class DaemonHandler(Handler):
-    """Answers control-socket requests from the supervisor's state."""
-
-    def __init__(self, supervisor: Supervisor) -> None:
-        self.sup = supervisor
-
-    async def handle(self, request: Request, peer: Peer, send: Send) -> Mapping[str, object]:
-        op, args = request.op, request.args
-        if op == "ping":
-            return {"pong": True}
-        if op == "submit":
-            return await self._submit(args, peer)
-        if op == "list":
-            return self._list(args, peer)
-        handle = self._handle(args, peer)
-        if op == "status":
-            return run_summary(handle, utcnow())
-        if op == "cancel":
-            try:
-                await self.sup.cancel(handle)
-            except IllegalTransition as exc:
-                raise ControlError(
-                    "conflict", f"Run {handle.run.run_id} is already {handle.run.state.value}."
-                ) from exc
-            return run_summary(handle, utcnow())
-        if op == "wait":
-            return await self._wait(handle, send)
-        if op == "logs":
-            return await self._logs(handle, args, send)
-        if op == "archive":
-            return {"archive": handle.meta.archive_dir, "state": handle.run.state.value}
-        raise ControlError("unknown_op", f"Operation {op!r} is not known.")
-
-    def _handle(self, args: Mapping[str, object], peer: Peer) -> RunHandle:
-        ref = str(args.get("run", ""))
-        handle = self.sup.get(ref)
-        if handle is None:
-            raise ControlError("not_found", f"No run {ref!r} is known to this daemon.")
-        if not may_access(peer, handle.meta.owner_uid, self.sup.config.admin_group):
-            raise ControlError(
-                "forbidden",
-                f"Run {handle.run.run_id} belongs to uid {handle.meta.owner_uid}; uid {peer.uid} "
-                "may not see or change it (needs root or the admin group).",
-            )
-        return handle
-
-    async def _submit(self, args: Mapping[str, object], peer: Peer) -> Mapping[str, object]:
-        spec_toml = str(args["spec_toml"])
-        where = str(args.get("spec_path") or "the spec")
-        cluster = args.get("cluster")
-        names = [c.name for c in self.sup.config.clusters]
-        if cluster is not None and cluster not in names:
-            raise ControlError(
-                "bad_request",
-                f"Cluster {cluster!r} is not configured in this daemon; "
-                f"use one of: {', '.join(names)}.",
-            )
-        try:
-            if args.get("dry_run"):
-                script = render_sbatch(load_spec(spec_toml), job_name="llmd-dry-run")
-                return {"dry_run": True, "script": script}
-            handle = await self.sup.submit(
-                spec_toml, owner_uid=peer.uid, cluster=None if cluster is None else str(cluster)
-            )
-        except SpecError as exc:
-            raise ControlError("bad_request", f"{where}: {exc}") from exc
-        return run_summary(handle, utcnow())
-
-    def _list(self, args: Mapping[str, object], peer: Peer) -> Mapping[str, object]:
-        admin = self.sup.config.admin_group
-        show_all = bool(args.get("all"))
-        runs = [
-            run_summary(h, utcnow())
-            for h in self.sup.handles.values()
-            if may_access(peer, h.meta.owner_uid, admin)
-            and (show_all or not h.run.state.is_final or h.meta.owner_uid == peer.uid)
-        ]
-        runs.sort(key=lambda r: str(r["created_at"]))
-        return {"runs": runs}
-
-    async def _wait(self, handle: RunHandle, send: Send) -> Mapping[str, object]:
-        """Stream a summary at each change (at most every 0.5 s) until the run is final."""
-        while not handle.run.state.is_final:
-            await send(run_summary(handle, utcnow()))
-            with anyio.move_on_after(5):
-                await handle.changed.wait()
-            await anyio.sleep(0.5)
-        return run_summary(handle, utcnow())
-
-    async def _logs(
-        self, handle: RunHandle, args: Mapping[str, object], send: Send
-    ) -> Mapping[str, object]:
-        """Stream the local log copies (batch .out by default, or one rank's logs)."""
-        rank = args.get("rank")
-        follow = bool(args.get("follow"))
-        logs = archive.logs_dir(self.sup.config.archive_root, handle.run.run_id)
-
-        def wanted(path: Path) -> bool:
-            if rank is None:
-                return path.suffix in (".out", ".err")
-            return path.name.startswith(f"rank{rank}.")
-
-        offsets: dict[Path, int] = {}
-        sent = 0
-        while True:
-            final = handle.run.state.is_final
-            async for path, chunk in _new_bytes(logs, wanted, offsets):
-                sent += len(chunk)
-                await send(
-                    {"file": str(path.relative_to(logs)), "data": chunk.decode("utf-8", "replace")}
-                )
-            if not follow or final:
-                return {"bytes": sent, "state": handle.run.state.value}
-            await anyio.sleep(0.1)
+def run_samples(handles: Mapping[str, RunHandle]) -> list[RunSample]:
+    """What the metrics read of every run, now."""
+    return [
+        RunSample(
+            run_id=h.run.run_id,
+            cluster=h.meta.cluster,
+            state=h.run.state,
+            outcome=h.run.outcome,
+            transitions=h.run.transitions,
+            tail_bytes=h.tail_bytes,
+        )
+        for h in list(handles.values())
+    ]
 
 
-async def _new_bytes(
-    root: Path, wanted: Callable[[Path], bool], offsets: dict[Path, int]
-) -> AsyncIterator[tuple[Path, bytes]]:
-    """Bytes appended to the wanted files under `root` since `offsets` (updated)."""
-    paths = await anyio.to_thread.run_sync(
-        lambda: sorted(p for p in root.rglob("*") if p.is_file())
+def link_counts() -> LinkCounts:
+    """The process-wide SSH link counters, now."""
+    s = remote.LINK_STATS
+    return LinkCounts(
+        open=remote.open_connections(),
+        connects=s.connects,
+        reconnects=s.reconnects,
+        connect_failures=s.connect_failures,
     )
-    for path in paths:
-        if not wanted(path):
-            continue
-        start = offsets.get(path, 0)
-
-        def read(p: Path = path, s: int = start) -> bytes:
-            with p.open("rb") as f:
-                f.seek(s)
-                return f.read(1 << 20)
-
-        data = await anyio.to_thread.run_sync(read)
-        if data:
-            offsets[path] = start + len(data)
-            yield path, data

@@ -21,24 +21,26 @@ import pytest
 import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from llmd_supervisor.adapters.control import (
+from llmd_supervisor.adapters.control_client import ControlClient
+from llmd_supervisor.adapters.control_protocol import (
+    COUNTS_MAX_ENTRIES,
+    COUNTS_MAX_KEY,
     OPS,
     PROTOCOL_VERSION,
-    ControlClient,
-    ControlError,
-    ControlServer,
     Peer,
     Request,
     Send,
     decode_request,
-    may_access,
 )
+from llmd_supervisor.adapters.control_server import ControlServer
 from llmd_supervisor.errors import (
+    ControlError,
     ControlProtocolError,
     ControlSocketError,
     DaemonUnreachable,
     SupervisorError,
 )
+from llmd_supervisor.supervision.access import may_access
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -174,9 +176,22 @@ GOOD: list[tuple[str, dict[str, object], dict[str, object]]] = [
     ("list", {}, {"all": False}),
     ("list", {"all": True}, {"all": True}),
     ("status", {"run": "r1"}, {"run": "r1"}),
-    ("logs", {"run": "r1"}, {"run": "r1", "rank": None, "follow": False}),
-    ("logs", {"run": "r1", "rank": 3, "follow": True}, {"run": "r1", "rank": 3, "follow": True}),
-    ("logs", {"run": "r1", "rank": None}, {"run": "r1", "rank": None, "follow": False}),
+    ("logs", {"run": "r1"}, {"run": "r1", "rank": None, "follow": False, "offsets": None}),
+    (
+        "logs",
+        {"run": "r1", "rank": 3, "follow": True},
+        {"run": "r1", "rank": 3, "follow": True, "offsets": None},
+    ),
+    (
+        "logs",
+        {"run": "r1", "rank": None, "offsets": {"attempt1/a.out": 12, "b": 0}},
+        {"run": "r1", "rank": None, "follow": False, "offsets": {"attempt1/a.out": 12, "b": 0}},
+    ),
+    (
+        "logs",
+        {"run": "r1", "offsets": {}},
+        {"run": "r1", "rank": None, "follow": False, "offsets": {}},
+    ),
     ("cancel", {"run": "r1"}, {"run": "r1"}),
     ("wait", {"run": "r1"}, {"run": "r1"}),
     ("archive", {"run": "r1"}, {"run": "r1"}),
@@ -200,11 +215,12 @@ def test_every_op_is_covered_by_the_good_table() -> None:
 def _bad_arg_cases() -> Iterator[tuple[str, dict[str, object], str]]:
     """Per op: each argument with each wrong kind, each required one missing, an unknown key."""
     samples: dict[str, object] = {"str": "s", "bool": True, "int": 1, "null": None}
-    extra: list[object] = [1.5, [], {}]
+    samples["counts"] = {"f": 1}
+    extra: list[tuple[str, object]] = [("float", 1.5), ("array", []), ("object", {"a": "b"})]
     for op, spec in OPS.items():
         base = {name: samples[sorted(arg.kinds)[0]] for name, arg in spec.args.items()}
         for name, arg in spec.args.items():
-            for kind, value in [*samples.items(), *(("other", v) for v in extra)]:
+            for kind, value in [*samples.items(), *extra]:
                 if kind in arg.kinds:
                     continue
                 yield op, {**base, name: value}, f"args.{name}"
@@ -225,6 +241,48 @@ def test_decode_rejects_bad_args_naming_the_field(
     assert info.value.code == "bad_request"
     assert repr(field)[1:-1] in info.value.message
     assert getattr(info.value, "request_id", None) == "a"
+
+
+def _logs(offsets: object) -> bytes:
+    args = {"run": "r", "offsets": offsets}
+    return json.dumps({"v": 1, "id": 4, "op": "logs", "args": args}).encode()
+
+
+@pytest.mark.parametrize(
+    ("offsets", "needle"),
+    [
+        ({"a": -1}, 'maps "a" to -1, outside 0..'),
+        ({"a": 2**63}, "outside 0.."),
+        ({"a": True}, 'maps "a" to true, which is not an integer'),
+        ({"a": 1.0}, "not an integer"),
+        ({"a": "1"}, "not an integer"),
+        ({"a": None}, "not an integer"),
+        ({"a": {"b": 1}}, "not an integer"),
+        ({"a": [1]}, "not an integer"),
+        ({"x" * (COUNTS_MAX_KEY + 1): 1}, f"over the limit of {COUNTS_MAX_KEY}"),
+        ({f"f{i}": i for i in range(COUNTS_MAX_ENTRIES + 1)}, f"limit of {COUNTS_MAX_ENTRIES}"),
+        ([["a", 1]], "must be an object of strings to non-negative integers or null"),
+        ("a=1", "must be an object of strings to non-negative integers or null"),
+        (0, "must be an object"),
+    ],
+)
+def test_offsets_are_a_bounded_object_of_non_negative_ints(offsets: object, needle: str) -> None:
+    with pytest.raises(ControlError) as info:
+        decode_request(_logs(offsets))
+    assert info.value.code == "bad_request"
+    assert "'args.offsets' of op 'logs'" in info.value.message
+    assert needle in info.value.message
+    assert info.value.message.endswith(".")
+    assert len(info.value.message) < 400
+
+
+def test_offsets_at_their_bounds_are_accepted() -> None:
+    most = {f"f{i}": i for i in range(COUNTS_MAX_ENTRIES - 1)}
+    most["k" * COUNTS_MAX_KEY] = 2**63 - 1
+    request = decode_request(_logs(most))
+    assert request.args["offsets"] == most
+    assert decode_request(_logs(None)).args["offsets"] is None
+    assert decode_request(_logs({})).args["offsets"] == {}
 
 
 def test_bools_are_not_ints_and_ints_are_not_bools() -> None:

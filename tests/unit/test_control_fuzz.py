@@ -22,7 +22,8 @@ import structlog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmd_supervisor.adapters.control import ControlServer, Peer, Request, Send
+from llmd_supervisor.adapters.control_protocol import Peer, Request, Send
+from llmd_supervisor.adapters.control_server import ControlServer
 
 MAX_MESSAGE = 2048
 FUZZ = settings(
@@ -153,7 +154,12 @@ ARG_KINDS: dict[str, dict[str, tuple[set[str], bool]]] = {
     },
     "list": {"all": ({"bool"}, False)},
     "status": {"run": ({"str"}, True)},
-    "logs": {"run": ({"str"}, True), "rank": ({"int", "null"}, False), "follow": ({"bool"}, False)},
+    "logs": {
+        "run": ({"str"}, True),
+        "rank": ({"int", "null"}, False),
+        "follow": ({"bool"}, False),
+        "offsets": ({"counts", "null"}, False),
+    },
     "cancel": {"run": ({"str"}, True)},
     "wait": {"run": ({"str"}, True)},
     "archive": {"run": ({"str"}, True)},
@@ -165,7 +171,16 @@ def kind(value: object) -> str:
         return "null"
     if value is True or value is False:
         return "bool"
+    if isinstance(value, dict) and is_counts(value):
+        return "counts"
     return {int: "int", float: "float", str: "str", list: "array", dict: "object"}[type(value)]
+
+
+def is_counts(value: dict[str, object]) -> bool:
+    """An object of at most 256 strings (512 characters at most) to integers 0..2**63-1."""
+    return len(value) <= 256 and all(
+        len(k) <= 512 and type(v) is int and 0 <= v < 2**63 for k, v in value.items()
+    )
 
 
 def oracle(obj: object) -> tuple[bool, object]:
@@ -246,10 +261,22 @@ json_values = st.recursive(
     max_leaves=12,
 )
 near_kinds: st.SearchStrategy[object] = st.sampled_from(
-    ["s", "", True, False, 0, 3, -1, 1.5, None, [], {}, "1", 2**70]
+    ["s", "", True, False, 0, 3, -1, 1.5, None, [], {}, "1", 2**70, {"a": 1}, {"a": -1}]
 )
 arg_names = st.sampled_from(
-    ["run", "rank", "follow", "all", "spec_toml", "spec_path", "dry_run", "bogus", "Run", ""]
+    [
+        "run",
+        "rank",
+        "follow",
+        "offsets",
+        "all",
+        "spec_toml",
+        "spec_path",
+        "dry_run",
+        "bogus",
+        "Run",
+        "",
+    ]
 )
 ops = st.sampled_from([*ARG_KINDS, "frobnicate", "", "PING", "ping "]) | st.text(max_size=8)
 
@@ -275,7 +302,9 @@ def near_requests(draw: st.DrawFn) -> dict[str, object]:
         args: dict[str, object] = {}
         for name, (kinds, required) in spec.items():
             if required or draw(st.booleans()):
-                good = {"str": "r1", "bool": True, "int": 2, "null": None}[sorted(kinds)[0]]
+                good = {"str": "r1", "bool": True, "int": 2, "null": None, "counts": {"f": 3}}[
+                    sorted(kinds)[0]
+                ]
                 args[name] = good if chance(draw, 85) else draw(near_kinds)
         if chance(draw, 10):
             args[draw(arg_names)] = draw(near_kinds)

@@ -30,10 +30,9 @@ NODE_SCRIPTS = frozenset({"agent", "engine", "bench"})
 # Still being split up or rewired (issue 2.1); each entry goes when its module is fixed.
 # xfail_strict makes a fixed module fail here until its entry is removed.
 KNOWN_OFFENDERS: dict[str, frozenset[str]] = {
-    "imports": frozenset({"adapters/metrics.py"}),
+    "imports": frozenset(),
     "size": frozenset(
         {
-            "adapters/control.py",
             "supervision/runs.py",
         }
     ),

@@ -13,7 +13,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmd_supervisor.adapters.metrics import (
     InstrumentedRunner,
+    LinkCounts,
     Metrics,
+    RunSample,
     serve_metrics,
     verify_seconds,
 )
@@ -21,6 +23,7 @@ from llmd_supervisor.adapters.remote import NodeLink, SshSettings
 from llmd_supervisor.adapters.slurm import LocalRunner
 from llmd_supervisor.adapters.slurm_ssh import SshRunner
 from llmd_supervisor.core.lifecycle import RunState, Transition
+from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import ConfigError, SlurmCommandError
 
 
@@ -97,6 +100,41 @@ def test_verify_duration_is_verifying_to_the_next_transition() -> None:
     ]
     assert verify_seconds(ts) == 3.5
     assert verify_seconds(ts[:3]) is None  # still verifying
+
+
+def test_runs_and_links_come_from_the_snapshots_the_daemon_attaches() -> None:
+    t0 = datetime(2025, 1, 1, tzinfo=UTC)
+    done = (
+        Transition(RunState.VERIFYING, t0, "WatchersStopped"),
+        Transition(RunState.ARCHIVING, t0 + timedelta(seconds=2), "Verified"),
+        Transition(RunState.SUCCEEDED, t0 + timedelta(seconds=3), "Archived"),
+    )
+    runs = [
+        RunSample("a", "dev", RunState.RUNNING, None, (), 100),
+        RunSample("b", "dev", RunState.RUNNING, None, (), 20),
+        RunSample("c", "other", RunState.SUCCEEDED, Outcome.SUCCEEDED, done, 5),
+    ]
+    links = LinkCounts(open=3, connects=4, reconnects=1, connect_failures=2)
+    m = Metrics()
+    m.attach(lambda: runs, lambda: links)
+    s = samples(m.exposition().decode())
+    assert s[("llmd_supervisor_runs", (("state", "running"),))] == 2
+    assert s[("llmd_supervisor_runs", (("state", "succeeded"),))] == 1
+    assert s[("llmd_supervisor_runs_by_outcome", (("outcome", "succeeded"),))] == 1
+    assert s[("llmd_supervisor_tail_bytes_total", (("cluster", "dev"),))] == 120
+    assert s[("llmd_supervisor_tail_bytes_total", (("cluster", "other"),))] == 5
+    assert s[("llmd_supervisor_ssh_connections_open", ())] == 3
+    assert s[("llmd_supervisor_ssh_connects_total", ())] == 4
+    assert s[("llmd_supervisor_ssh_reconnects_total", ())] == 1
+    assert s[("llmd_supervisor_ssh_connect_failures_total", ())] == 2
+    # "c" was final when attached: not observed. A run that ends afterwards is, once.
+    count = ("llmd_supervisor_verify_duration_seconds_count", (("outcome", "succeeded"),))
+    assert s.get(count, 0) == 0
+    runs[0] = RunSample("a", "dev", RunState.SUCCEEDED, Outcome.SUCCEEDED, done, 100)
+    m.observe_verdicts()
+    s = samples(m.exposition().decode())
+    assert s[count] == 1
+    assert s[("llmd_supervisor_verify_duration_seconds_sum", (("outcome", "succeeded"),))] == 2
 
 
 @pytest.mark.asyncio

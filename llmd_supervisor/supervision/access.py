@@ -1,0 +1,52 @@
+"""Who may see and act on which run: the control API's access policy (DESIGN.md section 9).
+
+The transport reports the peer's credentials (SO_PEERCRED); this module decides. A user
+may see and cancel their own runs; root and members of the configured admin group may see
+and cancel everyone's.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import pwd
+
+from llmd_supervisor.adapters.control_protocol import Peer
+
+__all__ = ["may_access"]
+
+
+def may_access(peer: Peer, owner_uid: int, admin_group: str | int | None) -> bool:
+    """Whether `peer` may read or act on a run owned by `owner_uid`.
+
+    Allowed: root, the owner, and members of `admin_group` (by gid or name): the peer's
+    gid, the user's primary group, or a supplementary membership by user name. An admin
+    group that does not exist admits nobody. Group lookups go through NSS and may block
+    when NSS is remote (LDAP, sssd).
+    """
+    if peer.uid in (0, owner_uid):
+        return True
+    if admin_group is None:
+        return False
+    if isinstance(admin_group, int):
+        gid = admin_group
+    else:
+        try:
+            gid = grp.getgrnam(admin_group).gr_gid
+        except KeyError:
+            return False
+    if peer.gid == gid:
+        return True
+    try:
+        user = pwd.getpwuid(peer.uid)
+    except KeyError:
+        return False
+    if user.pw_gid == gid:
+        return True
+    try:
+        if user.pw_name in grp.getgrgid(gid).gr_mem:
+            return True
+    except KeyError:
+        return False
+    # NSS backends that do not list members in the group entry still answer this.
+    return gid in os.getgrouplist(user.pw_name, user.pw_gid)

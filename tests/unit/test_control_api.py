@@ -1,0 +1,375 @@
+"""The control API: its op table, run summaries, access, and the change-driven streams."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import anyio
+import pytest
+
+from llmd_supervisor.adapters.control_protocol import OPS, Peer, Request
+from llmd_supervisor.core.config import Config
+from llmd_supervisor.core.lifecycle import Run, RunState, new_run
+from llmd_supervisor.core.summary import LogChunk, LogsDone, RunList, RunSummary, read
+from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.errors import ControlError, IllegalTransition, SupervisorError
+from llmd_supervisor.supervision import api
+from llmd_supervisor.supervision.api import HANDLERS, ControlApi, Op, check_handlers
+
+pytestmark = pytest.mark.timeout(30)
+
+T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
+ME = Peer(uid=1000, gid=1000, pid=1)
+OTHER = Peer(uid=1001, gid=1001, pid=2)
+
+
+@dataclass(frozen=True)
+class Meta:
+    owner_uid: int
+    cluster: str
+    created_at: datetime
+    archive_dir: str
+    log_dir: str
+
+
+@dataclass
+class Health:
+    rank: int
+    reachable: bool
+    agent_state: str
+
+
+@dataclass
+class Handle:
+    run: Run
+    meta: Meta
+    health: dict[str, Health] = field(default_factory=dict)
+    changed: anyio.Event = field(default_factory=anyio.Event)
+
+    def update(self, **changes: object) -> None:
+        self.run = dataclasses.replace(self.run, **changes)  # type: ignore[arg-type]  # test
+        self.changed.set()
+        self.changed = anyio.Event()
+
+
+class Supervisor:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.handles: dict[str, Handle] = {}
+        self.cancelled: list[str] = []
+
+    def add(self, run_id: str, owner: int = ME.uid, state: RunState = RunState.RUNNING) -> Handle:
+        run = dataclasses.replace(
+            new_run(run_id, f"llmd-{run_id}", T0), state=state, slurm_job_id="42"
+        )
+        archive = self.config.archive_root / run_id
+        meta = Meta(owner, "dev", T0, str(archive), "/shared/logs")
+        self.handles[run_id] = Handle(run, meta)
+        return self.handles[run_id]
+
+    def get(self, ref: str) -> Handle | None:
+        return self.handles.get(ref)
+
+    async def submit(self, spec_toml: str, *, owner_uid: int, cluster: str | None = None) -> Handle:
+        return self.add("new", owner_uid, RunState.ACCEPTED)
+
+    async def cancel(self, handle: Handle) -> None:
+        if handle.run.state.is_final:
+            raise IllegalTransition(handle.run.state.value, "Cancel")
+        self.cancelled.append(handle.run.run_id)
+
+
+@pytest.fixture
+def sup(tmp_path: Path) -> Supervisor:
+    return Supervisor(Config(state_dir=tmp_path, archive_dir=tmp_path / "archive"))
+
+
+def request(op: str, **args: object) -> Request:
+    filled = {name: spec.default for name, spec in OPS[op].args.items()}
+    return Request(id=1, op=op, args={**filled, **args})
+
+
+async def no_stream(item: Mapping[str, object]) -> None:
+    raise AssertionError(f"unexpected stream item {item}")
+
+
+def copies(sup: Supervisor, run_id: str) -> Path:
+    d = sup.config.archive_root / run_id / "logs" / "attempt1"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+# ----------------------------------------------------------------------------- the table
+
+
+def test_the_handler_table_is_the_protocols_table_of_ops() -> None:
+    assert set(HANDLERS) == set(OPS)
+    for op, spec in OPS.items():
+        assert HANDLERS[op].streaming is spec.streaming, op
+
+
+def test_a_table_that_does_not_match_names_every_mismatch() -> None:
+    table = {k: v for k, v in HANDLERS.items() if k != "archive"}
+    table["frob"] = HANDLERS["ping"]
+    table["wait"] = Op(HANDLERS["wait"].handler, streaming=False)
+    with pytest.raises(SupervisorError) as info:
+        check_handlers(table, OPS)
+    message = str(info.value)
+    assert "op 'archive' has no handler" in message
+    assert "handler 'frob' is not an op" in message
+    assert "op 'wait' streams but its handler does not" in message
+    assert message.endswith(".")
+    check_handlers(HANDLERS, OPS)  # the real one is fine
+
+
+def test_an_op_added_to_the_protocol_without_a_handler_fails_at_import() -> None:
+    code = (
+        "from types import MappingProxyType\n"
+        "import llmd_supervisor.adapters.control_protocol as p\n"
+        "p.OPS = MappingProxyType({**p.OPS, 'frobnicate': p.OpSpec({})})\n"
+        "import llmd_supervisor.supervision.api\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=False
+    )
+    assert proc.returncode != 0
+    assert "op 'frobnicate' has no handler" in proc.stderr
+
+
+@pytest.mark.asyncio
+async def test_ping(sup: Supervisor) -> None:
+    assert await ControlApi(sup).handle(request("ping"), ME, no_stream) == {"pong": True}
+
+
+# ---------------------------------------------------------------------- requests
+
+
+@pytest.mark.asyncio
+async def test_status_is_a_typed_summary_the_client_reads_back(sup: Supervisor) -> None:
+    h = sup.add("r1")
+    h.health["node1"] = Health(0, True, "serving")
+    h.health["node2"] = Health(1, False, "")
+    (copies(sup, "r1") / "llmd-r1-42.out").write_bytes(b"one\ntwo \n\n")
+    result = await ControlApi(sup, clock=lambda: T0.replace(minute=5)).handle(
+        request("status", run="r1"), ME, no_stream
+    )
+    summary = read(RunSummary, result)
+    assert summary == result
+    assert summary["run"] == "r1" and summary["state"] == "running"
+    assert summary["nodes_healthy"] == 1
+    assert summary["health"]["node1"] == {"rank": 0, "reachable": True, "agent_state": "serving"}
+    assert summary["last_log_line"] == "two "
+    assert summary["elapsed_s"] == 60.0
+    assert summary["transitions"][0]["state"] == "accepted"
+
+
+@pytest.mark.asyncio
+async def test_a_strangers_run_is_refused_and_not_listed(sup: Supervisor) -> None:
+    sup.add("mine")
+    sup.add("theirs", owner=OTHER.uid)
+    a = ControlApi(sup)
+    with pytest.raises(ControlError) as info:
+        await a.handle(request("status", run="theirs"), ME, no_stream)
+    assert info.value.code == "forbidden"
+    assert "uid 1000 may not" in info.value.message
+    with pytest.raises(ControlError) as info:
+        await a.handle(request("cancel", run="nope"), ME, no_stream)
+    assert info.value.code == "not_found"
+    listed = read(RunList, await a.handle(request("list", all=True), ME, no_stream))
+    assert [r["run"] for r in listed["runs"]] == ["mine"]
+    root = Peer(0, 0, 3)
+    listed = read(RunList, await a.handle(request("list", all=True), root, no_stream))
+    assert sorted(r["run"] for r in listed["runs"]) == ["mine", "theirs"]
+
+
+@pytest.mark.asyncio
+async def test_cancel_of_a_final_run_is_a_conflict(sup: Supervisor) -> None:
+    sup.add("r1")
+    sup.add("done", state=RunState.SUCCEEDED)
+    a = ControlApi(sup)
+    read(RunSummary, await a.handle(request("cancel", run="r1"), ME, no_stream))
+    assert sup.cancelled == ["r1"]
+    with pytest.raises(ControlError) as info:
+        await a.handle(request("cancel", run="done"), ME, no_stream)
+    assert (info.value.code, info.value.message) == ("conflict", "Run done is already succeeded.")
+
+
+@pytest.mark.asyncio
+async def test_submit_validates_the_cluster_and_returns_a_summary(sup: Supervisor) -> None:
+    a = ControlApi(sup)
+    with pytest.raises(ControlError, match="Cluster 'mars' is not configured"):
+        await a.handle(request("submit", spec_toml="", cluster="mars"), ME, no_stream)
+    summary = read(RunSummary, await a.handle(request("submit", spec_toml="x"), ME, no_stream))
+    assert (summary["run"], summary["owner_uid"]) == ("new", ME.uid)
+
+
+# ---------------------------------------------------------------------- streams
+
+
+@pytest.mark.asyncio
+async def test_wait_sends_on_change_and_returns_the_final_summary(sup: Supervisor) -> None:
+    h = sup.add("r1", state=RunState.PENDING)
+    got: list[RunSummary] = []
+    seen = anyio.Event()
+
+    async def send(item: Mapping[str, object]) -> None:
+        got.append(read(RunSummary, item))
+        seen.set()
+
+    # Far below WAIT_REFRESH_S: only the change signal can drive this.
+    with anyio.fail_after(1):
+        async with anyio.create_task_group() as tg:
+            results: list[Mapping[str, object]] = []
+
+            async def waiter() -> None:
+                results.append(await ControlApi(sup).handle(request("wait", run="r1"), ME, send))
+
+            tg.start_soon(waiter)
+            await seen.wait()
+            seen = anyio.Event()
+            h.update(nodes=("n1",))  # a visible change: a new summary
+            await seen.wait()
+            h.update(state=RunState.SUCCEEDED, outcome=Outcome.SUCCEEDED, reason="ok")
+    assert [s["state"] for s in got] == ["pending", "pending"]
+    assert got[1]["nodes"] == ["n1"]
+    final = read(RunSummary, results[0])
+    assert (final["state"], final["outcome"], final["reason"]) == ("succeeded", "succeeded", "ok")
+
+
+@pytest.mark.asyncio
+async def test_wait_does_not_resend_an_unchanged_summary(sup: Supervisor) -> None:
+    h = sup.add("r1")
+    got: list[Mapping[str, object]] = []
+
+    async def send(item: Mapping[str, object]) -> None:
+        got.append(item)
+
+    with anyio.fail_after(1):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ControlApi(sup).handle, request("wait", run="r1"), ME, send)
+            for _ in range(5):  # heartbeats that change nothing a client shows
+                await anyio.wait_all_tasks_blocked()
+                h.update()
+            await anyio.wait_all_tasks_blocked()
+            h.update(state=RunState.FAILED)
+    assert len(got) == 1
+
+
+def _chunks(items: list[Mapping[str, object]]) -> list[LogChunk]:
+    return [read(LogChunk, i) for i in items]
+
+
+@pytest.mark.asyncio
+async def test_logs_starts_at_the_offsets_given(sup: Supervisor) -> None:
+    sup.add("r1", state=RunState.SUCCEEDED)
+    d = copies(sup, "r1")
+    (d / "llmd-r1-42.out").write_bytes(b"abc\ndef\n")
+    (d / "llmd-r1-42.err").write_bytes(b"oops\n")
+    (d / "rank1.agent.log").write_bytes(b"rank one\n")
+    items: list[Mapping[str, object]] = []
+
+    async def send(item: Mapping[str, object]) -> None:
+        items.append(item)
+
+    offsets = {"attempt1/llmd-r1-42.out": 4, "attempt1/llmd-r1-42.err": 5, "unknown": 3}
+    done = await ControlApi(sup).handle(request("logs", run="r1", offsets=offsets), ME, send)
+    assert _chunks(items) == [
+        {"file": "attempt1/llmd-r1-42.out", "offset": 4, "end": 8, "data": "def\n"},
+    ]
+    assert read(LogsDone, done) == {"bytes": 4, "state": "succeeded"}
+    items.clear()
+    await ControlApi(sup).handle(request("logs", run="r1", rank=1), ME, send)
+    assert [c["data"] for c in _chunks(items)] == ["rank one\n"]
+
+
+@pytest.mark.asyncio
+async def test_logs_sends_a_big_copy_whole_in_bounded_items(sup: Supervisor) -> None:
+    sup.add("r1", state=RunState.RUNNING)
+    data = bytes(range(256)) * 1200  # 300 KiB, most of it not UTF-8
+    (copies(sup, "r1") / "llmd-r1-42.out").write_bytes(data)
+    items: list[LogChunk] = []
+
+    async def send(item: Mapping[str, object]) -> None:
+        assert len(json.dumps(item)) < 1 << 20  # under the message bound
+        items.append(read(LogChunk, item))
+
+    done = await ControlApi(sup).handle(request("logs", run="r1"), ME, send)
+    assert [(c["offset"], c["end"]) for c in items] == [
+        (0, api.READ_CHUNK),
+        (api.READ_CHUNK, 2 * api.READ_CHUNK),
+        (2 * api.READ_CHUNK, len(data)),
+    ]
+    assert read(LogsDone, done)["bytes"] == len(data)
+
+
+@pytest.mark.asyncio
+async def test_follow_wakes_on_growth_and_never_splits_a_character(sup: Supervisor) -> None:
+    h = sup.add("r1")
+    log = copies(sup, "r1") / "llmd-r1-42.out"
+    log.write_bytes(b"")
+    items: list[LogChunk] = []
+    arrived = anyio.Event()
+
+    async def send(item: Mapping[str, object]) -> None:
+        nonlocal arrived
+        items.append(read(LogChunk, item))
+        arrived.set()
+
+    async def grow(data: bytes) -> None:
+        nonlocal arrived
+        arrived = anyio.Event()
+        with log.open("ab") as f:
+            f.write(data)
+        with anyio.fail_after(0.5):  # far below FOLLOW_SAFETY_S: the growth woke it
+            await arrived.wait()
+
+    result: list[Mapping[str, object]] = []
+    with anyio.fail_after(5):
+        async with anyio.create_task_group() as tg:
+
+            async def follower() -> None:
+                result.append(
+                    await ControlApi(sup).handle(request("logs", run="r1", follow=True), ME, send)
+                )
+
+            tg.start_soon(follower)
+            await anyio.wait_all_tasks_blocked()
+            await grow(b"line 1\n")
+            await grow("caf\u00e9".encode()[:-1])  # "caf" and the first byte of the e-acute
+            await grow("\u00e9!\n".encode()[1:])
+            h.update(state=RunState.SUCCEEDED)
+    assert [(c["offset"], c["end"], c["data"]) for c in items] == [
+        (0, 7, "line 1\n"),
+        (7, 10, "caf"),
+        (10, 14, "\u00e9!\n"),
+    ]
+    assert read(LogsDone, result[0])["bytes"] == len(log.read_bytes())
+
+
+def test_inotify_is_there_on_this_machine() -> None:
+    # Without it the follower falls back to FOLLOW_POLL_S; the test above would still pass
+    # its timing only by luck, so say so plainly.
+    growth = api._Growth.open()
+    assert growth is not None, "inotify unavailable"
+    growth.close()
+
+
+def test_whole_utf8_holds_back_only_a_cut_character() -> None:
+    e = "\u00e9".encode()
+    euro = "\u20ac".encode()
+    emoji = "\U0001f600".encode()
+    assert api._whole_utf8(b"abc") == 3
+    assert api._whole_utf8(b"ab" + e[:1]) == 2
+    assert api._whole_utf8(b"ab" + e) == 4
+    assert api._whole_utf8(b"a" + euro[:2]) == 1
+    assert api._whole_utf8(b"a" + emoji[:3]) == 1
+    assert api._whole_utf8(b"a" + emoji) == 5
+    assert api._whole_utf8(b"a\xff") == 2  # not UTF-8 at all: nothing to wait for
+    assert api._whole_utf8(b"") == 0
