@@ -26,14 +26,6 @@ from tests.devcluster import DevCluster, devcluster
 LOOP_BLOCK_LIMIT_S = 0.3
 # asyncio's debug-mode report of a slow callback (asyncio/base_events.py).
 _SLOW_CALLBACK_MSG = "Executing %s took %.3f seconds"
-# Tests that block the loop because the blocked loop is what they test, until each carries
-# the `blocks_event_loop` marker itself (node id -> reason).
-_BLOCK_ON_PURPOSE = {
-    "tests/unit/test_sdnotify.py::"
-    "test_loop_monitor_pings_every_half_interval_and_a_blocked_loop_misses_them": (
-        "time.sleep(0.6) is the stall whose missed watchdog pings are tested"
-    ),
-}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -136,11 +128,7 @@ def _event_loop_never_blocks(request: pytest.FixtureRequest) -> Iterator[None]:
     marked ``@pytest.mark.blocks_event_loop(reason)`` (the blocked loop is what they test).
     """
     node = request.node
-    if (
-        not is_async_test(node)
-        or node.get_closest_marker("blocks_event_loop") is not None
-        or node.nodeid in _BLOCK_ON_PURPOSE
-    ):
+    if not is_async_test(node) or node.get_closest_marker("blocks_event_loop") is not None:
         yield
         return
     if not request.config.getini("asyncio_debug"):

@@ -57,6 +57,7 @@ class Daemon:
     archive_dir: Path | None = None
     limits: dict[str, float] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
+    crash_after: str | None = None  # STATE[:N]: see tests/faults/crash_daemon.py
 
     @property
     def socket(self) -> Path:
@@ -103,11 +104,16 @@ slurm_conf = "{e["SLURM_CONF"]}"
         self.write_config()
         self.starts += 1
         log = open(self.root / f"daemon-{self.starts}.log", "wb")  # noqa: SIM115 - child's
+        argv = [sys.executable, "-m", "llmd_supervisor", "daemon"]
+        if self.crash_after is not None:  # the daemon with a crash point (tests/faults)
+            argv = [sys.executable, "-m", "tests.faults.crash_daemon", "--crash-after"]
+            argv.append(self.crash_after)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "llmd_supervisor", "daemon", "--config", str(self.config_path)],
+            [*argv, "--config", str(self.config_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **self.cluster.slurm_env, **self.env},
+            cwd=REPO,
         )
         log.close()
         deadline = time.monotonic() + 20

@@ -1,9 +1,16 @@
 """The pure run state machine (DESIGN.md section 3).
 
-``step(run, event, now) -> (run, actions)`` returns the next run record and the side
-effects to perform, as data. The caller journals the returned run *before* executing the
-actions, so a crash never leaves an action done whose state was not recorded. Illegal
-transitions raise :class:`IllegalTransition` and leave the run untouched.
+``step(run, event, now) -> (run, actions)`` returns the next run record and what the
+driver must now make sure happens, as data: ``plan(run)``, the one description of what a
+record asks for. The caller journals the returned run *before* executing the actions, so a
+crash never leaves an action done whose state was not recorded; after a restart (or a
+supervision retry) the driver executes ``plan(run)`` of the journaled record, so every
+action is idempotent: "make sure the cancel sequence runs", "make sure this attempt is
+watched", "do the next step of this state". Illegal transitions raise
+:class:`IllegalTransition` and leave the run untouched.
+
+Each record asks for exactly one *step* (an action the driver awaits, which ends by
+applying an event) and any number of *background* actions (kept running beside it).
 """
 
 from __future__ import annotations
@@ -16,13 +23,16 @@ from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import IllegalTransition
 
 __all__ = [
+    "BACKGROUND",
     "Action",
     "Archived",
     "CallSbatch",
     "CancelRequested",
     "Declare",
     "Event",
+    "FollowQueue",
     "LeftQueue",
+    "Reconcile",
     "Requeued",
     "Run",
     "RunState",
@@ -39,6 +49,7 @@ __all__ = [
     "WatchersStopped",
     "WriteArchive",
     "new_run",
+    "plan",
     "step",
 ]
 
@@ -159,36 +170,52 @@ Event = (
 
 @dataclass(frozen=True)
 class CallSbatch:
-    """Submit the run's batch script under its unique job name."""
+    """Step: journal `submitting`, then submit the batch script under its unique job name."""
 
     job_name: str
 
 
 @dataclass(frozen=True)
-class SendCancel:
-    """Start the cancellation sequence (TERM to the steps, grace, then plain scancel)."""
+class Reconcile:
+    """Step: `submitting` was found on entry (a crash or retry while sbatch may have been in
+    flight): look the job name up and adopt the job, or submit only if it surely never was."""
+
+    job_name: str
+
+
+@dataclass(frozen=True)
+class FollowQueue:
+    """Step: wait for the next queue view of the job and apply what it says."""
 
     job_id: str
 
 
 @dataclass(frozen=True)
 class StartWatchers:
-    """Start log tailing and liveness checks on the allocated nodes."""
+    """Background: this attempt's allocation is watched (links, health, tailers, marker)."""
 
     job_id: str
     nodes: tuple[str, ...]
+    attempt: int
+
+
+@dataclass(frozen=True)
+class SendCancel:
+    """Background: the cancellation sequence runs (TERM to the steps, grace, then scancel)."""
+
+    job_id: str
 
 
 @dataclass(frozen=True)
 class StopWatchers:
-    """Drain and stop the watchers; report WatchersStopped when done."""
+    """Step: stop the attempt, complete the log copies; report WatchersStopped."""
 
     job_id: str
 
 
 @dataclass(frozen=True)
 class RunVerify:
-    """Collect evidence and run the verdict until it is final; report Verified."""
+    """Step: collect evidence and run the verdict until it is final; report Verified."""
 
     job_id: str
     cancel_requested: bool
@@ -196,7 +223,7 @@ class RunVerify:
 
 @dataclass(frozen=True)
 class WriteArchive:
-    """Write and fsync the archive and receipt; report Archived."""
+    """Step: write and fsync the archive and receipt; report Archived."""
 
     outcome: Outcome
     reason: str
@@ -204,13 +231,25 @@ class WriteArchive:
 
 @dataclass(frozen=True)
 class Declare:
-    """Announce the final outcome (log line, control-socket waiters)."""
+    """Announce the final outcome (log line, control-socket waiters); a final record's plan."""
 
     outcome: Outcome
     reason: str
 
 
-Action = CallSbatch | SendCancel | StartWatchers | StopWatchers | RunVerify | WriteArchive | Declare
+Action = (
+    CallSbatch
+    | Reconcile
+    | FollowQueue
+    | StartWatchers
+    | SendCancel
+    | StopWatchers
+    | RunVerify
+    | WriteArchive
+    | Declare
+)
+# Kept running beside the record's step; every other action is the step itself.
+BACKGROUND = (StartWatchers, SendCancel)
 
 
 # --- the run record ------------------------------------------------------------------------
@@ -258,7 +297,7 @@ def new_run(run_id: str, job_name: str, now: datetime) -> Run:
 
 
 def step(run: Run, event: Event, now: datetime) -> tuple[Run, tuple[Action, ...]]:
-    """Apply ``event`` to ``run`` at ``now``; return the new run and the actions to perform.
+    """Apply ``event`` to ``run`` at ``now``; return the new run and ``plan`` of it.
 
     Transitions (anything else raises IllegalTransition):
     accepted -Submit-> submitting -Submitted-> pending -Started-> running
@@ -267,10 +306,41 @@ def step(run: Run, event: Event, now: datetime) -> tuple[Run, tuple[Action, ...]
     end before it is seen running); submitting -SubmitFailed-> archiving (failed).
     Requeued (pending, running, finishing, verifying) -> pending with attempt + 1.
     CancelRequested in any non-final state sets cancel_requested: from accepted the run
-    ends cancelled at once; with a job id it sends the cancel (pending/running/finishing);
-    while sbatch is in flight the cancel is sent when Submitted arrives. Repeating it
-    changes nothing.
+    ends cancelled at once; with a job still queued the plan includes the cancel sequence
+    (while sbatch is in flight, from Submitted on). Repeating it changes nothing and
+    returns no actions.
     """
+    after = _apply(run, event, now)
+    return (after, plan(after)) if after is not run else (run, ())
+
+
+def plan(run: Run) -> tuple[Action, ...]:
+    """What this record asks of the driver: its step first, then background actions."""
+    match run.state:
+        case RunState.ACCEPTED:
+            return (CallSbatch(run.job_name),)
+        case RunState.SUBMITTING:
+            return (Reconcile(run.job_name),)
+        case RunState.PENDING | RunState.RUNNING:
+            job_id = _job_id(run)
+            actions: list[Action] = [FollowQueue(job_id)]
+            if run.state is RunState.RUNNING:
+                actions.append(StartWatchers(job_id, run.nodes, run.attempt))
+            if run.cancel_requested:
+                actions.append(SendCancel(job_id))
+            return tuple(actions)
+        case RunState.FINISHING:
+            return (StopWatchers(_job_id(run)),)
+        case RunState.VERIFYING:
+            return (RunVerify(_job_id(run), run.cancel_requested),)
+        case RunState.ARCHIVING:
+            assert run.outcome is not None  # entered only with a verdict
+            return (WriteArchive(run.outcome, run.reason),)
+    assert run.outcome is not None  # a final state
+    return (Declare(run.outcome, run.reason),)
+
+
+def _apply(run: Run, event: Event, now: datetime) -> Run:
     name = type(event).__name__
     if run.state.is_final:
         raise IllegalTransition(run.state.value, name)
@@ -278,64 +348,50 @@ def step(run: Run, event: Event, now: datetime) -> tuple[Run, tuple[Action, ...]
         case CancelRequested():
             return _cancel(run, now)
         case Submit() if run.state is RunState.ACCEPTED:
-            return _to(run, RunState.SUBMITTING, now, name), (CallSbatch(run.job_name),)
+            return _to(run, RunState.SUBMITTING, now, name)
         case Submitted(job_id) if run.state is RunState.SUBMITTING:
-            moved = replace(_to(run, RunState.PENDING, now, name), slurm_job_id=job_id)
-            return moved, (SendCancel(job_id),) if run.cancel_requested else ()
+            return replace(_to(run, RunState.PENDING, now, name), slurm_job_id=job_id)
         case SubmitFailed(reason) if run.state is RunState.SUBMITTING:
             outcome = Outcome.CANCELLED if run.cancel_requested else Outcome.FAILED
             return _archive(run, outcome, f"submission failed: {reason}", now, name)
         case Started(nodes) if run.state is RunState.PENDING:
-            moved = replace(_to(run, RunState.RUNNING, now, name), nodes=nodes)
-            return moved, (StartWatchers(_job_id(run), nodes),)
+            return replace(_to(run, RunState.RUNNING, now, name), nodes=nodes)
         case Requeued() if run.state in _REQUEUABLE:
             moved = replace(_to(run, RunState.PENDING, now, name), attempt=run.attempt + 1)
-            stop = (StopWatchers(_job_id(run)),) if run.state is RunState.RUNNING else ()
-            return replace(moved, nodes=()), stop
+            return replace(moved, nodes=())
         case LeftQueue() if run.state in (RunState.PENDING, RunState.RUNNING):
-            return _to(run, RunState.FINISHING, now, name), (StopWatchers(_job_id(run)),)
+            return _to(run, RunState.FINISHING, now, name)
         case WatchersStopped() if run.state is RunState.FINISHING:
-            verify = RunVerify(_job_id(run), run.cancel_requested)
-            return _to(run, RunState.VERIFYING, now, name), (verify,)
+            return _to(run, RunState.VERIFYING, now, name)
         case Verified(outcome, reason) if run.state is RunState.VERIFYING:
             if outcome is Outcome.PENDING_EVIDENCE:
                 raise IllegalTransition(run.state.value, f"{name}(pending_evidence)")
             return _archive(run, outcome, reason, now, name)
         case Archived() if run.state is RunState.ARCHIVING and run.outcome is not None:
-            final = _to(run, _FINAL_BY_OUTCOME[run.outcome], now, name)
-            return final, (Declare(run.outcome, run.reason),)
+            return _to(run, _FINAL_BY_OUTCOME[run.outcome], now, name)
     raise IllegalTransition(run.state.value, name)
 
 
 _REQUEUABLE = frozenset(
     {RunState.PENDING, RunState.RUNNING, RunState.FINISHING, RunState.VERIFYING}
 )
-_CANCEL_SENDABLE = frozenset({RunState.PENDING, RunState.RUNNING, RunState.FINISHING})
 
 
-def _cancel(run: Run, now: datetime) -> tuple[Run, tuple[Action, ...]]:
+def _cancel(run: Run, now: datetime) -> Run:
     if run.cancel_requested:
-        return run, ()
+        return run
     if run.state is RunState.ACCEPTED:
-        reason = "cancelled before submission"
-        done = replace(
+        return replace(
             _to(run, RunState.CANCELLED, now, "CancelRequested"),
             cancel_requested=True,
             outcome=Outcome.CANCELLED,
-            reason=reason,
+            reason="cancelled before submission",
         )
-        return done, (Declare(Outcome.CANCELLED, reason),)
-    flagged = replace(run, cancel_requested=True)
-    if run.state in _CANCEL_SENDABLE:
-        return flagged, (SendCancel(_job_id(run)),)
-    return flagged, ()
+    return replace(run, cancel_requested=True)
 
 
-def _archive(
-    run: Run, outcome: Outcome, reason: str, now: datetime, event: str
-) -> tuple[Run, tuple[Action, ...]]:
-    moved = replace(_to(run, RunState.ARCHIVING, now, event), outcome=outcome, reason=reason)
-    return moved, (WriteArchive(outcome, reason),)
+def _archive(run: Run, outcome: Outcome, reason: str, now: datetime, event: str) -> Run:
+    return replace(_to(run, RunState.ARCHIVING, now, event), outcome=outcome, reason=reason)
 
 
 def _to(run: Run, state: RunState, now: datetime, event: str) -> Run:

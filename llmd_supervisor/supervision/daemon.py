@@ -9,6 +9,7 @@ journal. **It never cancels a Slurm job on the way out**; the next start resumes
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import signal
 from collections import Counter
@@ -31,14 +32,12 @@ from llmd_supervisor.adapters.metrics import (
 )
 from llmd_supervisor.adapters.remote import NodeLink
 from llmd_supervisor.adapters.sdnotify import loop_monitor
-from llmd_supervisor.adapters.slurm import CommandRunner, LocalRunner, SlurmClient
-from llmd_supervisor.adapters.slurm_ssh import SshRunner, ssh_settings
-from llmd_supervisor.core.config import ClusterConfig, Config
+from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.lifecycle import RunState
 from llmd_supervisor.errors import SupervisorError
 from llmd_supervisor.supervision.api import ControlApi
-from llmd_supervisor.supervision.poller import Poller
-from llmd_supervisor.supervision.runs import RunHandle, Supervisor
+from llmd_supervisor.supervision.cluster import Cluster, build_cluster
+from llmd_supervisor.supervision.driver import Hooks, RunHandle, Supervisor
 
 log = structlog.get_logger("llmd_supervisor.supervision.daemon")
 
@@ -70,7 +69,11 @@ def lock_state_dir(state_dir: Path) -> int:
 
 
 async def serve(
-    config: Config, *, notify: Notify = _no_notify, watchdog_s: float | None = None
+    config: Config,
+    *,
+    notify: Notify = _no_notify,
+    watchdog_s: float | None = None,
+    hooks: Hooks | None = None,
 ) -> None:
     """Run until SIGTERM/SIGINT (or cancellation); see the module docstring.
 
@@ -78,45 +81,33 @@ async def serve(
     in-flight run is re-attached (its task started) and the control socket (and the
     metrics endpoint, if configured) listens; ``STATUS=`` whenever the run counts change;
     ``STOPPING=1`` on SIGTERM/SIGINT; ``WATCHDOG=1`` every `watchdog_s`/2 from the event
-    loop when `watchdog_s` is set.
+    loop when `watchdog_s` is set. `hooks` are the supervisor's test seams.
     """
     lock_fd = lock_state_dir(config.state_dir)
     try:
-        await _serve(config, notify, watchdog_s)
+        await _serve(config, notify, watchdog_s, hooks)
     finally:
         os.close(lock_fd)
 
 
-def _runner(
-    cluster: ClusterConfig, config: Config, metrics: Metrics, links: list[NodeLink]
-) -> CommandRunner:
-    """Where this cluster's Slurm commands run: here, or over SSH on its login host."""
-    env = {"SLURM_CONF": cluster.slurm_conf} if cluster.slurm_conf else {}
-    runner: CommandRunner
-    if cluster.login_host is not None:
-        link = NodeLink(cluster.login_host, ssh_settings(config.ssh))
-        links.append(link)
-        runner = SshRunner(link, env)
-    else:
-        runner = LocalRunner(env)
-    return InstrumentedRunner(runner, metrics, cluster.name)
-
-
-async def _serve(config: Config, notify: Notify, watchdog_s: float | None) -> None:
+async def _serve(
+    config: Config, notify: Notify, watchdog_s: float | None, hooks: Hooks | None
+) -> None:
     metrics = Metrics()
     login_links: list[NodeLink] = []
     journal = await Journal.open(config.journal_path)
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(loop_monitor, notify, watchdog_s, metrics.record_lag)
-            pollers: dict[str, Poller] = {}
-            clients: dict[str, SlurmClient] = {}
-            for cluster in config.clusters:
-                runner = _runner(cluster, config, metrics, login_links)
-                clients[cluster.name] = SlurmClient(runner, timeout=config.poll.command_timeout_s)
-                pollers[cluster.name] = Poller(cluster.name, clients[cluster.name], config.poll)
-                await tg.start(pollers[cluster.name].run)
-            supervisor = Supervisor(config, journal, pollers, clients, tg)
+            clusters: dict[str, Cluster] = {}
+            for cluster_config in config.clusters:
+                wrap = functools.partial(
+                    InstrumentedRunner, metrics=metrics, cluster=cluster_config.name
+                )
+                cluster = build_cluster(cluster_config, config, wrap, login_links)
+                clusters[cluster.name] = cluster
+                await tg.start(cluster.poller.run)
+            supervisor = Supervisor(config, journal, clusters, tg, hooks=hooks)
             resumed = await supervisor.resume_all()
             metrics.attach(lambda: run_samples(supervisor.handles), link_counts)
             if config.metrics_listen is not None:
@@ -181,7 +172,7 @@ def run_samples(handles: Mapping[str, RunHandle]) -> list[RunSample]:
             state=h.run.state,
             outcome=h.run.outcome,
             transitions=h.run.transitions,
-            tail_bytes=h.tail_bytes,
+            tail_bytes=h.attempt.tail_bytes if h.attempt is not None else 0,
         )
         for h in list(handles.values())
     ]

@@ -5,9 +5,9 @@ list is long) covering every tracked job and every job whose verification asked 
 accounting evidence, and one `scontrol show job` per job that asked for the scontrol
 fallback. `squeue` (the authority on "left the queue", and the only source without
 accounting) runs once per `squeue_interval_s` for all tracked jobs (2 slurmctld RPCs a
-call: 12 a minute at 10 s), or at once on `refresh()` (a run's batch log appeared: it
-started). sacct is answered by slurmdbd and costs slurmctld nothing, so ends are seen
-within `min_interval_s` while jobs run, at a slurmctld load independent of their number
+call: 12 a minute at 10 s), or at once when a run's batch log appears (it started). sacct
+is answered by slurmdbd and costs slurmctld nothing, so ends are seen within
+`min_interval_s` while jobs run, at a slurmctld load independent of their number
 (DESIGN.md section 6; SLURM-FACTS "Polling cost").
 
 The interval adapts: `min_interval_s` while a tracked job runs, something changed or
@@ -169,11 +169,6 @@ class Poller:
 
     def unwatch_start(self, job_id: str) -> None:
         self._start_files.pop(job_id, None)
-
-    def refresh(self) -> None:
-        """Tick now, with a squeue (something started or ended; its nodes are wanted)."""
-        self._last_squeue = -math.inf
-        self.poke()
 
     # --- the loop ------------------------------------------------------------------------
 

@@ -131,10 +131,14 @@ async def verify_job(
     deadline = started + timedelta(seconds=evidence_timeout)
     state = VerdictState(job_id=job_id, started_at=started)
     while True:
-        if not state.accounting_disabled_seen:
-            state = observe(state, await evidence.query(Source.SACCT, job_id))
-        if believed(state) is None:
-            state = observe(state, await evidence.query(Source.SCONTROL, job_id))
+        # Both sources are asked at once (the poller answers both in one tick); scontrol's
+        # answer counts only where sacct's alone does not settle the record.
+        sources = [Source.SCONTROL] if state.accounting_disabled_seen else [Source.SACCT]
+        if believed(state) is None and sources[0] is Source.SACCT:
+            sources.append(Source.SCONTROL)
+        for query in await _query_all(evidence, job_id, sources):
+            if query.source is Source.SACCT or believed(state) is None:
+                state = observe(state, query)
         marker = read_marker(await marker_bytes(), job_id)
         now = clock()
         verdict = decide(
@@ -163,3 +167,16 @@ async def verify_job(
             )
             return VerifyResult(verdict, state, marker, receipt)
         await anyio.sleep(min(interval, max(0.0, (deadline - now).total_seconds()) + 0.01))
+
+
+async def _query_all(evidence: Evidence, job_id: str, sources: list[Source]) -> list[SlurmQuery]:
+    """The sources' readings, asked concurrently, in the order given."""
+    results: dict[Source, SlurmQuery] = {}
+
+    async def ask(source: Source) -> None:
+        results[source] = await evidence.query(source, job_id)
+
+    async with anyio.create_task_group() as tg:
+        for source in sources:
+            tg.start_soon(ask, source)
+    return [results[s] for s in sources]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 from pathlib import Path
 
+import anyio
 import asyncssh
 import pytest
 
@@ -42,8 +43,12 @@ async def test_asyncssh_reaches_every_node_and_reads_a_file_a_job_wrote(
 ) -> None:
     script = shared_tmp / "write.sh"
     script.write_text(f"#!/bin/bash\nsrun bash -c 'hostname > {shared_tmp}/from-$(hostname)'\n")
-    job = cluster.sbatch(script, "-N", str(len(cluster.nodes)), f"--output={shared_tmp}/%j.out")
-    assert cluster.wait_terminal(job) == "COMPLETED|0:0"
+    job = await anyio.to_thread.run_sync(
+        lambda: cluster.sbatch(
+            script, "-N", str(len(cluster.nodes)), f"--output={shared_tmp}/%j.out"
+        )
+    )
+    assert await anyio.to_thread.run_sync(cluster.wait_terminal, job) == "COMPLETED|0:0"
 
     for node in cluster.nodes:
         async with asyncssh.connect(

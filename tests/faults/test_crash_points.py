@@ -31,7 +31,7 @@ CRASH_POINTS = [
 def test_sigkill_after_transition_then_restart(
     cluster: DevCluster, tmp_path: Path, shared_tmp: Path, state: str, nth: int
 ) -> None:
-    daemon = Daemon(cluster, tmp_path, env={"LLMD_SUPERVISOR_TEST_CRASH_AFTER": f"{state}:{nth}"})
+    daemon = Daemon(cluster, tmp_path, crash_after=f"{state}:{nth}")
     daemon.start()
     for i in range(RUNS):
         spec = demo_spec(shared_tmp / f"r{i}", port=8400 + 10 * i)
@@ -41,7 +41,7 @@ def test_sigkill_after_transition_then_restart(
     assert daemon.proc.returncode == -9, daemon.log_text()[-2000:]
     assert daemon.events("test.crash")
 
-    daemon.env = {}
+    daemon.crash_after = None
     daemon.start()
     runs = json.loads(daemon.cli("list", "--all", "--json").stdout)["runs"]
     assert len(runs) >= nth if state == "submitting" else len(runs) == RUNS

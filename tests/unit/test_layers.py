@@ -31,11 +31,7 @@ NODE_SCRIPTS = frozenset({"agent", "engine", "bench"})
 # xfail_strict makes a fixed module fail here until its entry is removed.
 KNOWN_OFFENDERS: dict[str, frozenset[str]] = {
     "imports": frozenset(),
-    "size": frozenset(
-        {
-            "supervision/runs.py",
-        }
-    ),
+    "size": frozenset(),
 }
 
 

@@ -1,4 +1,4 @@
-"""The run state machine: legal paths, their actions, and every illegal transition."""
+"""The run state machine: legal paths, the plan of each record, and every illegal transition."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from llmd_supervisor.core.lifecycle import (
     CancelRequested,
     Declare,
     Event,
+    FollowQueue,
     LeftQueue,
+    Reconcile,
     Requeued,
     Run,
     RunState,
@@ -30,6 +32,7 @@ from llmd_supervisor.core.lifecycle import (
     WatchersStopped,
     WriteArchive,
     new_run,
+    plan,
     step,
 )
 from llmd_supervisor.core.verdict import Outcome
@@ -69,8 +72,10 @@ def test_happy_path() -> None:
     assert run.attempt == 1
     reason = "State=COMPLETED ExitCode=0:0 (sacct, 2 agreeing reads)"
     assert actions == [
-        CallSbatch("llmd-run-1"),
-        StartWatchers("42", NODES),
+        Reconcile("llmd-run-1"),
+        FollowQueue("42"),
+        FollowQueue("42"),
+        StartWatchers("42", NODES, 1),
         StopWatchers("42"),
         RunVerify("42", cancel_requested=False),
         WriteArchive(Outcome.SUCCEEDED, reason),
@@ -136,7 +141,7 @@ def test_requeue_keeps_the_run() -> None:
     assert run.attempt == 2
     assert run.slurm_job_id == "42"
     assert run.nodes == ()
-    assert actions[-1] == StopWatchers("42")
+    assert actions[-1] == FollowQueue("42")  # the old attempt's watchers are no longer asked for
     run, actions = drive([Started(("node4",)), Requeued(), Started(NODES)], run)
     assert run.attempt == 3
     assert run.state is RunState.RUNNING
@@ -146,7 +151,7 @@ def test_requeue_during_verification() -> None:
     run, actions = drive([*HAPPY[:5], Requeued()])
     assert run.state is RunState.PENDING
     assert run.attempt == 2
-    assert actions[-1] == RunVerify("42", cancel_requested=False)  # no new action
+    assert actions[-1] == FollowQueue("42")
 
 
 def test_cancel_from_accepted_ends_at_once() -> None:
@@ -161,10 +166,10 @@ def test_cancel_while_submitting_is_sent_once_the_job_exists() -> None:
     run, actions = drive([Submit(), CancelRequested()])
     assert run.state is RunState.SUBMITTING
     assert run.cancel_requested
-    assert actions == [CallSbatch("llmd-run-1")]
+    assert actions == [Reconcile("llmd-run-1"), Reconcile("llmd-run-1")]
     run, actions = drive([Submitted("42")], run)
     assert run.state is RunState.PENDING
-    assert actions == [SendCancel("42")]
+    assert actions == [FollowQueue("42"), SendCancel("42")]
 
 
 def test_cancel_while_submitting_and_submit_fails() -> None:
@@ -173,14 +178,15 @@ def test_cancel_while_submitting_and_submit_fails() -> None:
     assert run.outcome is Outcome.CANCELLED
 
 
-@pytest.mark.parametrize("prefix", [HAPPY[:2], HAPPY[:3], HAPPY[:4]])
+@pytest.mark.parametrize("prefix", [HAPPY[:2], HAPPY[:3]])
 def test_cancel_sends_cancel_with_a_job(prefix: list[Event]) -> None:
     run, _ = drive(prefix)
     state = run.state
     run, actions = step(run, CancelRequested(), T0)
     assert run.state is state
     assert run.cancel_requested
-    assert actions == (SendCancel("42"),)
+    assert actions[-1] == SendCancel("42")
+    assert actions[0] == FollowQueue("42")
     again, actions = step(run, CancelRequested(), T0)
     assert again == run
     assert actions == ()
@@ -191,12 +197,12 @@ def test_cancel_flag_reaches_verification() -> None:
     assert actions[-1] == RunVerify("42", cancel_requested=True)
 
 
-@pytest.mark.parametrize("prefix", [HAPPY[:5], HAPPY[:6]])
+@pytest.mark.parametrize("prefix", [HAPPY[:4], HAPPY[:5], HAPPY[:6]])
 def test_cancel_after_the_job_left_only_flags(prefix: list[Event]) -> None:
     run, _ = drive(prefix)
     run, actions = step(run, CancelRequested(), T0)
     assert run.cancel_requested
-    assert actions == ()
+    assert not any(isinstance(a, SendCancel) for a in actions)
 
 
 ALL_EVENTS: list[Event] = [
@@ -256,3 +262,23 @@ def test_step_never_mutates() -> None:
     step(run, LeftQueue(), T0)
     assert run == before
     assert run.state is RunState.RUNNING
+
+
+def test_plan_of_a_journaled_record_is_what_entering_it_asked_for() -> None:
+    """After a restart the driver executes plan(record): the same actions step gave."""
+    run = new_run("run-1", "llmd-run-1", T0)
+    assert plan(run) == (CallSbatch("llmd-run-1"),)
+    for i, event in enumerate(HAPPY):
+        run, actions = step(run, event, T0 + timedelta(seconds=i + 1))
+        assert plan(run) == actions
+
+
+def test_a_cancel_flag_keeps_asking_for_the_cancel_sequence_while_the_job_is_queued() -> None:
+    """A cancel accepted and then interrupted (crash, supervision retry) is not dropped:
+    every later plan of the record still contains it while the job can be cancelled."""
+    run, _ = drive([*HAPPY[:3], CancelRequested()])
+    assert SendCancel("42") in plan(run)
+    requeued, _ = step(run, Requeued(), T0)
+    assert plan(requeued) == (FollowQueue("42"), SendCancel("42"))
+    left, _ = step(run, LeftQueue(), T0)
+    assert plan(left) == (StopWatchers("42"),)

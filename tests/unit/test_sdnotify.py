@@ -82,6 +82,9 @@ def test_watchdog_interval_from_environment(env: dict[str, str], expected: float
 
 
 @pytest.mark.asyncio
+@pytest.mark.blocks_event_loop(
+    "time.sleep(0.6) is the stall whose missed watchdog pings are tested"
+)
 async def test_loop_monitor_pings_every_half_interval_and_a_blocked_loop_misses_them(
     dgram: tuple[socket.socket, str],
 ) -> None:

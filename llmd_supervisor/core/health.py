@@ -1,0 +1,89 @@
+"""Node health decisions for a watched allocation (pure).
+
+The attempt's watcher probes each node every heartbeat (status file, log listing, marker)
+and hands the result here with the time; `observe` returns the node's new health and the
+events to journal and log. Times are `time.monotonic()` seconds, passed in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class HealthLimits:
+    node_silent_s: float  # no successful probe for this long: the node is unreachable
+    log_stall_s: float  # the node's logs did not grow for this long: stalled
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One heartbeat's result for one node."""
+
+    ok: bool
+    agent_state: str | None = None  # from the rank's status file, when read
+    log_bytes: int = 0  # bytes of the node's log copies so far
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class NodeHealth:
+    """What is known about one node of the current attempt."""
+
+    node: str
+    rank: int
+    since: float  # when watching began (a node never reached is silent since then)
+    reachable: bool = False
+    last_ok: float | None = None
+    agent_state: str = ""
+    unreachable_reported: bool = False
+    log_bytes: int = -1
+    grown_at: float | None = None
+    stalled: bool = False
+
+
+@dataclass(frozen=True)
+class NodeUnreachable:
+    node: str
+    rank: int
+    silent_s: float
+    error: str
+
+
+@dataclass(frozen=True)
+class LogStalled:
+    node: str
+    rank: int
+    quiet_s: float
+
+
+HealthEvent = NodeUnreachable | LogStalled
+
+
+def observe(
+    health: NodeHealth, probe: Probe, now: float, limits: HealthLimits
+) -> tuple[NodeHealth, tuple[HealthEvent, ...]]:
+    """Fold one probe into a node's health; each condition is reported once until it clears."""
+    events: list[HealthEvent] = []
+    if probe.ok:
+        health = replace(
+            health,
+            reachable=True,
+            last_ok=now,
+            unreachable_reported=False,
+            agent_state=health.agent_state if probe.agent_state is None else probe.agent_state,
+        )
+    else:
+        silent = now - (health.last_ok if health.last_ok is not None else health.since)
+        health = replace(health, reachable=False)
+        if silent > limits.node_silent_s and not health.unreachable_reported:
+            health = replace(health, unreachable_reported=True)
+            events.append(NodeUnreachable(health.node, health.rank, round(silent, 1), probe.error))
+    if probe.log_bytes != health.log_bytes:
+        health = replace(health, log_bytes=probe.log_bytes, grown_at=now, stalled=False)
+    else:
+        quiet = now - (health.grown_at if health.grown_at is not None else health.since)
+        if not health.stalled and quiet > limits.log_stall_s:
+            health = replace(health, stalled=True)
+            events.append(LogStalled(health.node, health.rank, round(quiet, 1)))
+    return health, tuple(events)

@@ -1,0 +1,77 @@
+"""Every name and path of one run, in one place (pure).
+
+Remote paths (what the job writes, as the nodes and Slurm see them) are POSIX strings; local
+paths (the daemon's archive and its log copies) are `Path`s. The node side agrees on the
+names in `llmd_supervisor.node.common`; this module builds the paths from them.
+
+Layout, for log directory ``L``, job name ``N`` and job id ``J``:
+  * ``L/N-J.out``, ``L/N-J.err``   -- the batch logs (sbatch ``--output=L/%x-%j.out``)
+  * ``L/.bench_done.J``            -- the completion marker
+  * ``L/J/``                       -- the job directory: per-rank logs and status files
+and in the run's archive directory ``A``:
+  * ``A/logs/attempt<K>/<name>``   -- byte-exact copies of attempt K's logs, by file name
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmd_supervisor.node import common
+
+LOGS = "logs"
+
+
+def batch_log_patterns(log_dir: str) -> tuple[str, str]:
+    """sbatch's ``--output`` and ``--error`` patterns for a run's log directory."""
+    return f"{log_dir}/%x-%j.out", f"{log_dir}/%x-%j.err"
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """Where one run's files are: written by its job, and copied by the daemon."""
+
+    log_dir: str  # the job's log directory, as the nodes see it
+    job_name: str
+    archive_dir: Path  # this run's archive directory on the daemon's machine
+
+    # --- written by the job (remote paths) ---------------------------------------------
+
+    def batch_log_names(self, job_id: str) -> tuple[str, str]:
+        """The batch .out and .err file names (as sbatch expands the patterns)."""
+        return f"{self.job_name}-{job_id}.out", f"{self.job_name}-{job_id}.err"
+
+    def batch_logs(self, job_id: str) -> dict[str, str]:
+        """Local copy name -> remote path of the batch .out and .err."""
+        return {name: f"{self.log_dir}/{name}" for name in self.batch_log_names(job_id)}
+
+    def job_dir(self, job_id: str) -> str:
+        return f"{self.log_dir}/{job_id}"
+
+    def status_file(self, job_id: str, rank: int) -> str:
+        return f"{self.job_dir(job_id)}/{common.status_name(rank)}"
+
+    def marker(self, job_id: str) -> str:
+        return f"{self.log_dir}/{common.marker_name(job_id)}"
+
+    @staticmethod
+    def is_rank_log(name: str, rank: int | None = None) -> bool:
+        """A per-rank log file name (any rank, or this one), never a status file."""
+        if rank is not None:
+            return common.is_rank_log(name, rank)
+        return name.startswith("rank") and not name.endswith(common.STATUS_SUFFIX)
+
+    # --- the daemon's copies (local paths) ---------------------------------------------
+
+    @property
+    def logs_root(self) -> Path:
+        """Every attempt's log copies (what `logs` streams)."""
+        return self.archive_dir / LOGS
+
+    def copies(self, attempt: int) -> Path:
+        """The directory of attempt `attempt`'s log copies."""
+        return self.logs_root / f"attempt{attempt}"
+
+    def batch_copy(self, attempt: int, job_id: str) -> Path:
+        """The local copy of the batch .out of an attempt."""
+        return self.copies(attempt) / self.batch_log_names(job_id)[0]

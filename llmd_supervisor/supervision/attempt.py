@@ -1,0 +1,224 @@
+"""One watched allocation of a run: node links, node health, log tailers, the marker copy.
+
+An `Attempt` exists per allocation (a requeue or a retry makes a new one). It is started
+with ``await tg.start(attempt.run)`` in its run's task group and counts as running only
+once its task group is up. It is stopped by one call, which says whether the local copies
+are complete:
+
+* `drain()`: the tailers catch up with the nodes and stop (bounded by `finish_drain_s`); an
+  attempt that is not running (the job ended before it was seen running, or a copy must
+  be drained again) runs one drain-only pass instead;
+* `abandon()`: cancel at once; every copy is an exact prefix of its log (the caller
+  completes it another way, e.g. from the shared file system).
+
+Cancellation (the run's task group going away) closes the node links within a bound; the
+local copies stay exact prefixes, so the next attempt object resumes from their sizes.
+Node health decisions are the pure `core.health.observe`; this module does the I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from enum import StrEnum
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import structlog
+
+from llmd_supervisor.adapters.remote import NodeLink, SshSettings
+from llmd_supervisor.adapters.tail import tail_to_local
+from llmd_supervisor.core.config import Limits
+from llmd_supervisor.core.health import (
+    HealthLimits,
+    LogStalled,
+    NodeHealth,
+    NodeUnreachable,
+    Probe,
+    observe,
+)
+from llmd_supervisor.core.layout import RunLayout
+from llmd_supervisor.errors import RemoteError, SupervisorError
+
+log = structlog.get_logger("llmd_supervisor.attempt")
+
+Record = Callable[[str, Mapping[str, object]], Awaitable[None]]
+
+
+class CopyState(StrEnum):
+    """Whether an attempt's local log copies are complete."""
+
+    COMPLETE = "complete"
+    LOCAL_FAILED = "local_failed"  # local disk trouble: exact prefixes, drain again
+    REMOTE_FAILED = "remote_failed"  # a tailer gave up on the node side: drain again
+
+
+class Attempt:
+    """Everything that exists only while one allocation of a run is watched."""
+
+    def __init__(
+        self,
+        *,
+        number: int,
+        job_id: str,
+        nodes: tuple[str, ...],
+        layout: RunLayout,
+        coordinator_rank: int,
+        ssh: SshSettings,
+        limits: Limits,
+        record: Record,
+        on_change: Callable[[], None],
+        on_marker: Callable[[], None],
+    ) -> None:
+        self.number = number
+        self.job_id = job_id
+        self.nodes = nodes
+        self.layout = layout
+        self._coordinator_rank = coordinator_rank
+        self._ssh = ssh
+        self._limits = limits
+        self._health_limits = HealthLimits(limits.node_silent_s, limits.log_stall_s)
+        self._record = record
+        self._on_change = on_change
+        self._on_marker = on_marker
+        now = time.monotonic()
+        # The attempt's state: node health, the coordinator's marker copy, copy state.
+        self.health = {node: NodeHealth(node, rank, since=now) for rank, node in enumerate(nodes)}
+        self.marker_copy: bytes | None = None
+        self.copies = CopyState.COMPLETE
+        self.tail_bytes = 0
+        self.running = False
+        self._stop = anyio.Event()
+        self._done = anyio.Event()
+        self._scope: anyio.CancelScope | None = None
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Watch every node until stopped: per node a heartbeat/discovery loop and its
+        tailers. With the stop already asked for, one pass whose tailers drain."""
+        links = [NodeLink(node, self._ssh) for node in self.nodes]
+        self._done = anyio.Event()
+        try:
+            async with anyio.create_task_group() as tg:
+                self._scope = tg.cancel_scope
+                self.running = True
+                for rank, link in enumerate(links):
+                    tg.start_soon(self._watch_node, rank, link, tg)
+                task_status.started()
+        finally:
+            # The tailers have stopped (their copies fsynced): the run may go on while
+            # the links close.
+            self.running = False
+            self._done.set()
+            with anyio.CancelScope(shield=True):
+                async with anyio.create_task_group() as closing:
+                    for link in links:
+                        closing.start_soon(link.aclose)
+
+    async def drain(self) -> CopyState:
+        """Stop with the copies caught up (bounded by `finish_drain_s`); their state."""
+        self._stop.set()
+        with anyio.move_on_after(self._limits.finish_drain_s):
+            if self.running:
+                await self._done.wait()
+            elif self.nodes:
+                self.copies = CopyState.COMPLETE
+                await self.run()
+        return self.copies
+
+    def abandon(self) -> None:
+        """Stop at once; the copies are exact prefixes of the logs."""
+        self._stop.set()
+        if self._scope is not None:
+            self._scope.cancel()
+
+    async def _watch_node(self, rank: int, link: NodeLink, tg: anyio.abc.TaskGroup) -> None:
+        layout, job_id = self.layout, self.job_id
+        job_dir = layout.job_dir(job_id)
+        local = layout.copies(self.number)
+        wanted = dict(layout.batch_logs(job_id)) if rank == 0 else {}  # copy name -> remote
+        tailing: set[str] = set()
+        coordinator = rank == self._coordinator_rank
+        while True:  # at least one pass: a run that ended before it was seen running
+            stopping = self._stop.is_set()
+            state: str | None = None
+            try:
+                for name in await link.list_dir(job_dir):
+                    if layout.is_rank_log(name, rank):
+                        wanted.setdefault(name, f"{job_dir}/{name}")
+                status = await link.read_file(layout.status_file(job_id, rank))
+                if status is not None:
+                    state = _status_state(status)
+                if coordinator and self.marker_copy is None:
+                    data = await link.read_file(layout.marker(job_id))
+                    if data:
+                        self.marker_copy = data
+                        log.info("run.marker_seen", node=link.host, size=len(data))
+                        self._on_marker()
+                probe = Probe(ok=True, agent_state=state)
+            except RemoteError as exc:
+                probe = Probe(ok=False, error=str(exc))
+            for name, remote_path in wanted.items():
+                if name not in tailing:
+                    tailing.add(name)
+                    tg.start_soon(self._tail, link, remote_path, local / name)
+            probe = Probe(
+                probe.ok, probe.agent_state, sum(_size(local / n) for n in tailing), probe.error
+            )
+            health, events = observe(
+                self.health[link.host], probe, time.monotonic(), self._health_limits
+            )
+            self.health[link.host] = health
+            for event in events:
+                await self._report(event)
+            self._on_change()
+            if stopping:
+                return
+            with anyio.move_on_after(self._limits.heartbeat_interval_s):
+                await self._stop.wait()
+
+    async def _report(self, event: NodeUnreachable | LogStalled) -> None:
+        if isinstance(event, NodeUnreachable):
+            log.warning("run.node_unreachable", node=event.node, silent_s=round(event.silent_s))
+            await self._record("node.unreachable", {"node": event.node, "error": event.error})
+        else:
+            quiet = round(event.quiet_s)
+            log.warning("run.stalled", node=event.node, rank=event.rank, quiet_s=quiet)
+            await self._record(
+                "log.stalled", {"node": event.node, "rank": event.rank, "quiet_s": quiet}
+            )
+
+    async def _tail(self, link: NodeLink, remote_path: str, local_path: Path) -> None:
+        def count(n: int) -> None:
+            self.tail_bytes += n
+
+        try:
+            local_path.parent.mkdir(parents=True, exist_ok=True)
+            await tail_to_local(link, remote_path, local_path, stop=self._stop, on_bytes=count)
+        except* OSError as group:
+            # Local disk trouble: the copy stays an exact prefix; the archive step drains
+            # it again and does not declare before it is complete.
+            self.copies = CopyState.LOCAL_FAILED
+            log.warning("run.tail_failed", remote=remote_path, error=str(group.exceptions[0]))
+        except* SupervisorError as group:
+            if self.copies is CopyState.COMPLETE:
+                self.copies = CopyState.REMOTE_FAILED
+            log.warning("run.tail_failed", remote=remote_path, error=str(group.exceptions[0]))
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def _status_state(data: bytes) -> str:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return "unreadable"
+    return str(value.get("state", "")) if isinstance(value, dict) else "unreadable"

@@ -1,0 +1,373 @@
+"""Per-run supervision: one driver loop per run (DESIGN.md section 3).
+
+Each run is advanced by one loop, inside the daemon's root task group, with a task group
+of its own. The loop reads the journaled record, asks the pure core what it needs
+(`lifecycle.plan`: one step plus background actions), makes sure the background actions
+run (the attempt's watchers; the cancel sequence while a cancel is requested and the job
+is still queued) and awaits the step, which ends by applying an event. Every event goes
+through `lifecycle.step` and is journaled (compare-and-set) before anything relies on it,
+so whatever the journal holds after a crash or a supervision retry, `plan` of it says what
+to (re)do, and every step is idempotent:
+
+  accepted     -> journal `submitting` with the unique job name, then sbatch
+  submitting   -> (found on entry) look the job name up; resubmit only when squeue and
+                  sacct both answer that it never existed
+  pending/running -> follow the poller's views; the attempt's watchers while running
+  finishing    -> stop the attempt, snapshot `scontrol show job`, complete the log copies
+  verifying    -> collect evidence until the verdict is final (poller-batched queries)
+  archiving    -> write and fsync the archive (retried until it succeeds), then declare
+
+Stopping the daemon cancels these loops and never the jobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import getpass
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import structlog
+
+from llmd_supervisor.adapters import archive
+from llmd_supervisor.adapters.journal import Journal, RunMeta, StoredRun
+from llmd_supervisor.adapters.remote import SshSettings
+from llmd_supervisor.core.config import Config
+from llmd_supervisor.core.health import NodeHealth
+from llmd_supervisor.core.layout import RunLayout
+from llmd_supervisor.core.lifecycle import (
+    BACKGROUND,
+    Action,
+    CallSbatch,
+    CancelRequested,
+    Event,
+    FollowQueue,
+    Reconcile,
+    Run,
+    RunState,
+    RunVerify,
+    StartWatchers,
+    StopWatchers,
+    WriteArchive,
+    new_run,
+    plan,
+    step,
+)
+from llmd_supervisor.core.render import render_sbatch
+from llmd_supervisor.core.spec import RunSpec, load_spec
+from llmd_supervisor.errors import IllegalTransition, SpecError, SupervisorError
+from llmd_supervisor.supervision import steps
+from llmd_supervisor.supervision.attempt import Attempt
+from llmd_supervisor.supervision.cluster import Cluster
+from llmd_supervisor.supervision.poller import QueueView
+from llmd_supervisor.supervision.verify import utcnow
+
+log = structlog.get_logger("llmd_supervisor.runs")
+
+RETRY_CAP_S = 60.0
+
+
+@dataclass(frozen=True)
+class Hooks:
+    """Test seams; production uses the defaults."""
+
+    # Called right after the journal committed a new record, before anything acts on it
+    # (the crash-point fault tests kill the daemon here).
+    after_journal: Callable[[Run], None] = lambda run: None
+
+
+@dataclass
+class RunHandle:
+    """A run's in-memory companion to its journal row: only what cannot be derived."""
+
+    stored: StoredRun
+    spec: RunSpec
+    cluster: Cluster
+    layout: RunLayout
+    lock: anyio.Lock = field(default_factory=anyio.Lock)
+    changed: anyio.Event = field(default_factory=anyio.Event)  # set and replaced on a change
+    version: int = 0
+    attempt: Attempt | None = None  # the current (or last) watched allocation
+
+    @property
+    def run(self) -> Run:
+        return self.stored.run
+
+    @property
+    def meta(self) -> RunMeta:
+        return self.stored.meta
+
+    @property
+    def health(self) -> Mapping[str, NodeHealth]:
+        """The current attempt's node health (empty before the job runs)."""
+        return self.attempt.health if self.attempt is not None else {}
+
+    def notify(self) -> None:
+        self.version += 1
+        self.changed.set()
+        self.changed = anyio.Event()
+
+    def job_id(self) -> str:
+        if self.run.slurm_job_id is None:
+            raise IllegalTransition(self.run.state.value, "an operation needing a Slurm job id")
+        return self.run.slurm_job_id
+
+    def starttime(self) -> str:
+        """sacct --starttime covering the run's submission."""
+        start = self.meta.created_at - timedelta(minutes=5)
+        return start.astimezone().strftime("%Y-%m-%dT%H:%M:%S")
+
+
+@dataclass
+class Loop:
+    """What one pass of a run's driver keeps while it runs (gone with a supervision retry,
+    after which `plan` re-derives it from the journaled record)."""
+
+    tg: anyio.abc.TaskGroup
+    version: int = 0  # the run handle's version when the loop last planned
+    view: QueueView | None = None  # the last poller view the loop acted on
+    cancelling: str | None = None  # the job whose cancel sequence runs in `tg`
+
+
+class Supervisor:
+    """Owns every run's driver; the control API talks to it."""
+
+    def __init__(
+        self,
+        config: Config,
+        journal: Journal,
+        clusters: Mapping[str, Cluster],
+        tg: anyio.abc.TaskGroup,
+        *,
+        clock: Callable[[], datetime] = utcnow,
+        hooks: Hooks | None = None,
+    ) -> None:
+        self.config = config
+        self.journal = journal
+        self.clusters = clusters
+        self.tg = tg
+        self.clock = clock
+        self.hooks = hooks or Hooks()
+        self.handles: dict[str, RunHandle] = {}
+        self.ssh = SshSettings(
+            username=config.ssh.user or getpass.getuser(),
+            client_keys=config.ssh.identity_files,
+            known_hosts=config.ssh.known_hosts,
+            port=config.ssh.port,
+            connect_timeout=config.ssh.connect_timeout_s,
+        )
+
+    # --- entry points ------------------------------------------------------------------
+
+    async def submit(
+        self, spec_toml: str, *, owner_uid: int, cluster: str | None = None
+    ) -> RunHandle:
+        """Validate, render, journal as `accepted` and start supervising; SpecError if bad."""
+        spec = load_spec(spec_toml)
+        cluster_cfg = self.config.cluster(cluster)
+        run_id = uuid.uuid4().hex[:12]
+        job_name = f"llmd-{run_id}"
+        script = render_sbatch(spec, job_name=job_name)
+        now = self.clock()
+        arch = await anyio.to_thread.run_sync(
+            lambda: archive.prepare(
+                self.config.archive_root, run_id, spec_toml=spec_toml, script=script
+            )
+        )
+        meta = RunMeta(
+            owner_uid=owner_uid,
+            cluster=cluster_cfg.name,
+            spec_toml=spec_toml,
+            script=script,
+            log_dir=spec.log_dir,
+            archive_dir=str(arch),
+            created_at=now,
+        )
+        run = new_run(run_id, job_name, now)
+        await self.journal.insert_run(run, meta)
+        handle = self._handle(StoredRun(run, meta), spec)
+        log.info("run.accepted", run_id=run_id, job_name=job_name, cluster=cluster_cfg.name)
+        self.tg.start_soon(self._supervise, handle)
+        return handle
+
+    async def resume_all(self) -> int:
+        """Start a driver for every run the journal holds as not final; return how many."""
+        count = 0
+        for stored in await self.journal.list_runs():
+            run_id = stored.run.run_id
+            if stored.meta.cluster not in self.clusters:
+                log.error(
+                    "run.resume_failed",
+                    run_id=run_id,
+                    error=f"cluster {stored.meta.cluster!r} is no longer configured",
+                )
+                continue
+            try:
+                spec = load_spec(stored.meta.spec_toml)
+            except SpecError as exc:  # a spec valid at submission fails validation now
+                log.error("run.resume_failed", run_id=run_id, error=str(exc))
+                continue
+            handle = self._handle(StoredRun(stored.run, _slim(stored.meta, stored.run)), spec)
+            if not stored.run.state.is_final:
+                count += 1
+                log.info("run.resumed", run_id=run_id, state=stored.run.state.value)
+                self.tg.start_soon(self._supervise, handle)
+        return count
+
+    def get(self, ref: str) -> RunHandle | None:
+        """A run by id, job name or Slurm job id."""
+        if ref in self.handles:
+            return self.handles[ref]
+        for h in self.handles.values():
+            if ref in (h.run.job_name, h.run.slurm_job_id):
+                return h
+        return None
+
+    async def cancel(self, handle: RunHandle) -> None:
+        """Journal the cancel request (IllegalTransition if the run is already final); the
+        run's driver then makes sure the cancel sequence runs, now or after any retry."""
+        await self.apply(handle, CancelRequested())
+
+    def _handle(self, stored: StoredRun, spec: RunSpec) -> RunHandle:
+        layout = RunLayout(spec.log_dir, stored.run.job_name, Path(stored.meta.archive_dir))
+        handle = RunHandle(stored, spec, self.clusters[stored.meta.cluster], layout)
+        self.handles[stored.run.run_id] = handle
+        return handle
+
+    # --- the driver ----------------------------------------------------------------------
+
+    async def _supervise(self, h: RunHandle) -> None:
+        """Drive the run to a final state. An unexpected error (a bug, the journal briefly
+        failing) is logged and the loop re-entered after a backoff, from the journaled
+        record: a run is never dropped, a requested cancel never lost, and its job is never
+        touched because of the error."""
+        delay = 1.0
+        with structlog.contextvars.bound_contextvars(
+            run_id=h.run.run_id, slurm_job_id=h.run.slurm_job_id
+        ):
+            while not h.run.state.is_final:
+                try:
+                    async with anyio.create_task_group() as tg:
+                        loop = Loop(tg)
+                        while not h.run.state.is_final:
+                            loop.version = h.version
+                            actions = plan(h.run)
+                            await self._background(h, loop, actions)
+                            await self._step(h, loop, actions[0])
+                            delay = 1.0
+                        tg.cancel_scope.cancel()  # a cancel sequence still sleeping its grace
+                except Exception as exc:
+                    log.error(
+                        "run.supervision_failed",
+                        error=str(exc),
+                        state=h.run.state.value,
+                        retry_in_s=delay,
+                        exc_info=not isinstance(exc, SupervisorError),
+                    )
+                    await anyio.sleep(delay)
+                    delay = min(delay * 2, RETRY_CAP_S)
+            run = h.run
+            log.info(
+                "run.finished",
+                outcome=run.outcome.value if run.outcome else None,
+                reason=run.reason,
+                slurm_job_id=run.slurm_job_id,
+                attempt=run.attempt,
+                seconds=round((self.clock() - run.transitions[0].at).total_seconds(), 1),
+                archive=h.meta.archive_dir,
+            )
+
+    async def _background(self, h: RunHandle, loop: Loop, actions: tuple[Action, ...]) -> None:
+        """Make sure the plan's background actions run in this loop's task group."""
+        for action in actions:
+            if not isinstance(action, BACKGROUND):
+                continue
+            if isinstance(action, StartWatchers):
+                a = h.attempt
+                if a is None or a.number != action.attempt or not a.running:
+                    h.attempt = self.new_attempt(h, action.nodes)
+                    await loop.tg.start(h.attempt.run)
+            elif loop.cancelling != action.job_id:
+                loop.cancelling = action.job_id
+                loop.tg.start_soon(steps.cancel_sequence, self, h, action.job_id)
+
+    async def _step(self, h: RunHandle, loop: Loop, action: Action) -> None:
+        match action:
+            case CallSbatch():
+                await steps.submit(self, h)
+            case Reconcile():
+                await steps.reconcile(self, h)
+            case FollowQueue():
+                await steps.follow_queue(self, h, loop)
+            case StopWatchers():
+                await steps.finish(self, h)
+            case RunVerify():
+                await steps.verify(self, h)
+            case WriteArchive():
+                await steps.write_archive(self, h)
+            case _:
+                raise AssertionError(f"{action!r} is not a step")
+
+    def new_attempt(self, h: RunHandle, nodes: tuple[str, ...]) -> Attempt:
+        """An attempt object for the run's current allocation (not started)."""
+
+        async def record(kind: str, fields: Mapping[str, object]) -> None:
+            await self.journal.add_event(h.run.run_id, kind, dict(fields), self.clock())
+
+        return Attempt(
+            number=h.run.attempt,
+            job_id=h.job_id(),
+            nodes=nodes,
+            layout=h.layout,
+            coordinator_rank=h.spec.topology.coordinator_rank,
+            ssh=self.ssh,
+            limits=self.config.limits,
+            record=record,
+            on_change=h.notify,
+            on_marker=h.cluster.poller.poke,
+        )
+
+    async def apply(self, h: RunHandle, event: Event) -> None:
+        """step → journal (compare-and-set) → tell whoever waits on the run."""
+        async with h.lock:
+            before = h.run
+            now = self.clock()
+            after, _ = step(before, event, now)  # the actions are plan(after): the loop's
+            if after is before:
+                return
+            await self.journal.save(after, expected=before.state)
+            self.hooks.after_journal(after)
+            h.stored = StoredRun(after, _slim(h.meta, after))
+            if after.state is not before.state:
+                await self.journal.add_event(
+                    after.run_id,
+                    "run.transition",
+                    {
+                        "from": before.state.value,
+                        "to": after.state.value,
+                        "event": type(event).__name__,
+                    },
+                    now,
+                )
+            if after.slurm_job_id != before.slurm_job_id:
+                structlog.contextvars.bind_contextvars(slurm_job_id=after.slurm_job_id)
+            log.info(
+                "run.transition",
+                frm=before.state.value,
+                to=after.state.value,
+                trigger=type(event).__name__,
+            )
+            h.notify()
+
+
+def _slim(meta: RunMeta, run: Run) -> RunMeta:
+    """Drop the rendered script (~75 KB: it embeds the node agent) once Slurm has it; the
+    journal and the archive's job.sbatch keep it. Keeps the daemon small with many runs."""
+    if meta.script and run.state not in (RunState.ACCEPTED, RunState.SUBMITTING):
+        return dataclasses.replace(meta, script="")
+    return meta

@@ -1,0 +1,345 @@
+"""The steps of a run's driver, one per state (see `driver`), and the cancel sequence.
+
+Each step is idempotent: it may be re-done from the journaled record after a crash or a
+supervision retry. It ends by applying an event (or returns to let the driver re-plan).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import anyio
+import structlog
+
+from llmd_supervisor.adapters import archive
+from llmd_supervisor.adapters.slurm import NameLookup
+from llmd_supervisor.core.lifecycle import (
+    Archived,
+    LeftQueue,
+    Requeued,
+    RunState,
+    Started,
+    Submit,
+    SubmitFailed,
+    Submitted,
+    Verified,
+    WatchersStopped,
+)
+from llmd_supervisor.core.slurm_parse import JobState, parse_scontrol_job
+from llmd_supervisor.core.verdict import SlurmQuery, Source
+from llmd_supervisor.errors import SlurmCommandError, SlurmParseError, SupervisorError
+from llmd_supervisor.node.common import expand_hostlist
+from llmd_supervisor.supervision.attempt import CopyState
+from llmd_supervisor.supervision.poller import QueueView
+from llmd_supervisor.supervision.verify import verify_job
+
+if TYPE_CHECKING:
+    from llmd_supervisor.supervision.driver import Loop, RunHandle, Supervisor
+
+log = structlog.get_logger("llmd_supervisor.runs")
+
+RECEIPT_EVENT = "verify.receipt"
+# After a restart in `submitting`, look the job name up no earlier than this long after
+# the state was journaled (an sbatch in flight then has finished or died with its daemon).
+SUBMIT_SETTLE_S = 5.0
+ARCHIVE_RETRY_CAP_S = 15.0
+REMOTE_DRAINS = 3
+_REQUEUED_STATES = frozenset(
+    {JobState.PENDING, JobState.REQUEUED, JobState.REQUEUE_HOLD, JobState.REQUEUE_FED}
+)
+_RUNNING_STATES = frozenset({JobState.RUNNING, JobState.COMPLETING, JobState.SUSPENDED})
+
+
+# --- submitting ----------------------------------------------------------------------------
+
+
+async def submit(sup: Supervisor, h: RunHandle) -> None:
+    """Journal `submitting`, then sbatch once; after an sbatch failure, reconcile by name."""
+    await sup.apply(h, Submit())
+    sbatch_error = await _sbatch(sup, h)
+    if sbatch_error is None:
+        return
+    lookup = await _lookup(sup, h)
+    if lookup.job_id is not None:
+        log.info("run.reconciled", job_name=h.run.job_name, slurm_job_id=lookup.job_id)
+        await sup.apply(h, Submitted(lookup.job_id))
+    else:
+        await sup.apply(h, SubmitFailed(f"sbatch failed: {sbatch_error}"))
+
+
+async def reconcile(sup: Supervisor, h: RunHandle) -> None:
+    """`submitting` found on entry: sbatch may have been in flight when the daemon (or this
+    loop) stopped. A job found by name is adopted. It is submitted again only when squeue
+    and sacct both answer that no job has the run's name, after a settle delay so that an
+    sbatch left in flight has finished or died with its daemon; with accounting disabled a
+    purged job cannot be ruled out, so the run fails instead of risking a second job."""
+    job_name = h.run.job_name
+    since = sup.clock() - h.run.transitions[-1].at
+    await anyio.sleep(max(0.0, SUBMIT_SETTLE_S - since.total_seconds()))
+    lookup = await _lookup(sup, h)
+    if lookup.job_id is not None:
+        log.info("run.reconciled", job_name=job_name, slurm_job_id=lookup.job_id)
+        await sup.apply(h, Submitted(lookup.job_id))
+        return
+    if lookup.certain:
+        log.info("run.resubmitting", job_name=job_name, why="the daemon stopped while submitting")
+        sbatch_error = await _sbatch(sup, h)
+        if sbatch_error is None:
+            return
+        lookup = await _lookup(sup, h)
+        if lookup.job_id is not None:
+            await sup.apply(h, Submitted(lookup.job_id))
+        else:
+            await sup.apply(h, SubmitFailed(f"sbatch failed: {sbatch_error}"))
+        return
+    await sup.apply(
+        h,
+        SubmitFailed(
+            f"the daemon stopped while submitting; no job named {job_name} exists "
+            "(accounting is disabled: it may have been purged); not resubmitted"
+        ),
+    )
+
+
+async def _lookup(sup: Supervisor, h: RunHandle) -> NameLookup:
+    """find_by_name with retries; SupervisorError (run left in `submitting`, reconciled by
+    the next loop) if Slurm cannot answer at all."""
+    for attempt in range(5):
+        try:
+            return await h.cluster.client.find_by_name(h.run.job_name, starttime=h.starttime())
+        except SlurmCommandError as exc:
+            log.warning("run.lookup_failed", job_name=h.run.job_name, error=str(exc))
+            await anyio.sleep(min(2**attempt, 30))
+    raise SupervisorError(
+        f"Could not find out whether job {h.run.job_name} was submitted; "
+        "left in `submitting` to reconcile again."
+    )
+
+
+async def _sbatch(sup: Supervisor, h: RunHandle) -> str | None:
+    """Submit the run's script; None on success (journaled), else the error text."""
+    client = h.cluster.client
+    try:
+        await client.mkdir(h.meta.log_dir)
+        job_id = await client.sbatch(h.meta.script)
+    except SlurmCommandError as exc:
+        log.warning("run.sbatch_failed", error=str(exc))
+        return str(exc)
+    log.info("run.submitted", job_name=h.run.job_name, slurm_job_id=job_id)
+    await sup.apply(h, Submitted(job_id))
+    return None
+
+
+# --- pending / running -----------------------------------------------------------------------
+
+
+async def follow_queue(sup: Supervisor, h: RunHandle, loop: Loop) -> None:
+    """Wait for the next queue view (or a change of the record: a cancel) and apply it."""
+    job_id = h.job_id()
+    poller = h.cluster.poller
+    poller.track(job_id, h.starttime())
+    if h.run.state is RunState.PENDING:
+        # The batch log appears when the job starts: squeue then, not at its cadence.
+        out = h.layout.batch_logs(job_id)[h.layout.batch_log_names(job_id)[0]]
+        if (signal := h.cluster.files.start_signal(out)) is not None:
+            poller.watch_start(job_id, signal)
+    last = loop.view
+    view = await _next_view_or_change(h, loop, lambda: poller.next_view(job_id, last))
+    if view is None:
+        return  # the record changed (a cancel, a heartbeat): the driver re-plans
+    loop.view = view
+    if view.state is not JobState.PENDING:
+        poller.unwatch_start(job_id)
+    if view.left_queue:
+        await sup.apply(h, LeftQueue())
+    elif view.state in _RUNNING_STATES:
+        if h.run.state is RunState.PENDING and view.nodes:
+            await sup.apply(h, Started(view.nodes))
+    elif (
+        view.state in _REQUEUED_STATES
+        and view.source == "squeue"  # sacct lags: right after a start it still says PENDING
+        and h.run.state is RunState.RUNNING
+    ):
+        await sup.apply(h, Requeued())
+        if h.attempt is not None:
+            await h.attempt.drain()  # the old allocation's logs, into its own attempt part
+
+
+async def _next_view_or_change(
+    h: RunHandle, loop: Loop, next_view: Callable[[], Awaitable[QueueView]]
+) -> QueueView | None:
+    """The poller's next view, or None as soon as the run changed since the loop planned."""
+    result: list[QueueView] = []
+    async with anyio.create_task_group() as tg:
+
+        async def take() -> None:
+            result.append(await next_view())
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(take)
+        while h.version == loop.version:
+            await h.changed.wait()
+        tg.cancel_scope.cancel()
+    return result[0] if result else None
+
+
+async def cancel_sequence(sup: Supervisor, h: RunHandle, job_id: str) -> None:
+    """TERM every step's tasks, wait the run's grace, then plain scancel if still queued.
+
+    On cancellation (daemon stopping, supervision retry) the sequence just stops: the
+    cancel request is journaled, so the next loop runs the sequence again while the job is
+    queued, and the outcome will still say `cancelled`.
+    """
+    client = h.cluster.client
+    grace = h.spec.sigterm_grace_s
+    log.info("run.cancel_term", slurm_job_id=job_id, grace_s=grace)
+    try:
+        await client.scancel(job_id, signal="TERM")
+    except SlurmCommandError as exc:
+        log.warning("run.cancel_failed", step="term", error=str(exc))
+    await sup.journal.add_event(
+        h.run.run_id, "cancel.term_sent", {"slurm_job_id": job_id, "grace_s": grace}, sup.clock()
+    )
+    deadline = time.monotonic() + grace + 5
+    while time.monotonic() < deadline:
+        view = h.cluster.poller.latest(job_id)
+        if view is not None and view.left_queue:
+            return
+        await anyio.sleep(0.5)
+    log.info("run.cancel_kill", slurm_job_id=job_id)
+    try:
+        await client.scancel(job_id)
+    except SlurmCommandError as exc:
+        log.warning("run.cancel_failed", step="kill", error=str(exc))
+
+
+# --- end of run --------------------------------------------------------------------------------
+
+
+async def finish(sup: Supervisor, h: RunHandle) -> None:
+    """Stop the attempt and complete its log copies (how: the cluster's files strategy)
+    while `scontrol show job` is snapshotted into the archive."""
+    job_id = h.job_id()
+    snapshot: list[str] = []
+
+    async def take_snapshot() -> None:
+        result = await h.cluster.client.scontrol_job(job_id)
+        if result.ok and result.stdout.strip():
+            snapshot.append(result.stdout)
+            path = h.layout.archive_dir / "scontrol-show-job.txt"
+            await anyio.to_thread.run_sync(path.write_text, result.stdout)
+
+    attempt = h.attempt
+    if attempt is not None and attempt.number == h.run.attempt:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(take_snapshot)
+            attempt.copies = await h.cluster.files.complete_copies(attempt, h.layout, job_id)
+    else:
+        # The job ended before it was seen running, or the daemon restarted since: the
+        # copies are completed from what the local copies already hold.
+        await take_snapshot()
+        nodes = h.run.nodes or (_scontrol_nodes(snapshot[0]) if snapshot else ())
+        attempt = h.attempt = sup.new_attempt(h, nodes)
+        attempt.copies = await h.cluster.files.complete_copies(attempt, h.layout, job_id)
+    await sup.apply(h, WatchersStopped())
+
+
+async def verify(sup: Supervisor, h: RunHandle) -> None:
+    job_id = h.job_id()
+    poller = h.cluster.poller
+    starttime = h.starttime()
+
+    class _Evidence:
+        async def query(self, source: Source, job_id: str) -> SlurmQuery:
+            return await poller.evidence(source, job_id, starttime)
+
+    result = await verify_job(
+        _Evidence(),
+        job_id,
+        marker_bytes=functools.partial(_marker, h),
+        evidence_timeout=sup.config.limits.verify_timeout_s,
+        interval=sup.config.poll.min_interval_s,
+        cancel_requested=h.run.cancel_requested,
+        clock=sup.clock,
+    )
+    await sup.journal.add_event(
+        h.run.run_id, RECEIPT_EVENT, {"receipt": result.receipt}, sup.clock()
+    )
+    poller.untrack(job_id)
+    await sup.apply(h, Verified(result.verdict.outcome, result.verdict.reason))
+
+
+async def _marker(h: RunHandle) -> bytes | None:
+    """The marker as the cluster's files strategy reads it, else the coordinator's copy."""
+    if h.run.slurm_job_id is not None:
+        data = await h.cluster.files.read(h.layout.marker(h.run.slurm_job_id))
+        if data is not None:
+            return data
+    return h.attempt.marker_copy if h.attempt is not None else None
+
+
+async def write_archive(sup: Supervisor, h: RunHandle) -> None:
+    """Write the archive, retrying with backoff while it fails (disk full, permissions):
+    the outcome is never declared before its evidence is on disk. A log copy that is not
+    complete is drained again before each retry (a node that keeps refusing: at most
+    REMOTE_DRAINS times, then `logs.incomplete` is recorded instead of hanging)."""
+    marker = await _marker(h)
+    attempt = h.attempt
+    copies = attempt.copies if attempt is not None else CopyState.COMPLETE
+    delay = 1.0
+    remote_drains = 0
+    while True:
+        if copies is not CopyState.COMPLETE and attempt is not None and attempt.nodes:
+            remote_drains += copies is CopyState.REMOTE_FAILED
+            copies = await h.cluster.files.complete_copies(attempt, h.layout, attempt.job_id)
+            attempt.copies = copies
+        events = await sup.journal.events(h.run.run_id)
+        receipts = [e["receipt"] for e in events if e.get("kind") == RECEIPT_EVENT]
+        receipt = receipts[-1] if receipts else None
+        write = functools.partial(
+            archive.write_archive,
+            sup.config.archive_root,
+            h.run.run_id,
+            receipt=receipt
+            if isinstance(receipt, dict)
+            else {"outcome": h.run.outcome, "reason": h.run.reason},
+            events=events,
+            marker=marker,
+            scontrol_snapshot=None,
+        )
+        try:
+            with anyio.fail_after(sup.config.limits.archive_timeout_s, shield=True):
+                path = await anyio.to_thread.run_sync(write)
+        except (OSError, TimeoutError) as exc:
+            log.error("run.archive_failed", error=str(exc), retry_in_s=delay)
+            await sup.journal.add_event(
+                h.run.run_id, "archive.failed", {"error": str(exc)}, sup.clock()
+            )
+            copies = CopyState.LOCAL_FAILED  # the log copies may be short too
+        else:
+            if copies is CopyState.COMPLETE:
+                break
+            if copies is CopyState.REMOTE_FAILED and remote_drains >= REMOTE_DRAINS:
+                await sup.journal.add_event(
+                    h.run.run_id, "logs.incomplete", {"drains": remote_drains}, sup.clock()
+                )
+                break
+        await anyio.sleep(delay)
+        delay = min(delay * 2, ARCHIVE_RETRY_CAP_S)
+    log.info("run.archived", archive=str(path))
+    with anyio.CancelScope(shield=True):
+        await sup.apply(h, Archived())
+
+
+def _scontrol_nodes(text: str) -> tuple[str, ...]:
+    """The allocated nodes from a `scontrol show job` record (empty if unparsable)."""
+    try:
+        node_list = parse_scontrol_job(text).node_list
+    except SlurmParseError:
+        return ()
+    if not node_list or node_list == "(null)":
+        return ()
+    return tuple(expand_hostlist(node_list))

@@ -1,0 +1,57 @@
+"""The daemon with a crash point: ``python -m tests.faults.crash_daemon --config C
+--crash-after STATE[:N]`` SIGKILLs itself right after the journal committed the N-th
+(default first) transition into STATE, before anything acted on it. The production
+daemon has no such seam; this injects it through `Hooks`."""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import signal
+import sys
+from pathlib import Path
+
+import anyio
+import structlog
+
+from llmd_supervisor.adapters.log import configure
+from llmd_supervisor.core.config import read_config
+from llmd_supervisor.core.lifecycle import Run
+from llmd_supervisor.supervision.daemon import serve
+from llmd_supervisor.supervision.driver import Hooks
+
+
+def crash_hook(state: str, nth: int) -> Hooks:
+    count = 0
+
+    def after_journal(run: Run) -> None:
+        nonlocal count
+        if run.state.value != state:
+            return
+        count += 1
+        if count >= nth:
+            structlog.get_logger("tests.crash").warning(
+                "test.crash", state=state, run_id=run.run_id
+            )
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return Hooks(after_journal=after_journal)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--config", type=Path, required=True)
+    parser.add_argument("--crash-after", required=True, help="STATE or STATE:N")
+    args = parser.parse_args()
+    state, _, nth = args.crash_after.partition(":")
+    configure(json=True, stream=sys.stdout)
+    serve_ = functools.partial(
+        serve, read_config(args.config), hooks=crash_hook(state, int(nth or 1))
+    )
+    anyio.run(serve_)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

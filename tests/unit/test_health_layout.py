@@ -1,0 +1,101 @@
+"""Pure node-health decisions and the run layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmd_supervisor.core.health import (
+    HealthLimits,
+    LogStalled,
+    NodeHealth,
+    NodeUnreachable,
+    Probe,
+    observe,
+)
+from llmd_supervisor.core.layout import RunLayout, batch_log_patterns
+
+LIMITS = HealthLimits(node_silent_s=10.0, log_stall_s=30.0)
+
+
+def run(probes: list[tuple[float, Probe]]) -> tuple[NodeHealth, list[object]]:
+    health = NodeHealth("node1", 0, since=0.0)
+    events: list[object] = []
+    for now, probe in probes:
+        health, new = observe(health, probe, now, LIMITS)
+        events.extend(new)
+    return health, events
+
+
+def test_a_healthy_node_reports_nothing() -> None:
+    health, events = run([(t, Probe(True, "ready", log_bytes=int(t))) for t in range(0, 60, 2)])
+    assert events == []
+    assert health.reachable and health.agent_state == "ready" and not health.stalled
+
+
+def test_silence_is_reported_once_then_clears() -> None:
+    probes = [(0.0, Probe(True, "ready", 1))]
+    probes += [(float(t), Probe(False, error="refused", log_bytes=1 + t)) for t in range(2, 30, 2)]
+    health, events = run(probes)
+    assert events == [NodeUnreachable("node1", 0, 12.0, "refused")]
+    assert not health.reachable
+    health, again = observe(health, Probe(True, None, 99), 31.0, LIMITS)
+    assert again == () and health.reachable and health.agent_state == "ready"
+    health, _ = observe(health, Probe(False, error="x", log_bytes=100), 50.0, LIMITS)
+    assert health.unreachable_reported  # silent 19 s since the last success: reported again
+
+
+def test_a_node_never_reached_is_silent_since_watching_began() -> None:
+    _, events = run([(float(t), Probe(False, error="no route", log_bytes=t)) for t in (5, 11)])
+    assert events == [NodeUnreachable("node1", 0, 11.0, "no route")]
+
+
+def test_a_stalled_log_is_reported_once_until_it_grows() -> None:
+    probes = [(float(t), Probe(True, "benchmarking", log_bytes=100)) for t in range(0, 70, 5)]
+    health, events = run(probes)
+    assert events == [LogStalled("node1", 0, 35.0)]
+    health, new = observe(health, Probe(True, None, 101), 71.0, LIMITS)
+    assert new == () and not health.stalled
+
+
+@pytest.fixture
+def layout(tmp_path: Path) -> RunLayout:
+    return RunLayout("/shared/logs/r1", "llmd-abc", tmp_path / "archive" / "abc")
+
+
+def test_layout_names_what_the_job_writes(layout: RunLayout) -> None:
+    assert batch_log_patterns("/shared/logs/r1") == (
+        "/shared/logs/r1/%x-%j.out",
+        "/shared/logs/r1/%x-%j.err",
+    )
+    assert layout.batch_logs("42") == {
+        "llmd-abc-42.out": "/shared/logs/r1/llmd-abc-42.out",
+        "llmd-abc-42.err": "/shared/logs/r1/llmd-abc-42.err",
+    }
+    assert layout.job_dir("42") == "/shared/logs/r1/42"
+    assert layout.status_file("42", 3) == "/shared/logs/r1/42/rank3.status.json"
+    assert layout.marker("42") == "/shared/logs/r1/.bench_done.42"
+
+
+def test_layout_names_the_local_copies(layout: RunLayout, tmp_path: Path) -> None:
+    root = tmp_path / "archive" / "abc" / "logs"
+    assert layout.logs_root == root
+    assert layout.copies(2) == root / "attempt2"
+    assert layout.batch_copy(1, "42") == root / "attempt1" / "llmd-abc-42.out"
+
+
+@pytest.mark.parametrize(
+    ("name", "rank", "expected"),
+    [
+        ("rank1.agent.log", 1, True),
+        ("rank1.prefill.engine.log", 1, True),
+        ("rank1.status.json", 1, False),
+        ("rank10.agent.log", 1, False),
+        ("rank10.agent.log", None, True),
+        ("rank2.status.json", None, False),
+        ("bench", None, False),
+    ],
+)
+def test_rank_logs(name: str, rank: int | None, expected: bool) -> None:
+    assert RunLayout.is_rank_log(name, rank) is expected
