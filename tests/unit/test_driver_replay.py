@@ -268,9 +268,7 @@ async def test_a_lagging_sacct_saying_pending_after_a_restart_is_no_requeue(
         await rig.until(h, lambda h: h.run.state is RunState.RUNNING)
         poller = h.cluster.poller
         poller.untrack(h.job_id())  # what a restarted daemon's poller knows of the job
-        ticks = poller.ticks
-        with anyio.fail_after(10):
-            while poller.ticks < ticks + 5:  # several sacct answers of PENDING
-                await anyio.sleep(0.05)
+        with anyio.fail_after(10):  # several sacct answers of PENDING
+            await rig.replay.wait_calls("sacct", rig.replay.count("sacct") + 5)
         assert h.run.state is RunState.RUNNING
         assert h.run.attempt == 1
