@@ -2,8 +2,9 @@
 
 Layout of `<archive_root>/<run_id>/`:
   spec.toml, job.sbatch        what was submitted
-  logs/                        local copies of the batch .out/.err and per-rank logs
-                               (written by the tailers while the run is live)
+  logs/attempt<N>/             local copies of the batch .out/.err and per-rank logs
+                               (written by the tailers while the run is live; the
+                               names are core.layout's)
   marker.json                  the completion marker's bytes, when it existed
   scontrol-show-job.txt        the last `scontrol show job` record seen
   events.jsonl                 the run's journal events
@@ -21,16 +22,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from llmd_supervisor.adapters.fsutil import write_atomic
-
-LOGS = "logs"
+from llmd_supervisor.core.layout import LOGS
 
 
 def run_dir(archive_root: Path, run_id: str) -> Path:
     return archive_root / run_id
-
-
-def logs_dir(archive_root: Path, run_id: str) -> Path:
-    return run_dir(archive_root, run_id) / LOGS
 
 
 def prepare(archive_root: Path, run_id: str, *, spec_toml: str, script: str) -> Path:

@@ -55,6 +55,11 @@ class RunLayout:
         return f"{self.log_dir}/{common.marker_name(job_id)}"
 
     @staticmethod
+    def is_batch_log(name: str) -> bool:
+        """A batch .out or .err file name (the rest of a log directory is per rank)."""
+        return name.endswith((".out", ".err")) and not name.startswith("rank")
+
+    @staticmethod
     def is_rank_log(name: str, rank: int | None = None) -> bool:
         """A per-rank log file name (any rank, or this one), never a status file."""
         if rank is not None:

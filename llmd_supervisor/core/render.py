@@ -22,6 +22,7 @@ from functools import cache
 from importlib import resources
 
 from llmd_supervisor import __version__
+from llmd_supervisor.core.layout import batch_log_patterns
 from llmd_supervisor.core.spec import JOB_NAME_RE, ContainerKind, RunSpec
 from llmd_supervisor.errors import SpecError
 from llmd_supervisor.node import NODE_FILES
@@ -113,8 +114,8 @@ def sbatch_options(spec: RunSpec, *, job_name: str) -> list[str]:
         f"--job-name={job_name}",
         f"--nodes={spec.topology.nodes}",
         "--ntasks-per-node=1",
-        f"--output={spec.log_dir}/%x-%j.out",
-        f"--error={spec.log_dir}/%x-%j.err",
+        f"--output={batch_log_patterns(spec.log_dir)[0]}",
+        f"--error={batch_log_patterns(spec.log_dir)[1]}",
         f"--signal=B:TERM@{spec.sigterm_grace_s}",
         "--requeue" if s.requeue else "--no-requeue",
         f"--time={s.time_limit}",

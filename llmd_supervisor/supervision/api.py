@@ -30,9 +30,9 @@ from typing import Any, Final, Generic, Protocol, TypeVar
 import anyio
 import structlog
 
-from llmd_supervisor.adapters import archive
 from llmd_supervisor.adapters.control_protocol import OPS, OpSpec, Peer, Request, Send
 from llmd_supervisor.core.config import Config
+from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.lifecycle import Run
 from llmd_supervisor.core.render import render_sbatch
 from llmd_supervisor.core.spec import load_spec
@@ -101,6 +101,8 @@ class HandleView(Protocol):
     def health(self) -> Mapping[str, HealthView]: ...
     @property
     def changed(self) -> anyio.Event: ...
+    @property
+    def layout(self) -> RunLayout: ...
 
 
 H = TypeVar("H", bound=HandleView)
@@ -150,11 +152,9 @@ def run_summary(h: HandleView, now: datetime) -> RunSummary:
             {"state": t.state.value, "at": t.at.isoformat(), "event": t.event}
             for t in run.transitions
         ],
-        "last_log_line": _last_line(
-            archive.logs_dir(Path(h.meta.archive_dir).parent, run.run_id)
-            / f"attempt{run.attempt}"
-            / f"{run.job_name}-{run.slurm_job_id}.out"
-        ),
+        "last_log_line": _last_line(h.layout.batch_copy(run.attempt, run.slurm_job_id))
+        if run.slurm_job_id is not None
+        else "",
     }
 
 
@@ -281,12 +281,12 @@ class ControlApi(Generic[H]):
         offsets: dict[str, int] = {}
         if isinstance(given, Mapping):
             offsets = {str(k): v for k, v in given.items() if isinstance(v, int)}
-        root = archive.logs_dir(self.sup.config.archive_root, handle.run.run_id)
+        root = handle.layout.logs_root
 
         def wanted(path: Path) -> bool:
-            if rank is None:
-                return path.suffix in (".out", ".err")
-            return path.name.startswith(f"rank{rank}.")
+            if isinstance(rank, int):
+                return RunLayout.is_rank_log(path.name, rank)
+            return RunLayout.is_batch_log(path.name)
 
         sent = 0
         growth = _Growth.open() if follow else None

@@ -16,6 +16,7 @@ import pytest
 
 from llmd_supervisor.adapters.control_protocol import OPS, Peer, Request
 from llmd_supervisor.core.config import Config
+from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.lifecycle import Run, RunState, new_run
 from llmd_supervisor.core.summary import LogChunk, LogsDone, RunList, RunSummary, read
 from llmd_supervisor.core.verdict import Outcome
@@ -52,6 +53,10 @@ class Handle:
     meta: Meta
     health: dict[str, Health] = field(default_factory=dict)
     changed: anyio.Event = field(default_factory=anyio.Event)
+
+    @property
+    def layout(self) -> RunLayout:
+        return RunLayout(self.meta.log_dir, self.run.job_name, Path(self.meta.archive_dir))
 
     def update(self, **changes: object) -> None:
         self.run = dataclasses.replace(self.run, **changes)  # type: ignore[arg-type]  # test
