@@ -47,7 +47,7 @@ from llmd_supervisor.errors import ControlError, ControlSocketError
 
 __all__ = ["ControlServer", "peer_credentials"]
 
-logger = structlog.get_logger("llmd_supervisor.adapters.control")
+logger = structlog.get_logger("llmd_supervisor.adapters.control_server")
 
 # struct ucred from <sys/socket.h>: pid_t pid; uid_t uid; gid_t gid.
 _UCRED: Final = struct.Struct("3i")

@@ -266,8 +266,9 @@ def test_control_socket_survives_bad_input_and_guards_other_uids(
     daemon.socket.chmod(0o666)  # let uid 65534 connect at all; ownership is the daemon's check
     # The interpreter lives under /root (mode 0700): import as root, then drop to 65534.
     drop = (
-        "import os, shutil, sys, anyio._backends._asyncio, llmd_supervisor.adapters.control, "
-        "llmd_supervisor.cli.main as cli; cli.build_parser(); "
+        "import os, shutil, sys, anyio._backends._asyncio, "
+        "llmd_supervisor.adapters.control_client, llmd_supervisor.cli.main as cli; "
+        "cli.build_parser(); "
         "os.setgroups([]); os.setgid(65534); os.setuid(65534); "
         "sys.exit(cli.main(sys.argv[1:]))"
     )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import anyio
 
-from llmd_supervisor.adapters.control import ControlClient
+from llmd_supervisor.adapters.control_client import ControlClient
 from tests.daemon_helpers import Daemon, demo_spec
 
 # Engine ports reserved for the benchmarks (other sessions use 8200-8699).
