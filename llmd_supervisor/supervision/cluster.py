@@ -143,15 +143,17 @@ def build_cluster(
     config: Config,
     wrap: Callable[[CommandRunner], CommandRunner],
     links: list[NodeLink],
+    *,
+    runner: CommandRunner | None = None,
 ) -> Cluster:
-    """The cluster's object; a login host's SSH link is appended to `links` (to close)."""
+    """The cluster's object; a login host's SSH link is appended to `links` (to close).
+    `runner` replaces where the Slurm commands run (a test seam)."""
     env = {"SLURM_CONF": cluster.slurm_conf} if cluster.slurm_conf else {}
-    runner: CommandRunner
-    if cluster.login_host is not None:
+    if runner is None and cluster.login_host is not None:
         link = NodeLink(cluster.login_host, ssh_settings(config.ssh))
         links.append(link)
         runner = SshRunner(link, env)
-    else:
+    elif runner is None:
         runner = LocalRunner(env)
     client = SlurmClient(wrap(runner), timeout=config.poll.command_timeout_s)
     files: RunFiles = (

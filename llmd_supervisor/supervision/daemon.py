@@ -104,7 +104,9 @@ async def _serve(
                 wrap = functools.partial(
                     InstrumentedRunner, metrics=metrics, cluster=cluster_config.name
                 )
-                cluster = build_cluster(cluster_config, config, wrap, login_links)
+                cluster = build_cluster(
+                    cluster_config, config, wrap, login_links, runner=(hooks or Hooks()).runner
+                )
                 clusters[cluster.name] = cluster
                 await tg.start(cluster.poller.run)
             supervisor = Supervisor(config, journal, clusters, tg, hooks=hooks)

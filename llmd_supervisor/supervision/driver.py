@@ -37,6 +37,7 @@ import structlog
 from llmd_supervisor.adapters import archive
 from llmd_supervisor.adapters.journal import Journal, RunMeta, StoredRun
 from llmd_supervisor.adapters.remote import SshSettings
+from llmd_supervisor.adapters.slurm import CommandRunner
 from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.health import NodeHealth
 from llmd_supervisor.core.layout import RunLayout
@@ -79,6 +80,9 @@ class Hooks:
     # Called right after the journal committed a new record, before anything acts on it
     # (the crash-point fault tests kill the daemon here).
     after_journal: Callable[[Run], None] = lambda run: None
+    # Runs every cluster's Slurm commands instead of the configured local or login-host
+    # runner (fast tests replay captured Slurm output through it).
+    runner: CommandRunner | None = None
 
 
 @dataclass
