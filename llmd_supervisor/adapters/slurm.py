@@ -48,6 +48,27 @@ class CommandResult:
     def ok(self) -> bool:
         return self.returncode == 0
 
+    @classmethod
+    def finished(
+        cls,
+        argv: Sequence[str],
+        returncode: int,
+        stdout: bytes,
+        stderr: bytes,
+        *,
+        started_at: datetime,
+        t0: float,
+    ) -> CommandResult:
+        """A command that ran: its output decoded, its duration from `t0` (monotonic)."""
+        return cls(
+            argv=tuple(argv),
+            returncode=returncode,
+            stdout=stdout.decode("utf-8", "replace"),
+            stderr=stderr.decode("utf-8", "replace"),
+            started_at=started_at,
+            duration_s=time.monotonic() - t0,
+        )
+
 
 class CommandRunner(Protocol):
     """Runs an argv somewhere (locally, or on a login node over SSH)."""
@@ -81,13 +102,8 @@ class LocalRunner:
             raise SlurmCommandError(argv, None, "", timed_out_after=time_limit) from exc
         except OSError as exc:
             raise SlurmCommandError(argv, None, str(exc)) from exc
-        return CommandResult(
-            argv=tuple(argv),
-            returncode=proc.returncode,
-            stdout=proc.stdout.decode("utf-8", "replace"),
-            stderr=proc.stderr.decode("utf-8", "replace"),
-            started_at=started_at,
-            duration_s=time.monotonic() - t0,
+        return CommandResult.finished(
+            argv, proc.returncode, proc.stdout, proc.stderr, started_at=started_at, t0=t0
         )
 
 

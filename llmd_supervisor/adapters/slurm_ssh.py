@@ -68,13 +68,8 @@ class SshRunner:
                 f"on {self.link.host}: {exc.why}",
                 timed_out_after=time_limit if timed_out else None,
             ) from exc
-        return CommandResult(
-            argv=tuple(argv),
-            returncode=result.exit_status,
-            stdout=result.stdout.decode("utf-8", "replace"),
-            stderr=result.stderr.decode("utf-8", "replace"),
-            started_at=started_at,
-            duration_s=time.monotonic() - t0,
+        return CommandResult.finished(
+            argv, result.exit_status, result.stdout, result.stderr, started_at=started_at, t0=t0
         )
 
 
