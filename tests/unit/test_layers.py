@@ -27,26 +27,11 @@ ALLOWED: dict[str, frozenset[str]] = {
 }
 MAX_LINES = 600
 NODE_SCRIPTS = frozenset({"agent", "engine", "bench"})
-# Still being split up or rewired (issue 2.1); each entry goes when its module is fixed.
-# xfail_strict makes a fixed module fail here until its entry is removed.
-KNOWN_OFFENDERS: dict[str, frozenset[str]] = {
-    "imports": frozenset(),
-    "size": frozenset(),
-}
 
 
-def _modules(check: str) -> list[object]:
+def _modules() -> list[object]:
     paths = sorted(p for p in PACKAGE.rglob("*.py") if "node" not in p.relative_to(PACKAGE).parts)
-    return [
-        pytest.param(
-            p,
-            id=str(p.relative_to(PACKAGE)),
-            marks=[pytest.mark.xfail(reason="issue 2.1 in progress")]
-            if str(p.relative_to(PACKAGE)) in KNOWN_OFFENDERS[check]
-            else [],
-        )
-        for p in paths
-    ]
+    return [pytest.param(p, id=str(p.relative_to(PACKAGE))) for p in paths]
 
 
 def _imports(path: Path) -> list[tuple[int, str]]:
@@ -80,7 +65,7 @@ def test_every_module_is_in_a_layer() -> None:
     assert loose == [], "put each module in core/, adapters/, supervision/ or cli/"
 
 
-@pytest.mark.parametrize("path", _modules("imports"))
+@pytest.mark.parametrize("path", _modules())
 def test_imports_follow_the_layers(path: Path) -> None:
     rel = path.relative_to(PACKAGE).parts
     if len(rel) == 1:  # __init__, __main__, errors
@@ -95,7 +80,7 @@ def test_imports_follow_the_layers(path: Path) -> None:
     assert wrong == [], f"{path.relative_to(PACKAGE)} imports against the layers"
 
 
-@pytest.mark.parametrize("path", _modules("size"))
+@pytest.mark.parametrize("path", _modules())
 def test_modules_stay_small(path: Path) -> None:
     lines = len(path.read_text(encoding="utf-8").splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE)} has {lines} lines; split it"
