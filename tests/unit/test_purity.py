@@ -13,6 +13,9 @@ PURE_MODULES = [
     "llmd_supervisor.core.marker",
     "llmd_supervisor.core.verdict",
     "llmd_supervisor.core.lifecycle",
+    "llmd_supervisor.core.health",
+    "llmd_supervisor.core.layout",
+    "llmd_supervisor.core.summary",
 ]
 FORBIDDEN = ["anyio", "asyncssh", "sqlite3", "subprocess", "socket", "asyncio", "structlog"]
 
