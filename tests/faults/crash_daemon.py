@@ -1,6 +1,7 @@
 """The daemon with a crash point: ``python -m tests.faults.crash_daemon --config C
 --crash-after STATE[:N]`` SIGKILLs itself right after the journal committed the N-th
-(default first) transition into STATE, before anything acted on it. The production
+(default first) transition into STATE, before anything acted on it; ``cancel_requested``
+for STATE crashes right after a cancel request was journaled instead. The production
 daemon has no such seam; this injects it through `Hooks`."""
 
 from __future__ import annotations
@@ -21,13 +22,18 @@ from llmd_supervisor.core.lifecycle import Run
 from llmd_supervisor.supervision.daemon import serve
 from llmd_supervisor.supervision.driver import Hooks
 
+CANCEL_REQUESTED = "cancel_requested"
+
 
 def crash_hook(state: str, nth: int) -> Hooks:
     count = 0
 
     def after_journal(run: Run) -> None:
         nonlocal count
-        if run.state.value != state:
+        if state == CANCEL_REQUESTED:
+            if not run.cancel_requested:
+                return
+        elif run.state.value != state:
             return
         count += 1
         if count >= nth:
