@@ -71,6 +71,7 @@ class Attempt:
         record: Record,
         on_change: Callable[[], None],
         on_marker: Callable[[], None],
+        on_bytes: Callable[[int], None],
     ) -> None:
         self.number = number
         self.job_id = job_id
@@ -83,12 +84,12 @@ class Attempt:
         self._record = record
         self._on_change = on_change
         self._on_marker = on_marker
+        self._on_bytes = on_bytes
         now = time.monotonic()
         # The attempt's state: node health, the coordinator's marker copy, copy state.
         self.health = {node: NodeHealth(node, rank, since=now) for rank, node in enumerate(nodes)}
         self.marker_copy: bytes | None = None
         self.copies = CopyState.COMPLETE
-        self.tail_bytes = 0
         self.running = False
         self._stop = anyio.Event()
         self._done = anyio.Event()
@@ -192,12 +193,11 @@ class Attempt:
             )
 
     async def _tail(self, link: NodeLink, remote_path: str, local_path: Path) -> None:
-        def count(n: int) -> None:
-            self.tail_bytes += n
-
         try:
             local_path.parent.mkdir(parents=True, exist_ok=True)
-            await tail_to_local(link, remote_path, local_path, stop=self._stop, on_bytes=count)
+            await tail_to_local(
+                link, remote_path, local_path, stop=self._stop, on_bytes=self._on_bytes
+            )
         except* OSError as group:
             # Local disk trouble: the copy stays an exact prefix; the archive step drains
             # it again and does not declare before it is complete.

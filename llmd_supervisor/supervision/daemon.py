@@ -174,7 +174,7 @@ def run_samples(handles: Mapping[str, RunHandle]) -> list[RunSample]:
             state=h.run.state,
             outcome=h.run.outcome,
             transitions=h.run.transitions,
-            tail_bytes=h.attempt.tail_bytes if h.attempt is not None else 0,
+            tail_bytes=h.tail_bytes,
         )
         for h in list(handles.values())
     ]

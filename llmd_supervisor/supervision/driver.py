@@ -97,6 +97,10 @@ class RunHandle:
     changed: anyio.Event = field(default_factory=anyio.Event)  # set and replaced on a change
     version: int = 0
     attempt: Attempt | None = None  # the current (or last) watched allocation
+    tail_bytes: int = 0  # log bytes copied from the nodes since the daemon started
+
+    def count_bytes(self, n: int) -> None:
+        self.tail_bytes += n
 
     @property
     def run(self) -> Run:
@@ -334,6 +338,7 @@ class Supervisor:
             record=record,
             on_change=h.notify,
             on_marker=h.cluster.poller.poke,
+            on_bytes=h.count_bytes,
         )
 
     async def apply(self, h: RunHandle, event: Event) -> None:
