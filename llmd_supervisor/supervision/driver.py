@@ -279,16 +279,6 @@ class Supervisor:
                     )
                     await anyio.sleep(delay)
                     delay = min(delay * 2, RETRY_CAP_S)
-            run = h.run
-            log.info(
-                "run.finished",
-                outcome=run.outcome.value if run.outcome else None,
-                reason=run.reason,
-                slurm_job_id=run.slurm_job_id,
-                attempt=run.attempt,
-                seconds=round((self.clock() - run.transitions[0].at).total_seconds(), 1),
-                archive=h.meta.archive_dir,
-            )
 
     async def _background(self, h: RunHandle, loop: Loop, actions: tuple[Action, ...]) -> None:
         """Make sure the plan's background actions run in this loop's task group."""
@@ -337,7 +327,7 @@ class Supervisor:
             limits=self.config.limits,
             record=record,
             on_change=h.notify,
-            on_marker=h.cluster.poller.poke,
+            on_marker=lambda: h.cluster.poller.expect_end(h.job_id()),
             on_bytes=h.count_bytes,
         )
 
@@ -371,7 +361,23 @@ class Supervisor:
                 to=after.state.value,
                 trigger=type(event).__name__,
             )
+            if after.state.is_final:  # plan(after) is Declare
+                self._declare(h)
             h.notify()
+
+    def _declare(self, h: RunHandle) -> None:
+        """The run's one canonical line (its outcome, reason and duration)."""
+        run = h.run
+        log.info(
+            "run.finished",
+            run_id=run.run_id,
+            outcome=run.outcome.value if run.outcome else None,
+            reason=run.reason,
+            slurm_job_id=run.slurm_job_id,
+            attempt=run.attempt,
+            seconds=round((self.clock() - run.transitions[0].at).total_seconds(), 1),
+            archive=h.meta.archive_dir,
+        )
 
 
 def _slim(meta: RunMeta, run: Run) -> RunMeta:

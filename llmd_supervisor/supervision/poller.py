@@ -58,6 +58,9 @@ from llmd_supervisor.node.common import expand_hostlist
 log = structlog.get_logger("llmd_supervisor.supervision.poller")
 
 DEFAULT_MIN_JOB_AGE_S = 300
+# Once a job's marker is seen it ends within seconds; its end is looked for this often.
+ENDING_INTERVAL_S = 0.1
+ENDING_WINDOW_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +84,7 @@ class QueueView:
 class _Tracked:
     starttime: str | None
     latest: QueueView | None = None
+    ending_since: float | None = None  # monotonic time its marker was seen
     changed: anyio.Event = field(default_factory=anyio.Event)
 
 
@@ -160,6 +164,22 @@ class Poller:
         """Tick as soon as possible."""
         self._wake.set()
 
+    def expect_end(self, job_id: str) -> None:
+        """The job is about to end (its completion marker appeared): tick at once, then
+        every ENDING_INTERVAL_S until it left the queue (for at most ENDING_WINDOW_S).
+        sacct is answered by slurmdbd: this costs slurmctld nothing."""
+        tracked = self._tracked.get(job_id)
+        if tracked is not None and tracked.ending_since is None:
+            tracked.ending_since = time.monotonic()
+        self.poke()
+
+    def _ending(self) -> bool:
+        now = time.monotonic()
+        return any(
+            t.ending_since is not None and now - t.ending_since < ENDING_WINDOW_S
+            for t in self._tracked.values()
+        )
+
     def watch_start(self, job_id: str, path: Path) -> None:
         """Until it exists, check `path` (the job's batch log, which appears when the job
         starts) every tick; when it appears, squeue at once (its nodes are wanted). One
@@ -184,6 +204,8 @@ class Poller:
                 self.poll.min_interval_s if busy else min(self._interval * 1.5, self._idle_cap())
             )
             interval = min(self._interval, self.min_job_age_s / 2 - 1)
+            if self._ending():
+                interval = min(interval, ENDING_INTERVAL_S)
             with anyio.move_on_after(max(interval, 0.05)):
                 await self._wake.wait()
             self._wake = anyio.Event()
