@@ -45,6 +45,10 @@ class RunLayout:
         """Local copy name -> remote path of the batch .out and .err."""
         return {name: f"{self.log_dir}/{name}" for name in self.batch_log_names(job_id)}
 
+    def batch_out(self, job_id: str) -> str:
+        """The batch .out's remote path (it appears when the job starts)."""
+        return f"{self.log_dir}/{self.batch_log_names(job_id)[0]}"
+
     def job_dir(self, job_id: str) -> str:
         return f"{self.log_dir}/{job_id}"
 

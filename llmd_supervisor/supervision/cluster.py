@@ -45,8 +45,8 @@ class RunFiles(Protocol):
         """A small file's bytes (the marker); None when missing or unreadable right now."""
         ...
 
-    def start_signal(self, path: str) -> Path | None:
-        """A local path whose appearance means the job started (its batch log), or None."""
+    def local_path(self, path: str) -> Path | None:
+        """Where this machine sees a file of the job (to notice it appear), or None."""
         ...
 
     async def complete_copies(self, attempt: Attempt, layout: RunLayout, job_id: str) -> CopyState:
@@ -60,7 +60,7 @@ class SharedLogDir:
     async def read(self, path: str) -> bytes | None:
         return await anyio.to_thread.run_sync(read_optional, Path(path))
 
-    def start_signal(self, path: str) -> Path | None:
+    def local_path(self, path: str) -> Path | None:
         return Path(path)
 
     async def complete_copies(self, attempt: Attempt, layout: RunLayout, job_id: str) -> CopyState:
@@ -90,7 +90,7 @@ class ThroughLoginHost:
             log.warning("run.file_unreadable", host=self._host, path=path, error=str(exc))
             return None
 
-    def start_signal(self, path: str) -> Path | None:
+    def local_path(self, path: str) -> Path | None:
         return None
 
     async def complete_copies(self, attempt: Attempt, layout: RunLayout, job_id: str) -> CopyState:

@@ -13,7 +13,9 @@ is answered by slurmdbd and costs slurmctld nothing, so ends are seen within
 The interval adapts: `min_interval_s` while a tracked job runs, something changed or
 evidence is wanted, growing to `max_interval_s` while everything is pending, and always
 below MinJobAge/2 so scontrol can still answer for a job that just ended. `poke()` asks
-for a tick now (a watcher saw the marker appear). A failed or empty answer changes
+for a tick now; once a job's completion marker is seen (`expect_end`: by a node watcher,
+or by a file check each tick where the log directory is visible here) its end is looked
+for every ENDING_INTERVAL_S, with sacct alone. A failed or empty answer changes
 nothing: the previous view of every job stands, and a job missing from sacct (which
 lags sbatch by a second) is not taken as gone.
 """
@@ -116,6 +118,7 @@ class Poller:
         self.accounting_enabled = True
         self._tracked: dict[str, _Tracked] = {}
         self._start_files: dict[str, Path] = {}
+        self._end_files: dict[str, Path] = {}
         self._requests: list[_EvidenceRequest] = []
         self._wake = anyio.Event()
         self._interval = poll.min_interval_s
@@ -134,6 +137,7 @@ class Poller:
 
     def untrack(self, job_id: str) -> None:
         self._tracked.pop(job_id, None)
+        self._end_files.pop(job_id, None)
 
     def latest(self, job_id: str) -> QueueView | None:
         tracked = self._tracked.get(job_id)
@@ -190,6 +194,12 @@ class Poller:
     def unwatch_start(self, job_id: str) -> None:
         self._start_files.pop(job_id, None)
 
+    def watch_end(self, job_id: str, path: Path) -> None:
+        """Until it exists, check `path` (the job's completion marker) every tick, in the
+        same thread hop as the start files; when it appears, `expect_end`."""
+        if job_id in self._tracked and self._tracked[job_id].ending_since is None:
+            self._end_files[job_id] = path
+
     # --- the loop ------------------------------------------------------------------------
 
     async def run(
@@ -240,14 +250,17 @@ class Poller:
     async def _tick(self) -> bool:
         """One round of queries; True while fast polling is warranted."""
         self.ticks += 1
-        if self._start_files:
-            files = list(self._start_files.items())
-            started = await anyio.to_thread.run_sync(
-                lambda: [job for job, path in files if path.exists()]
+        if self._start_files or self._end_files:
+            starts, ends = list(self._start_files.items()), list(self._end_files.items())
+            started, ending = await anyio.to_thread.run_sync(
+                lambda: (_existing(starts), _existing(ends))
             )
             for job in started:
                 self.unwatch_start(job)
                 self._last_squeue = -math.inf
+            for job in ending:
+                self._end_files.pop(job, None)
+                self.expect_end(job)
         requests, self._requests = self._requests, []
         changed = False
         sacct_ok = True
@@ -444,6 +457,10 @@ class Poller:
         # Jitter spreads retries of several daemons; the interval is raised, not reset.
         self._interval = min(self._interval * 2, self.poll.max_interval_s)
         await anyio.sleep(random.uniform(0, self.poll.min_interval_s))
+
+
+def _existing(files: list[tuple[str, Path]]) -> list[str]:
+    return [job for job, path in files if path.exists()]
 
 
 def _chunks(items: list[str], size: int) -> Iterable[list[str]]:

@@ -143,9 +143,10 @@ async def follow_queue(sup: Supervisor, h: RunHandle, loop: Loop) -> None:
     poller.track(job_id, h.starttime())
     if h.run.state is RunState.PENDING:
         # The batch log appears when the job starts: squeue then, not at its cadence.
-        out = h.layout.batch_logs(job_id)[h.layout.batch_log_names(job_id)[0]]
-        if (signal := h.cluster.files.start_signal(out)) is not None:
-            poller.watch_start(job_id, signal)
+        if (started := h.cluster.files.local_path(h.layout.batch_out(job_id))) is not None:
+            poller.watch_start(job_id, started)
+    elif (marker := h.cluster.files.local_path(h.layout.marker(job_id))) is not None:
+        poller.watch_end(job_id, marker)  # the marker appears just before the job ends
     last = loop.view
     view = await _next_view_or_change(h, loop, lambda: poller.next_view(job_id, last))
     if view is None:

@@ -73,6 +73,7 @@ def test_layout_names_what_the_job_writes(layout: RunLayout) -> None:
         "llmd-abc-42.out": "/shared/logs/r1/llmd-abc-42.out",
         "llmd-abc-42.err": "/shared/logs/r1/llmd-abc-42.err",
     }
+    assert layout.batch_out("42") == "/shared/logs/r1/llmd-abc-42.out"
     assert layout.job_dir("42") == "/shared/logs/r1/42"
     assert layout.status_file("42", 3) == "/shared/logs/r1/42/rank3.status.json"
     assert layout.marker("42") == "/shared/logs/r1/.bench_done.42"

@@ -9,6 +9,7 @@ and "accounting storage is disabled" switches the poller to squeue and scontrol 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import pytest
@@ -369,3 +370,23 @@ async def test_the_running_loop_follows_a_job_to_its_end() -> None:
             tg.cancel_scope.cancel()
     per_tick = cluster.counts()
     assert per_tick["sacct"] <= p.ticks and per_tick["squeue"] <= p.ticks
+
+
+# --- a job about to end ------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_marker_appearing_makes_the_poller_look_for_the_end_often(tmp_path: Path) -> None:
+    cluster = ReplayCluster()
+    p = poller(cluster, squeue_interval_s=10.0)
+    (job,) = jobs(cluster, 1, Start(("node1",)))
+    p.track(job.job_id)
+    marker = tmp_path / f".bench_done.{job.job_id}"
+    p.watch_end(job.job_id, marker)
+    await tick(p)
+    assert not p._ending()  # no marker yet: the running job's usual cadence
+    marker.write_text("0\n")
+    await tick(p)
+    assert p._ending()  # every ENDING_INTERVAL_S from now on, until it is untracked
+    p.untrack(job.job_id)
+    assert not p._ending()
