@@ -91,7 +91,7 @@ class RunHandle:
 
     stored: StoredRun
     spec: RunSpec
-    cluster: Cluster
+    configured: Cluster | None  # None: a finished run of a cluster no longer configured
     layout: RunLayout
     lock: anyio.Lock = field(default_factory=anyio.Lock)
     changed: anyio.Event = field(default_factory=anyio.Event)  # set and replaced on a change
@@ -105,6 +105,15 @@ class RunHandle:
     @property
     def run(self) -> Run:
         return self.stored.run
+
+    @property
+    def cluster(self) -> Cluster:
+        if self.configured is None:
+            raise SupervisorError(
+                f"Run {self.run.run_id}'s cluster {self.meta.cluster!r} is no longer "
+                "configured in this daemon."
+            )
+        return self.configured
 
     @property
     def meta(self) -> RunMeta:
@@ -208,23 +217,24 @@ class Supervisor:
         count = 0
         for stored in await self.journal.list_runs():
             run_id = stored.run.run_id
-            if stored.meta.cluster not in self.clusters:
-                log.error(
-                    "run.resume_failed",
-                    run_id=run_id,
-                    error=f"cluster {stored.meta.cluster!r} is no longer configured",
-                )
-                continue
             try:
                 spec = load_spec(stored.meta.spec_toml)
             except SpecError as exc:  # a spec valid at submission fails validation now
                 log.error("run.resume_failed", run_id=run_id, error=str(exc))
                 continue
             handle = self._handle(StoredRun(stored.run, _slim(stored.meta, stored.run)), spec)
-            if not stored.run.state.is_final:
-                count += 1
-                log.info("run.resumed", run_id=run_id, state=stored.run.state.value)
-                self.tg.start_soon(self._supervise, handle)
+            if stored.run.state.is_final:
+                continue
+            if handle.configured is None:  # listed, but nothing can drive it here
+                log.error(
+                    "run.resume_failed",
+                    run_id=run_id,
+                    error=f"cluster {stored.meta.cluster!r} is no longer configured",
+                )
+                continue
+            count += 1
+            log.info("run.resumed", run_id=run_id, state=stored.run.state.value)
+            self.tg.start_soon(self._supervise, handle)
         return count
 
     def get(self, ref: str) -> RunHandle | None:
@@ -243,7 +253,7 @@ class Supervisor:
 
     def _handle(self, stored: StoredRun, spec: RunSpec) -> RunHandle:
         layout = RunLayout(spec.log_dir, stored.run.job_name, Path(stored.meta.archive_dir))
-        handle = RunHandle(stored, spec, self.clusters[stored.meta.cluster], layout)
+        handle = RunHandle(stored, spec, self.clusters.get(stored.meta.cluster), layout)
         self.handles[stored.run.run_id] = handle
         return handle
 

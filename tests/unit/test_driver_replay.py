@@ -25,6 +25,7 @@ from llmd_supervisor.adapters.slurm import SlurmClient
 from llmd_supervisor.core.config import ClusterConfig, Config, Limits, PollConfig, SshConfig
 from llmd_supervisor.core.lifecycle import RunState, Submit, new_run, step
 from llmd_supervisor.core.slurm_parse import JobState
+from llmd_supervisor.errors import SupervisorError
 from llmd_supervisor.supervision import steps
 from llmd_supervisor.supervision.cluster import Cluster, SharedLogDir
 from llmd_supervisor.supervision.driver import RunHandle, Supervisor
@@ -272,3 +273,22 @@ async def test_a_lagging_sacct_saying_pending_after_a_restart_is_no_requeue(
             await rig.replay.wait_calls("sacct", rig.replay.count("sacct") + 5)
         assert h.run.state is RunState.RUNNING
         assert h.run.attempt == 1
+
+
+@pytest.mark.asyncio
+async def test_runs_of_a_cluster_no_longer_configured_stay_listed_and_are_not_driven(
+    tmp_path: Path,
+) -> None:
+    async with replayed(tmp_path) as rig:
+        spec = _spec(rig.tmp / "logs")
+        for run_id in ("old1", "old2"):
+            run = new_run(run_id, f"llmd-{run_id}", rig.sup.clock())
+            meta = RunMeta(
+                0, "gone", spec, "", str(rig.tmp / "logs"), str(rig.tmp / run_id), rig.sup.clock()
+            )
+            await rig.journal.insert_run(run, meta)
+        assert await rig.sup.resume_all() == 0
+        assert set(rig.sup.handles) == {"old1", "old2"}
+        with pytest.raises(SupervisorError, match="'gone' is no longer configured"):
+            _ = rig.sup.handles["old1"].cluster
+        assert rig.replay.count("sbatch") == rig.replay.count("squeue") == 0
