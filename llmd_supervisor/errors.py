@@ -177,3 +177,13 @@ class ControlProtocolError(SupervisorError):
         self.path = path
         self.why = why
         super().__init__(f"Control connection to {path} failed: {why}.")
+
+
+class SummaryError(SupervisorError):
+    """A result from the daemon does not have the shape this client expects."""
+
+    def __init__(self, kind: str, where: str, why: str) -> None:
+        self.kind = kind
+        self.where = where
+        self.why = why
+        super().__init__(f"The daemon's {kind} is not what this client expects: {where} {why}.")

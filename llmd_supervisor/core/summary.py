@@ -14,7 +14,7 @@ import types
 import typing
 from typing import Literal, NotRequired, TypedDict, TypeVar, Union
 
-from llmd_supervisor.errors import SupervisorError
+from llmd_supervisor.errors import SummaryError
 
 __all__ = [
     "ArchiveInfo",
@@ -25,7 +25,6 @@ __all__ = [
     "Pong",
     "RunList",
     "RunSummary",
-    "SummaryError",
     "TransitionView",
     "read",
 ]
@@ -116,16 +115,6 @@ class Pong(TypedDict):
     """``ping``."""
 
     pong: Literal[True]
-
-
-class SummaryError(SupervisorError):
-    """A result from the daemon does not have the shape this client expects."""
-
-    def __init__(self, kind: str, where: str, why: str) -> None:
-        self.kind = kind
-        self.where = where
-        self.why = why
-        super().__init__(f"The daemon's {kind} is not what this client expects: {where} {why}.")
 
 
 T = TypeVar("T")
