@@ -1070,6 +1070,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if os.geteuid() != 0:
         sys.stderr.write("tests/perf needs root (sdiag --reset, the dev cluster)" + "\n")
         return 2
+    if not args.out.is_absolute():  # the re-exec below runs in the snapshot directory
+        raw = [*raw, "--out", str(args.out.resolve())]
     _ensure_snapshot(raw)
     only = [x for x in args.only.split(",") if x]
     unknown = set(only) - set(MEASUREMENTS)
