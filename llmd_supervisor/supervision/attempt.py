@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
@@ -55,52 +56,41 @@ class CopyState(StrEnum):
     REMOTE_FAILED = "remote_failed"  # a tailer gave up on the node side: drain again
 
 
+@dataclass(eq=False, kw_only=True)
 class Attempt:
     """Everything that exists only while one allocation of a run is watched."""
 
-    def __init__(
-        self,
-        *,
-        number: int,
-        job_id: str,
-        nodes: tuple[str, ...],
-        layout: RunLayout,
-        coordinator_rank: int,
-        ssh: SshSettings,
-        limits: Limits,
-        record: Record,
-        on_change: Callable[[], None],
-        on_marker: Callable[[], None],
-        on_bytes: Callable[[int], None],
-    ) -> None:
-        self.number = number
-        self.job_id = job_id
-        self.nodes = nodes
-        self.layout = layout
-        self._coordinator_rank = coordinator_rank
-        self._ssh = ssh
-        self._limits = limits
-        self._health_limits = HealthLimits(limits.node_silent_s, limits.log_stall_s)
-        self._record = record
-        self._on_change = on_change
-        self._on_marker = on_marker
-        self._on_bytes = on_bytes
+    number: int
+    job_id: str
+    nodes: tuple[str, ...]
+    layout: RunLayout
+    coordinator_rank: int
+    ssh: SshSettings
+    limits: Limits
+    record: Record  # journal an event of the run
+    on_change: Callable[[], None]  # the run's waiters may want to look again
+    on_marker: Callable[[], None]  # the coordinator's marker was seen
+    on_bytes: Callable[[int], None]  # log bytes copied
+    # The attempt's state: node health, the coordinator's marker copy, copy state.
+    health: dict[str, NodeHealth] = field(init=False)
+    marker_copy: bytes | None = field(default=None, init=False)
+    copies: CopyState = field(default=CopyState.COMPLETE, init=False)
+    running: bool = field(default=False, init=False)
+    _stop: anyio.Event = field(default_factory=anyio.Event, init=False)
+    _done: anyio.Event = field(default_factory=anyio.Event, init=False)
+    _scope: anyio.CancelScope | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
         now = time.monotonic()
-        # The attempt's state: node health, the coordinator's marker copy, copy state.
-        self.health = {node: NodeHealth(node, rank, since=now) for rank, node in enumerate(nodes)}
-        self.marker_copy: bytes | None = None
-        self.copies = CopyState.COMPLETE
-        self.running = False
-        self._stop = anyio.Event()
-        self._done = anyio.Event()
-        self._scope: anyio.CancelScope | None = None
+        self.health = {n: NodeHealth(n, rank, since=now) for rank, n in enumerate(self.nodes)}
+        self._health_limits = HealthLimits(self.limits.node_silent_s, self.limits.log_stall_s)
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Watch every node until stopped: per node a heartbeat/discovery loop and its
         tailers. With the stop already asked for, one pass whose tailers drain."""
-        links = [NodeLink(node, self._ssh) for node in self.nodes]
+        links = [NodeLink(node, self.ssh) for node in self.nodes]
         self._done = anyio.Event()
         try:
             async with anyio.create_task_group() as tg:
@@ -122,7 +112,7 @@ class Attempt:
     async def drain(self) -> CopyState:
         """Stop with the copies caught up (bounded by `finish_drain_s`); their state."""
         self._stop.set()
-        with anyio.move_on_after(self._limits.finish_drain_s):
+        with anyio.move_on_after(self.limits.finish_drain_s):
             if self.running:
                 await self._done.wait()
             elif self.nodes:
@@ -142,7 +132,7 @@ class Attempt:
         local = layout.copies(self.number)
         wanted = dict(layout.batch_logs(job_id)) if rank == 0 else {}  # copy name -> remote
         tailing: set[str] = set()
-        coordinator = rank == self._coordinator_rank
+        coordinator = rank == self.coordinator_rank
         while True:  # at least one pass: a run that ended before it was seen running
             stopping = self._stop.is_set()
             state: str | None = None
@@ -158,7 +148,7 @@ class Attempt:
                     if data:
                         self.marker_copy = data
                         log.info("run.marker_seen", node=link.host, size=len(data))
-                        self._on_marker()
+                        self.on_marker()
                 probe = Probe(ok=True, agent_state=state)
             except RemoteError as exc:
                 probe = Probe(ok=False, error=str(exc))
@@ -175,20 +165,20 @@ class Attempt:
             self.health[link.host] = health
             for event in events:
                 await self._report(event)
-            self._on_change()
+            self.on_change()
             if stopping:
                 return
-            with anyio.move_on_after(self._limits.heartbeat_interval_s):
+            with anyio.move_on_after(self.limits.heartbeat_interval_s):
                 await self._stop.wait()
 
     async def _report(self, event: NodeUnreachable | LogStalled) -> None:
         if isinstance(event, NodeUnreachable):
             log.warning("run.node_unreachable", node=event.node, silent_s=round(event.silent_s))
-            await self._record("node.unreachable", {"node": event.node, "error": event.error})
+            await self.record("node.unreachable", {"node": event.node, "error": event.error})
         else:
             quiet = round(event.quiet_s)
             log.warning("run.stalled", node=event.node, rank=event.rank, quiet_s=quiet)
-            await self._record(
+            await self.record(
                 "log.stalled", {"node": event.node, "rank": event.rank, "quiet_s": quiet}
             )
 
@@ -196,7 +186,7 @@ class Attempt:
         try:
             local_path.parent.mkdir(parents=True, exist_ok=True)
             await tail_to_local(
-                link, remote_path, local_path, stop=self._stop, on_bytes=self._on_bytes
+                link, remote_path, local_path, stop=self._stop, on_bytes=self.on_bytes
             )
         except* OSError as group:
             # Local disk trouble: the copy stays an exact prefix; the archive step drains

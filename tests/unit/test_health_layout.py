@@ -6,56 +6,51 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core.health import (
-    HealthLimits,
-    LogStalled,
-    NodeHealth,
-    NodeUnreachable,
-    Probe,
-    observe,
-)
+from llmd_supervisor.core import health as nh
 from llmd_supervisor.core.layout import RunLayout, batch_log_patterns
 
-LIMITS = HealthLimits(node_silent_s=10.0, log_stall_s=30.0)
+LIMITS = nh.HealthLimits(node_silent_s=10.0, log_stall_s=30.0)
 
 
-def run(probes: list[tuple[float, Probe]]) -> tuple[NodeHealth, list[object]]:
-    health = NodeHealth("node1", 0, since=0.0)
+def run(probes: list[tuple[float, nh.Probe]]) -> tuple[nh.NodeHealth, list[object]]:
+    health = nh.NodeHealth("node1", 0, since=0.0)
     events: list[object] = []
     for now, probe in probes:
-        health, new = observe(health, probe, now, LIMITS)
+        health, new = nh.observe(health, probe, now, LIMITS)
         events.extend(new)
     return health, events
 
 
 def test_a_healthy_node_reports_nothing() -> None:
-    health, events = run([(t, Probe(True, "ready", log_bytes=int(t))) for t in range(0, 60, 2)])
+    health, events = run([(t, nh.Probe(True, "ready", log_bytes=int(t))) for t in range(0, 60, 2)])
     assert events == []
     assert health.reachable and health.agent_state == "ready" and not health.stalled
 
 
 def test_silence_is_reported_once_then_clears() -> None:
-    probes = [(0.0, Probe(True, "ready", 1))]
-    probes += [(float(t), Probe(False, error="refused", log_bytes=1 + t)) for t in range(2, 30, 2)]
+    probes = [(0.0, nh.Probe(True, "ready", 1))]
+    probes += [
+        (float(t), nh.Probe(False, error="refused", log_bytes=1 + t)) for t in range(2, 30, 2)
+    ]
     health, events = run(probes)
-    assert events == [NodeUnreachable("node1", 0, 12.0, "refused")]
+    assert events == [nh.NodeUnreachable("node1", 0, 12.0, "refused")]
     assert not health.reachable
-    health, again = observe(health, Probe(True, None, 99), 31.0, LIMITS)
+    health, again = nh.observe(health, nh.Probe(True, None, 99), 31.0, LIMITS)
     assert again == () and health.reachable and health.agent_state == "ready"
-    health, _ = observe(health, Probe(False, error="x", log_bytes=100), 50.0, LIMITS)
+    health, _ = nh.observe(health, nh.Probe(False, error="x", log_bytes=100), 50.0, LIMITS)
     assert health.unreachable_reported  # silent 19 s since the last success: reported again
 
 
 def test_a_node_never_reached_is_silent_since_watching_began() -> None:
-    _, events = run([(float(t), Probe(False, error="no route", log_bytes=t)) for t in (5, 11)])
-    assert events == [NodeUnreachable("node1", 0, 11.0, "no route")]
+    _, events = run([(float(t), nh.Probe(False, error="no route", log_bytes=t)) for t in (5, 11)])
+    assert events == [nh.NodeUnreachable("node1", 0, 11.0, "no route")]
 
 
 def test_a_stalled_log_is_reported_once_until_it_grows() -> None:
-    probes = [(float(t), Probe(True, "benchmarking", log_bytes=100)) for t in range(0, 70, 5)]
+    probes = [(float(t), nh.Probe(True, "benchmarking", log_bytes=100)) for t in range(0, 70, 5)]
     health, events = run(probes)
-    assert events == [LogStalled("node1", 0, 35.0)]
-    health, new = observe(health, Probe(True, None, 101), 71.0, LIMITS)
+    assert events == [nh.LogStalled("node1", 0, 35.0)]
+    health, new = nh.observe(health, nh.Probe(True, None, 101), 71.0, LIMITS)
     assert new == () and not health.stalled
 
 
