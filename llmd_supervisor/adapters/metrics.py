@@ -10,7 +10,8 @@ What an operator gets (all prefixed ``llmd_supervisor_``):
   the login node failed), from `InstrumentedRunner`;
 - ``ssh_connections_open``, ``ssh_connects_total``, ``ssh_reconnects_total``,
   ``ssh_connect_failures_total`` from the SSH link counters (node and login links);
-- ``tail_bytes_total{cluster}``: log bytes copied from the nodes since the daemon started;
+- ``tail_bytes_total{cluster}``: log bytes copied into the local copies since the daemon
+  started (by the tailers, or from the shared log directory at a run's end);
 - ``verify_duration_seconds{outcome}``: time from `verifying` to the verdict, for runs
   that reached their verdict while this daemon ran;
 - ``loop_lag_seconds`` (histogram) and ``loop_lag_last_seconds``: how late the event

@@ -73,6 +73,7 @@ class SharedLogDir:
             log.warning("run.catch_up_failed", error=str(exc))
             return CopyState.LOCAL_FAILED
         log.info("run.logs_completed", bytes=copied)
+        attempt.on_bytes(copied)  # copied too, if not by a tailer
         return CopyState.COMPLETE
 
 
