@@ -21,6 +21,7 @@ from llmd_supervisor.adapters.remote import NodeLink, SshSettings
 from llmd_supervisor.adapters.tail import tail_to_local
 from llmd_supervisor.errors import RemoteError, TailConflict
 from tests.devcluster import DevCluster, devcluster
+from tests.fakes.log_writer import Writer, size_of
 
 pytestmark = pytest.mark.cluster
 
@@ -44,24 +45,6 @@ async def link(cluster: DevCluster, settings: SshSettings) -> AsyncIterator[Node
         yield node
     finally:
         await node.aclose()
-
-
-class Writer:
-    """Appends numbered lines to a local file at a steady rate (the node's log writer)."""
-
-    def __init__(self, path: Path, *, lines: int, per_second: float) -> None:
-        self.path = path
-        self.lines = lines
-        self.per_second = per_second
-        self.written = 0
-
-    async def run(self) -> None:
-        start = time.monotonic()
-        with self.path.open("ab", buffering=0) as f:
-            for i in range(self.lines):
-                f.write(f"{i:06d} {'payload ' * (i % 13)}\n".encode())
-                self.written += 1
-                await anyio.sleep(max(0.0, start + (i + 1) / self.per_second - time.monotonic()))
 
 
 async def wait_until(what: str, cond: object, limit: float = 20) -> None:
@@ -88,14 +71,6 @@ def pgrep(pattern: str) -> list[str]:
 def remote_followers(path: Path) -> list[str]:
     """`tail` processes on any node still following `path`."""
     return pgrep(f"tail -c .* -F .* {path}")
-
-
-def size_of(path: Path) -> int:
-    """The file's size, 0 while it does not exist."""
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
 
 
 def known_hosts_lines(cluster: DevCluster) -> list[str]:

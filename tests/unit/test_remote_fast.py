@@ -28,6 +28,7 @@ from llmd_supervisor.adapters import tail
 from llmd_supervisor.adapters.remote import NodeLink
 from llmd_supervisor.adapters.tail import tail_to_local
 from llmd_supervisor.errors import RemoteError, TailConflict
+from tests.fakes.log_writer import Writer, size_of
 from tests.fakes.ssh_server import HOST, FakeSshServer, wait_until
 from tests.fakes.ssh_server import ssh_server as ssh_server  # the fixture
 
@@ -39,32 +40,6 @@ async def link(ssh_server: FakeSshServer) -> AsyncIterator[NodeLink]:
         yield node
     finally:
         await node.aclose()
-
-
-class Writer:
-    """Appends numbered lines to a file at a steady rate (the job's log writer)."""
-
-    def __init__(self, path: Path, *, lines: int, per_second: float) -> None:
-        self.path = path
-        self.lines = lines
-        self.per_second = per_second
-        self.written = 0
-
-    async def run(self) -> None:
-        start = time.monotonic()
-        with self.path.open("ab", buffering=0) as f:
-            for i in range(self.lines):
-                f.write(f"{i:06d} {'payload ' * (i % 13)}\n".encode())
-                self.written += 1
-                await anyio.sleep(max(0.0, start + (i + 1) / self.per_second - time.monotonic()))
-
-
-def size_of(path: Path) -> int:
-    """The file's size, 0 while it does not exist."""
-    try:
-        return path.stat().st_size
-    except FileNotFoundError:
-        return 0
 
 
 def tail_starts(server: FakeSshServer) -> list[int]:
