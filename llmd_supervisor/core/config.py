@@ -59,6 +59,21 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class SocketLimits:
+    """What one peer, and all of them, may hold of the control socket ([daemon] keys)."""
+
+    max_connections: int = 512  # open client connections in all; more are refused
+    max_connections_per_uid: int = 64
+    max_streams_per_uid: int = 16  # concurrent `wait` / `logs --follow` requests per uid
+    first_byte_timeout_s: float = 10.0  # a new connection must start its request by then
+    request_timeout_s: float = 30.0  # a started request line must be complete by then
+    idle_timeout_s: float = 120.0  # an open connection may sit between requests this long
+    write_timeout_s: float = 60.0  # a client must take each reply line within this
+    request_buffer_bytes: int = 64 << 20  # partial request lines held, in all
+    request_buffer_bytes_per_uid: int = 8 << 20  # ... and per uid
+
+
+@dataclass(frozen=True)
 class Config:
     state_dir: Path = Path("/var/lib/llmd-supervisor")
     archive_dir: Path | None = None  # default: <state_dir>/archive
@@ -72,6 +87,7 @@ class Config:
     limits: Limits = field(default_factory=Limits)
     clusters: tuple[ClusterConfig, ...] = (ClusterConfig(name="default"),)
     metrics_listen: str | None = None  # host:port on loopback, e.g. 127.0.0.1:9464
+    socket_limits: SocketLimits = field(default_factory=SocketLimits)
 
     @property
     def archive_root(self) -> Path:
@@ -136,6 +152,7 @@ def parse_config(data: Mapping[str, object]) -> Config:
             "socket_group",
             "admin_group",
             "log_format",
+            *SocketLimits.__dataclass_fields__,
         ),
     )
     log_format = _str(d, "daemon.log_format", "auto")
@@ -153,6 +170,7 @@ def parse_config(data: Mapping[str, object]) -> Config:
             "use an octal mode without rights for others, e.g. 0660",
         )
     archive = _opt_str(d, "daemon.archive_dir")
+    socket_limits = _socket_limits(d)
 
     s = _table(data, "ssh")
     _keys("ssh", s, ("user", "identity_files", "known_hosts", "port", "connect_timeout_s"))
@@ -236,7 +254,28 @@ def parse_config(data: Mapping[str, object]) -> Config:
         limits=limits,
         clusters=tuple(clusters),
         metrics_listen=listen,
+        socket_limits=socket_limits,
     )
+
+
+def _socket_limits(d: Mapping[str, object]) -> SocketLimits:
+    """The [daemon] connection caps, timeouts and buffer budgets."""
+    base = SocketLimits()
+    counts = {
+        n: _int(d, f"daemon.{n}", getattr(base, n), 1, 1 << 20)
+        for n in ("max_connections", "max_connections_per_uid", "max_streams_per_uid")
+    }
+    times = {
+        n: _num(d, f"daemon.{n}", getattr(base, n), 0.1, 86400)
+        for n in SocketLimits.__dataclass_fields__
+        if n.endswith("_s")
+    }
+    # A whole request line (1 MiB) must fit in a uid's share, or it could never arrive.
+    sizes = {
+        n: _int(d, f"daemon.{n}", getattr(base, n), 2 << 20, 1 << 34)
+        for n in ("request_buffer_bytes", "request_buffer_bytes_per_uid")
+    }
+    return SocketLimits(**counts, **times, **sizes)
 
 
 def _keys(prefix: str, table: Mapping[str, object], allowed: tuple[str, ...]) -> None:
@@ -309,6 +348,7 @@ def effective(config: Config) -> dict[str, object]:
             "socket_group": config.socket_group,
             "admin_group": config.admin_group,
             "log_format": config.log_format,
+            **{n: getattr(config.socket_limits, n) for n in SocketLimits.__dataclass_fields__},
         },
         "ssh": {
             "user": config.ssh.user,
