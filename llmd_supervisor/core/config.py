@@ -261,21 +261,27 @@ def parse_config(data: Mapping[str, object]) -> Config:
 def _socket_limits(d: Mapping[str, object]) -> SocketLimits:
     """The [daemon] connection caps, timeouts and buffer budgets."""
     base = SocketLimits()
-    counts = {
-        n: _int(d, f"daemon.{n}", getattr(base, n), 1, 1 << 20)
-        for n in ("max_connections", "max_connections_per_uid", "max_streams_per_uid")
-    }
-    times = {
-        n: _num(d, f"daemon.{n}", getattr(base, n), 0.1, 86400)
-        for n in SocketLimits.__dataclass_fields__
-        if n.endswith("_s")
-    }
-    # A whole request line (1 MiB) must fit in a uid's share, or it could never arrive.
-    sizes = {
-        n: _int(d, f"daemon.{n}", getattr(base, n), 2 << 20, 1 << 34)
-        for n in ("request_buffer_bytes", "request_buffer_bytes_per_uid")
-    }
-    return SocketLimits(**counts, **times, **sizes)
+
+    def count(n: str) -> int:
+        return _int(d, f"daemon.{n}", getattr(base, n), 1, 1 << 20)
+
+    def seconds(n: str) -> float:
+        return _num(d, f"daemon.{n}", getattr(base, n), 0.1, 86400)
+
+    def size(n: str) -> int:  # a whole 1 MiB request line must fit in a uid's share
+        return _int(d, f"daemon.{n}", getattr(base, n), 2 << 20, 1 << 34)
+
+    return SocketLimits(
+        max_connections=count("max_connections"),
+        max_connections_per_uid=count("max_connections_per_uid"),
+        max_streams_per_uid=count("max_streams_per_uid"),
+        first_byte_timeout_s=seconds("first_byte_timeout_s"),
+        request_timeout_s=seconds("request_timeout_s"),
+        idle_timeout_s=seconds("idle_timeout_s"),
+        write_timeout_s=seconds("write_timeout_s"),
+        request_buffer_bytes=size("request_buffer_bytes"),
+        request_buffer_bytes_per_uid=size("request_buffer_bytes_per_uid"),
+    )
 
 
 def _keys(prefix: str, table: Mapping[str, object], allowed: tuple[str, ...]) -> None:
