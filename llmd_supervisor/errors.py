@@ -132,6 +132,28 @@ class JournalConflict(JournalError):
         super().__init__(path, operation, why)
 
 
+class FileRefused(SupervisorError):
+    """A file of a job's log directory is not a plain file the daemon may read."""
+
+    def __init__(self, path: str, why: str) -> None:
+        self.path = path
+        self.why = why
+        super().__init__(f"Refusing to read {path}: {why}; it is not copied or trusted.")
+
+
+class LogCapped(SupervisorError):
+    """A log copy reached its byte cap; the copy keeps what it has and stops."""
+
+    def __init__(self, local_path: str, size: int, per_file: int, per_run: int) -> None:
+        self.local_path = local_path
+        self.size = size
+        super().__init__(
+            f"Log copy {local_path} stopped at {size} bytes: the cap is {per_file} bytes per "
+            f"file and {per_run} bytes per run (limits.log_copy_max_bytes_per_file / "
+            "_per_run); the job's own file is untouched."
+        )
+
+
 class TailConflict(SupervisorError):
     """Another tailer already appends to this local log copy."""
 

@@ -11,6 +11,7 @@ remote command's output (the log followers of `adapters.tail` run on it).
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 import shlex
 import time
@@ -23,7 +24,8 @@ import anyio
 import asyncssh
 import structlog
 
-from llmd_supervisor.errors import RemoteError
+from llmd_supervisor.adapters import jobfiles
+from llmd_supervisor.errors import FileRefused, RemoteError
 
 _log = structlog.get_logger("llmd_supervisor.adapters.remote")
 
@@ -35,6 +37,8 @@ BACKOFF_CAP_S = 5.0
 CLOSE_LIMIT_S = 2.0
 _CHUNK = 1 << 16
 _STDERR_KEEP = 2048
+# Room for a refusal's reason beyond a request's size limit.
+_SERVE_SLACK = 4096
 
 
 @dataclass(frozen=True)
@@ -48,6 +52,7 @@ class SshSettings:
     connect_timeout: float = 10.0
     keepalive_interval: float = 5.0
     insecure_accept_any_host_key: bool = False
+    python: str = "python3"  # runs node/jobfile.py on the node (the job's files are read so)
 
     def __post_init__(self) -> None:
         if self.known_hosts is None and not self.insecure_accept_any_host_key:
@@ -124,9 +129,12 @@ class NodeLink:
         self.last_ok: float | None = None
         self.reconnects = 0
         self._conn: asyncssh.SSHClientConnection | None = None
-        self._sftp: asyncssh.SFTPClient | None = None
+        # The node's `jobfile.py serve`: its connection, root and process.
+        self._server: (
+            tuple[asyncssh.SSHClientConnection, str, asyncssh.SSHClientProcess[bytes]] | None
+        ) = None
         self._lock = anyio.Lock()
-        self._sftp_lock = anyio.Lock()
+        self._files_lock = anyio.Lock()
         self._connected_once = False
         self._failures = 0
         self._not_before = 0.0
@@ -142,6 +150,11 @@ class NodeLink:
     def connected(self) -> bool:
         """Whether a live connection is held right now (no I/O; keepalives detect drops)."""
         return self._conn is not None and not self._conn.is_closed()
+
+    @property
+    def python(self) -> str:
+        """The interpreter that runs node/jobfile.py on the node."""
+        return self.settings.python
 
     @property
     def closed(self) -> bool:
@@ -219,7 +232,7 @@ class NodeLink:
         """Forget `conn` (if it is still current) and close it without waiting."""
         if self._conn is conn:
             self._conn = None
-            self._sftp = None
+            self._server = None
             self._log.warning("ssh.error", action="using the connection", error=why, dropped=True)
         conn.close()
 
@@ -256,16 +269,6 @@ class NodeLink:
         self._mark_ok()
         return result
 
-    async def _sftp_client(self, conn: asyncssh.SSHClientConnection) -> asyncssh.SFTPClient:
-        """The SFTP session of `conn`, started once per connection."""
-        async with self._sftp_lock:
-            if self._sftp is None or self._conn is not conn:
-                sftp = await conn.start_sftp_client()
-                if self._conn is conn:
-                    self._sftp = sftp
-                return sftp
-            return self._sftp
-
     # ---- operations
 
     async def run(
@@ -301,45 +304,67 @@ class NodeLink:
 
         return await self._call(action, time_limit, op)
 
-    async def read_file(self, path: str, *, time_limit: float = 10) -> bytes | None:
-        """The whole content of `path` on the node (over SFTP), or None if it does not exist."""
+    async def read_file(self, log_dir: str, path: str, *, time_limit: float = 10) -> bytes | None:
+        """A small file (marker, status) of the job in `log_dir`, read by `node/jobfile.py`:
+        its bytes, None if missing; `FileRefused` if it is not a plain file of this account
+        (a link, FIFO, device, directory) or larger than `jobfiles.SMALL_FILE_MAX`."""
+        status, data = await self._files("read", log_dir, path, jobfiles.SMALL_FILE_MAX, time_limit)
+        return jobfiles.answer(path, status, data)
 
-        async def op(conn: asyncssh.SSHClientConnection) -> bytes | None:
-            sftp = await self._sftp_client(conn)
-            try:
-                async with sftp.open(path, "rb") as f:
-                    data = await f.read()
-            except asyncssh.SFTPNoSuchFile:
-                return None
-            return data if isinstance(data, bytes) else data.encode()
+    async def list_dir(self, log_dir: str, path: str, *, time_limit: float = 10) -> list[str]:
+        """The entry names (at most `jobfiles.LIST_MAX`) of a directory in `log_dir`, []
+        if it is missing; `FileRefused` if it is a link or not a directory."""
+        status, data = await self._files("list", log_dir, path, jobfiles.LIST_MAX, time_limit)
+        if status == "missing":
+            return []
+        if status != "ok":
+            raise FileRefused(path, data.decode("utf-8", "replace") or status)
+        return [n for n in data.decode("utf-8", "surrogateescape").split("\n") if n]
 
-        return await self._call(f"reading {path}", time_limit, op)
+    async def _files(
+        self, op: str, log_dir: str, path: str, limit: int, time_limit: float
+    ) -> tuple[str, bytes]:
+        """One request to the node's `jobfile.py serve` (started once per connection and
+        root, one request at a time): (answer word, payload)."""
+        root, rel = jobfiles.split(log_dir, path)
+        action = f"reading {path}" if op == "read" else f"listing {path}"
+        request = (json.dumps([op, rel, limit]) + "\n").encode()
 
-    async def size(self, path: str, *, time_limit: float = 10) -> int | None:
-        """The size in bytes of `path` on the node (following symlinks), or None if missing."""
+        async def ask(conn: asyncssh.SSHClientConnection) -> tuple[str, bytes]:
+            async with self._files_lock:
+                server = self._server
+                if server is None or server[0] is not conn or server[1] != root:
+                    command = shlex.join(jobfiles.argv(self.settings.python, "serve", root))
+                    proc = await conn.create_process(command, encoding=None)
+                    if server is not None:
+                        server[2].close()
+                    server = self._server = (conn, root, proc)
+                proc = server[2]
+                try:
+                    proc.stdin.write(request)
+                    head = await proc.stdout.readuntil(b"\n")
+                    word, _, size = head.decode(errors="replace").strip().partition(" ")
+                    n = int(size) if size.isdigit() else -1
+                    if not 0 <= n <= limit + _SERVE_SLACK:
+                        raise RemoteError(self.host, action, f"the reader answered {head[:80]!r}")
+                    data = await proc.stdout.readexactly(n) if n else b""
+                except EOFError as exc:  # the reader ended (no python3 there?)
+                    self._server = None
+                    proc.close()
+                    why = (await _stderr_of(proc)) or "it ended without an answer"
+                    raise RemoteError(self.host, action, f"the file reader failed: {why}") from exc
+                except BaseException:
+                    self._server = None
+                    proc.close()
+                    raise
+                return word, bytes(data)
 
-        async def op(conn: asyncssh.SSHClientConnection) -> int | None:
-            sftp = await self._sftp_client(conn)
-            try:
-                attrs = await sftp.stat(path)
-            except asyncssh.SFTPNoSuchFile:
-                return None
-            return int(attrs.size or 0)
-
-        return await self._call(f"checking the size of {path}", time_limit, op)
-
-    async def list_dir(self, path: str, *, time_limit: float = 10) -> list[str]:
-        """The entry names of directory `path` on the node (no `.`/`..`), [] if it is missing."""
-
-        async def op(conn: asyncssh.SSHClientConnection) -> list[str]:
-            sftp = await self._sftp_client(conn)
-            try:
-                names = await sftp.listdir(path)
-            except asyncssh.SFTPNoSuchFile:
-                return []
-            return sorted(str(n) for n in names if n not in (".", ".."))
-
-        return await self._call(f"listing {path}", time_limit, op)
+        try:
+            return await self._call(action, time_limit, ask)
+        except RemoteError:
+            if self._server is not None and self._server[0].is_closed():
+                self._server = None
+            raise
 
     async def open_stream(self, argv: Sequence[str], *, action: str) -> RemoteStream:
         """Start `shlex.join(argv)` on the node and hand back its output as a stream.
@@ -362,12 +387,19 @@ class NodeLink:
         """Close the connection (bounded wait); later operations raise `RemoteError`."""
         async with self._lock:
             self._closed = True
-            conn, self._conn, self._sftp = self._conn, None, None
+            conn, self._conn, self._server = self._conn, None, None
         if conn is not None:
             with anyio.CancelScope(shield=True):
                 conn.close()
                 with anyio.move_on_after(CLOSE_LIMIT_S):
                     await conn.wait_closed()
+
+
+async def _stderr_of(proc: asyncssh.SSHClientProcess[bytes]) -> str:
+    """What an ended process wrote to stderr (bounded, best effort)."""
+    with anyio.move_on_after(1), contextlib.suppress(asyncssh.Error, OSError):
+        return _text(bytes(await proc.stderr.read(_STDERR_KEEP)))
+    return ""
 
 
 class RemoteStream:
@@ -414,6 +446,17 @@ class RemoteStream:
                         log.info("tail.remote_message", message=_text(line))
         if pending.strip():
             log.info("tail.remote_message", message=_text(pending))
+
+    async def send_eof(self) -> None:
+        """Close the command's stdin (the file follower then drains and exits)."""
+        with contextlib.suppress(asyncssh.Error, OSError):
+            self.proc.stdin.write_eof()
+
+    async def wait(self) -> int | None:
+        """The command's exit status once it ended (bounded wait), None if unknown."""
+        with anyio.move_on_after(CLOSE_LIMIT_S), contextlib.suppress(asyncssh.Error, OSError):
+            await self.proc.wait_closed()
+        return self.proc.returncode
 
     async def aclose(self) -> None:
         """Send EOF and close the channel (shielded, bounded); the command sees EOF on stdin."""

@@ -1,9 +1,12 @@
-"""Byte-exact tailing of a remote file into a local copy, over a `NodeLink`.
+"""Byte-exact copying of a job's log file into a local copy, here or over a `NodeLink`.
 
-`tail_to_local` streams a remote file into a local copy whose size is the resume offset:
-the remote side runs ``tail -c +<size+1> -F`` and every chunk is appended to the local
-file before the next await, so after an SSH drop, a cancellation or a daemon restart the
-next tailer resumes exactly where the local copy ends (no byte lost or duplicated).
+`tail_to_local` streams a job's file into a local copy whose size is the resume offset:
+``node/jobfile.py follow`` runs on the node (or here, for a shared log directory) and
+every chunk is appended to the local file before the next await, so after an SSH drop, a
+cancellation or a daemon restart the next tailer resumes exactly where the local copy
+ends (no byte lost or duplicated). The follower opens nothing through a symbolic link and
+reads only plain files of the job's account (see `adapters.jobfiles`); a copy is bounded
+by a `CopyBudget` (per file and per run).
 """
 
 from __future__ import annotations
@@ -12,14 +15,17 @@ import fcntl
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import anyio
 import structlog
 
-from llmd_supervisor.adapters.remote import CLOSE_LIMIT_S, NodeLink, RemoteStream, backoff_delay
-from llmd_supervisor.errors import RemoteError, TailConflict
+from llmd_supervisor.adapters import jobfiles
+from llmd_supervisor.adapters.remote import CLOSE_LIMIT_S, backoff_delay
+from llmd_supervisor.errors import FileRefused, LogCapped, RemoteError, TailConflict
 
 _log = structlog.get_logger("llmd_supervisor.adapters.tail")
 
@@ -28,28 +34,55 @@ DRAIN_LIMIT_S = 10.0
 # How often the local copy is fsynced while bytes keep arriving.
 FSYNC_EVERY_S = 1.0
 
-# Runs on the node. The background `tail` owns the channel's stdout; the shell then waits
-# for stdin EOF (the channel closing, or sshd exiting after a connection drop) and kills
-# `tail`, so no follower is left behind on the node. When `tail` exits by itself the
-# client sees stdout EOF.
-_TAIL_SCRIPT = "\n".join(
-    [
-        'tail -c "+$1" -F -s "$3" -- "$2" & t=$!',
-        "exec >/dev/null 2>&1",
-        "cat",
-        'kill "$t"',
-        'wait "$t"',
-    ]
-)
+
+class Stream(Protocol):
+    """A running follower: `remote.RemoteStream` or `jobfiles.LocalStream`."""
+
+    def stderr_text(self) -> str: ...
+    async def read(self, action: str) -> bytes: ...
+    async def send_eof(self) -> None: ...
+    async def wait(self) -> int | None: ...
+    async def collect_stderr(self, log: structlog.typing.FilteringBoundLogger) -> None: ...
+    async def aclose(self) -> None: ...
+
+
+class Follows(Protocol):
+    """Where followers run: a `NodeLink`, or `jobfiles.LocalFiles` for this machine."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def closed(self) -> bool: ...
+    @property
+    def python(self) -> str: ...
+    async def open_stream(self, argv: Sequence[str], *, action: str) -> Stream: ...
+
+
+@dataclass
+class CopyBudget:
+    """How many bytes a run's log copies may still take: `per_file` for each copy,
+    `per_run` for all of them (`used` so far, counted from the copies on disk)."""
+
+    per_file: int
+    per_run: int
+    used: int = 0
+
+    def allowed(self, offset: int) -> int:
+        """Bytes a copy now `offset` bytes long may still append."""
+        return max(0, min(self.per_file - offset, self.per_run - self.used))
 
 
 class _LocalCopy:
     """The local copy, opened for append: its size is the offset of the next remote byte."""
 
-    def __init__(self, path: Path, on_bytes: Callable[[int], None] | None) -> None:
+    def __init__(
+        self, path: Path, on_bytes: Callable[[int], None] | None, budget: CopyBudget | None
+    ) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        self.budget = budget
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
+        self.fd = os.open(path, flags, 0o666)  # the daemon's umask decides
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
@@ -61,7 +94,12 @@ class _LocalCopy:
         self._last_sync = time.monotonic()
 
     def append(self, data: bytes) -> None:
-        """Write all of `data` before returning (no await: a cancellation cannot split it)."""
+        """Write all of `data` before returning (no await: a cancellation cannot split it);
+        only what the budget allows, then `LogCapped`."""
+        capped = self.budget is not None and len(data) > self.budget.allowed(self.offset)
+        if self.budget is not None:
+            data = data[: self.budget.allowed(self.offset)]
+            self.budget.used += len(data)
         view = memoryview(data)
         while view:
             n = os.write(self.fd, view)
@@ -70,6 +108,8 @@ class _LocalCopy:
         self._dirty = True
         if self.on_bytes is not None:
             self.on_bytes(len(data))
+        if capped and self.budget is not None:
+            raise LogCapped(str(self.path), self.offset, self.budget.per_file, self.budget.per_run)
 
     async def maybe_sync(self) -> None:
         """fsync at most every FSYNC_EVERY_S while data keeps arriving."""
@@ -92,39 +132,45 @@ class _LocalCopy:
 
 
 async def tail_to_local(
-    link: NodeLink,
+    link: Follows,
+    log_dir: str,
     remote_path: str,
     local_path: Path,
     *,
     stop: anyio.Event,
     poll_interval: float = 0.1,
     on_bytes: Callable[[int], None] | None = None,
+    budget: CopyBudget | None = None,
+    drain_limit: float | None = None,
 ) -> None:
     """Append remote_path's bytes to local_path, starting at local_path's current size.
 
-    The local size is the resume offset. The node runs GNU ``tail -c +<size+1> -F`` over
-    a channel of `link`'s shared connection (inotify where available, else polling every
-    `poll_interval`). SSH drops are survived: the follower is restarted (reconnecting with
-    backoff) at the local size. A file that does not exist yet is waited for, polled over
-    SFTP every `poll_interval` (also when resuming at a nonzero offset, so a vanished file
-    is never re-read from its start). When `stop` is set, the remote's current size is
-    read and bytes are copied until the local copy reaches it, for at most DRAIN_LIMIT_S
-    (best effort), then the function returns.
+    The local size is the resume offset. `link` runs ``jobfile.py follow`` (polling every
+    `poll_interval`) on the job's file `remote_path` inside `log_dir`. SSH drops are
+    survived: the follower is restarted (reconnecting with backoff) at the local size. A
+    file that does not exist yet is waited for. When `stop` is set, the follower's stdin is
+    closed: it copies what is left up to the file's current end and exits; that drain takes
+    at most `drain_limit` (default DRAIN_LIMIT_S; best effort), then the function returns.
 
     The local file is held with an exclusive flock; a second tailer on the same local file
     raises `TailConflict`. Every chunk is written completely before the next await, so on
     cancellation (or a crash) the local file is a byte-exact prefix of the remote one. On
-    return or cancellation the remote follower is closed (its shell kills ``tail`` when the
-    channel's stdin reaches EOF, also after a connection drop) and the local copy is
-    fsynced (shielded, bounded). If `link` is closed under it, the tailer raises
-    `RemoteError` (the local copy is still a consistent prefix); a local file error (disk
-    full, I/O error) ends it with that `OSError`. A remote file replaced or truncated while
-    being followed is followed by name, as ``tail -F`` does: its new bytes are appended.
+    return or cancellation the follower is closed (it exits when its stdin reaches EOF, also
+    after a connection drop) and the local copy is fsynced (shielded, bounded). If `link`
+    is closed under it, the tailer raises `RemoteError` (the local copy is still a
+    consistent prefix); a local file error (disk full, I/O error) ends it with that
+    `OSError`. `FileRefused` ends it when the job's file is a link, FIFO, device or not the
+    job's, and `LogCapped` when the budget is spent (the copy keeps the allowed prefix). A
+    file replaced or truncated while being followed is followed by name, as ``tail -F``
+    does: the new file's bytes are appended.
     """
     log = _log.bind(host=link.host, remote=remote_path, local=str(local_path))
-    copy = _LocalCopy(local_path, on_bytes)
-    drain = _Drain(stop)
+    copy = _LocalCopy(local_path, on_bytes, budget)
+    drain = _Drain(stop, DRAIN_LIMIT_S if drain_limit is None else drain_limit)
     try:
+        if budget is not None and budget.allowed(copy.offset) == 0:
+            log.info("tail.capped", offset=copy.offset)
+            return
         log.info("tail.resumed" if copy.offset else "tail.started", offset=copy.offset)
         failures = 0
         while True:
@@ -132,7 +178,9 @@ async def tail_to_local(
             drain.notice()
             with anyio.CancelScope(deadline=drain.deadline):
                 try:
-                    if await _follow_once(link, remote_path, copy, drain, poll_interval, log):
+                    if await _follow_once(
+                        link, log_dir, remote_path, copy, drain, poll_interval, log
+                    ):
                         log.info("tail.stopped", offset=copy.offset)
                         return
                 except RemoteError as exc:
@@ -140,7 +188,7 @@ async def tail_to_local(
                     if link.closed:
                         raise
             if drain.expired():
-                log.warning("tail.drain_incomplete", offset=copy.offset, limit_s=DRAIN_LIMIT_S)
+                log.warning("tail.drain_incomplete", offset=copy.offset, limit_s=drain.limit)
                 log.info("tail.stopped", offset=copy.offset)
                 return
             failures = 0 if copy.offset > before else failures + 1
@@ -156,14 +204,15 @@ async def tail_to_local(
 class _Drain:
     """The stop request and the deadline of the drain it starts (set once, when noticed)."""
 
-    def __init__(self, stop: anyio.Event) -> None:
+    def __init__(self, stop: anyio.Event, limit: float) -> None:
         self.stop = stop
+        self.limit = limit
         self.deadline = math.inf
 
     def notice(self) -> None:
         """Start the drain clock if `stop` is set and the clock is not running yet."""
         if self.stop.is_set() and self.deadline == math.inf:
-            self.deadline = anyio.current_time() + DRAIN_LIMIT_S
+            self.deadline = anyio.current_time() + self.limit
 
     def expired(self) -> bool:
         self.notice()
@@ -171,90 +220,57 @@ class _Drain:
 
 
 async def _follow_once(
-    link: NodeLink,
+    link: Follows,
+    log_dir: str,
     remote_path: str,
     copy: _LocalCopy,
     drain: _Drain,
     poll_interval: float,
     log: structlog.typing.FilteringBoundLogger,
 ) -> bool:
-    """Run one remote follower until it ends (False) or the stop request is drained (True)."""
-    remote_size = await link.size(remote_path)
-    warned = False
-    while remote_size is None:
-        # Start `tail` only on an existing file: it then follows it with inotify (a file
-        # that appears later is polled every -s), and it would print a file appearing
-        # later from its first byte, ignoring +N, which duplicates bytes on a resume.
-        if not warned:
-            if copy.offset:
-                log.warning("tail.remote_missing", offset=copy.offset)
-            else:
-                log.info("tail.waiting_for_file")
-            warned = True
-        with anyio.move_on_after(poll_interval):
-            await drain.stop.wait()
-        if drain.stop.is_set():
-            return True  # nothing to drain from a missing file
-        remote_size = await link.size(remote_path)
-    if remote_size is not None and remote_size < copy.offset:
-        # `tail -c +N` prints nothing until the file grows past N: a replaced or truncated
-        # remote file shows up as a stalled log.
-        log.warning("tail.remote_shorter", remote_size=remote_size, offset=copy.offset)
-    stream = await _open_follower(link, remote_path, copy.offset, poll_interval)
-    drained = False
+    """Run one follower until it ends (False) or the stop request is drained (True)."""
+    root, rel = jobfiles.split(log_dir, remote_path)
+    command = jobfiles.argv(
+        link.python, "follow", root, rel, str(copy.offset), f"{poll_interval:g}"
+    )
+    stream = await link.open_stream(command, action=f"starting a follower of {remote_path}")
     ended = False
-    target: int | None = None
     try:
         async with anyio.create_task_group() as tg:
 
             async def watch_stop() -> None:
-                nonlocal target, drained
                 await drain.stop.wait()
                 drain.notice()
                 tg.cancel_scope.deadline = drain.deadline
-                end = await link.size(remote_path, time_limit=DRAIN_LIMIT_S)
-                target = end if end is not None else copy.offset
-                if copy.offset >= target:
-                    drained = True
-                    tg.cancel_scope.cancel()
+                await stream.send_eof()  # the follower copies up to the current end, exits
 
             async def pump() -> None:
-                nonlocal drained, ended
-                action = f"tailing {remote_path}"
-                while True:
-                    chunk = await stream.read(action)
-                    if not chunk:
-                        ended = True
-                        tg.cancel_scope.cancel()
-                        return
+                nonlocal ended
+                action = f"following {remote_path}"
+                while chunk := await stream.read(action):
                     copy.append(chunk)
-                    if target is not None and copy.offset >= target:
-                        drained = True
-                        tg.cancel_scope.cancel()
-                        return
                     await copy.maybe_sync()
+                ended = True
+                tg.cancel_scope.cancel()
 
             tg.start_soon(stream.collect_stderr, log)
             tg.start_soon(watch_stop)
             tg.start_soon(pump)
-    except* (RemoteError, OSError) as group:
-        # One pump fails at a time; its error (remote, or the local disk's) is the answer.
+    except* (RemoteError, OSError, LogCapped) as group:
+        # One pump fails at a time; its error (remote, the local disk's, the cap) is it.
         raise group.exceptions[0] from None
     finally:
+        status = await stream.wait() if ended else None
         await stream.aclose()
-    if ended and not drained:
-        tail = stream.stderr_text()
-        raise RemoteError(
-            link.host, f"tailing {remote_path}", f"the remote tail ended ({tail or 'no message'})"
-        )
+    if not ended:
+        return False  # the drain deadline passed (the caller notices)
     await copy.sync()
-    return drained
-
-
-async def _open_follower(
-    link: NodeLink, remote_path: str, start: int, poll_interval: float
-) -> RemoteStream:
-    """Start the remote follower of `remote_path` from byte offset `start`."""
-    args = [str(start + 1), remote_path, f"{poll_interval:g}"]
-    argv = ["sh", "-c", _TAIL_SCRIPT, "llmd-tail", *args]
-    return await link.open_stream(argv, action=f"starting a tail of {remote_path}")
+    if status == jobfiles.REFUSED:
+        raise FileRefused(remote_path, stream.stderr_text().removeprefix("refused: "))
+    if status == jobfiles.OK and drain.stop.is_set():
+        return True
+    raise RemoteError(
+        link.host,
+        f"following {remote_path}",
+        f"the follower ended with status {status} ({stream.stderr_text() or 'no message'})",
+    )

@@ -13,6 +13,7 @@ import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from llmd_supervisor.errors import ConfigError
 
@@ -29,6 +30,7 @@ class SshConfig:
     known_hosts: str = field(default_factory=lambda: default_known_hosts())
     port: int = 22
     connect_timeout_s: float = 10.0
+    node_python: str = "python3"  # reads the job's files on nodes and login hosts
 
 
 @dataclass(frozen=True)
@@ -56,6 +58,9 @@ class Limits:
     heartbeat_interval_s: float = 2.0
     finish_drain_s: float = 10.0  # how long tailers may drain after the job left the queue
     archive_timeout_s: float = 60.0
+    # Log copies stop here (a named event, never an outcome): per file, and per run.
+    log_copy_max_bytes_per_file: int = 10 << 30
+    log_copy_max_bytes_per_run: int = 20 << 30
 
 
 @dataclass(frozen=True)
@@ -88,6 +93,8 @@ class Config:
     clusters: tuple[ClusterConfig, ...] = (ClusterConfig(name="default"),)
     metrics_listen: str | None = None  # host:port on loopback, e.g. 127.0.0.1:9464
     socket_limits: SocketLimits = field(default_factory=SocketLimits)
+    # Run log directories must lie under one of these (canonical, absolute) directories.
+    log_roots: tuple[str, ...] = ()
 
     @property
     def archive_root(self) -> Path:
@@ -152,9 +159,19 @@ def parse_config(data: Mapping[str, object]) -> Config:
             "socket_group",
             "admin_group",
             "log_format",
+            "log_roots",
             *SocketLimits.__dataclass_fields__,
         ),
     )
+    log_roots = _str_list(d, "daemon.log_roots")
+    for root in log_roots:
+        if not root.startswith("/") or os.path.normpath(root) != root.rstrip("/") or root == "/":
+            raise ConfigError(
+                "daemon.log_roots",
+                root,
+                "list absolute directories without '..', '.' or a trailing '/', not '/'"
+                " itself, e.g. ['/shared/llmd-runs']",
+            )
     log_format = _str(d, "daemon.log_format", "auto")
     if log_format not in ("auto", "json", "console"):
         raise ConfigError("daemon.log_format", log_format, "use auto, json or console")
@@ -173,14 +190,29 @@ def parse_config(data: Mapping[str, object]) -> Config:
     socket_limits = _socket_limits(d)
 
     s = _table(data, "ssh")
-    _keys("ssh", s, ("user", "identity_files", "known_hosts", "port", "connect_timeout_s"))
+    _keys(
+        "ssh",
+        s,
+        ("user", "identity_files", "known_hosts", "port", "connect_timeout_s", "node_python"),
+    )
     ssh = SshConfig(
         user=_opt_str(s, "ssh.user"),
         identity_files=_str_list(s, "ssh.identity_files"),
         known_hosts=_opt_str(s, "ssh.known_hosts") or default_known_hosts(),
         port=_int(s, "ssh.port", 22, 1, 65535),
         connect_timeout_s=_num(s, "ssh.connect_timeout_s", 10.0, 0.5, 300),
+        node_python=_str(s, "ssh.node_python", "python3"),
     )
+    if (
+        not ssh.node_python
+        or ssh.node_python.startswith("-")
+        or any(c.isspace() for c in ssh.node_python)
+    ):
+        raise ConfigError(
+            "ssh.node_python",
+            ssh.node_python,
+            "name an interpreter like 'python3' or '/usr/bin/python3'",
+        )
 
     p = _table(data, "poll")
     _keys("poll", p, ("min_interval_s", "max_interval_s", "command_timeout_s", "sacct_chunk"))
@@ -199,9 +231,15 @@ def parse_config(data: Mapping[str, object]) -> Config:
     names = tuple(Limits.__dataclass_fields__)
     _keys("limits", lim, names)
     defaults = Limits()
-    limits = Limits(
-        **{n: _num(lim, f"limits.{n}", float(getattr(defaults, n)), 0.1, 86400) for n in names}
-    )
+    sizes = ("log_copy_max_bytes_per_file", "log_copy_max_bytes_per_run")
+    values: dict[str, Any] = {
+        n: _num(lim, f"limits.{n}", float(getattr(defaults, n)), 0.1, 86400)
+        for n in names
+        if n not in sizes
+    }
+    for n in sizes:
+        values[n] = _int(lim, f"limits.{n}", getattr(defaults, n), 1 << 20, 1 << 50)
+    limits = Limits(**values)
 
     clusters_raw = data.get("clusters", [{"name": "default"}])
     if not isinstance(clusters_raw, list) or not clusters_raw:
@@ -255,6 +293,7 @@ def parse_config(data: Mapping[str, object]) -> Config:
         clusters=tuple(clusters),
         metrics_listen=listen,
         socket_limits=socket_limits,
+        log_roots=tuple(r.rstrip("/") for r in log_roots),
     )
 
 
@@ -354,6 +393,7 @@ def effective(config: Config) -> dict[str, object]:
             "socket_group": config.socket_group,
             "admin_group": config.admin_group,
             "log_format": config.log_format,
+            "log_roots": list(config.log_roots),
             **{n: getattr(config.socket_limits, n) for n in SocketLimits.__dataclass_fields__},
         },
         "ssh": {
@@ -362,6 +402,7 @@ def effective(config: Config) -> dict[str, object]:
             "known_hosts": config.ssh.known_hosts,
             "port": config.ssh.port,
             "connect_timeout_s": config.ssh.connect_timeout_s,
+            "node_python": config.ssh.node_python,
         },
         "poll": {
             "min_interval_s": config.poll.min_interval_s,

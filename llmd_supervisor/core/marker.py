@@ -45,6 +45,7 @@ class MarkerStatus(StrEnum):
     RC_NOT_INTEGER = "rc_not_integer"  # rc is not an int (bools, floats, strings refused)
     BAD_FIELD = "bad_field"  # job_id/reason not a string, or rank not an int >= 0
     BAD_FINISHED_AT = "bad_finished_at"  # finished_at is not an ISO 8601 timestamp
+    REFUSED = "refused"  # not a plain file of the job (a link, FIFO, device, directory, huge)
     OK = "ok"
 
     @property
@@ -87,6 +88,11 @@ class MarkerReading:
         if self.status is MarkerStatus.MISSING:
             return f"marker {name} missing"
         return f"marker {name} {self.status.value.replace('_', ' ')}: {self.detail}"
+
+
+def refused_marker(why: str, expected_job_id: str) -> MarkerReading:
+    """The reading of a marker path that holds no plain file (`why` says what it is)."""
+    return MarkerReading(MarkerStatus.REFUSED, expected_job_id, why, None)
 
 
 def read_marker(data: bytes | None, expected_job_id: str) -> MarkerReading:

@@ -24,13 +24,14 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
+from typing import TypeVar
 
 import anyio
 import anyio.abc
 import structlog
 
 from llmd_supervisor.adapters.remote import NodeLink, SshSettings
-from llmd_supervisor.adapters.tail import tail_to_local
+from llmd_supervisor.adapters.tail import CopyBudget, tail_to_local
 from llmd_supervisor.core.config import Limits
 from llmd_supervisor.core.health import (
     HealthLimits,
@@ -41,11 +42,12 @@ from llmd_supervisor.core.health import (
     observe,
 )
 from llmd_supervisor.core.layout import RunLayout
-from llmd_supervisor.errors import RemoteError, SupervisorError
+from llmd_supervisor.errors import FileRefused, LogCapped, RemoteError, SupervisorError
 
 log = structlog.get_logger("llmd_supervisor.attempt")
 
 Record = Callable[[str, Mapping[str, object]], Awaitable[None]]
+FileT = TypeVar("FileT")
 
 
 class CopyState(StrEnum):
@@ -75,6 +77,8 @@ class Attempt:
     health: dict[str, NodeHealth] = field(init=False)
     marker_copy: bytes | None = field(default=None, init=False)
     copies: CopyState = field(default=CopyState.COMPLETE, init=False)
+    budget: CopyBudget = field(init=False)  # what the run's log copies may still take
+    _refused: set[str] = field(default_factory=set, init=False)  # paths reported
     running: bool = field(default=False, init=False)
     _stop: anyio.Event = field(default_factory=anyio.Event, init=False)
     _done: anyio.Event = field(default_factory=anyio.Event, init=False)
@@ -84,6 +88,25 @@ class Attempt:
         now = time.monotonic()
         self.health = {n: NodeHealth(n, rank, since=now) for rank, n in enumerate(self.nodes)}
         self._health_limits = HealthLimits(self.limits.node_silent_s, self.limits.log_stall_s)
+        self.budget = CopyBudget(
+            self.limits.log_copy_max_bytes_per_file,
+            self.limits.log_copy_max_bytes_per_run,
+            used=_tree_size(self.layout.logs_root),
+        )
+
+    async def refused(self, exc: FileRefused | LogCapped) -> None:
+        """Journal (once per path) that a job's file is not copied, or no further."""
+        fields: dict[str, object]
+        if isinstance(exc, FileRefused):
+            key, event, fields = exc.path, "log.refused", {"path": exc.path, "reason": exc.why}
+        else:
+            key, event = exc.local_path, "log.capped"
+            fields = {"copy": exc.local_path, "size": exc.size}
+        if key in self._refused:
+            return
+        self._refused.add(key)
+        log.warning(f"run.{event.replace('.', '_')}", **fields)
+        await self.record(event, fields)
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -137,14 +160,14 @@ class Attempt:
             stopping = self._stop.is_set()
             state: str | None = None
             try:
-                for name in await link.list_dir(job_dir):
+                for name in await self._files(link.list_dir, job_dir) or ():
                     if layout.is_rank_log(name, rank):
                         wanted.setdefault(name, f"{job_dir}/{name}")
-                status = await link.read_file(layout.status_file(job_id, rank))
+                status = await self._files(link.read_file, layout.status_file(job_id, rank))
                 if status is not None:
                     state = _status_state(status)
                 if coordinator and self.marker_copy is None:
-                    data = await link.read_file(layout.marker(job_id))
+                    data = await self._files(link.read_file, layout.marker(job_id))
                     if data:
                         self.marker_copy = data
                         log.info("run.marker_seen", node=link.host, size=len(data))
@@ -171,6 +194,14 @@ class Attempt:
             with anyio.move_on_after(self.limits.heartbeat_interval_s):
                 await self._stop.wait()
 
+    async def _files(self, op: Callable[[str, str], Awaitable[FileT]], path: str) -> FileT | None:
+        """`op(log_dir, path)` on a node; None (and a journal event) if refused."""
+        try:
+            return await op(self.layout.log_dir, path)
+        except FileRefused as exc:
+            await self.refused(exc)
+            return None
+
     async def _report(self, event: NodeUnreachable | LogStalled) -> None:
         if isinstance(event, NodeUnreachable):
             log.warning("run.node_unreachable", node=event.node, silent_s=round(event.silent_s))
@@ -186,8 +217,18 @@ class Attempt:
         try:
             local_path.parent.mkdir(parents=True, exist_ok=True)
             await tail_to_local(
-                link, remote_path, local_path, stop=self._stop, on_bytes=self.on_bytes
+                link,
+                self.layout.log_dir,
+                remote_path,
+                local_path,
+                stop=self._stop,
+                on_bytes=self.on_bytes,
+                budget=self.budget,
             )
+        except* (FileRefused, LogCapped) as group:
+            for exc in group.exceptions:  # not copied (or no further) by design: complete
+                assert isinstance(exc, FileRefused | LogCapped)
+                await self.refused(exc)
         except* OSError as group:
             # Local disk trouble: the copy stays an exact prefix; the archive step drains
             # it again and does not declare before it is complete.
@@ -197,6 +238,11 @@ class Attempt:
             if self.copies is CopyState.COMPLETE:
                 self.copies = CopyState.REMOTE_FAILED
             log.warning("run.tail_failed", remote=remote_path, error=str(group.exceptions[0]))
+
+
+def _tree_size(root: Path) -> int:
+    """Bytes of the files under `root` (the run's log copies so far)."""
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file()) if root.is_dir() else 0
 
 
 def _size(path: Path) -> int:

@@ -5,18 +5,19 @@ How a run's files (marker, batch and per-rank logs) are reached besides the per-
 links, one `RunFiles` per cluster:
 
 * `SharedLogDir`: this machine sees the run's log directory (the login node shares the
-  cluster file system): the marker is read directly, the job's start is noticed when its
-  batch log appears, and at the end the SSH tailers are cancelled (their copies are exact
-  prefixes) and the copies completed from the shared file system in milliseconds.
+  cluster file system): the marker is read by `node/jobfile.py` run here, the job's start
+  is noticed when its batch log appears, and at the end the SSH tailers are cancelled
+  (their copies are exact prefixes) and the copies completed from the shared file system
+  by the same script run here.
 * `ThroughLoginHost`: Slurm commands run on a login host over SSH; the marker is read
-  there with `cat`, and at the end the SSH tailers drain (bounded by `finish_drain_s`).
+  there by `node/jobfile.py`, and at the end the SSH tailers drain (bounded by `finish_drain_s`).
 
 Issue 2.5 adds more implementations (shared file system without SSH to the nodes).
 """
 
 from __future__ import annotations
 
-import os
+import posixpath
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,24 +26,36 @@ from typing import Protocol
 import anyio
 import structlog
 
-from llmd_supervisor.adapters.fsutil import read_optional
+from llmd_supervisor.adapters import jobfiles
 from llmd_supervisor.adapters.remote import NodeLink
 from llmd_supervisor.adapters.slurm import CommandRunner, LocalRunner, SlurmClient
-from llmd_supervisor.adapters.slurm_ssh import SshRunner, read_file, ssh_settings
+from llmd_supervisor.adapters.slurm_ssh import SshRunner, ssh_settings
+from llmd_supervisor.adapters.tail import tail_to_local
 from llmd_supervisor.core.config import ClusterConfig, Config
 from llmd_supervisor.core.layout import RunLayout
-from llmd_supervisor.errors import SlurmCommandError
+from llmd_supervisor.errors import (
+    FileRefused,
+    LogCapped,
+    RemoteError,
+    SlurmCommandError,
+    SupervisorError,
+)
 from llmd_supervisor.supervision.attempt import Attempt, CopyState
 from llmd_supervisor.supervision.poller import Poller
 
 log = structlog.get_logger("llmd_supervisor.cluster")
 
+# A log copy completed from the shared file system at a run's end may take this long per
+# file (a multi-GiB log on a slow file system); then it is left as an exact prefix.
+CATCH_UP_LIMIT_S = 600.0
+
 
 class RunFiles(Protocol):
     """How the daemon reaches a run's files on one cluster."""
 
-    async def read(self, path: str) -> bytes | None:
-        """A small file's bytes (the marker); None when missing or unreadable right now."""
+    async def read(self, log_dir: str, path: str) -> bytes | None:
+        """A small file's bytes (the marker); None when missing or unreadable right now;
+        `FileRefused` when it is not a plain file of the job (never read)."""
         ...
 
     def local_path(self, path: str) -> Path | None:
@@ -57,8 +70,15 @@ class RunFiles(Protocol):
 class SharedLogDir:
     """This machine sees the run's log directory."""
 
-    async def read(self, path: str) -> bytes | None:
-        return await anyio.to_thread.run_sync(read_optional, Path(path))
+    def __init__(self, time_limit: float = 30.0) -> None:
+        self._time_limit = time_limit  # per read of a small file, or copy of one log
+
+    async def read(self, log_dir: str, path: str) -> bytes | None:
+        try:
+            return await jobfiles.read_local(log_dir, path, time_limit=self._time_limit)
+        except TimeoutError:
+            log.warning("run.file_unreadable", path=path, error="no answer in time")
+            return None
 
     def local_path(self, path: str) -> Path | None:
         return Path(path)
@@ -68,28 +88,41 @@ class SharedLogDir:
         # append nothing after the cancel, and their copies are exact prefixes.
         attempt.abandon()
         try:
-            copied = await anyio.to_thread.run_sync(catch_up, layout, job_id, attempt.number)
-        except OSError as exc:
+            copied = await catch_up(attempt, layout, job_id, self._time_limit)
+        except (OSError, SupervisorError) as exc:
             log.warning("run.catch_up_failed", error=str(exc))
             return CopyState.LOCAL_FAILED
         log.info("run.logs_completed", bytes=copied)
-        attempt.on_bytes(copied)  # copied too, if not by a tailer
         return CopyState.COMPLETE
 
 
 class ThroughLoginHost:
     """Files are read on the cluster's login host; log copies drain over the node links."""
 
-    def __init__(self, client: SlurmClient, host: str) -> None:
+    def __init__(self, client: SlurmClient, host: str, python: str) -> None:
         self._client = client
         self._host = host
+        self._python = python
 
-    async def read(self, path: str) -> bytes | None:
+    async def read(self, log_dir: str, path: str) -> bytes | None:
+        root, rel = jobfiles.split(log_dir, path)
+        argv = jobfiles.argv(self._python, "read", root, rel, str(jobfiles.SMALL_FILE_MAX))
         try:
-            return await read_file(self._client.runner, path, time_limit=self._client.timeout)
+            result = await self._client.runner.run(argv, time_limit=self._client.timeout)
         except SlurmCommandError as exc:
             log.warning("run.file_unreadable", host=self._host, path=path, error=str(exc))
             return None
+        if result.returncode not in (
+            jobfiles.OK,
+            jobfiles.MISSING,
+            jobfiles.REFUSED,
+            jobfiles.TOO_LARGE,
+        ):
+            why = result.stderr.strip()[-300:]
+            log.warning("run.file_unreadable", host=self._host, path=path, error=why)
+            return None
+        data = (result.stdout if result.returncode == jobfiles.OK else result.stderr).encode()
+        return jobfiles.answer(path, result.returncode, data)
 
     def local_path(self, path: str) -> Path | None:
         return None
@@ -98,31 +131,48 @@ class ThroughLoginHost:
         return await attempt.drain()
 
 
-def catch_up(layout: RunLayout, job_id: str, attempt: int) -> int:
+async def catch_up(attempt: Attempt, layout: RunLayout, job_id: str, time_limit: float) -> int:
     """Append to each local copy what its log file (seen through the shared log directory)
-    holds beyond it; copies files no tailer saw. Returns the bytes copied."""
-    sources = [Path(p) for p in layout.batch_logs(job_id).values()]
-    job_dir = Path(layout.job_dir(job_id))
-    if job_dir.is_dir():
-        sources += sorted(
-            p for p in job_dir.iterdir() if layout.is_rank_log(p.name) and p.is_file()
-        )
-    local_dir = layout.copies(attempt)
+    holds beyond it; copies files no tailer saw. Returns the bytes copied. A file that is
+    not a plain file of the job, or beyond the copy budget, is skipped (a named event)."""
+    sources = list(layout.batch_logs(job_id).values())
+    job_dir = layout.job_dir(job_id)
+    try:
+        names = await jobfiles.list_local(layout.log_dir, job_dir, time_limit=time_limit)
+    except FileRefused as exc:
+        await attempt.refused(exc)
+        names = []
+    sources += [f"{job_dir}/{n}" for n in names if layout.is_rank_log(n)]
+    local_dir = layout.copies(attempt.number)
     local_dir.mkdir(parents=True, exist_ok=True)
-    return sum(_append_missing(s, local_dir / s.name) for s in sources if s.exists())
+    stop = anyio.Event()
+    stop.set()  # copy up to each file's current end, then stop
+    files = jobfiles.LocalFiles()
+    copied = 0
 
+    def count(n: int) -> None:
+        nonlocal copied
+        copied += n
+        attempt.on_bytes(n)
 
-def _append_missing(source: Path, copy: Path) -> int:
-    """Append source's bytes beyond copy's size to copy, fsynced; return how many."""
-    with copy.open("ab") as out, source.open("rb") as src:
-        src.seek(out.tell())
-        n = 0
-        while chunk := src.read(1 << 20):
-            out.write(chunk)
-            n += len(chunk)
-        out.flush()
-        os.fsync(out.fileno())
-    return n
+    for source in sources:
+        local = local_dir / posixpath.basename(source)
+        try:
+            await tail_to_local(
+                files,
+                layout.log_dir,
+                source,
+                local,
+                stop=stop,
+                on_bytes=count,
+                budget=attempt.budget,
+                drain_limit=CATCH_UP_LIMIT_S,
+            )
+        except (FileRefused, LogCapped) as exc:
+            await attempt.refused(exc)
+        except RemoteError as exc:
+            raise OSError(f"copying {source} here failed: {exc}") from exc
+    return copied
 
 
 @dataclass
@@ -158,8 +208,8 @@ def build_cluster(
         runner = LocalRunner(env)
     client = SlurmClient(wrap(runner), timeout=config.poll.command_timeout_s)
     files: RunFiles = (
-        SharedLogDir()
+        SharedLogDir(config.poll.command_timeout_s)
         if cluster.login_host is None
-        else ThroughLoginHost(client, cluster.login_host)
+        else ThroughLoginHost(client, cluster.login_host, config.ssh.node_python)
     )
     return Cluster(cluster, client, Poller(cluster.name, client, config.poll), files)

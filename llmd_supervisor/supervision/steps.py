@@ -276,7 +276,7 @@ async def verify(sup: Supervisor, h: RunHandle) -> None:
 async def _marker(h: RunHandle) -> bytes | None:
     """The marker as the cluster's files strategy reads it, else the coordinator's copy."""
     if h.run.slurm_job_id is not None:
-        data = await h.cluster.files.read(h.layout.marker(h.run.slurm_job_id))
+        data = await h.cluster.files.read(h.layout.log_dir, h.layout.marker(h.run.slurm_job_id))
         if data is not None:
             return data
     return h.attempt.marker_copy if h.attempt is not None else None

@@ -19,7 +19,7 @@ import anyio
 import structlog
 
 from llmd_supervisor.adapters.slurm import CommandResult, SlurmClient
-from llmd_supervisor.core.marker import MarkerReading, read_marker
+from llmd_supervisor.core.marker import MarkerReading, read_marker, refused_marker
 from llmd_supervisor.core.verdict import (
     Outcome,
     SlurmQuery,
@@ -34,7 +34,7 @@ from llmd_supervisor.core.verdict import (
     sacct_query,
     scontrol_query,
 )
-from llmd_supervisor.errors import SlurmCommandError
+from llmd_supervisor.errors import FileRefused, SlurmCommandError
 
 log = structlog.get_logger("llmd_supervisor.supervision.verify")
 
@@ -139,7 +139,10 @@ async def verify_job(
         for query in await _query_all(evidence, job_id, sources):
             if query.source is Source.SACCT or believed(state) is None:
                 state = observe(state, query)
-        marker = read_marker(await marker_bytes(), job_id)
+        try:
+            marker = read_marker(await marker_bytes(), job_id)
+        except FileRefused as exc:  # a link, FIFO, directory...: never a valid marker
+            marker = refused_marker(exc.why, job_id)
         now = clock()
         verdict = decide(
             state,

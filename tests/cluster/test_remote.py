@@ -19,7 +19,7 @@ from structlog.testing import capture_logs
 
 from llmd_supervisor.adapters.remote import NodeLink, SshSettings
 from llmd_supervisor.adapters.tail import tail_to_local
-from llmd_supervisor.errors import RemoteError, TailConflict
+from llmd_supervisor.errors import FileRefused, RemoteError, TailConflict
 from tests.devcluster import DevCluster, devcluster
 from tests.fakes.log_writer import Writer, size_of
 
@@ -69,8 +69,8 @@ def pgrep(pattern: str) -> list[str]:
 
 
 def remote_followers(path: Path) -> list[str]:
-    """`tail` processes on any node still following `path`."""
-    return pgrep(f"tail -c .* -F .* {path}")
+    """`jobfile.py follow` processes on any node still following `path`."""
+    return pgrep(f"follow {path.parent.parent} {path.parent.name}/{path.name} ")
 
 
 def known_hosts_lines(cluster: DevCluster) -> list[str]:
@@ -87,6 +87,7 @@ async def test_operations_on_every_node(
     (shared_tmp / "sub").mkdir()
     (shared_tmp / "rank0.status.json").write_bytes(b'{"state": "running"}\n')
     (shared_tmp / ".bench_done.42").write_bytes(b"{}")
+    (shared_tmp / "sub" / "link").symlink_to("/etc/shadow")
     for node in cluster.nodes:
         link = NodeLink(node, settings)
         try:
@@ -99,16 +100,17 @@ async def test_operations_on_every_node(
                 assert quoted.stdout == b"a b|$HOME|'q'|"
 
                 status = str(shared_tmp / "rank0.status.json")
-                assert await link.read_file(status) == b'{"state": "running"}\n'
-                assert await link.size(status) == 21
-                assert await link.read_file(str(shared_tmp / "missing")) is None
-                assert await link.size(str(shared_tmp / "missing")) is None
-                assert await link.list_dir(str(shared_tmp)) == [
+                logs = str(shared_tmp)
+                assert await link.read_file(logs, status) == b'{"state": "running"}\n'
+                assert await link.read_file(logs, str(shared_tmp / "missing")) is None
+                assert await link.list_dir(logs, logs) == [
                     ".bench_done.42",
                     "rank0.status.json",
                     "sub",
                 ]
-                assert await link.list_dir(str(shared_tmp / "missing")) == []
+                assert await link.list_dir(logs, str(shared_tmp / "missing")) == []
+                with pytest.raises(FileRefused, match="symbolic link"):
+                    await link.read_file(logs, str(shared_tmp / "sub" / "link"))
                 assert link.last_ok is not None and link.reconnects == 0
         finally:
             await link.aclose()
@@ -129,7 +131,11 @@ async def test_one_connection_shared_by_concurrent_operations(
     stop = anyio.Event()
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: tail_to_local(link, str(log), shared_tmp / "a.copy", stop=stop))
+            tg.start_soon(
+                lambda: tail_to_local(
+                    link, str(log.parent), str(log), shared_tmp / "a.copy", stop=stop
+                )
+            )
             for _ in range(8):
                 tg.start_soon(who)
             await wait_until("first bytes", lambda: size_of(shared_tmp / "a.copy") > 0)
@@ -201,7 +207,9 @@ async def test_tail_of_a_steadily_written_file_is_byte_identical(
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
             tg.start_soon(
-                lambda: tail_to_local(link, str(src), dst, stop=stop, on_bytes=counted.append)
+                lambda: tail_to_local(
+                    link, str(src.parent), str(src), dst, stop=stop, on_bytes=counted.append
+                )
             )
             async with anyio.create_task_group() as inner:
                 inner.start_soon(writer.run)
@@ -225,7 +233,7 @@ async def test_tail_survives_sshd_stop_and_a_cut_link(
     stop = anyio.Event()
     with capture_logs() as logs, anyio.fail_after(120):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: tail_to_local(link, str(src), dst, stop=stop))
+            tg.start_soon(lambda: tail_to_local(link, str(src.parent), str(src), dst, stop=stop))
             async with anyio.create_task_group() as inner:
                 inner.start_soon(writer.run)
                 await wait_until("bytes flowing", lambda: size_of(dst) > 0)
@@ -258,7 +266,7 @@ async def test_tail_resumes_at_the_local_size(link: NodeLink, shared_tmp: Path) 
     with anyio.fail_after(30):
         stop = anyio.Event()
         stop.set()  # a tailer that is stopped from the start still drains once
-        await tail_to_local(link, str(src), dst, stop=stop)
+        await tail_to_local(link, str(src.parent), str(src), dst, stop=stop)
         assert dst.read_bytes() == src.read_bytes()
 
         with src.open("ab") as f:
@@ -266,7 +274,9 @@ async def test_tail_resumes_at_the_local_size(link: NodeLink, shared_tmp: Path) 
         stop = anyio.Event()
         with capture_logs() as logs:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(lambda: tail_to_local(link, str(src), dst, stop=stop))
+                tg.start_soon(
+                    lambda: tail_to_local(link, str(src.parent), str(src), dst, stop=stop)
+                )
                 await wait_until("resumed", lambda: dst.stat().st_size == src.stat().st_size)
                 with src.open("ab") as f:
                     f.write(b"third\n")
@@ -285,16 +295,18 @@ async def test_resume_into_a_missing_file_waits_instead_of_duplicating(
     with anyio.fail_after(30):
         stop = anyio.Event()
         stop.set()
-        await tail_to_local(link, str(src), dst, stop=stop)
+        await tail_to_local(link, str(src.parent), str(src), dst, stop=stop)
         content = src.read_bytes()
         src.unlink()
         stop = anyio.Event()
         with capture_logs() as logs:
             async with anyio.create_task_group() as tg:
-                tg.start_soon(lambda: tail_to_local(link, str(src), dst, stop=stop))
+                tg.start_soon(
+                    lambda: tail_to_local(link, str(src.parent), str(src), dst, stop=stop)
+                )
                 await wait_until(
                     "missing noticed",
-                    lambda: any(e["event"] == "tail.remote_missing" for e in logs),
+                    lambda: any("waiting for" in str(e.get("message")) for e in logs),
                 )
                 src.write_bytes(content + b"three\n")  # the same file is back (NFS blip)
                 await wait_until("copied", lambda: size_of(dst) == size_of(src))
@@ -308,7 +320,7 @@ async def test_tail_waits_for_a_file_that_appears_late(link: NodeLink, shared_tm
     stop = anyio.Event()
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: tail_to_local(link, str(src), dst, stop=stop))
+            tg.start_soon(lambda: tail_to_local(link, str(src.parent), str(src), dst, stop=stop))
             await wait_until("tailer started", dst.exists)
             await anyio.sleep(0.5)
             assert dst.stat().st_size == 0
@@ -326,7 +338,7 @@ async def test_stop_drains_to_the_remote_end(link: NodeLink, shared_tmp: Path) -
     stop = anyio.Event()
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: tail_to_local(link, str(src), dst, stop=stop))
+            tg.start_soon(lambda: tail_to_local(link, str(src.parent), str(src), dst, stop=stop))
             await wait_until("tailer started", dst.exists)
             await anyio.sleep(0.3)  # the follower is running
             # A burst written just before stop: the tailer must not return before it.
@@ -346,7 +358,7 @@ async def test_cancelled_tail_leaves_a_prefix_and_no_remote_follower(
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
             tg.start_soon(writer.run)
-            tg.start_soon(lambda: tail_to_local(link, str(src), dst, stop=stop))
+            tg.start_soon(lambda: tail_to_local(link, str(src.parent), str(src), dst, stop=stop))
             await wait_until("bytes flowing", lambda: size_of(dst) > 10_000)
             assert remote_followers(src)
             tg.cancel_scope.cancel()
@@ -355,7 +367,7 @@ async def test_cancelled_tail_leaves_a_prefix_and_no_remote_follower(
         await wait_until("remote tail gone", lambda: not remote_followers(src), 10)
         # The cancelled copy resumes exactly.
         stop.set()
-        await tail_to_local(link, str(src), dst, stop=stop)
+        await tail_to_local(link, str(src.parent), str(src), dst, stop=stop)
     assert dst.read_bytes() == src.read_bytes()
 
 
@@ -370,7 +382,7 @@ async def test_closing_the_link_ends_its_tailers_with_a_remote_error(
 
     async def tailer() -> None:
         try:
-            await tail_to_local(own, str(src), dst, stop=anyio.Event())
+            await tail_to_local(own, str(src.parent), str(src), dst, stop=anyio.Event())
         except RemoteError as exc:
             failed.append(exc)
 
@@ -393,10 +405,10 @@ async def test_a_second_tailer_on_the_same_copy_is_refused(
     stop = anyio.Event()
     with anyio.fail_after(30):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: tail_to_local(link, str(src), dst, stop=stop))
+            tg.start_soon(lambda: tail_to_local(link, str(src.parent), str(src), dst, stop=stop))
             await wait_until("copied", lambda: size_of(dst) == 4)
             with pytest.raises(TailConflict, match="already being appended"):
-                await tail_to_local(link, str(src), dst, stop=stop)
+                await tail_to_local(link, str(src.parent), str(src), dst, stop=stop)
             stop.set()
     assert dst.read_bytes() == b"abc\n"
 

@@ -24,13 +24,20 @@ import pytest
 import pytest_asyncio
 from structlog.testing import capture_logs
 
-from llmd_supervisor.adapters import tail
+from llmd_supervisor.adapters import jobfiles, tail
 from llmd_supervisor.adapters.remote import NodeLink
 from llmd_supervisor.adapters.tail import tail_to_local
-from llmd_supervisor.errors import RemoteError, TailConflict
+from llmd_supervisor.errors import FileRefused, RemoteError, TailConflict
 from tests.fakes.log_writer import Writer, size_of
 from tests.fakes.ssh_server import HOST, FakeSshServer, wait_until
 from tests.fakes.ssh_server import ssh_server as ssh_server  # the fixture
+
+FOLLOWER = "' follow "  # in the command line of node/jobfile.py's follower (after its source)
+
+
+def waiting(logs: list[MutableMapping[str, Any]]) -> list[MutableMapping[str, Any]]:
+    """The follower's messages that it waits for its file to appear."""
+    return [e for e in logs if "waiting for" in str(e.get("message", ""))]
 
 
 @pytest_asyncio.fixture
@@ -47,8 +54,8 @@ def tail_starts(server: FakeSshServer) -> list[int]:
     starts = []
     for command in server.commands:
         argv = shlex.split(command)
-        if "llmd-tail" in argv:
-            starts.append(int(argv[argv.index("llmd-tail") + 1]) - 1)
+        if len(argv) > 5 and argv[4] == jobfiles.SOURCE and argv[5] == "follow":
+            starts.append(int(argv[8]))  # follow ROOT REL OFFSET POLL
     return starts
 
 
@@ -74,19 +81,63 @@ async def test_run_passes_argv_stdin_and_the_exit_status(link: NodeLink) -> None
 
 
 @pytest.mark.asyncio
-async def test_files_over_sftp_and_missing_ones(link: NodeLink, tmp_path: Path) -> None:
+async def test_job_files_are_read_by_the_node_reader_and_missing_ones_are_none(
+    link: NodeLink, tmp_path: Path
+) -> None:
     d = tmp_path / "logs"
     (d / "sub").mkdir(parents=True)
     (d / "rank0.status.json").write_bytes(b'{"state": "running"}\n')
     (d / ".bench_done.42").write_bytes(b"{}")
     with anyio.fail_after(10):
         status = str(d / "rank0.status.json")
-        assert await link.read_file(status) == b'{"state": "running"}\n'
-        assert await link.size(status) == 21
-        assert await link.list_dir(str(d)) == [".bench_done.42", "rank0.status.json", "sub"]
-        assert await link.read_file(str(d / "missing")) is None
-        assert await link.size(str(d / "missing")) is None
-        assert await link.list_dir(str(d / "missing")) == []
+        assert await link.read_file(str(d), status) == b'{"state": "running"}\n'
+        assert await link.list_dir(str(d), str(d)) == [".bench_done.42", "rank0.status.json", "sub"]
+        assert await link.read_file(str(d), str(d / "missing")) is None
+        assert await link.list_dir(str(d), str(d / "missing")) == []
+        assert await link.read_file(str(d), str(d / "sub" / "missing")) is None
+
+
+HOSTILE: list[tuple[str, str]] = [
+    ("link", "is a symbolic link"),
+    ("fifo", "is a FIFO"),
+    ("dir", "is a directory"),
+    ("dirlink/x", "is a symbolic link or not a directory"),
+    ("hardlink", "2 hard links"),
+    ("big", "larger than 65536 bytes"),
+]
+
+
+def plant_hostile(d: Path, secret: Path) -> None:
+    """What a job can leave in its log directory instead of plain files."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "link").symlink_to(secret)
+    os.mkfifo(d / "fifo")
+    (d / "dir").mkdir()
+    (d / "dirlink").symlink_to(secret.parent)
+    (d / "hardlink").write_bytes(b"x")
+    os.link(d / "hardlink", d / "hardlink2")
+    (d / "big").write_bytes(b"y" * (65536 + 1))
+
+
+@pytest.mark.asyncio
+async def test_links_fifos_directories_and_huge_files_are_refused_unread(
+    link: NodeLink, tmp_path: Path
+) -> None:
+    secret = tmp_path / "secret" / "shadow"
+    secret.parent.mkdir()
+    secret.write_bytes(b"SECRET")
+    d = tmp_path / "logs"
+    plant_hostile(d, secret)
+    (d / "x").symlink_to(secret.parent)
+    with anyio.fail_after(20):
+        for name, why in HOSTILE:
+            with pytest.raises(FileRefused, match=why):
+                await link.read_file(str(d), str(d / name))
+        with pytest.raises(FileRefused, match="symbolic link"):
+            await link.list_dir(str(d), str(d / "x"))
+        # the reader goes on answering after every refusal
+        (d / "ok").write_bytes(b"fine")
+        assert await link.read_file(str(d), str(d / "ok")) == b"fine"
 
 
 @pytest.mark.asyncio
@@ -100,7 +151,8 @@ async def test_concurrent_operations_share_one_connection(
         if i % 2:
             results.append((await link.run(["echo", str(i)], time_limit=5)).stdout)
         else:
-            results.append(await link.size(str(tmp_path / "f")))
+            data = await link.read_file(str(tmp_path), str(tmp_path / "f"))
+            results.append(len(data or b""))
 
     with anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
@@ -154,7 +206,7 @@ async def test_a_closed_link_refuses_operations(link: NodeLink) -> None:
         await link.aclose()
         assert link.closed and not link.connected
         with pytest.raises(RemoteError, match="the link was closed"):
-            await link.size("/")
+            await link.read_file("/tmp", "/tmp/x")
 
 
 # ---- reconnecting
@@ -232,14 +284,16 @@ async def test_tail_copies_a_growing_file_byte_exact(
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
             tg.start_soon(
-                lambda: tail_to_local(link, str(src), dst, stop=stop, on_bytes=counted.append)
+                lambda: tail_to_local(
+                    link, str(src.parent), str(src), dst, stop=stop, on_bytes=counted.append
+                )
             )
             await writer.run()
             stop.set()
         assert dst.read_bytes() == src.read_bytes()
         assert sum(counted) == src.stat().st_size
         assert tail_starts(ssh_server) == [0] and link.reconnects == 0
-        await wait_until("remote follower gone", lambda: not ssh_server.running("llmd-tail"))
+        await wait_until("remote follower gone", lambda: not ssh_server.running(FOLLOWER))
 
 
 @pytest.mark.asyncio
@@ -251,7 +305,7 @@ async def test_tail_resumes_at_the_local_size_after_every_connection_drops(
     stop = anyio.Event()
     with capture_logs() as logs, anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: tail_to_local(link, str(src), dst, stop=stop))
+            tg.start_soon(lambda: tail_to_local(link, str(src.parent), str(src), dst, stop=stop))
             async with anyio.create_task_group() as inner:
                 inner.start_soon(writer.run)
                 await wait_until("bytes flowing", lambda: size_of(dst) > 20_000)
@@ -267,7 +321,7 @@ async def test_tail_resumes_at_the_local_size_after_every_connection_drops(
     # Every follower after the first started exactly at the local copy's size then.
     assert len(starts) >= 3 and starts[0] == 0 and set(starts[1:]) <= set(resumed)
     assert starts == sorted(starts)
-    await wait_until("remote followers gone", lambda: not ssh_server.running("llmd-tail"))
+    await wait_until("remote followers gone", lambda: not ssh_server.running(FOLLOWER))
 
 
 @pytest.mark.asyncio
@@ -279,7 +333,7 @@ async def test_tail_survives_a_server_restart(
     stop = anyio.Event()
     with anyio.fail_after(20):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: tail_to_local(link, str(src), dst, stop=stop))
+            tg.start_soon(lambda: tail_to_local(link, str(src.parent), str(src), dst, stop=stop))
             async with anyio.create_task_group() as inner:
                 inner.start_soon(writer.run)
                 await wait_until("bytes flowing", lambda: size_of(dst) > 10_000)
@@ -305,8 +359,8 @@ async def test_stop_drains_a_burst_written_just_before_it(
     stop = anyio.Event()
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: tail_to_local(link, str(src), dst, stop=stop))
-            await wait_until("follower running", lambda: bool(ssh_server.running("llmd-tail")))
+            tg.start_soon(lambda: tail_to_local(link, str(src.parent), str(src), dst, stop=stop))
+            await wait_until("follower running", lambda: bool(ssh_server.running(FOLLOWER)))
             src.write_bytes(os.urandom(4 << 20))  # the tailer must not return before it
             stop.set()
     assert dst.read_bytes() == src.read_bytes()
@@ -325,7 +379,7 @@ async def test_the_drain_is_bounded_when_the_node_is_gone(
     stop = anyio.Event()
     with capture_logs() as logs, anyio.fail_after(10):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: tail_to_local(link, str(src), dst, stop=stop))
+            tg.start_soon(lambda: tail_to_local(link, str(src.parent), str(src), dst, stop=stop))
             await wait_until("copied", lambda: size_of(dst) == 7)
             await ssh_server.stop()
             with src.open("ab") as f:
@@ -346,9 +400,9 @@ async def test_tail_waits_for_a_file_that_appears_late(
     stop = anyio.Event()
     with capture_logs() as logs, anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
-            tg.start_soon(lambda: tail_to_local(link, str(src), dst, stop=stop))
-            await wait_until("waiting", lambda: bool(events(logs, "tail.waiting_for_file")))
-            assert not ssh_server.running("llmd-tail") and size_of(dst) == 0
+            tg.start_soon(lambda: tail_to_local(link, str(src.parent), str(src), dst, stop=stop))
+            await wait_until("waiting", lambda: bool(waiting(logs)))
+            assert size_of(dst) == 0
             src.parent.mkdir()
             await Writer(src, lines=200, per_second=1000).run()
             await wait_until("copied", lambda: size_of(dst) == size_of(src))
@@ -366,9 +420,9 @@ async def test_a_local_disk_error_surfaces_as_oserror(
     dst.symlink_to("/dev/full")  # every write fails with ENOSPC
     with anyio.fail_after(10):
         with pytest.raises(OSError) as info:
-            await tail_to_local(link, str(src), dst, stop=anyio.Event())
+            await tail_to_local(link, str(src.parent), str(src), dst, stop=anyio.Event())
         assert info.value.errno == errno.ENOSPC
-        await wait_until("remote follower gone", lambda: not ssh_server.running("llmd-tail"))
+        await wait_until("remote follower gone", lambda: not ssh_server.running(FOLLOWER))
 
 
 @pytest.mark.asyncio
@@ -380,15 +434,17 @@ async def test_a_cancelled_tail_leaves_a_prefix_and_no_remote_follower(
     with anyio.fail_after(15):
         async with anyio.create_task_group() as tg:
             tg.start_soon(writer.run)
-            tg.start_soon(lambda: tail_to_local(link, str(src), dst, stop=anyio.Event()))
+            tg.start_soon(
+                lambda: tail_to_local(link, str(src.parent), str(src), dst, stop=anyio.Event())
+            )
             await wait_until("bytes flowing", lambda: size_of(dst) > 10_000)
             tg.cancel_scope.cancel()
         copied = dst.read_bytes()
         assert copied and src.read_bytes().startswith(copied)
-        await wait_until("remote follower gone", lambda: not ssh_server.running("llmd-tail"))
+        await wait_until("remote follower gone", lambda: not ssh_server.running(FOLLOWER))
         stop = anyio.Event()
         stop.set()  # a tailer stopped from the start still drains once, from the local size
-        await tail_to_local(link, str(src), dst, stop=stop)
+        await tail_to_local(link, str(src.parent), str(src), dst, stop=stop)
     assert dst.read_bytes() == src.read_bytes()
     assert tail_starts(ssh_server) == [0, len(copied)]
 
@@ -403,7 +459,7 @@ async def test_closing_the_link_ends_its_tailer_and_a_second_tailer_is_refused(
 
     async def tailer() -> None:
         try:
-            await tail_to_local(link, str(src), dst, stop=anyio.Event())
+            await tail_to_local(link, str(src.parent), str(src), dst, stop=anyio.Event())
         except RemoteError as exc:
             failed.append(exc)
 
@@ -412,8 +468,8 @@ async def test_closing_the_link_ends_its_tailer_and_a_second_tailer_is_refused(
             tg.start_soon(tailer)
             await wait_until("copied", lambda: size_of(dst) == 5)
             with pytest.raises(TailConflict, match="already being appended"):
-                await tail_to_local(link, str(src), dst, stop=anyio.Event())
+                await tail_to_local(link, str(src.parent), str(src), dst, stop=anyio.Event())
             await link.aclose()
         assert failed and link.closed
         assert dst.read_bytes() == b"data\n"
-        await wait_until("remote follower gone", lambda: not ssh_server.running("llmd-tail"))
+        await wait_until("remote follower gone", lambda: not ssh_server.running(FOLLOWER))

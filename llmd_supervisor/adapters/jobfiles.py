@@ -1,0 +1,165 @@
+"""Reading a job's files through `node/jobfile.py`, here or on a remote host.
+
+A job's log directory is hostile input (links, FIFOs, devices, directories, huge files).
+The daemon never opens it itself: it runs ``node/jobfile.py`` (stdlib only) as a child
+process on this machine, or over SSH on a node or login host. That script opens every
+component below the log directory's parent with ``O_NOFOLLOW | O_NONBLOCK`` and reads only
+regular files with one link owned by its own account; a read that hangs (a dead NFS
+server) holds a child process that is killed at its time limit, never a daemon thread.
+
+`split(path)` gives the (root, rel) a path is opened as: the root is the log directory's
+parent (followed as it is: the operator chose it, see `core.paths`), everything below is
+not followed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import posixpath
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
+
+import anyio
+import anyio.abc
+import structlog
+
+from llmd_supervisor import node
+from llmd_supervisor.errors import FileRefused, RemoteError
+
+SOURCE: Final = (Path(node.__file__).parent / "jobfile.py").read_text()
+# Exit statuses and answer words of node/jobfile.py.
+OK, MISSING, REFUSED, TOO_LARGE = 0, 1, 3, 4
+# A marker or a status file is at most this large; a larger one is refused, unread.
+SMALL_FILE_MAX: Final = 64 << 10
+# Entry names read from one job directory per listing.
+LIST_MAX: Final = 4096
+
+_CHUNK = 1 << 20
+_STDERR_KEEP = 4096
+
+
+def split(log_dir: str, path: str) -> tuple[str, str]:
+    """(root, rel) of a path inside `log_dir`: root is log_dir's parent."""
+    root = posixpath.dirname(log_dir.rstrip("/")) or "/"
+    rel = posixpath.relpath(path, root)
+    if rel.startswith("../") or rel == "..":
+        raise ValueError(f"{path} is not inside the log directory {log_dir}")
+    return root, rel
+
+
+def argv(python: str, mode: str, *args: str) -> list[str]:
+    """The command line that runs the script with `python` (-I -S: no site, no env)."""
+    return [python, "-I", "-S", "-c", SOURCE, mode, *args]
+
+
+def answer(path: str, status: int | str, data: bytes) -> bytes | None:
+    """The bytes of a `read`, None when missing; FileRefused otherwise."""
+    if status in (OK, "ok"):
+        return data
+    if status in (MISSING, "missing"):
+        return None
+    if status in (TOO_LARGE, "too_large"):
+        raise FileRefused(path, f"it is larger than {SMALL_FILE_MAX} bytes")
+    reason = data.decode("utf-8", "replace").strip().removeprefix("refused: ")
+    raise FileRefused(path, reason or f"the reader failed with status {status}")
+
+
+async def read_local(log_dir: str, path: str, *, time_limit: float) -> bytes | None:
+    """A small file (marker, status) of a job seen through this machine's file system:
+    its bytes, None when missing; `FileRefused` when not a plain file or too large;
+    `TimeoutError` when it cannot be read within `time_limit` (the reader is killed)."""
+    root, rel = split(log_dir, path)
+    cmd = argv(sys.executable, "read", root, rel, str(SMALL_FILE_MAX))
+    with anyio.fail_after(time_limit):
+        result = await anyio.run_process(cmd, check=False, stdin=None)
+    return answer(path, result.returncode, result.stdout or result.stderr)
+
+
+async def list_local(log_dir: str, path: str, *, time_limit: float) -> list[str]:
+    """Entry names of a job directory here (at most LIST_MAX), [] when missing;
+    `FileRefused` when it is a link or not a directory."""
+    root, rel = split(log_dir, path)
+    request = (json.dumps(["list", rel, LIST_MAX]) + "\n").encode()
+    with anyio.fail_after(time_limit):
+        result = await anyio.run_process(argv(sys.executable, "serve", root), input=request)
+    head, _, body = result.stdout.partition(b"\n")
+    status = head.split(b" ")[0].decode(errors="replace")
+    if status == "missing":
+        return []
+    if status != "ok":
+        raise FileRefused(path, body.decode("utf-8", "replace") or "the listing failed")
+    return [n for n in body.decode("utf-8", "surrogateescape").split("\n") if n]
+
+
+class LocalStream:
+    """The follower run here as a child process, shaped like `remote.RemoteStream`."""
+
+    def __init__(self, process: anyio.abc.Process) -> None:
+        self.process = process
+        self.stderr_tail = b""
+
+    @property
+    def exit_status(self) -> int | None:
+        return self.process.returncode
+
+    def stderr_text(self) -> str:
+        return self.stderr_tail.decode("utf-8", "replace").strip()
+
+    async def read(self, action: str) -> bytes:
+        assert self.process.stdout is not None
+        try:
+            return await self.process.stdout.receive(_CHUNK)
+        except anyio.EndOfStream:
+            return b""
+        except (anyio.BrokenResourceError, OSError) as exc:
+            raise RemoteError("localhost", action, str(exc)) from exc
+
+    async def send_eof(self) -> None:
+        if self.process.stdin is not None:
+            with contextlib.suppress(anyio.BrokenResourceError, OSError):
+                await self.process.stdin.aclose()
+
+    async def collect_stderr(self, log: structlog.typing.FilteringBoundLogger) -> None:
+        assert self.process.stderr is not None
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, OSError):
+            while True:
+                data = await self.process.stderr.receive(_CHUNK)
+                self.stderr_tail = (self.stderr_tail + data)[-_STDERR_KEEP:]
+                for line in data.decode("utf-8", "replace").splitlines():
+                    if line.strip():
+                        log.info("tail.reader_message", message=line[:500])
+
+    async def wait(self) -> int | None:
+        with anyio.move_on_after(5):
+            return await self.process.wait()
+        return None
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True):
+            await self.send_eof()
+            if self.process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self.process.kill()
+            with anyio.move_on_after(5):
+                await self.process.wait()
+
+
+class LocalFiles:
+    """Opens followers on this machine (the shared log directory), like a `NodeLink`."""
+
+    host = "localhost"
+    closed = False
+    python = sys.executable
+
+    async def open_stream(self, command: Sequence[str], *, action: str) -> LocalStream:
+        try:
+            process = await anyio.open_process(list(command))
+        except OSError as exc:
+            raise RemoteError(self.host, action, str(exc)) from exc
+        return LocalStream(process)
+
+    def __repr__(self) -> str:
+        return "LocalFiles()"
