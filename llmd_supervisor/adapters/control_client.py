@@ -40,6 +40,7 @@ __all__ = [
     "Reconnect",
     "call_retrying",
     "connection_lost",
+    "list_all",
     "resumable_stream",
 ]
 
@@ -149,6 +150,9 @@ class ControlClient:
         try:
             await self._stream.send(line)
         except _CONNECTION_BROKE as exc:
+            # A refused connection (over a cap) got one error line before it was closed.
+            with anyio.move_on_after(1):
+                await self._refusal(request_id)
             raise ControlProtocolError(self.path, "the daemon closed the connection") from exc
         while True:
             reply = await self._receive(request_id)
@@ -175,6 +179,19 @@ class ControlClient:
                     self._busy = False
                     raise ControlError(code, message)
             raise ControlProtocolError(self.path, f"reply {show(reply)} is not a protocol reply")
+
+    async def _refusal(self, request_id: int) -> None:
+        """Raise the error reply waiting on a connection the daemon closed, if there is one."""
+        try:
+            reply = await self._receive(request_id)
+        except ControlProtocolError:
+            return
+        error = reply.get("error")
+        if reply.get("ok") is False and isinstance(error, dict):
+            code, message = error.get("code"), error.get("message")
+            if isinstance(code, str) and isinstance(message, str):
+                self._busy = False
+                raise ControlError(code, message)
 
     async def _receive(self, request_id: int) -> dict[str, object]:
         """Read one reply line for `request_id`."""
@@ -337,3 +354,18 @@ async def call_retrying(
             if not connection_lost(exc) or (isinstance(exc, ControlProtocolError) and not resend):
                 raise
             await retry.failed(exc)
+
+
+async def list_all(client: ControlClient, *, all_runs: bool) -> dict[str, object]:
+    """Every page of ``list`` on one connection, as one ``{"runs": [...]}`` result."""
+    runs: list[object] = []
+    after: object = None
+    while True:
+        page = await client.call("list", {"all": all_runs, "after": after})
+        got = page.get("runs")
+        if not isinstance(got, list):
+            return page  # not a list result: the caller's reader says what is wrong
+        runs += got
+        after = page.get("next")
+        if not isinstance(after, str):
+            return {"runs": runs}

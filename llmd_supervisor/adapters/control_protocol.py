@@ -29,8 +29,29 @@ stays usable. The schema in `OPS` is checked strictly before a handler sees a re
 unknown argument keys are refused, booleans are not integers, and optional arguments that
 were not sent are filled in with their defaults.
 
+Every error reply is bounded: its message is at most ``MAX_ERROR_MESSAGE`` characters, and
+a value a peer sent is echoed shortened (`show`). A run the peer may not see is
+``not_found``, exactly like a run that does not exist.
+
+Limits (the daemon's ``[daemon]`` keys, `core.config.SocketLimits`): connections in all and
+per uid, concurrent streaming requests per uid, and timeouts for a new connection's first
+byte, for a started request line to complete, for an idle connection between requests and
+for a client to take a reply. Going over one gets one error reply (``busy`` or ``timeout``)
+and, except for the stream cap, the connection is then closed.
+
+Run refs: a run id, a job name, or a Slurm job id; a job id is ambiguous when several
+runs (of different clusters, or of one cluster's reused ids) have it, and ``CLUSTER:JOBID``
+picks the cluster. An ambiguous ref is an ``ambiguous`` error naming the candidates.
+
+``list`` is paginated: ``limit`` runs at most (and never more than fit in half the message
+bound) from after the cursor ``after``; the result's ``next`` is the cursor of the next
+page, null on the last. ``logs`` chunks carry ``encoding``: ``"utf-8"`` when the bytes
+are valid UTF-8 (``data`` is the text), else ``"base64"`` (``data`` is the bytes in
+base64), so any file round-trips byte for byte and every chunk fits the bound.
+
 The shapes of results and stream items are `llmd_supervisor.core.summary`'s typed
-structures; changing one of them changes the protocol version.
+structures; changing one of them changes the protocol version (adding an optional field
+does not: readers drop keys they do not know).
 
 This module is pure (no sockets): `control_server` serves it, `control_client` speaks it.
 """
@@ -50,6 +71,9 @@ __all__ = [
     "COUNTS_MAX_KEY",
     "DEFAULT_MAX_MESSAGE",
     "ERROR_CODES",
+    "LIST_MAX_LIMIT",
+    "MAX_ERROR_MESSAGE",
+    "MAX_ID_CHARS",
     "OPS",
     "PROTOCOL_VERSION",
     "ArgSpec",
@@ -59,6 +83,7 @@ __all__ = [
     "Request",
     "RequestRejected",
     "Send",
+    "bounded",
     "decode_request",
     "encode",
     "error_line",
@@ -67,6 +92,9 @@ __all__ = [
 
 PROTOCOL_VERSION: Final = 1
 DEFAULT_MAX_MESSAGE: Final = 1 << 20
+MAX_ERROR_MESSAGE: Final = 1000  # characters of an error reply's message
+LIST_MAX_LIMIT: Final = 1000  # runs per ``list`` page at most
+MAX_ID_CHARS: Final = 128  # a string request id is echoed in every reply: keep it short
 
 ERROR_CODES: Final = frozenset(
     {
@@ -75,9 +103,11 @@ ERROR_CODES: Final = frozenset(
         "unsupported_version",  # "v" is an integer other than PROTOCOL_VERSION
         "unknown_op",  # "op" is a string that is not in OPS
         "too_large",  # the line exceeds the message bound; the connection is closed
-        "not_found",  # the run (or rank) does not exist
-        "forbidden",  # the peer may not act on this run (see supervision.access)
+        "not_found",  # no such run (or rank), or one the peer may not see (supervision.access)
+        "ambiguous",  # the run ref names several runs; the message names them and how to pick
         "conflict",  # the run is in a state that does not allow the op
+        "busy",  # a connection or stream cap is reached; the message names it
+        "timeout",  # the request did not arrive in time, or a reply was not taken; closed
         "internal",  # the daemon failed; details are in its log
     }
 )
@@ -127,7 +157,15 @@ OPS: Final[Mapping[str, OpSpec]] = MappingProxyType(
                 "cluster": ArgSpec(frozenset({"str", "null"}), default=None),
             }
         ),
-        "list": OpSpec({"all": ArgSpec(_BOOL, default=False)}),
+        "list": OpSpec(
+            {
+                "all": ArgSpec(_BOOL, default=False),
+                # 1 .. LIST_MAX_LIMIT; None: as many as fit
+                "limit": ArgSpec(frozenset({"int", "null"}), default=None),
+                # the previous page's ``next``; None: from the oldest run
+                "after": ArgSpec(frozenset({"str", "null"}), default=None),
+            }
+        ),
         "status": OpSpec({"run": _RUN}),
         "logs": OpSpec(
             {
@@ -229,6 +267,11 @@ def show(value: object) -> str:
     return text if len(text) <= _SHOWN_VALUE_MAX else text[: _SHOWN_VALUE_MAX - 3] + "..."
 
 
+def bounded(text: str, limit: int = MAX_ERROR_MESSAGE) -> str:
+    """`text` cut to at most `limit` characters (the cut marked with "...")."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _expect(kinds: frozenset[str]) -> str:
     return " or ".join(_KIND_WORDS.get(k, k) for k in sorted(kinds, key=lambda k: k == "null"))
 
@@ -300,6 +343,17 @@ def decode_request(line: bytes) -> Request:
             None,
             "bad_request",
             f"Request field 'id' must be an integer or a string, got {show(request_id)}.",
+        )
+    if isinstance(request_id, str) and len(request_id) > MAX_ID_CHARS:
+        raise RequestRejected(
+            None,
+            "bad_request",
+            f"Request field 'id' is a string of {len(request_id)} characters, over the "
+            f"limit of {MAX_ID_CHARS}.",
+        )
+    if isinstance(request_id, int) and not -_COUNT_MAX <= request_id <= _COUNT_MAX:
+        raise RequestRejected(
+            None, "bad_request", "Request field 'id' is an integer outside the 64-bit range."
         )
 
     def reject(code: str, message: str) -> NoReturn:
@@ -378,12 +432,13 @@ def encode(message: Mapping[str, object]) -> bytes:
 
 
 def error_line(request_id: int | str | None, code: str, message: str) -> bytes:
-    """The error reply line for `request_id`."""
+    """The error reply line for `request_id`, bounded whatever the message (and an id the
+    peer sent, echoed as it came, is within the request's own bound)."""
     return encode(
         {
             "v": PROTOCOL_VERSION,
             "id": request_id,
             "ok": False,
-            "error": {"code": code, "message": message},
+            "error": {"code": code, "message": bounded(message)},
         }
     )

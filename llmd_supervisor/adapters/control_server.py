@@ -1,5 +1,18 @@
 """Control socket server: listens on the Unix socket, one task per connection.
 
+Limits (`SocketLimits`, the ``[daemon]`` keys): a connection over the global or the peer
+uid's cap gets one ``busy`` error line and is closed (logged as ``control.refused``, at
+most once per uid and reason every 10 s, with the count since). A new connection must
+send its first byte within ``first_byte_timeout_s``, a started request line must be whole
+within ``request_timeout_s`` and an open connection may sit idle between requests for
+``idle_timeout_s``: otherwise it gets one ``timeout`` error line and is closed
+(``control.timeout``). A reply line the client does not take within ``write_timeout_s``
+closes the connection (``control.write_timeout``). A streaming request over the uid's
+``max_streams_per_uid`` is answered ``busy`` (the connection stays usable). Partial
+request lines are held against a byte budget in all and per uid: a connection that would
+go over it stops reading (the kernel pushes back on its writer) until bytes are freed or
+its request timeout passes, so memory stays bounded whatever the peers send.
+
 Cancellation contract: when the client closes its end while a streaming request runs (or a
 stream item cannot be written), the handler is cancelled and the connection is closed. A
 non-streaming request always runs to completion, even if the client goes away, so that a
@@ -13,22 +26,23 @@ The wire format and the ops are `control_protocol`'s.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import grp
 import os
 import socket
 import stat
 import struct
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Final
+from typing import Final, NoReturn
 
 import anyio
 import anyio.abc
 import anyio.lowlevel
 import structlog
-from anyio.streams.buffered import BufferedByteReceiveStream
 
+from llmd_supervisor.adapters.control_limits import Occupancy, drop
 from llmd_supervisor.adapters.control_protocol import (
     DEFAULT_MAX_MESSAGE,
     OPS,
@@ -43,6 +57,7 @@ from llmd_supervisor.adapters.control_protocol import (
     error_line,
     show,
 )
+from llmd_supervisor.core.config import SocketLimits
 from llmd_supervisor.errors import ControlError, ControlSocketError
 
 __all__ = ["ControlServer", "peer_credentials"]
@@ -53,6 +68,8 @@ logger = structlog.get_logger("llmd_supervisor.adapters.control_server")
 _UCRED: Final = struct.Struct("3i")
 _BACKLOG: Final = 128
 _PROBE_TIMEOUT: Final = 2.0
+_READ_CHUNK: Final = 64 << 10  # bytes asked of the socket per read
+_REFUSE_WRITE_S: Final = 1.0  # a refused connection's one error line
 # accept() failures that mean "out of resources for now", not "the listener is broken".
 _TRANSIENT_ACCEPT_ERRNOS: Final = frozenset(
     {errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM, errno.ECONNABORTED}
@@ -67,6 +84,14 @@ def peer_credentials(stream: anyio.abc.SocketStream) -> Peer:
     return Peer(uid=uid, gid=gid, pid=pid)
 
 
+class _Stalled(Exception):
+    """The client did not take a reply line within the write timeout."""
+
+
+class _Closing(Exception):
+    """The connection ends after the error line already sent (too large, timed out)."""
+
+
 class _Connection:
     """One accepted client: reads request lines, dispatches them, writes replies."""
 
@@ -76,76 +101,174 @@ class _Connection:
         peer: Peer,
         handler: Handler,
         max_message: int,
+        occupancy: Occupancy,
         log: structlog.typing.FilteringBoundLogger,
     ) -> None:
         self._stream = stream
-        self._reader = BufferedByteReceiveStream(stream)
+        self._buffer = bytearray()  # received, not yet a whole line; held in the budget
+        self._line_started = 0.0  # when the first byte of the buffered line arrived
         self._peer = peer
         self._handler = handler
         self._max = max_message
+        self._occ = occupancy
+        self._limits = occupancy.limits
         self._log = log
         self._write_lock = anyio.Lock()
         self._gone = False
+        self._served = 0
 
     async def run(self) -> None:
-        """Serve requests until the client closes, sends an over-long line or goes away."""
-        while True:
-            try:
-                # One byte over the bound proves the line is too long; a line that arrived
-                # whole in one read can overshoot, hence the length check below.
-                line = await self._reader.receive_until(b"\n", self._max + 1)
-            except anyio.DelimiterNotFound:
-                await self._too_large()
-                return
-            except anyio.IncompleteRead:
-                if self._reader.buffer:
-                    self._log.debug("control.partial_line_dropped", size=len(self._reader.buffer))
-                return
-            if len(line) > self._max:
-                await self._too_large()
-                return
-            try:
-                request = decode_request(line)
-            except RequestRejected as exc:
-                self._log.debug(
-                    "control.request_rejected", request_id=exc.request_id, code=exc.code
-                )
-                await self._write(error_line(exc.request_id, exc.code, exc.message))
-                continue
-            if not await self._dispatch(request):
-                return
+        """Serve requests until the client closes, errs beyond recovery, or times out."""
+        try:
+            while True:
+                line = await self._next_line()
+                if line is None:
+                    return
+                self._served += 1
+                try:
+                    request = decode_request(line)
+                except RequestRejected as exc:
+                    self._log.debug(
+                        "control.request_rejected", request_id=show(exc.request_id), code=exc.code
+                    )
+                    await self._write(error_line(exc.request_id, exc.code, exc.message))
+                    continue
+                if not await self._dispatch(request):
+                    return
+        except _Closing:
+            return
+        finally:
+            self._occ.budget.give(self._peer.uid, len(self._buffer))
+            self._buffer.clear()
 
-    async def _too_large(self) -> None:
-        self._log.warning("control.too_large", max_message=self._max)
-        await self._write(
-            error_line(
-                None,
-                "too_large",
-                f"Request line exceeds the {self._max}-byte message bound; closing the "
-                "connection because the rest of the line cannot be resynchronised.",
-            )
-        )
+    async def _next_line(self) -> bytes | None:
+        """The next request line without its newline; None at the end of the stream."""
+        while True:
+            newline = self._buffer.find(b"\n")
+            if newline > self._max or (newline < 0 and len(self._buffer) > self._max):
+                await self._close_with(
+                    "too_large",
+                    f"Request line exceeds the {self._max}-byte message bound; closing the "
+                    "connection because the rest of the line cannot be resynchronised.",
+                )
+            if newline >= 0:
+                line = bytes(self._buffer[:newline])
+                del self._buffer[: newline + 1]
+                self._occ.budget.give(self._peer.uid, newline + 1)
+                self._line_started = anyio.current_time()
+                return line
+            if not self._buffer:
+                first = self._served == 0
+                wait = self._limits.first_byte_timeout_s if first else self._limits.idle_timeout_s
+                what = "first_byte" if first else "idle"
+            else:
+                wait = self._line_started + self._limits.request_timeout_s - anyio.current_time()
+                what = "request"
+            with anyio.move_on_after(wait) as scope:
+                received = await self._receive(self._max + 1 - len(self._buffer))
+            if scope.cancelled_caught:
+                await self._timed_out(what)
+            if not received:
+                if self._buffer:
+                    self._log.debug("control.partial_line_dropped", size=len(self._buffer))
+                return None
+
+    async def _receive(self, room: int) -> bool:
+        """Read more into the buffer (at most `room` bytes, within the budget); False at the
+        end of the stream."""
+        want = max(1, min(_READ_CHUNK, room))
+        uid = self._peer.uid
+        await self._occ.budget.take(uid, want)
+        try:
+            data = await self._stream.receive(want)  # never more than `want`
+        except anyio.EndOfStream:
+            data = b""
+        except BaseException:
+            self._occ.budget.give(uid, want)
+            raise
+        self._occ.budget.give(uid, want - len(data))
+        if not data:
+            return False
+        if not self._buffer:
+            self._line_started = anyio.current_time()
+        self._buffer += data
+        return True
+
+    async def _timed_out(self, what: str) -> NoReturn:
+        lim = self._limits
+        seconds, message = {
+            "first_byte": (
+                lim.first_byte_timeout_s,
+                "no request arrived within {s:g} s of connecting (daemon.first_byte_timeout_s)",
+            ),
+            "idle": (
+                lim.idle_timeout_s,
+                "the connection was idle for {s:g} s (daemon.idle_timeout_s)",
+            ),
+            "request": (
+                lim.request_timeout_s,
+                "the request line was not complete within {s:g} s of its first byte "
+                "(daemon.request_timeout_s)",
+            ),
+        }[what]
+        self._log.info("control.timeout", kind=what, timeout_s=seconds, buffered=len(self._buffer))
+        await self._close_with("timeout", f"Closing the connection: {message.format(s=seconds)}.")
+
+    async def _close_with(self, code: str, message: str) -> NoReturn:
+        """Send one error line (no request id) and end the connection."""
+        if code == "too_large":
+            self._log.warning("control.too_large", max_message=self._max)
+        gone = (anyio.BrokenResourceError, anyio.ClosedResourceError, _Stalled)
+        with anyio.move_on_after(_REFUSE_WRITE_S), contextlib.suppress(*gone):
+            await self._write(error_line(None, code, message))
+        raise _Closing
 
     async def _write(self, data: bytes) -> None:
+        """Send one line; `_Stalled` when the client does not take it in time."""
         async with self._write_lock:
-            await self._stream.send(data)
+            with anyio.move_on_after(self._limits.write_timeout_s) as scope:
+                await self._stream.send(data)
+            if scope.cancelled_caught:
+                raise _Stalled
 
     async def _dispatch(self, request: Request) -> bool:
         """Run one request to its final reply; False when the connection must close."""
-        self._log.debug("control.request", request_id=request.id, op=request.op)
+        self._log.debug("control.request", request_id=show(request.id), op=request.op)
         if not OPS[request.op].streaming:
             await self._write(await self._call(request, self._no_stream(request)))
             return True
+        uid, cap = self._peer.uid, self._limits.max_streams_per_uid
+        streams = self._occ.streams.get(uid, 0)
+        if streams >= cap:
+            self._log.info("control.refused", reason="max_streams_per_uid", streams=streams)
+            await self._write(
+                error_line(
+                    request.id,
+                    "busy",
+                    f"uid {uid} already has {streams} streaming requests (wait, logs --follow) "
+                    f"open, the per-user limit (daemon.max_streams_per_uid = {cap}); end some "
+                    "and try again.",
+                )
+            )
+            return True
+        self._occ.streams[uid] = streams + 1
+        try:
+            reply = await self._stream_request(request)
+        finally:
+            drop(self._occ.streams, uid)
+        if self._gone or reply is None:
+            self._log.info("control.client_gone", request_id=show(request.id), op=request.op)
+            return False
+        await self._write(reply)
+        return True
+
+    async def _stream_request(self, request: Request) -> bytes | None:
         reply: bytes | None = None
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._watch_for_disconnect, tg.cancel_scope)
             reply = await self._call(request, self._stream_sender(request, tg.cancel_scope))
             tg.cancel_scope.cancel()
-        if self._gone or reply is None:
-            self._log.info("control.client_gone", request_id=request.id, op=request.op)
-            return False
-        await self._write(reply)
-        return True
+        return reply
 
     async def _call(self, request: Request, send: Send) -> bytes:
         """The handler's outcome as a final reply line; cancellation passes through."""
@@ -153,8 +276,10 @@ class _Connection:
             result = await self._handler.handle(request, self._peer, send)
         except ControlError as exc:
             return error_line(request.id, exc.code, exc.message)
+        except _Stalled:
+            raise
         except Exception as exc:
-            self._log.exception("control.handler_failed", request_id=request.id, op=request.op)
+            self._failed(request, exc_info=True)
             return self._internal(request, f"{type(exc).__name__}: {exc}")
         try:
             if not isinstance(result, Mapping):
@@ -163,20 +288,27 @@ class _Connection:
                 {"v": PROTOCOL_VERSION, "id": request.id, "ok": True, "result": dict(result)}
             )
         except (TypeError, ValueError, RecursionError) as exc:
-            self._log.exception("control.handler_failed", request_id=request.id, op=request.op)
+            self._failed(request, exc_info=True)
             return self._internal(request, f"its result cannot be sent as JSON ({exc})")
         if len(line) - 1 > self._max:
-            self._log.error(
-                "control.handler_failed",
-                request_id=request.id,
-                op=request.op,
-                reason="result too large",
-                size=len(line) - 1,
-            )
+            self._failed(request, reason="result too large", size=len(line) - 1)
             return self._internal(
                 request, f"its result is {len(line) - 1} bytes, over the {self._max}-byte bound"
             )
         return line
+
+    def _failed(self, request: Request, **kw: object) -> None:
+        """Log control.handler_failed; a traceback holding a peer's odd text (a lone
+        surrogate, say) must not break the log line, so that is retried without it."""
+        try:
+            self._log.error(
+                "control.handler_failed", request_id=show(request.id), op=request.op, **kw
+            )
+        except (UnicodeError, ValueError):
+            kw.pop("exc_info", None)
+            self._log.error(
+                "control.handler_failed", request_id=show(request.id), op=request.op, **kw
+            )
 
     def _internal(self, request: Request, detail: str) -> bytes:
         if len(detail) > 200:
@@ -207,8 +339,13 @@ class _Connection:
                 )
             try:
                 await self._write(line)
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                # The client is gone: cancel the handler rather than report a write error.
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, _Stalled) as exc:
+                # The client is gone (or stopped reading): cancel the handler rather than
+                # report a write error.
+                if isinstance(exc, _Stalled):
+                    self._log.warning(
+                        "control.write_timeout", timeout_s=self._limits.write_timeout_s
+                    )
                 self._gone = True
                 scope.cancel()
                 await anyio.lowlevel.checkpoint()
@@ -223,17 +360,23 @@ class _Connection:
         to the message bound; beyond that reading stops and the kernel pushes back.
         """
         try:
-            while len(self._reader.buffer) <= self._max:
-                self._reader.feed_data(await self._stream.receive())
-        except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-            self._gone = True
-            scope.cancel()
-            return
-        await anyio.sleep_forever()
+            while len(self._buffer) <= self._max:
+                if not await self._receive(self._max + 1 - len(self._buffer)):
+                    break
+            else:
+                await anyio.sleep_forever()
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            pass
+        self._gone = True
+        scope.cancel()
 
 
 class ControlServer:
-    """Serves the control protocol on a Unix socket, one task per connection."""
+    """Serves the control protocol on a Unix socket, one task per connection.
+
+    `limits` default to the handler's ``socket_limits`` attribute when it has one (the
+    control API carries the daemon's ``[daemon]`` settings), else to `SocketLimits()`.
+    """
 
     def __init__(
         self,
@@ -243,20 +386,30 @@ class ControlServer:
         mode: int = 0o660,
         group: str | int | None = None,
         max_message: int = DEFAULT_MAX_MESSAGE,
+        limits: SocketLimits | None = None,
     ) -> None:
         if max_message < 64:
             raise ValueError(f"max_message must be at least 64 bytes, got {max_message}")
+        if limits is None:
+            carried = getattr(handler, "socket_limits", None)
+            limits = carried if isinstance(carried, SocketLimits) else SocketLimits()
         self.path = Path(path)
         self.handler = handler
         self.mode = mode
         self.group = group
         self.max_message = max_message
-        self._connections = 0
+        self.limits = limits
+        self._occ = Occupancy(limits)
 
     @property
     def connections(self) -> int:
         """The number of client connections open right now."""
-        return self._connections
+        return self._occ.connections
+
+    @property
+    def buffered(self) -> int:
+        """Bytes of partial request lines held right now (within the budget)."""
+        return self._occ.budget.held
 
     async def serve(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
@@ -273,7 +426,12 @@ class ControlServer:
         try:
             async with listener, anyio.create_task_group() as tg:
                 logger.info(
-                    "control.listening", path=str(self.path), mode=oct(self.mode), group=self.group
+                    "control.listening",
+                    path=str(self.path),
+                    mode=oct(self.mode),
+                    group=self.group,
+                    max_connections=self.limits.max_connections,
+                    max_connections_per_uid=self.limits.max_connections_per_uid,
                 )
                 task_status.started()
                 while True:
@@ -288,30 +446,65 @@ class ControlServer:
                         logger.warning("control.accept_failed", error=str(cause))
                         await anyio.sleep(0.1)
                         continue
-                    tg.start_soon(self._serve_connection, stream)
+                    self._admit(stream, tg.start_soon)
         finally:
             self._remove_socket(identity)
             logger.info("control.closed", path=str(self.path))
 
-    async def _serve_connection(self, stream: anyio.abc.SocketStream) -> None:
-        """Serve one client; never lets an error escape into the server."""
+    def _admit(self, stream: anyio.abc.SocketStream, start: Callable[..., object]) -> None:
+        """Serve an accepted connection, or refuse it (one ``busy`` line) over a cap."""
+        try:
+            peer = peer_credentials(stream)
+        except OSError as exc:
+            logger.warning("control.peercred_failed", error=str(exc))
+            start(stream.aclose)
+            return
+        refusal = self._occ.refusal(peer.uid)
+        if refusal is not None:
+            self._log_refusal(peer, *refusal)
+            start(self._refuse, stream, refusal[1])
+            return
+        self._occ.opened(peer.uid)  # counted at once, so a burst cannot overshoot the cap
+        start(self._serve_connection, stream, peer)
+
+    def _log_refusal(self, peer: Peer, reason: str, message: str) -> None:
+        count = self._occ.refusals.note(peer.uid, reason, anyio.current_time())
+        if count is not None:
+            logger.warning(
+                "control.refused",
+                reason=reason,
+                peer_uid=peer.uid,
+                peer_pid=peer.pid,
+                connections=self._occ.connections,
+                uid_connections=self._occ.by_uid.get(peer.uid, 0),
+                refused_since_last=count,
+            )
+
+    async def _refuse(self, stream: anyio.abc.SocketStream, message: str) -> None:
         async with stream:
-            try:
-                peer = peer_credentials(stream)
-            except OSError as exc:
-                logger.warning("control.peercred_failed", error=str(exc))
-                return
-            log = logger.bind(peer_uid=peer.uid, peer_gid=peer.gid, peer_pid=peer.pid)
-            connection = _Connection(stream, peer, self.handler, self.max_message, log)
-            self._connections += 1
-            try:
+            with anyio.move_on_after(_REFUSE_WRITE_S):
+                with contextlib.suppress(
+                    anyio.BrokenResourceError, anyio.ClosedResourceError, OSError
+                ):
+                    await stream.send(error_line(None, "busy", message))
+
+    async def _serve_connection(self, stream: anyio.abc.SocketStream, peer: Peer) -> None:
+        """Serve one client; never lets an error escape into the server."""
+        log = logger.bind(peer_uid=peer.uid, peer_gid=peer.gid, peer_pid=peer.pid)
+        try:
+            async with stream:
+                connection = _Connection(
+                    stream, peer, self.handler, self.max_message, self._occ, log
+                )
                 await connection.run()
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                log.debug("control.client_gone")
-            except Exception:
-                log.exception("control.connection_failed")
-            finally:
-                self._connections -= 1
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+            log.debug("control.client_gone")
+        except _Stalled:
+            log.warning("control.write_timeout", timeout_s=self.limits.write_timeout_s)
+        except Exception:
+            log.exception("control.connection_failed")
+        finally:
+            self._occ.closed(peer.uid)
 
     async def _bind(self) -> tuple[anyio.abc.SocketListener, tuple[int, int]]:
         """Bind and listen; the socket file's (st_dev, st_ino) identifies it for removal."""

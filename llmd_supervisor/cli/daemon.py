@@ -33,6 +33,7 @@ from llmd_supervisor.adapters.control_client import (
     ControlClient,
     Reconnect,
     call_retrying,
+    list_all,
     resumable_stream,
 )
 from llmd_supervisor.core.summary import (
@@ -41,6 +42,7 @@ from llmd_supervisor.core.summary import (
     LogChunk,
     RunList,
     RunSummary,
+    chunk_bytes,
     read,
 )
 from llmd_supervisor.core.verdict import Outcome
@@ -81,7 +83,11 @@ def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
     def client(name: str, help_: str, *, run: bool = True) -> argparse.ArgumentParser:
         p: argparse.ArgumentParser = sub.add_parser(name, help=help_)
         if run:
-            p.add_argument("run", metavar="RUN", help="run id, job name or Slurm job id")
+            p.add_argument(
+                "run",
+                metavar="RUN",
+                help="run id, job name, Slurm job id, or CLUSTER:JOBID when a job id is ambiguous",
+            )
         p.add_argument("--json", action="store_true", help="machine-readable output")
         p.add_argument(
             "--socket", type=Path, default=socket_default(), help="daemon control socket"
@@ -234,15 +240,15 @@ def _exits(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Names
     return wrapper
 
 
-def _write(data: str, out: IO[str] | None = None) -> None:
-    """Print log text as the bytes it came from (UTF-8), whatever the locale says."""
+def _write(data: bytes, out: IO[str] | None = None) -> None:
+    """Print log bytes exactly as they are, whatever the locale says."""
     out = out or sys.stdout
     out.flush()
     buffer = getattr(out, "buffer", None)
     if buffer is None:
-        out.write(data)
+        out.write(data.decode("utf-8", "replace"))
     else:
-        buffer.write(data.encode("utf-8", "replace"))
+        buffer.write(data)
         buffer.flush()
     out.flush()
 
@@ -260,6 +266,8 @@ def cmd_simple(args: argparse.Namespace) -> int:
 
     async def go() -> dict[str, object]:
         async with ControlClient(args.socket) as c:
+            if args.op == "list":  # every page, fetched one after another
+                return await list_all(c, all_runs=args.all)
             return await c.call(args.op, params)
 
     result = _run(args.op, go)
@@ -368,7 +376,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(chunk), flush=True)
         else:
-            _write(chunk["data"])
+            _write(_bytes(chunk))
 
     async def go() -> None:
         if args.follow:
@@ -377,10 +385,21 @@ def cmd_logs(args: argparse.Namespace) -> int:
         async with ControlClient(args.socket) as c, aclosing(c.stream("logs", params)) as items:
             async for item in items:
                 if "final" not in item:
-                    show(_read("logs", LogChunk, item))
+                    chunk = _read("logs", LogChunk, item)
+                    _bytes(chunk)  # checked before it is shown
+                    show(chunk)
 
     _run("logs", go)
     return 0
+
+
+def _bytes(chunk: LogChunk) -> bytes:
+    """A chunk's bytes; one that does not decode ends the command with status 3."""
+    try:
+        return chunk_bytes(chunk)
+    except SupervisorError as exc:
+        print(f"llmd-supervisor logs: {exc}", file=sys.stderr)
+        raise _Exit(EXIT_DAEMON_UNREACHABLE) from None
 
 
 def _lost(policy: Reconnect) -> Callable[[str], None]:
@@ -456,7 +475,7 @@ def _wait(args: argparse.Namespace, run: str, *, follow: bool) -> int:
                 tg.start_soon(send_cancel)  # retried across a daemon restart
 
     def show_log(chunk: LogChunk) -> None:
-        _write(chunk["data"])
+        _write(_bytes(chunk))
 
     async def go() -> None:
         async with anyio.create_task_group() as tg:

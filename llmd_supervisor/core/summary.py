@@ -9,6 +9,8 @@ may add fields without breaking an older client.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import functools
 import types
 import typing
@@ -23,9 +25,11 @@ __all__ = [
     "LogsDone",
     "NodeView",
     "Pong",
+    "RunBrief",
     "RunList",
     "RunSummary",
     "TransitionView",
+    "chunk_bytes",
     "read",
 ]
 
@@ -77,10 +81,37 @@ class DryRun(TypedDict):
     script: str
 
 
-class RunList(TypedDict):
-    """``list``: the runs the peer may see, oldest first."""
+class RunBrief(TypedDict):
+    """A run as ``list`` shows it: bounded in size (no history, no health, no log line;
+    `reason` cut to 200 characters, `nodes` to 256 names)."""
 
-    runs: list[RunSummary]
+    run: str
+    job_name: str
+    state: str
+    outcome: str | None
+    reason: str
+    slurm_job_id: str | None
+    attempt: int
+    nodes: list[str]
+    nodes_healthy: int
+    cancel_requested: bool
+    cluster: str
+    owner_uid: int
+    created_at: str
+    elapsed_s: float
+    archive: str
+
+
+class _RunPage(TypedDict):
+    runs: list[RunBrief]
+
+
+class RunList(_RunPage, total=False):
+    """``list``: one page of the runs the peer may see, oldest first. `next` is the cursor
+    to send as ``after`` for the next page; null (or absent, from an older daemon) on the
+    last page."""
+
+    next: str | None
 
 
 class ArchiveInfo(TypedDict):
@@ -90,18 +121,48 @@ class ArchiveInfo(TypedDict):
     state: str
 
 
-class LogChunk(TypedDict):
-    """A ``logs`` stream item: bytes ``offset .. end`` of one local log copy.
-
-    `data` is those bytes decoded as UTF-8 (invalid bytes replaced; a character split by a
-    read is never split between two chunks). The offsets are byte offsets in the copy, so
-    a client resumes by sending `end` back in the ``offsets`` argument.
-    """
-
+class _Chunk(TypedDict):
     file: str  # relative to the run's log copies, e.g. "attempt1/llmd-ab12-42.out"
     offset: int
     end: int
     data: str
+
+
+class LogChunk(_Chunk, total=False):
+    """A ``logs`` stream item: bytes ``offset .. end`` of one local log copy.
+
+    With `encoding` "utf-8" (or absent, from an older daemon) `data` is those bytes as
+    text (they are valid UTF-8, and a character is not split between two chunks while the
+    run goes on); with "base64" it is the bytes in base64 (they are not valid UTF-8, or
+    their text would not fit the message bound escaped). `chunk_bytes` gives the bytes
+    either way. The offsets are byte offsets in the copy, so a client resumes by sending
+    `end` back in the ``offsets`` argument.
+    """
+
+    encoding: Literal["utf-8", "base64"]
+
+
+def chunk_bytes(chunk: LogChunk) -> bytes:
+    """The bytes a chunk carries; raise `SummaryError` when they are not `end - offset`
+    of them."""
+    if chunk.get("encoding") == "base64":
+        try:
+            data = base64.b64decode(chunk["data"], validate=True)
+        except (binascii.Error, ValueError):
+            raise SummaryError("LogChunk", "LogChunk.data", "is not valid base64") from None
+    else:
+        try:
+            data = chunk["data"].encode("utf-8")
+        except UnicodeEncodeError:
+            raise SummaryError("LogChunk", "LogChunk.data", "is not valid text") from None
+    # An older daemon (no `encoding`) replaced invalid bytes, so its text may differ in size.
+    if "encoding" in chunk and len(data) != chunk["end"] - chunk["offset"]:
+        raise SummaryError(
+            "LogChunk",
+            "LogChunk.data",
+            f"holds {len(data)} bytes, not the {chunk['end'] - chunk['offset']} of its offsets",
+        )
+    return data
 
 
 class LogsDone(TypedDict):

@@ -13,7 +13,7 @@ import pwd
 
 from llmd_supervisor.adapters.control_protocol import Peer
 
-__all__ = ["may_access"]
+__all__ = ["may_access", "sees_all"]
 
 
 def may_access(peer: Peer, owner_uid: int, admin_group: str | int | None) -> bool:
@@ -24,7 +24,12 @@ def may_access(peer: Peer, owner_uid: int, admin_group: str | int | None) -> boo
     group that does not exist admits nobody. Group lookups go through NSS and may block
     when NSS is remote (LDAP, sssd).
     """
-    if peer.uid in (0, owner_uid):
+    return peer.uid == owner_uid or sees_all(peer, admin_group)
+
+
+def sees_all(peer: Peer, admin_group: str | int | None) -> bool:
+    """Whether `peer` may read and act on every run: root, or a member of `admin_group`."""
+    if peer.uid == 0:
         return True
     if admin_group is None:
         return False

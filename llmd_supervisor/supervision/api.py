@@ -7,7 +7,11 @@ mismatch raises there, not at the first request. Results and stream items are th
 structures of `llmd_supervisor.core.summary`.
 
 Access: a peer sees and acts on its own runs; root and the admin group on every run
-(`supervision.access`). The streaming ops follow change signals: ``wait`` sends a summary
+(`supervision.access`). A run the peer may not see is answered exactly like a run that does
+not exist (``not_found``). A run ref is a run id, a job name, a Slurm job id or
+``CLUSTER:JOBID``; a job id that several visible runs share is ``ambiguous`` (the error
+names them). ``list`` returns bounded briefs a page at a time (a cursor in ``after``).
+The streaming ops follow change signals: ``wait`` sends a summary
 when the run changed (`changed` of its handle) and ``logs`` with ``follow`` reads when the
 local log copies grew (inotify on their directories; without it, or as a safety net, it
 also wakes when the run changed or after a short timeout). A ``logs`` request may carry
@@ -16,11 +20,8 @@ per-file byte offsets, so a client that reconnects resumes exactly where it stop
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import ctypes.util
-import os
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+import json
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -30,8 +31,17 @@ from typing import Any, Final, Generic, Protocol, TypeVar
 import anyio
 import structlog
 
-from llmd_supervisor.adapters.control_protocol import OPS, OpSpec, Peer, Request, Send
-from llmd_supervisor.core.config import Config
+from llmd_supervisor.adapters.control_protocol import (
+    DEFAULT_MAX_MESSAGE,
+    LIST_MAX_LIMIT,
+    OPS,
+    OpSpec,
+    Peer,
+    Request,
+    Send,
+    show,
+)
+from llmd_supervisor.core.config import Config, SocketLimits
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.lifecycle import Run
 from llmd_supervisor.core.render import render_sbatch
@@ -39,23 +49,26 @@ from llmd_supervisor.core.spec import load_spec
 from llmd_supervisor.core.summary import (
     ArchiveInfo,
     DryRun,
-    LogChunk,
     LogsDone,
     NodeView,
     Pong,
+    RunBrief,
     RunList,
     RunSummary,
 )
 from llmd_supervisor.errors import ControlError, IllegalTransition, SpecError, SupervisorError
-from llmd_supervisor.supervision.access import may_access
+from llmd_supervisor.supervision.access import sees_all
+from llmd_supervisor.supervision.log_follow import READ_CHUNK, Growth, first_of, read_new
 from llmd_supervisor.supervision.verify import utcnow
 
-__all__ = ["HANDLERS", "ControlApi", "Op", "check_handlers", "run_summary"]
+__all__ = ["HANDLERS", "ControlApi", "Op", "check_handlers", "run_brief", "run_summary"]
 
 log = structlog.get_logger("llmd_supervisor.supervision.api")
 
 WAIT_REFRESH_S: Final = 5.0  # `wait` re-sends an unchanged summary this often (elapsed_s)
-READ_CHUNK: Final = 128 << 10  # per file and item: even all-escape JSON stays under 1 MiB
+LIST_PAGE_BYTES: Final = DEFAULT_MAX_MESSAGE // 2  # a list page's briefs, encoded, at most
+SHOWN_LINE_MAX: Final = 200  # characters of a summary's last log line and a brief's reason
+BRIEF_NODES_MAX: Final = 256
 FOLLOW_SAFETY_S: Final = 2.0  # a follower with inotify looks again at least this often
 FOLLOW_POLL_S: Final = 0.25  # ... and without inotify
 FOLLOW_MIN_PASS_S: Final = 0.02  # coalesce a burst of small writes into one pass
@@ -158,6 +171,32 @@ def run_summary(h: HandleView, now: datetime) -> RunSummary:
     }
 
 
+def run_brief(h: HandleView, now: datetime) -> RunBrief:
+    """The run as ``list`` shows it: bounded whatever the run's history and evidence."""
+    run = h.run
+    return {
+        "run": run.run_id,
+        "job_name": run.job_name,
+        "state": run.state.value,
+        "outcome": run.outcome.value if run.outcome else None,
+        "reason": _cut(run.reason),
+        "slurm_job_id": run.slurm_job_id,
+        "attempt": run.attempt,
+        "nodes": list(run.nodes[:BRIEF_NODES_MAX]),
+        "nodes_healthy": sum(1 for n in h.health.values() if n.reachable),
+        "cancel_requested": run.cancel_requested,
+        "cluster": h.meta.cluster,
+        "owner_uid": h.meta.owner_uid,
+        "created_at": h.meta.created_at.isoformat(),
+        "elapsed_s": round((now - h.meta.created_at).total_seconds(), 1),
+        "archive": h.meta.archive_dir,
+    }
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= SHOWN_LINE_MAX else text[: SHOWN_LINE_MAX - 3] + "..."
+
+
 def _last_line(path: Path) -> str:
     """The last non-empty line of a (local, small-read) log copy, or ""."""
     try:
@@ -166,7 +205,7 @@ def _last_line(path: Path) -> str:
             lines = f.read().decode("utf-8", "replace").splitlines()
     except OSError:
         return ""
-    return next((line for line in reversed(lines) if line.strip()), "")
+    return _cut(next((line for line in reversed(lines) if line.strip()), ""))
 
 
 # --------------------------------------------------------------------------- the API
@@ -184,19 +223,55 @@ class ControlApi(Generic[H]):
     async def handle(self, request: Request, peer: Peer, send: Send) -> Mapping[str, object]:
         return await HANDLERS[request.op].handler(self, request.args, peer, send)
 
+    @property
+    def socket_limits(self) -> SocketLimits:
+        """The daemon's control-socket limits (the server takes them from its handler)."""
+        return self.sup.config.socket_limits
+
+    def _sees(self, peer: Peer) -> Callable[[H], bool]:
+        """Which runs `peer` may see (the admin lookup done once, not per run)."""
+        everyone = sees_all(peer, self.sup.config.admin_group)
+        return lambda h: everyone or h.meta.owner_uid == peer.uid
+
     def _visible(self, args: Mapping[str, object], peer: Peer) -> H:
-        """The run `args["run"]` names, if the peer may see it; ControlError otherwise."""
+        """The run `args["run"]` names among those the peer may see; ControlError otherwise.
+
+        A run the peer may not see is not found, as if it did not exist, and neither does
+        it make a job id ambiguous.
+        """
         ref = str(args["run"])
-        handle = self.sup.get(ref)
-        if handle is None:
-            raise ControlError("not_found", f"No run {ref!r} is known to this daemon.")
-        if not may_access(peer, handle.meta.owner_uid, self.sup.config.admin_group):
+        sees = self._sees(peer)
+        handles = self.sup.handles
+        exact = handles.get(ref)
+        if exact is not None:
+            found = [exact]
+        else:
+            found = [h for h in handles.values() if h.run.job_name == ref]
+            if not found:
+                cluster, colon, job = ref.rpartition(":")
+                found = [
+                    h
+                    for h in handles.values()
+                    if h.run.slurm_job_id == (job if colon else ref)
+                    and (not colon or h.meta.cluster == cluster)
+                ]
+        found = [h for h in found if sees(h)]
+        if not found:
+            raise ControlError("not_found", f"No run {show(ref)} is known to this daemon.")
+        if len(found) > 1:
+            found.sort(key=lambda h: (h.meta.created_at, h.run.run_id))
+            clusters = {h.meta.cluster for h in found}
+            shown = "; ".join(
+                f"{h.run.run_id} ({h.meta.cluster}:{h.run.slurm_job_id}, {h.run.state.value}, "
+                f"created {h.meta.created_at.isoformat(timespec='seconds')})"
+                for h in found[:10]
+            ) + (f"; and {len(found) - 10} more" if len(found) > 10 else "")
+            how = "its run id" if len(clusters) == 1 else "its run id or CLUSTER:JOBID"
             raise ControlError(
-                "forbidden",
-                f"Run {handle.run.run_id} belongs to uid {handle.meta.owner_uid}; uid {peer.uid} "
-                "may not see or change it (needs root or the admin group).",
+                "ambiguous",
+                f"Run ref {show(ref)} names {len(found)} runs: {shown}. Name one by {how}.",
             )
-        return handle
+        return found[0]
 
     async def _ping(self, args: Mapping[str, object], peer: Peer, send: Send) -> Pong:
         return {"pong": True}
@@ -226,16 +301,42 @@ class ControlApi(Generic[H]):
         return run_summary(handle, self.clock())
 
     async def _list(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunList:
-        admin = self.sup.config.admin_group
-        now = self.clock()
-        runs = [
-            run_summary(h, now)
+        """One page of briefs, oldest first, from after the cursor; `next` when more remain."""
+        limit, after = args["limit"], args["after"]
+        if limit is not None and not (isinstance(limit, int) and 1 <= limit <= LIST_MAX_LIMIT):
+            raise ControlError(
+                "bad_request",
+                f"Request field 'args.limit' of op 'list' must be from 1 to {LIST_MAX_LIMIT}, "
+                f"got {show(limit)}.",
+            )
+        start: tuple[str, str] | None = None
+        if after is not None:
+            created, bar, run_id = str(after).partition("|")
+            if not bar:
+                raise ControlError(
+                    "bad_request",
+                    f"Request field 'args.after' of op 'list' must be the 'next' of a previous "
+                    f"page, got {show(after)}.",
+                )
+            start = (created, run_id)
+        sees, now = self._sees(peer), self.clock()
+        keyed = sorted(
+            ((h.meta.created_at.isoformat(), h.run.run_id), h)
             for h in list(self.sup.handles.values())
-            if may_access(peer, h.meta.owner_uid, admin)
-            and (args["all"] or not h.run.state.is_final or h.meta.owner_uid == peer.uid)
-        ]
-        runs.sort(key=lambda r: r["created_at"])
-        return {"runs": runs}
+            if sees(h) and (args["all"] or not h.run.state.is_final or h.meta.owner_uid == peer.uid)
+        )
+        todo = [(k, h) for k, h in keyed if start is None or k > start]
+        runs: list[RunBrief] = []
+        size = 0
+        for key, h in todo:
+            brief = run_brief(h, now)
+            size += len(json.dumps(brief, separators=(",", ":"))) + 1
+            if runs and (size > LIST_PAGE_BYTES or len(runs) == (limit or LIST_MAX_LIMIT)):
+                break
+            runs.append(brief)
+            last = key
+        more = len(runs) < len(todo)
+        return {"runs": runs, "next": f"{last[0]}|{last[1]}" if more else None}
 
     async def _status(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunSummary:
         return run_summary(self._visible(args, peer), self.clock())
@@ -289,13 +390,13 @@ class ControlApi(Generic[H]):
             return RunLayout.is_batch_log(path.name)
 
         sent = 0
-        growth = _Growth.open() if follow else None
+        growth = Growth.open() if follow else None
         try:
             while True:
                 final = handle.run.state.is_final  # read before the files: nothing after it
                 changed = handle.changed
                 chunks, dirs = await anyio.to_thread.run_sync(
-                    _read_new, root, wanted, dict(offsets), final
+                    read_new, root, wanted, dict(offsets), final
                 )
                 backlog = False
                 for chunk in chunks:
@@ -315,7 +416,7 @@ class ControlApi(Generic[H]):
                     if growth.watch(dirs):
                         continue  # a new directory: read again, now that it is watched
                     with anyio.move_on_after(FOLLOW_SAFETY_S):
-                        await _first_of(changed.wait, growth.wait)
+                        await first_of(changed.wait, growth.wait)
                 else:
                     with anyio.move_on_after(FOLLOW_POLL_S):
                         await changed.wait()
@@ -369,150 +470,3 @@ def check_handlers(handlers: Mapping[str, Op], ops: Mapping[str, OpSpec]) -> Non
 
 
 check_handlers(HANDLERS, OPS)
-
-
-# --------------------------------------------------------------------------- log copies
-
-
-def _read_new(
-    root: Path, wanted: Callable[[Path], bool], offsets: Mapping[str, int], final: bool
-) -> tuple[list[LogChunk], list[Path]]:
-    """New bytes of the wanted files under `root` past `offsets` (one chunk per file), and
-    the directories to watch. Blocking: run in a thread.
-
-    A chunk never ends inside a UTF-8 character unless the run is `final` (nothing more
-    will come): the rest of the character goes with the next chunk.
-    """
-    chunks: list[LogChunk] = []
-    dirs = [root.parent]
-    try:
-        entries = sorted(root.rglob("*"))
-    except OSError:
-        entries = []
-    for path in entries:
-        if path.is_dir():
-            dirs.append(path)
-            continue
-        if not wanted(path):
-            continue
-        name = str(path.relative_to(root))
-        start = offsets.get(name, 0)
-        try:
-            with path.open("rb") as f:
-                f.seek(start)
-                data = f.read(READ_CHUNK)
-        except OSError:
-            continue
-        if not final:
-            data = data[: _whole_utf8(data)]
-        if data:
-            chunks.append(
-                {
-                    "file": name,
-                    "offset": start,
-                    "end": start + len(data),
-                    "data": data.decode("utf-8", "replace"),
-                }
-            )
-    if root.is_dir():
-        dirs.insert(1, root)
-    return chunks, dirs
-
-
-def _whole_utf8(data: bytes) -> int:
-    """The length of `data` without a UTF-8 character cut off at its end."""
-    for back in range(1, min(4, len(data)) + 1):
-        byte = data[-back]
-        if byte & 0xC0 == 0x80:  # a continuation byte: look further back for the lead
-            continue
-        if byte >> 5 == 0b110:
-            need = 2
-        elif byte >> 4 == 0b1110:
-            need = 3
-        elif byte >> 3 == 0b11110:
-            need = 4
-        else:  # ASCII, or not a lead byte at all: nothing to hold back
-            return len(data)
-        return len(data) - back if need > back else len(data)
-    return len(data)
-
-
-async def _first_of(*waits: Callable[[], Awaitable[object]]) -> None:
-    """Return as soon as any of `waits` returns (the others are cancelled)."""
-    async with anyio.create_task_group() as tg:
-
-        async def one(wait: Callable[[], Awaitable[object]]) -> None:
-            await wait()
-            tg.cancel_scope.cancel()
-
-        for wait in waits:
-            tg.start_soon(one, wait)
-
-
-# inotify(7): the local log copies are written by this process's tailers.
-_IN_MODIFY: Final = 0x002
-_IN_CLOSE_WRITE: Final = 0x008
-_IN_MOVED_TO: Final = 0x080
-_IN_CREATE: Final = 0x100
-_IN_NONBLOCK: Final = os.O_NONBLOCK
-_IN_CLOEXEC: Final = os.O_CLOEXEC
-_MASK: Final = _IN_MODIFY | _IN_CLOSE_WRITE | _IN_MOVED_TO | _IN_CREATE
-
-
-def _load_libc() -> Any:
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name, use_errno=True)
-        libc.inotify_init1.argtypes = [ctypes.c_int]
-        libc.inotify_add_watch.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_uint32]
-    except (OSError, AttributeError):
-        return None
-    return libc
-
-
-_LIBC: Final = _load_libc()
-
-
-class _Growth:
-    """Wakes a log follower when anything in its watched directories is written or created.
-
-    One inotify instance per follower (closed with it); `open` returns None where inotify
-    is not available (or the per-user instance limit is reached), and the follower falls
-    back to short timeouts.
-    """
-
-    def __init__(self, fd: int) -> None:
-        self._fd = fd
-        self._watched: set[Path] = set()
-
-    @classmethod
-    def open(cls) -> _Growth | None:
-        if _LIBC is None:
-            return None
-        fd = int(_LIBC.inotify_init1(_IN_NONBLOCK | _IN_CLOEXEC))
-        if fd < 0:
-            log.info("api.inotify_unavailable", errno=ctypes.get_errno())
-            return None
-        return cls(fd)
-
-    def watch(self, dirs: Iterable[Path]) -> bool:
-        """Watch the directories not watched yet; whether any was added (one that cannot
-        be watched, e.g. gone again, is skipped)."""
-        added = False
-        for d in dirs:
-            if d in self._watched:
-                continue
-            if _LIBC.inotify_add_watch(self._fd, os.fsencode(d), _MASK) >= 0:
-                self._watched.add(d)
-                added = True
-        return added
-
-    async def wait(self) -> None:
-        """Until at least one event arrived since the last wait; drains them."""
-        await anyio.wait_readable(self._fd)
-        with contextlib.suppress(BlockingIOError):
-            while os.read(self._fd, 1 << 16):
-                pass
-
-    def close(self) -> None:
-        os.close(self._fd)

@@ -173,8 +173,9 @@ GOOD: list[tuple[str, dict[str, object], dict[str, object]]] = [
         {"spec_toml": "", "spec_path": "/a/b.toml", "dry_run": True, "cluster": "dev"},
         {"spec_toml": "", "spec_path": "/a/b.toml", "dry_run": True, "cluster": "dev"},
     ),
-    ("list", {}, {"all": False}),
-    ("list", {"all": True}, {"all": True}),
+    ("list", {}, {"all": False, "limit": None, "after": None}),
+    ("list", {"all": True}, {"all": True, "limit": None, "after": None}),
+    ("list", {"limit": 5, "after": "x|y"}, {"all": False, "limit": 5, "after": "x|y"}),
     ("status", {"run": "r1"}, {"run": "r1"}),
     ("logs", {"run": "r1"}, {"run": "r1", "rank": None, "follow": False, "offsets": None}),
     (

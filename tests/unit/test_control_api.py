@@ -8,20 +8,28 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from llmd_supervisor.adapters.control_protocol import OPS, Peer, Request
 from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.lifecycle import Run, RunState, new_run
-from llmd_supervisor.core.summary import LogChunk, LogsDone, RunList, RunSummary, read
+from llmd_supervisor.core.summary import (
+    LogChunk,
+    LogsDone,
+    RunList,
+    RunSummary,
+    chunk_bytes,
+    read,
+)
 from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import ControlError, IllegalTransition, SupervisorError
-from llmd_supervisor.supervision import api
+from llmd_supervisor.supervision import log_follow
 from llmd_supervisor.supervision.api import HANDLERS, ControlApi, Op, check_handlers
 
 pytestmark = pytest.mark.timeout(30)
@@ -70,12 +78,21 @@ class Supervisor:
         self.handles: dict[str, Handle] = {}
         self.cancelled: list[str] = []
 
-    def add(self, run_id: str, owner: int = ME.uid, state: RunState = RunState.RUNNING) -> Handle:
+    def add(
+        self,
+        run_id: str,
+        owner: int = ME.uid,
+        state: RunState = RunState.RUNNING,
+        *,
+        job_id: str = "42",
+        cluster: str = "dev",
+        created: datetime = T0,
+    ) -> Handle:
         run = dataclasses.replace(
-            new_run(run_id, f"llmd-{run_id}", T0), state=state, slurm_job_id="42"
+            new_run(run_id, f"llmd-{run_id}", created), state=state, slurm_job_id=job_id
         )
         archive = self.config.archive_root / run_id
-        meta = Meta(owner, "dev", T0, str(archive), "/shared/logs")
+        meta = Meta(owner, cluster, created, str(archive), "/shared/logs")
         self.handles[run_id] = Handle(run, meta)
         return self.handles[run_id]
 
@@ -182,11 +199,17 @@ async def test_a_strangers_run_is_refused_and_not_listed(sup: Supervisor) -> Non
     a = ControlApi(sup)
     with pytest.raises(ControlError) as info:
         await a.handle(request("status", run="theirs"), ME, no_stream)
-    assert info.value.code == "forbidden"
-    assert "uid 1000 may not" in info.value.message
-    with pytest.raises(ControlError) as info:
-        await a.handle(request("cancel", run="nope"), ME, no_stream)
     assert info.value.code == "not_found"
+    assert info.value.message == 'No run "theirs" is known to this daemon.'
+    assert str(OTHER.uid) not in info.value.message
+    with pytest.raises(ControlError) as missing:
+        await a.handle(request("cancel", run="nope"), ME, no_stream)
+    assert missing.value.code == "not_found"
+    for op in ("cancel", "archive", "wait", "logs"):
+        with pytest.raises(ControlError) as info:
+            await a.handle(request(op, run="theirs"), ME, no_stream)
+        assert info.value.code == "not_found", op
+    assert sup.cancelled == []
     listed = read(RunList, await a.handle(request("list", all=True), ME, no_stream))
     assert [r["run"] for r in listed["runs"]] == ["mine"]
     root = Peer(0, 0, 3)
@@ -286,7 +309,13 @@ async def test_logs_starts_at_the_offsets_given(sup: Supervisor) -> None:
     offsets = {"attempt1/llmd-r1-42.out": 4, "attempt1/llmd-r1-42.err": 5, "unknown": 3}
     done = await ControlApi(sup).handle(request("logs", run="r1", offsets=offsets), ME, send)
     assert _chunks(items) == [
-        {"file": "attempt1/llmd-r1-42.out", "offset": 4, "end": 8, "data": "def\n"},
+        {
+            "file": "attempt1/llmd-r1-42.out",
+            "offset": 4,
+            "end": 8,
+            "data": "def\n",
+            "encoding": "utf-8",
+        },
     ]
     assert read(LogsDone, done) == {"bytes": 4, "state": "succeeded"}
     items.clear()
@@ -297,7 +326,7 @@ async def test_logs_starts_at_the_offsets_given(sup: Supervisor) -> None:
 @pytest.mark.asyncio
 async def test_logs_sends_a_big_copy_whole_in_bounded_items(sup: Supervisor) -> None:
     sup.add("r1", state=RunState.RUNNING)
-    data = bytes(range(256)) * 1200  # 300 KiB, most of it not UTF-8
+    data = bytes(range(256)) * 2400  # 600 KiB, most of it not UTF-8
     (copies(sup, "r1") / "llmd-r1-42.out").write_bytes(data)
     items: list[LogChunk] = []
 
@@ -307,10 +336,12 @@ async def test_logs_sends_a_big_copy_whole_in_bounded_items(sup: Supervisor) -> 
 
     done = await ControlApi(sup).handle(request("logs", run="r1"), ME, send)
     assert [(c["offset"], c["end"]) for c in items] == [
-        (0, api.READ_CHUNK),
-        (api.READ_CHUNK, 2 * api.READ_CHUNK),
-        (2 * api.READ_CHUNK, len(data)),
+        (0, log_follow.READ_CHUNK),
+        (log_follow.READ_CHUNK, 2 * log_follow.READ_CHUNK),
+        (2 * log_follow.READ_CHUNK, len(data)),
     ]
+    assert {c["encoding"] for c in items} == {"base64"}
+    assert b"".join(chunk_bytes(c) for c in items) == data
     assert read(LogsDone, done)["bytes"] == len(data)
 
 
@@ -361,7 +392,7 @@ async def test_follow_wakes_on_growth_and_never_splits_a_character(sup: Supervis
 def test_inotify_is_there_on_this_machine() -> None:
     # Without it the follower falls back to FOLLOW_POLL_S; the test above would still pass
     # its timing only by luck, so say so plainly.
-    growth = api._Growth.open()
+    growth = log_follow.Growth.open()
     assert growth is not None, "inotify unavailable"
     growth.close()
 
@@ -370,11 +401,105 @@ def test_whole_utf8_holds_back_only_a_cut_character() -> None:
     e = "\u00e9".encode()
     euro = "\u20ac".encode()
     emoji = "\U0001f600".encode()
-    assert api._whole_utf8(b"abc") == 3
-    assert api._whole_utf8(b"ab" + e[:1]) == 2
-    assert api._whole_utf8(b"ab" + e) == 4
-    assert api._whole_utf8(b"a" + euro[:2]) == 1
-    assert api._whole_utf8(b"a" + emoji[:3]) == 1
-    assert api._whole_utf8(b"a" + emoji) == 5
-    assert api._whole_utf8(b"a\xff") == 2  # not UTF-8 at all: nothing to wait for
-    assert api._whole_utf8(b"") == 0
+    assert log_follow.whole_utf8(b"abc") == 3
+    assert log_follow.whole_utf8(b"ab" + e[:1]) == 2
+    assert log_follow.whole_utf8(b"ab" + e) == 4
+    assert log_follow.whole_utf8(b"a" + euro[:2]) == 1
+    assert log_follow.whole_utf8(b"a" + emoji[:3]) == 1
+    assert log_follow.whole_utf8(b"a" + emoji) == 5
+    assert log_follow.whole_utf8(b"a\xff") == 2  # not UTF-8 at all: nothing to wait for
+    assert log_follow.whole_utf8(b"") == 0
+
+
+# ----------------------------------------------------------------------------- hostile peers
+
+
+@pytest.mark.asyncio
+async def test_a_job_id_shared_by_two_clusters_is_ambiguous_until_the_cluster_is_named(
+    sup: Supervisor,
+) -> None:
+    sup.add("east1", job_id="5", cluster="east")
+    sup.add("west1", job_id="5", cluster="west")
+    sup.add("hidden", owner=OTHER.uid, job_id="6", cluster="east")
+    sup.add("mine6", job_id="6", cluster="west")
+    a = ControlApi(sup)
+    with pytest.raises(ControlError) as info:
+        await a.handle(request("cancel", run="5"), ME, no_stream)
+    assert info.value.code == "ambiguous"
+    assert "east1 (east:5" in info.value.message and "west1 (west:5" in info.value.message
+    assert "CLUSTER:JOBID" in info.value.message
+    assert sup.cancelled == []
+    await a.handle(request("cancel", run="west:5"), ME, no_stream)
+    assert sup.cancelled == ["west1"]
+    # A run the peer may not see neither makes a ref ambiguous nor is found by cluster.
+    got = read(RunSummary, await a.handle(request("status", run="6"), ME, no_stream))
+    assert got["run"] == "mine6"
+    with pytest.raises(ControlError) as info:
+        await a.handle(request("status", run="east:6"), ME, no_stream)
+    assert info.value.code == "not_found"
+    root = Peer(0, 0, 3)
+    with pytest.raises(ControlError) as info:
+        await a.handle(request("status", run="6"), root, no_stream)
+    assert info.value.code == "ambiguous"
+
+
+@pytest.mark.asyncio
+async def test_error_messages_are_bounded_whatever_the_ref(sup: Supervisor) -> None:
+    ref = "\u0001" * 500_000
+    with pytest.raises(ControlError) as info:
+        await ControlApi(sup).handle(request("status", run=ref), ME, no_stream)
+    assert info.value.code == "not_found"
+    assert len(info.value.message) < 200
+
+
+@pytest.mark.asyncio
+async def test_list_pages_ten_thousand_runs_each_page_within_the_bound(sup: Supervisor) -> None:
+    for i in range(10_000):
+        h = sup.add(f"r{i:05d}", state=RunState.SUCCEEDED, created=T0 + timedelta(seconds=i))
+        h.update(reason="\u0001" * 5000)  # hostile evidence: briefs cut it
+        if i % 500 == 0:
+            await anyio.lowlevel.checkpoint()  # setup is not what the loop guard is about
+    sup.add("theirs", owner=OTHER.uid, state=RunState.SUCCEEDED)
+    a = ControlApi(sup)
+    seen: list[str] = []
+    after: object = None
+    pages = 0
+    while True:
+        result = await a.handle(request("list", all=True, after=after), ME, no_stream)
+        assert len(json.dumps(result, separators=(",", ":"))) < 1 << 20
+        page = read(RunList, result)
+        seen += [r["run"] for r in page["runs"]]
+        pages += 1
+        after = page.get("next")
+        if after is None:
+            break
+        await anyio.lowlevel.checkpoint()
+    assert seen == [f"r{i:05d}" for i in range(10_000)]
+    assert pages > 1
+    limited = read(RunList, await a.handle(request("list", all=True, limit=3), ME, no_stream))
+    assert [r["run"] for r in limited["runs"]] == ["r00000", "r00001", "r00002"]
+    for bad in ({"limit": 0}, {"limit": 1001}, {"after": "no-bar"}):
+        with pytest.raises(ControlError) as info:
+            await a.handle(request("list", **bad), ME, no_stream)
+        assert info.value.code == "bad_request"
+
+
+@pytest.mark.asyncio
+async def test_any_bytes_stream_byte_exact_in_chunks_within_the_bound(sup: Supervisor) -> None:
+    sup.add("r1", state=RunState.SUCCEEDED)
+    d = copies(sup, "r1")
+    cases = {
+        "llmd-r1-42.out": b"\x01\x02\x1f" * 400_000,  # valid UTF-8, 6 bytes each escaped
+        "llmd-r1-42.err": b"ok \xff\xfe half \xe2\x82" * 50_000 + b"\xe2",  # not UTF-8
+    }
+    for name, data in cases.items():
+        (d / name).write_bytes(data)
+    got: dict[str, bytearray] = {}
+
+    async def send(item: Mapping[str, object]) -> None:
+        assert len(json.dumps(item, separators=(",", ":"))) < (1 << 20) - 4096
+        chunk = read(LogChunk, item)
+        got.setdefault(chunk["file"].split("/")[-1], bytearray()).extend(chunk_bytes(chunk))
+
+    await ControlApi(sup).handle(request("logs", run="r1"), ME, send)
+    assert {k: bytes(v) for k, v in got.items()} == cases

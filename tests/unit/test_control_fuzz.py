@@ -152,7 +152,11 @@ ARG_KINDS: dict[str, dict[str, tuple[set[str], bool]]] = {
         "spec_path": ({"str"}, False),
         "dry_run": ({"bool"}, False),
     },
-    "list": {"all": ({"bool"}, False)},
+    "list": {
+        "all": ({"bool"}, False),
+        "limit": ({"int", "null"}, False),
+        "after": ({"str", "null"}, False),
+    },
     "status": {"run": ({"str"}, True)},
     "logs": {
         "run": ({"str"}, True),
@@ -189,6 +193,11 @@ def oracle(obj: object) -> tuple[bool, object]:
         return False, None
     rid = obj.get("id")
     rid = rid if "id" in obj and kind(rid) in ("int", "str") else None
+    # Echoed ids are bounded: strings up to 128 characters, integers in 64 bits.
+    if isinstance(rid, str) and len(rid) > 128:
+        rid = None
+    if isinstance(rid, int) and not -(2**63) < rid < 2**63:
+        rid = None
     if rid is None:
         return False, None
     if set(obj) - {"v", "id", "op", "args"} or kind(obj.get("v")) != "int" or obj["v"] != 1:
