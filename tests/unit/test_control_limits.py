@@ -242,3 +242,20 @@ async def test_a_lone_surrogate_id_gets_its_one_final_reply_under_the_console_re
                     reply = await conn.reply()
             assert reply["id"] == surrogate, (op, args, reply)
             assert "ok" in reply
+
+
+def test_the_unit_and_the_shipped_config_agree_with_the_limits() -> None:
+    from llmd_supervisor.core.config import load_config
+    from tests.devcluster import REPO
+
+    shipped = load_config((REPO / "deploy" / "llmd-supervisor.toml").read_text())
+    assert shipped.socket_limits == BASE  # the file documents the defaults
+    service: dict[str, str] = {}
+    for line in (REPO / "systemd" / "llmd-supervisor.service").read_text().splitlines():
+        key, eq, value = line.partition("=")
+        if eq and not line.startswith("#"):
+            service[key.strip()] = value.strip()
+    assert service["UMask"] == "0027"
+    # Every admitted client (an fd, and an inotify fd while following) plus room for SSH
+    # links and log copies; refusals need an fd for a moment too.
+    assert int(service["LimitNOFILE"]) >= 2 * BASE.max_connections + 4096
