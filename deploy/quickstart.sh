@@ -17,6 +17,7 @@ cat > "$QS/config.toml" <<CONF
 state_dir = "$QS/state"
 socket = "$QS/control.sock"
 log_format = "json"
+log_roots = ["/var/tmp/llmd-runs"]  # the demo spec's log_dir is below it
 
 [ssh]
 user = "$DEVCLUSTER_SSH_USER"

@@ -80,6 +80,7 @@ class Daemon:
 [daemon]
 state_dir = "{self.state_dir}"
 socket = "{self.socket}"
+log_roots = ["/tmp", "/var/tmp"]
 {f'archive_dir = "{self.archive_dir}"' if self.archive_dir else ""}
 log_format = "json"
 

@@ -10,8 +10,10 @@ Layout of `<archive_root>/<run_id>/`:
   events.jsonl                 the run's journal events
   receipt.json                 the verdict's receipt (written last)
 
-`write_archive` fsyncs every file and directory it writes before returning; an OSError
-(disk full, permissions) propagates and the caller must not declare the outcome.
+Modes follow the daemon's umask (the unit sets ``UMask=0027``: the service's group may
+read, others nothing). `write_archive` fsyncs every file and directory it writes before
+returning; an OSError (disk full, permissions) propagates and the caller must not declare
+the outcome.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ def prepare(archive_root: Path, run_id: str, *, spec_toml: str, script: str) -> 
     d = run_dir(archive_root, run_id)
     (d / LOGS).mkdir(parents=True, exist_ok=True)
     write_atomic(d / "spec.toml", spec_toml.encode())
-    write_atomic(d / "job.sbatch", script.encode(), mode=0o755)
+    write_atomic(d / "job.sbatch", script.encode())
     return d
 
 

@@ -1,4 +1,4 @@
-"""Durable file writes: temp file in the same directory, fsync, rename, fsync the directory."""
+"""Durable file writes (temp file, fsync, rename, fsync the directory); the umask."""
 
 from __future__ import annotations
 
@@ -7,8 +7,21 @@ import tempfile
 from pathlib import Path
 
 
-def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
+def process_umask() -> int:
+    """This process's umask (read from /proc, never by setting it: another thread could
+    create a file in between); 0o077 where /proc does not say."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o077
+
+
+def write_atomic(path: Path, data: bytes, *, mode: int | None = None) -> None:
     """Replace `path` with `data` so a reader sees the old file or the whole new one.
+    Its mode is `mode`, by default 0o666 less the process's umask (as `open` would give).
 
     Raises OSError (disk full, permission) with the temp file removed; `path` is then
     unchanged.
@@ -18,7 +31,7 @@ def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fchmod(f.fileno(), mode)
+            os.fchmod(f.fileno(), 0o666 & ~process_umask() if mode is None else mode)
             os.fsync(f.fileno())
         os.rename(tmp, path)
     except BaseException:
@@ -29,11 +42,3 @@ def write_atomic(path: Path, data: bytes, *, mode: int = 0o644) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
-
-
-def read_optional(path: Path) -> bytes | None:
-    """The file's bytes, or None when it does not exist."""
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        return None

@@ -137,10 +137,12 @@ def _add_verify_parser(sub: argparse._SubParsersAction[Any]) -> None:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     import json
+    import os
 
     import anyio
 
-    from llmd_supervisor.adapters.fsutil import read_optional, write_atomic
+    from llmd_supervisor.adapters import jobfiles
+    from llmd_supervisor.adapters.fsutil import write_atomic
     from llmd_supervisor.adapters.log import configure
     from llmd_supervisor.adapters.slurm import LocalRunner, SlurmClient
     from llmd_supervisor.core.marker import marker_filename
@@ -158,8 +160,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     marker_path: Path = args.marker or args.log_dir / marker_filename(job_id)
     evidence = DirectEvidence(SlurmClient(LocalRunner()), starttime=args.starttime)
 
-    async def marker_bytes() -> bytes | None:
-        return await anyio.to_thread.run_sync(read_optional, marker_path)
+    where = str(marker_path.absolute())
+
+    async def marker_bytes() -> bytes | None:  # never through a link, at most 64 KiB
+        return await jobfiles.read_local(os.path.dirname(where), where, time_limit=30)
 
     async def run() -> Any:
         return await verify_job(

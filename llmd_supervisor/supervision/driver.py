@@ -59,9 +59,15 @@ from llmd_supervisor.core.lifecycle import (
     plan,
     step,
 )
+from llmd_supervisor.core.paths import check_canonical, check_log_dir
 from llmd_supervisor.core.render import render_sbatch
 from llmd_supervisor.core.spec import RunSpec, load_spec
-from llmd_supervisor.errors import IllegalTransition, SpecError, SupervisorError
+from llmd_supervisor.errors import (
+    IllegalTransition,
+    SlurmCommandError,
+    SpecError,
+    SupervisorError,
+)
 from llmd_supervisor.supervision import steps
 from llmd_supervisor.supervision.attempt import Attempt
 from llmd_supervisor.supervision.cluster import Cluster
@@ -187,6 +193,7 @@ class Supervisor:
         """Validate, render, journal as `accepted` and start supervising; SpecError if bad."""
         spec = load_spec(spec_toml)
         cluster_cfg = self.config.cluster(cluster)
+        await self._admit_log_dir(spec.log_dir, self.clusters[cluster_cfg.name])
         run_id = uuid.uuid4().hex[:12]
         job_name = f"llmd-{run_id}"
         script = render_sbatch(spec, job_name=job_name)
@@ -211,6 +218,17 @@ class Supervisor:
         log.info("run.accepted", run_id=run_id, job_name=job_name, cluster=cluster_cfg.name)
         self.tg.start_soon(self._supervise, handle)
         return handle
+
+    async def _admit_log_dir(self, log_dir: str, cluster: Cluster) -> None:
+        """SpecError unless `log_dir` is allowed (`core.paths`) and, resolved where the
+        cluster's commands run (``realpath -m``), is itself: no link on its way."""
+        c = self.config
+        check_log_dir(log_dir, c.log_roots, [str(c.state_dir), str(c.archive_root)])
+        argv = ["realpath", "-m", "--", log_dir]
+        result = await cluster.client.runner.run(argv, time_limit=cluster.client.timeout)
+        if not result.ok:
+            raise SlurmCommandError(result.argv, result.returncode, result.stderr)
+        check_canonical(log_dir, result.stdout.strip())
 
     async def resume_all(self) -> int:
         """Start a driver for every run the journal holds as not final; return how many."""

@@ -34,6 +34,7 @@ Submit/Start/End and `CommandResult.started_at`, and only moves when the test sa
 
 from __future__ import annotations
 
+import os
 import re
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -936,6 +937,10 @@ class ReplayCluster:
             if self.touch_files:
                 Path(args[2]).mkdir(parents=True, exist_ok=True)
             return EMPTY
+        if program == "realpath":  # the log directory's check at submission
+            if args[:2] != ("-m", "--") or len(args) != 3:
+                raise ReplayError(f"realpath {args} is not modelled")
+            return Reply(stdout=os.path.realpath(args[2]) + "\n")
         raise ReplayError(f"the replayed cluster does not know {program!r} ({argv})")
 
     def _sbatch(self, args: tuple[str, ...], stdin: bytes | None) -> Reply:

@@ -67,6 +67,7 @@ class PerfDaemon(Daemon):
 state_dir = "{self.state_dir}"
 socket = "{self.socket}"
 log_format = "json"
+log_roots = ["/var/tmp"]
 
 [ssh]
 user = "root"

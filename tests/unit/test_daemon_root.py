@@ -34,6 +34,7 @@ def _config(tmp: Path) -> Config:
         port = int(s.getsockname()[1])
     return Config(
         state_dir=tmp / "state",
+        log_roots=(str(tmp),),
         socket_path=tmp / "control.sock",
         ssh=SshConfig(known_hosts=str(tmp / "known_hosts"), port=port, connect_timeout_s=0.5),
         poll=PollConfig(min_interval_s=0.05, max_interval_s=0.2),

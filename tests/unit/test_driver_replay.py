@@ -87,6 +87,7 @@ async def replayed(tmp_path: Path) -> AsyncIterator[Rig]:
     (tmp_path / "known_hosts").write_text("")
     config = Config(
         state_dir=tmp_path / "state",
+        log_roots=(str(tmp_path),),
         ssh=SshConfig(
             known_hosts=str(tmp_path / "known_hosts"), port=_closed_port(), connect_timeout_s=0.5
         ),

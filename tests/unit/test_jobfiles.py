@@ -1,0 +1,232 @@
+"""node/jobfile.py run here (as the shared-log-directory strategy runs it): what a job can
+plant in its log directory is refused unread, plain files are read and followed by name,
+copies stop at their byte caps; and where a log directory may be at all (core.paths)."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+
+from llmd_supervisor.adapters import jobfiles
+from llmd_supervisor.adapters.fsutil import process_umask, write_atomic
+from llmd_supervisor.adapters.tail import CopyBudget, tail_to_local
+from llmd_supervisor.core.config import load_config
+from llmd_supervisor.core.paths import check_canonical, check_log_dir
+from llmd_supervisor.errors import ConfigError, FileRefused, LogCapped, SpecError
+
+SECRET = b"root:$6$secret-hash:19000:0:99999:7:::\n"
+
+
+def plant(d: Path, secret: Path) -> dict[str, str]:
+    """Every kind of non-plain file a job can leave; name -> the refusal's words."""
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "link").symlink_to(secret)
+    os.mkfifo(d / "fifo")
+    (d / "dir").mkdir()
+    (d / "dirlink").symlink_to(secret.parent)
+    (d / "hard").write_bytes(b"x")
+    os.link(d / "hard", d / "hard2")
+    (d / "big").write_bytes(b"y" * (jobfiles.SMALL_FILE_MAX + 1))
+    os.mknod(d / "zero", stat.S_IFCHR | 0o600, os.makedev(1, 5))  # like /dev/zero
+    (d / "theirs").write_bytes(b"another uid's file")
+    os.chown(d / "theirs", 65534, 65534)
+    return {
+        "link": "is a symbolic link",
+        "fifo": "is a FIFO",
+        "dir": "is a directory",
+        "dirlink/shadow": "dirlink is a symbolic link or not a directory",
+        "hard": "2 hard links",
+        "big": "larger than 65536 bytes",
+        "zero": "is a device",
+        "theirs": "owned by uid 65534",
+    }
+
+
+@pytest.fixture
+def logs(tmp_path: Path) -> tuple[Path, dict[str, str]]:
+    secret = tmp_path / "etc" / "shadow"
+    secret.parent.mkdir()
+    secret.write_bytes(SECRET)
+    d = tmp_path / "runs" / "L"
+    return d, plant(d, secret)
+
+
+@pytest.mark.asyncio
+async def test_every_planted_kind_is_refused_with_its_reason_and_never_read(
+    logs: tuple[Path, dict[str, str]],
+) -> None:
+    d, kinds = logs
+    with anyio.fail_after(30):
+        for name, why in kinds.items():
+            with pytest.raises(FileRefused, match=why) as info:
+                await jobfiles.read_local(str(d), str(d / name), time_limit=10)
+            assert "secret-hash" not in str(info.value)
+        (d / "ok").write_bytes(b'{"rc": 0}')
+        assert await jobfiles.read_local(str(d), str(d / "ok"), time_limit=10) == b'{"rc": 0}'
+        assert await jobfiles.read_local(str(d), str(d / "nope"), time_limit=10) is None
+        assert await jobfiles.read_local(str(d), str(d / "5" / "x"), time_limit=10) is None
+        assert "link" in await jobfiles.list_local(str(d), str(d), time_limit=10)
+        with pytest.raises(FileRefused, match="symbolic link"):
+            await jobfiles.list_local(str(d), str(d / "dirlink"), time_limit=10)
+
+
+def test_the_log_directory_itself_as_a_link_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "a.out").write_bytes(b"theirs")
+    (tmp_path / "L").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(FileRefused, match="L is a symbolic link"):
+        anyio.run(
+            lambda: jobfiles.read_local(
+                str(tmp_path / "L"), str(tmp_path / "L/a.out"), time_limit=10
+            )
+        )
+
+
+def _follower(d: Path, name: str, offset: int = 0) -> subprocess.Popen[bytes]:
+    root, rel = jobfiles.split(str(d), str(d / name))
+    return subprocess.Popen(
+        jobfiles.argv(sys.executable, "follow", root, rel, str(offset), "0.05"),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+
+
+def test_follow_by_name_like_tail_F_then_drain_at_stdin_eof(tmp_path: Path) -> None:
+    d = tmp_path / "L"
+    d.mkdir()
+    log = d / "rank0.log"
+    log.write_bytes(b"one\n")
+    p = _follower(d, "rank0.log", offset=1)
+    time.sleep(0.3)
+    log.rename(d / "old")  # replaced: the new file is read from its start
+    (d / "new").write_bytes(b"two\n")
+    (d / "new").rename(log)
+    time.sleep(0.3)
+    with log.open("ab") as f:
+        f.write(b"three\n")
+    out, err = p.communicate(timeout=10)  # stdin EOF: what is left, then exit 0
+    assert p.returncode == 0, err
+    assert out == b"ne\ntwo\nthree\n"
+
+
+def test_a_link_swapped_in_while_followed_ends_the_follower_refused(tmp_path: Path) -> None:
+    secret = tmp_path / "shadow"
+    secret.write_bytes(SECRET)
+    d = tmp_path / "L"
+    d.mkdir()
+    (d / "a.err").write_bytes(b"start\n")
+    p = _follower(d, "a.err")
+    time.sleep(0.3)
+    (d / "a.err").unlink()
+    (d / "a.err").symlink_to(secret)
+    assert p.wait(timeout=10) == jobfiles.REFUSED  # noticed at its next look, unasked
+    out, err = p.communicate(timeout=10)
+    assert p.returncode == jobfiles.REFUSED
+    assert out == b"start\n" and b"symbolic link" in err and b"secret" not in out
+
+
+def test_a_fifo_never_blocks_a_follower(tmp_path: Path) -> None:
+    d = tmp_path / "L"
+    d.mkdir()
+    os.mkfifo(d / "a.err")
+    p = _follower(d, "a.err")
+    out, err = p.communicate(timeout=10)
+    assert (p.returncode, out) == (jobfiles.REFUSED, b"") and b"FIFO" in err
+
+
+@pytest.mark.asyncio
+async def test_a_copy_stops_at_the_per_file_cap_and_then_at_the_per_run_cap(
+    tmp_path: Path,
+) -> None:
+    d = tmp_path / "L"
+    d.mkdir()
+    (d / "a.out").write_bytes(b"a" * 5000)
+    (d / "b.out").write_bytes(b"b" * 5000)
+    budget = CopyBudget(per_file=3000, per_run=4000)
+    stop = anyio.Event()
+    stop.set()
+    files = jobfiles.LocalFiles()
+    with anyio.fail_after(20):
+        with pytest.raises(LogCapped, match="3000 bytes"):
+            await tail_to_local(
+                files, str(d), str(d / "a.out"), tmp_path / "c" / "a.out", stop=stop, budget=budget
+            )
+        with pytest.raises(LogCapped, match="1000 bytes"):
+            await tail_to_local(
+                files, str(d), str(d / "b.out"), tmp_path / "c" / "b.out", stop=stop, budget=budget
+            )
+        # at the cap already: nothing more is read, no error
+        await tail_to_local(
+            files, str(d), str(d / "b.out"), tmp_path / "c" / "b.out", stop=stop, budget=budget
+        )
+    assert (tmp_path / "c" / "a.out").read_bytes() == b"a" * 3000
+    assert (tmp_path / "c" / "b.out").read_bytes() == b"b" * 1000
+    assert budget.used == 4000
+
+
+def test_archive_files_take_their_mode_from_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        assert process_umask() == 0o027
+        write_atomic(tmp_path / "f", b"x")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "f").stat().st_mode) == 0o640
+
+
+ROOTS = ("/shared/runs", "/var/tmp")
+FORBIDDEN = ("/var/tmp/llmd/state", "/var/tmp/llmd/archive")
+
+
+@pytest.mark.parametrize(
+    ("log_dir", "why"),
+    [
+        ("/shared/runs/alice/demo", None),
+        ("/var/tmp/llmd-runs/x", None),
+        ("relative/dir", "absolute path in normal form"),
+        ("/shared/runs/../../etc", "normal form"),
+        ("/shared/runs/./x", "normal form"),
+        ("/shared/runs//x", "normal form"),
+        ("/shared/runs/x/", "normal form"),
+        ("/shared/runs", "below one of daemon.log_roots"),
+        ("/etc/llmd", "below one of daemon.log_roots"),
+        ("/shared/runsX/y", "below one of daemon.log_roots"),
+        ("/var/tmp/llmd/state/archive/r1", "overlaps the daemon's own directory"),
+        ("/var/tmp/llmd", "overlaps the daemon's own directory"),
+    ],
+)
+def test_where_a_log_directory_may_be(log_dir: str, why: str | None) -> None:
+    if why is None:
+        check_log_dir(log_dir, ROOTS, FORBIDDEN)
+    else:
+        with pytest.raises(SpecError, match=why):
+            check_log_dir(log_dir, ROOTS, FORBIDDEN)
+
+
+def test_no_log_roots_means_no_submission_and_says_how_to_fix_it() -> None:
+    with pytest.raises(SpecError, match=r"daemon.log_roots \(e.g. log_roots"):
+        check_log_dir("/shared/runs/x", (), ())
+
+
+def test_a_link_on_the_way_is_refused_naming_the_real_path() -> None:
+    check_canonical("/shared/runs/x", "/shared/runs/x")
+    with pytest.raises(SpecError, match="leads to /etc; give that path itself"):
+        check_canonical("/shared/runs/x", "/etc")
+
+
+@pytest.mark.parametrize("root", ["relative", "/", "/a/../b", "/a/./b"])
+def test_log_roots_must_be_normal_absolute_directories(root: str) -> None:
+    with pytest.raises(ConfigError, match=r"daemon\.log_roots"):
+        load_config(f'[daemon]\nlog_roots = ["{root}"]\n')
+
+
+def test_log_roots_lose_a_trailing_slash() -> None:
+    assert load_config('[daemon]\nlog_roots = ["/shared/runs/"]\n').log_roots == ("/shared/runs",)
