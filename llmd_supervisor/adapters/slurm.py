@@ -8,6 +8,15 @@ an exception: the verdict decides what it means. Commands whose failure is an er
 
 On cancellation the running command is killed and reaped by anyio before `Cancelled`
 propagates; nothing is left behind.
+
+The commands get a small explicit environment, never the daemon's own (which may hold an
+operator's tokens): sbatch hands its environment to the job (``--export=ALL``), so a
+variable here reaches every user's job. It is :data:`PASSED_ENV` taken from the daemon's
+environment (or the login host's, see ``slurm_ssh``), ``SLURM_UMASK=0077`` (Slurm creates
+the job's ``.out``/``.err`` 0600 and starts the batch shell under umask 077), and what the
+operator configured for the cluster (``SLURM_CONF``). Other ``SLURM_*``/``SBATCH_*``/
+``SQUEUE_*``/``SACCT_*`` input variables would change what is submitted or how the output
+looks, so they are dropped too.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Protocol
+from typing import Final, Protocol
 
 import anyio
 
@@ -31,6 +40,20 @@ from llmd_supervisor.core.slurm_parse import (
 from llmd_supervisor.errors import SlurmCommandError
 
 DEFAULT_TIMEOUT_S = 30.0
+# What the Slurm commands (and so, through sbatch, the jobs) see of the daemon's environment.
+PASSED_ENV: Final = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "SLURM_CONF")
+FIXED_ENV: Final = {"SLURM_UMASK": "0077"}
+
+
+def command_env(
+    environ: Mapping[str, str], configured: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The environment of a Slurm command: PASSED_ENV from `environ`, FIXED_ENV, then
+    the cluster's `configured` variables (e.g. SLURM_CONF), which win."""
+    env = {k: environ[k] for k in PASSED_ENV if k in environ}
+    env.update(FIXED_ENV)
+    env.update(configured or {})
+    return env
 
 
 @dataclass(frozen=True)
@@ -79,10 +102,10 @@ class CommandRunner(Protocol):
 
 
 class LocalRunner:
-    """Runs commands on this machine, with `SLURM_CONF` and friends from `env`."""
+    """Runs commands on this machine in `command_env` (the configured `env` on top)."""
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
-        self._env = {**os.environ, **(env or {})}
+        self._env = command_env(os.environ, env)
         # Children die with the daemon: an sbatch orphaned by a crash could otherwise
         # submit after the restarted daemon concluded the job did not exist.
         setpriv = shutil.which("setpriv")

@@ -2,8 +2,11 @@
 
 A cluster configured with ``login_host`` runs every Slurm client command (and the few
 file commands the supervisor needs where Slurm runs: ``mkdir -p``, ``cat`` of the marker)
-over one multiplexed SSH connection to that host, as ``env SLURM_CONF=... <argv>`` quoted
-with shlex. sbatch gets its script on stdin, exactly as locally.
+over one multiplexed SSH connection to that host, quoted with shlex, in the same small
+environment as locally (`llmd_supervisor.adapters.slurm.command_env`): the login
+shell's own variables are cleared, except PASSED_ENV as the login host has them, and the
+configured ones (SLURM_CONF) are set -- ``sh -c 'exec env -i ${PATH+"PATH=$PATH"} ...
+"$@"' sh SLURM_CONF=... <argv>``. sbatch gets its script on stdin, exactly as locally.
 
 Every SSH failure becomes `SlurmCommandError` (returncode None: "could not be started";
 the link's time limit: ``timed_out_after``), so the poller and the verifier treat a lost
@@ -20,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
 from llmd_supervisor.adapters.remote import NodeLink, SshSettings
-from llmd_supervisor.adapters.slurm import CommandResult, CommandRunner
+from llmd_supervisor.adapters.slurm import FIXED_ENV, PASSED_ENV, CommandResult, CommandRunner
 from llmd_supervisor.core.config import SshConfig
 from llmd_supervisor.errors import RemoteError, SlurmCommandError
 
@@ -36,12 +39,19 @@ def ssh_settings(ssh: SshConfig) -> SshSettings:
     )
 
 
+# Keeps each PASSED_ENV variable the remote shell has (and only those): ${V+"V=$V"} is
+# one word when V is set, none when it is not.
+_CLEAN_ENV_SCRIPT = 'exec env -i -- {} "$@"'.format(
+    " ".join(f'${{{name}+"{name}=${name}"}}' for name in PASSED_ENV)
+)
+
+
 def remote_argv(argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
-    """`argv` prefixed with ``env K=V ...`` (NodeLink.run shlex-quotes every word)."""
-    if not env:
-        return list(argv)
-    # `--` ends env's options; after the assignments the first word is the command.
-    return ["env", "--", *(f"{k}={v}" for k, v in sorted(env.items())), *argv]
+    """`argv` run by ``env -i`` with PASSED_ENV from the remote side, then FIXED_ENV and
+    `env` (NodeLink.run shlex-quotes every word; `sh` expands the remote variables)."""
+    assigned = {**FIXED_ENV, **env}
+    # After the assignments the first word is the command.
+    return ["sh", "-c", _CLEAN_ENV_SCRIPT, "sh", *(f"{k}={v}" for k, v in assigned.items()), *argv]
 
 
 class SshRunner:

@@ -6,6 +6,14 @@ batch shell writes them to ``<log_dir>/<job_id>/node/`` on the shared file syste
 log directory must be shared anyway, since the completion marker lives there -- and runs
 one ``srun`` task per node. The script exits with srun's rc and never calls ``scancel``.
 
+Secrets stay private: the job's variables come only from the spec's ``[env]`` tables (in
+``config.json``, mode 0600, read by the agent). ``--export=ALL`` hands the job exactly
+sbatch's own environment, which the daemon keeps small (PATH, HOME, USER, LOGNAME, LANG,
+LC_ALL, TZ, SLURM_CONF: see ``adapters/slurm.py``). Not ``--export=NONE``: the batch shell
+and every step would lose PATH; not a list of names: Slurm 22.05 then loads the user's
+login environment (``su -``) into the batch shell. The script runs under ``umask 077``
+(srun passes it to every task), so nothing the job writes is readable by other users.
+
 The batch shell traps TERM (``--signal=B:TERM@<grace>`` before the time limit) and keeps
 waiting for srun: the tasks receive their own TERM from srun's ``--signal=TERM@<grace>``
 or from ``scancel --signal=TERM``, and the job's exit status stays srun's.
@@ -119,6 +127,7 @@ def sbatch_options(spec: RunSpec, *, job_name: str) -> list[str]:
         f"--signal=B:TERM@{spec.sigterm_grace_s}",
         "--requeue" if s.requeue else "--no-requeue",
         f"--time={s.time_limit}",
+        "--export=ALL",
     ]
     if s.partition:
         opts.append(f"--partition={s.partition}")
@@ -208,7 +217,7 @@ def render_sbatch(
         "# Nothing here cancels the job: a finished run ends COMPLETED or FAILED by itself.",
         "",
         "set -u",
-        "umask 022",
+        "umask 077",
         'SRUN_PID=""',
         # Slurm TERMs this shell <grace> s before the time limit (B:TERM). The tasks get
         # their own TERM from srun --signal / scancel --signal=TERM; the shell must keep
@@ -218,10 +227,13 @@ def render_sbatch(
         f"LOG_DIR={shlex.quote(spec.log_dir)}",
         'JOB_ID="${SLURM_JOB_ID:?llmd: this script must run under sbatch}"',
         f'NODE_DIR="$LOG_DIR/$JOB_ID/{shared.NODE_DIR}"',
-        'mkdir -p -- "$NODE_DIR" || exit 1',
+        'mkdir -p -m 700 -- "$NODE_DIR" || exit 1',
         "",
     ]
     body = [_heredoc(f'"$NODE_DIR/{name}"', name, sources[name]) for name in NODE_FILES]
+    # The config carries the spec's [env] values (tokens): only the job's user may read
+    # it, so it is created afresh under umask 077 (a requeued job finds the old one).
+    body.append('rm -f -- "$NODE_DIR/config.json"\n')
     body.append(_heredoc('"$NODE_DIR/config.json"', "config.json", config))
     tail = [
         "",

@@ -24,13 +24,20 @@ Layout (see ``deploy/llm-d/demo.toml``)::
 from __future__ import annotations
 
 import math
+import posixpath
 import re
-import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Final
 
+from llmd_supervisor.core.spec_container import (
+    IMAGE_RE,
+    Container,
+    ContainerKind,
+    mount_source_error,
+    overlapping,
+    parse_container,
+)
 from llmd_supervisor.core.spec_fields import (
     CONTROL_RE,
     PATH_RE,
@@ -43,9 +50,20 @@ from llmd_supervisor.core.spec_fields import (
     path_field,
     pattern_field,
 )
+from llmd_supervisor.core.spec_slurm import (
+    ALLOWED_SBATCH_OPTIONS,
+    EXTRA_ARG_RE,
+    MAX_EXTRA_ARGS,
+    RESERVED_SBATCH_OPTIONS,
+    TIME_RE,
+    extra_arg,
+    time_limit_seconds,
+)
+from llmd_supervisor.core.spec_toml import decode_toml
 from llmd_supervisor.errors import SpecError
 
 __all__ = [
+    "ALLOWED_SBATCH_OPTIONS",
     "BENCH_PLACEHOLDERS",
     "CONTROL_RE",
     "ENGINE_PLACEHOLDERS",
@@ -59,7 +77,6 @@ __all__ = [
     "NAME_RE",
     "PATH_RE",
     "PLACEHOLDER_RE",
-    "PYTHON_RE",
     "RESERVED_SBATCH_OPTIONS",
     "SERVED_NAME_RE",
     "TIME_RE",
@@ -72,6 +89,7 @@ __all__ = [
     "RunSpec",
     "Slurm",
     "Topology",
+    "check_daemon_dirs",
     "load_spec",
     "parse_spec",
     "time_limit_seconds",
@@ -82,42 +100,8 @@ __all__ = [
 NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 JOB_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SERVED_NAME_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:-]{0,199}")
-IMAGE_RE: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._/:@+-]{0,255}")
-PYTHON_RE: Final = re.compile(r"[A-Za-z0-9._/+-]{1,200}")
 ENV_NAME_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 HEALTH_PATH_RE: Final = re.compile(r"/[A-Za-z0-9._/-]{0,200}")
-# Slurm --time forms: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S.
-TIME_RE: Final = re.compile(r"(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)")
-EXTRA_ARG_RE: Final = re.compile(r"--([a-z][a-z0-9-]*)(?:=([A-Za-z0-9._:,/@+=-]*))?")
-
-# Options the renderer owns; an extra arg may not set them, nor be a prefix of one
-# (Slurm accepts unambiguous abbreviations of long options).
-RESERVED_SBATCH_OPTIONS: Final = frozenset(
-    {
-        "job-name",
-        "nodes",
-        "ntasks",
-        "ntasks-per-node",
-        "output",
-        "error",
-        "signal",
-        "requeue",
-        "no-requeue",
-        "time",
-        "partition",
-        "account",
-        "gpus-per-node",
-        "array",
-        "wrap",
-        "export",
-        "chdir",
-        "input",
-        "open-mode",
-        "parsable",
-        "wait",
-    }
-)
-
 ENGINE_PLACEHOLDERS: Final = frozenset(
     {
         "rank",
@@ -153,14 +137,6 @@ MAX_GRACE_S: Final = 3600
 MAX_NODES: Final = 1024
 
 
-class ContainerKind(StrEnum):
-    """How the node agent and engines are started on each node."""
-
-    NONE = "none"  # bare processes with the node's python3 (dev cluster)
-    DOCKER = "docker"  # `docker run --network=host` per task
-    PYXIS = "pyxis"  # srun --container-image=<squash file> (enroot/pyxis)
-
-
 # --- the spec -----------------------------------------------------------------------------
 
 
@@ -185,15 +161,6 @@ class Topology:
 class Model:
     path: str
     served_name: str
-
-
-@dataclass(frozen=True)
-class Container:
-    kind: ContainerKind = ContainerKind.NONE
-    image: str | None = None
-    squash_file: str | None = None
-    mounts: tuple[str, ...] = ()
-    python: str = "python3"
 
 
 @dataclass(frozen=True)
@@ -291,11 +258,7 @@ _REQUIRED_TABLES: Final = ("run", "topology", "model", "engine", "benchmark", "s
 
 def load_spec(text: str) -> RunSpec:
     """Parse and validate a run spec from TOML text."""
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise SpecError("<toml>", text[:80], f"the file is not valid TOML ({exc})") from exc
-    return parse_spec(data)
+    return parse_spec(decode_toml(text))
 
 
 def parse_spec(data: Mapping[str, object]) -> RunSpec:
@@ -317,11 +280,19 @@ def parse_spec(data: Mapping[str, object]) -> RunSpec:
             f"must be shorter than slurm.time_limit ({slurm.time_limit} = "
             f"{slurm.time_limit_s} s) so the TERM can arrive before the limit",
         )
+    log_dir = path_field(run, "run.log_dir", required=True) or ""
+    model = _parse_model(t["model"])
+    container = parse_container(t["container"])
+    if container.kind is not ContainerKind.NONE:  # both are mounted into the container too
+        for fld, path in (("run.log_dir", log_dir), ("model.path", model.path)):
+            why = mount_source_error(path)
+            if why is not None:
+                raise SpecError(fld, path, f"it is mounted into the container, and {why}")
     return RunSpec(
-        log_dir=path_field(run, "run.log_dir", required=True) or "",
+        log_dir=log_dir,
         topology=topo,
-        model=_parse_model(t["model"]),
-        container=_parse_container(t["container"]),
+        model=model,
+        container=container,
         engine=_parse_engine(t["engine"]),
         benchmark=_parse_benchmark(t["benchmark"]),
         slurm=slurm,
@@ -367,55 +338,6 @@ def _parse_model(t: Mapping[str, object]) -> Model:
         )
         or "",
     )
-
-
-def _parse_container(t: Mapping[str, object]) -> Container:
-    raw_kind = t.get("kind", "none")
-    try:
-        kind = ContainerKind(raw_kind if isinstance(raw_kind, str) else "")
-    except ValueError:
-        raise SpecError(
-            "container.kind", raw_kind, "use one of 'none', 'docker', 'pyxis'"
-        ) from None
-    image = pattern_field(
-        t, "container.image", IMAGE_RE, "use a registry reference like 'vllm/vllm-openai:v0.9'"
-    )
-    squash = path_field(t, "container.squash_file")
-    mounts = tuple(
-        _mount(f"container.mounts[{i}]", m) for i, m in enumerate(list_field(t, "container.mounts"))
-    )
-    python = pattern_field(
-        t, "container.python", PYTHON_RE, "name an interpreter like 'python3' or '/usr/bin/python3'"
-    )
-    if kind is ContainerKind.DOCKER and image is None:
-        raise SpecError("container.image", None, "container.kind 'docker' needs an image")
-    if kind is ContainerKind.PYXIS and squash is None:
-        raise SpecError(
-            "container.squash_file", None, "container.kind 'pyxis' needs a squash file path"
-        )
-    if kind is ContainerKind.NONE and (image or squash or mounts):
-        raise SpecError(
-            "container.kind",
-            "none",
-            "image/squash_file/mounts only apply to 'docker' or 'pyxis'; remove them or set kind",
-        )
-    if kind is ContainerKind.DOCKER and squash is not None:
-        raise SpecError("container.squash_file", squash, "only 'pyxis' uses a squash file")
-    if kind is ContainerKind.PYXIS and image is not None:
-        raise SpecError(
-            "container.image", image, "'pyxis' runs container.squash_file; remove image"
-        )
-    return Container(kind, image, squash, mounts, python or "python3")
-
-
-def _mount(fld: str, value: object) -> str:
-    if not isinstance(value, str):
-        raise SpecError(fld, value, "a mount is a string 'SRC:DST' or 'SRC:DST:ro'")
-    parts = value.split(":")
-    ok = len(parts) in (2, 3) and all(PATH_RE.fullmatch(p) for p in parts[:2])
-    if not ok or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
-        raise SpecError(fld, value, "use 'SRC:DST' or 'SRC:DST:ro' with absolute, plain paths")
-    return value
 
 
 def _parse_engine(t: Mapping[str, object]) -> Engine:
@@ -483,9 +405,12 @@ def _parse_slurm(t: Mapping[str, object]) -> Slurm:
     if time_limit_seconds(time_limit) < 60:
         raise SpecError("slurm.time_limit", time_limit, "Slurm's minimum is 1 minute")
     hint = "use letters, digits and . _ - (at most 64 characters)"
-    extra: list[str] = []
-    for i, arg in enumerate(list_field(t, "slurm.extra_args")):
-        extra.append(_extra_arg(f"slurm.extra_args[{i}]", arg))
+    args = list_field(t, "slurm.extra_args")
+    if len(args) > MAX_EXTRA_ARGS:
+        raise SpecError(
+            "slurm.extra_args", f"{len(args)} entries", f"give at most {MAX_EXTRA_ARGS}"
+        )
+    extra = [extra_arg(f"slurm.extra_args[{i}]", arg) for i, arg in enumerate(args)]
     requeue = t.get("requeue", False)
     if not isinstance(requeue, bool):
         raise SpecError("slurm.requeue", requeue, "use true or false (default false)")
@@ -496,29 +421,6 @@ def _parse_slurm(t: Mapping[str, object]) -> Slurm:
         extra_args=tuple(extra),
         requeue=requeue,
     )
-
-
-def _extra_arg(fld: str, arg: object) -> str:
-    if not isinstance(arg, str):
-        raise SpecError(fld, arg, "each extra sbatch arg is a string like '--exclusive'")
-    m = EXTRA_ARG_RE.fullmatch(arg)
-    if m is None:
-        raise SpecError(
-            fld,
-            arg,
-            "write it as '--option' or '--option=value'"
-            " (value: letters, digits and . _ : , / @ + = -)",
-        )
-    name = m.group(1)
-    clash = sorted(o for o in RESERVED_SBATCH_OPTIONS if o.startswith(name))
-    if clash:
-        raise SpecError(
-            fld,
-            arg,
-            f"--{clash[0]} is set by the supervisor from the spec and cannot be overridden"
-            " (use the matching spec field instead)",
-        )
-    return arg
 
 
 def _parse_env(t: Mapping[str, object]) -> Env:
@@ -554,16 +456,32 @@ def _table(data: Mapping[str, object], name: str) -> Mapping[str, object]:
     return value
 
 
-def time_limit_seconds(value: str) -> int:
-    """Seconds in a Slurm ``--time`` value (``M``, ``M:S``, ``H:M:S``, ``D-H[:M[:S]]``)."""
-    m = TIME_RE.fullmatch(value)
-    if m is None:
-        raise SpecError("slurm.time_limit", value, "use a Slurm time like '01:30:00'")
-    days, dh, dm, ds, a, b, c = m.groups()
-    if days is not None:
-        return ((int(days) * 24 + int(dh)) * 60 + int(dm or 0)) * 60 + int(ds or 0)
-    if c is not None:  # H:M:S
-        return (int(a) * 60 + int(b)) * 60 + int(c)
-    if b is not None:  # M:S
-        return int(a) * 60 + int(b)
-    return int(a) * 60
+def check_daemon_dirs(spec: RunSpec, dirs: Sequence[str]) -> None:
+    """Refuse a spec that would reach into one of the daemon's own directories.
+
+    `dirs` are the daemon's state, archive and socket directories (absolute). The log
+    directory may not be one of them or lie inside one; a container mount source (the
+    spec's, and the log and model directories the renderer mounts) may not overlap one
+    either way (mounting ``/var`` would expose ``/var/lib/llmd-supervisor``).
+    """
+    daemon = [posixpath.normpath(d) for d in dirs]
+    for d in daemon:
+        if spec.log_dir == d or spec.log_dir.startswith(d.rstrip("/") + "/"):
+            raise SpecError(
+                "run.log_dir",
+                spec.log_dir,
+                f"it lies inside the supervisor's directory {d}; use a directory of your own",
+            )
+    if spec.container.kind is ContainerKind.NONE:
+        return
+    sources = [("run.log_dir", spec.log_dir), ("model.path", spec.model.path)]
+    sources += [(f"container.mounts[{i}]", m) for i, m in enumerate(spec.container.mounts)]
+    for fld, value in sources:
+        hit = overlapping(value.split(":")[0], daemon)
+        if hit is not None:
+            raise SpecError(
+                fld,
+                value,
+                f"it is mounted into the container and overlaps the supervisor's directory {hit}"
+                "; mount a directory that neither holds nor lies inside it",
+            )

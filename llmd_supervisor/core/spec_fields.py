@@ -21,6 +21,11 @@ PLACEHOLDER_RE: Final = re.compile(r"\{\{|\}\}|\{([a-z_]+)\}|[{}]")
 CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f]")
 
 
+def plain_path(path: str) -> bool:
+    """No ``.`` or ``..`` part: the path means what it says (checked after PATH_RE)."""
+    return not any(part in (".", "..") for part in path.split("/"))
+
+
 def check_keys(prefix: str, table: Mapping[str, object], allowed: Sequence[str]) -> None:
     for key in table:
         if key not in allowed:
@@ -82,13 +87,13 @@ def pattern_field(
 
 
 def path_field(t: Mapping[str, object], fld: str, *, required: bool = False) -> str | None:
-    value = pattern_field(
-        t,
-        fld,
-        PATH_RE,
-        "use an absolute path of letters, digits and . _ + - / (no spaces, quotes, $ or %)",
-        required=required,
+    hint = (
+        "use an absolute path of letters, digits and . _ + - / (no spaces, quotes, $ or %,"
+        " no '.' or '..' parts)"
     )
+    value = pattern_field(t, fld, PATH_RE, hint, required=required)
+    if value is not None and not plain_path(value):
+        raise SpecError(fld, value, hint)
     if value is not None and value != "/":
         value = value.rstrip("/")
     return value

@@ -195,7 +195,8 @@ def write_atomic(path: str, data: bytes, *, durable: bool, slow_s: float = 0.0) 
     tmp = os.path.join(
         directory, ".%s.tmp.%s.%d" % (os.path.basename(path), socket.gethostname(), os.getpid())
     )
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    # 0600: the daemon reads these files as the same account (its SSH user, or shared fs).
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         if slow_s > 0:
             step = max(1, len(data) // 8)

@@ -72,6 +72,7 @@ def test_demo_sbatch_options() -> None:
         "--signal=B:TERM@10",
         "--no-requeue",
         "--time=00:05:00",
+        "--export=ALL",
     ]
 
 
