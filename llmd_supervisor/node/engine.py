@@ -14,7 +14,11 @@ when that is set, compared with ``LLMD_RANK``):
   * ``LLMD_FAKE_ENGINE_NEVER_HEALTHY=1``: ``/health`` answers 503 forever;
   * ``LLMD_FAKE_ENGINE_CRASH_AFTER_S=N``: exit with rc 3 N seconds after start;
   * ``LLMD_FAKE_ENGINE_HANG=1``: accept connections but never answer anything;
-  * ``LLMD_FAKE_ENGINE_IGNORE_SIGTERM=1``: ignore SIGTERM (only SIGKILL stops it).
+  * ``LLMD_FAKE_ENGINE_IGNORE_SIGTERM=1``: ignore SIGTERM (only SIGKILL stops it);
+  * ``LLMD_FAKE_PLANT=KIND:NAME[=ARG],...``: at start, act as a hostile job in its own log
+    directory (``LLMD_LOG_DIR``; ``%j`` and ``%x`` in NAME are the job id and name): put a
+    ``link`` to ARG, a ``fifo``, a ``device`` (like /dev/zero), a ``dir`` or a ``big`` file
+    of ARG bytes at NAME, replacing what is there.
 """
 
 from __future__ import annotations
@@ -42,6 +46,35 @@ def fault_active() -> bool:
 
 def fault(name: str) -> str:
     return os.environ.get(name, "") if fault_active() else ""
+
+
+def plant(spec: str) -> None:
+    """Carry out LLMD_FAKE_PLANT (see the module docstring)."""
+    log_dir = os.environ["LLMD_LOG_DIR"]
+    for item in filter(None, (i.strip() for i in spec.split(","))):
+        kind, _, rest = item.partition(":")
+        name, _, arg = rest.partition("=")
+        name = name.replace("%j", os.environ.get("LLMD_JOB_ID", "")).replace(
+            "%x", os.environ.get("SLURM_JOB_NAME", "")
+        )
+        path = os.path.join(log_dir, name)
+        if os.path.lexists(path) and not os.path.isdir(path):
+            os.unlink(path)
+        if kind == "link":
+            os.symlink(arg, path)
+        elif kind == "fifo":
+            os.mkfifo(path)
+        elif kind == "device":
+            os.mknod(path, 0o600 | 0o020000, os.makedev(1, 5))  # a character device
+        elif kind == "dir":
+            os.makedirs(path, exist_ok=True)
+        elif kind == "big":
+            with open(path, "wb") as f:
+                for _ in range(int(arg) >> 16):
+                    f.write(b"b" * 65535 + b"\n")
+        else:
+            raise SystemExit("LLMD_FAKE_PLANT: unknown kind %r" % kind)
+        print("fault: planted %s at %s" % (kind, path), flush=True)
 
 
 class Engine(object):
@@ -173,6 +206,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("fault: ignoring SIGTERM", flush=True)
     else:
         signal.signal(signal.SIGTERM, lambda s, f: sys.exit(0))
+    if fault("LLMD_FAKE_PLANT"):
+        plant(fault("LLMD_FAKE_PLANT"))
     startup = float(fault("LLMD_FAKE_ENGINE_STARTUP_S") or 0)
     if startup > 0:
         time.sleep(startup)

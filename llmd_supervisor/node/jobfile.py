@@ -70,24 +70,28 @@ def open_file(root: str, rel: str) -> Optional[Tuple[int, os.stat_result]]:
             except OSError as exc:
                 if exc.errno == errno.ENOENT:
                     return None
-                if exc.errno == errno.ELOOP:
-                    raise Refused("%s is a symbolic link" % "/".join(parts[: i + 1])) from None
-                if exc.errno == errno.ENOTDIR:
-                    raise Refused(
-                        "%s is a symbolic link or not a directory" % "/".join(parts[: i + 1])
-                    ) from None
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise Refused(_on_the_way(parts, i, exc.errno)) from None
                 raise
             os.close(fd)
             fd = nfd
         st = os.fstat(fd)
         why = _not_plain(st)
         if why:
-            raise Refused("%s is %s" % (rel, why))
+            raise Refused("it is " + why)
         found, fd = fd, -1
         return found, st
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def _on_the_way(parts: List[str], i: int, err: int) -> str:
+    """Why component `i` of `parts` could not be opened (ELOOP or ENOTDIR)."""
+    if i == len(parts) - 1:
+        return "it is a symbolic link"
+    what = "a symbolic link" if err == errno.ELOOP else "a symbolic link or not a directory"
+    return "%s on its way is %s" % ("/".join(parts[: i + 1]), what)
 
 
 def _not_plain(st: os.stat_result) -> str:
@@ -136,7 +140,7 @@ def list_dir(root: str, rel: str, limit: int) -> Tuple[int, List[str]]:
                 if exc.errno == errno.ENOENT:
                     return MISSING, []
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                    raise Refused("%s is a symbolic link or not a directory" % rel) from None
+                    raise Refused("it is a symbolic link or not a directory") from None
                 raise
             os.close(fd)
             fd = nfd

@@ -30,7 +30,7 @@ from llmd_supervisor.core.lifecycle import (
 )
 from llmd_supervisor.core.slurm_parse import JobState, parse_scontrol_job
 from llmd_supervisor.core.verdict import SlurmQuery, Source
-from llmd_supervisor.errors import SlurmCommandError, SlurmParseError, SupervisorError
+from llmd_supervisor.errors import FileRefused, SlurmCommandError, SlurmParseError, SupervisorError
 from llmd_supervisor.node.common import expand_hostlist
 from llmd_supervisor.supervision.attempt import CopyState
 from llmd_supervisor.supervision.poller import QueueView
@@ -287,7 +287,10 @@ async def write_archive(sup: Supervisor, h: RunHandle) -> None:
     the outcome is never declared before its evidence is on disk. A log copy that is not
     complete is drained again before each retry (a node that keeps refusing: at most
     REMOTE_DRAINS times, then `logs.incomplete` is recorded instead of hanging)."""
-    marker = await _marker(h)
+    try:
+        marker = await _marker(h)
+    except FileRefused:  # not a plain file: the verdict said so, nothing to archive
+        marker = None
     attempt = h.attempt
     copies = attempt.copies if attempt is not None else CopyState.COMPLETE
     delay = 1.0

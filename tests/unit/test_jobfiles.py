@@ -41,7 +41,7 @@ def plant(d: Path, secret: Path) -> dict[str, str]:
         "link": "is a symbolic link",
         "fifo": "is a FIFO",
         "dir": "is a directory",
-        "dirlink/shadow": "dirlink is a symbolic link or not a directory",
+        "dirlink/shadow": "dirlink on its way is a symbolic link",
         "hard": "2 hard links",
         "big": "larger than 65536 bytes",
         "zero": "is a device",
@@ -81,7 +81,7 @@ def test_the_log_directory_itself_as_a_link_is_refused(tmp_path: Path) -> None:
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "a.out").write_bytes(b"theirs")
     (tmp_path / "L").symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(FileRefused, match="L is a symbolic link"):
+    with pytest.raises(FileRefused, match="L on its way is a symbolic link"):
         anyio.run(
             lambda: jobfiles.read_local(
                 str(tmp_path / "L"), str(tmp_path / "L/a.out"), time_limit=10
@@ -230,3 +230,26 @@ def test_log_roots_must_be_normal_absolute_directories(root: str) -> None:
 
 def test_log_roots_lose_a_trailing_slash() -> None:
     assert load_config('[daemon]\nlog_roots = ["/shared/runs/"]\n').log_roots == ("/shared/runs",)
+
+
+@pytest.mark.asyncio
+async def test_fifty_fifos_read_at_once_hold_no_worker_thread(tmp_path: Path) -> None:
+    """The finding: forty FIFO runs took anyio's forty worker threads. Reads of job files
+    are child processes: no thread is borrowed, and each answers at once."""
+    d = tmp_path / "L"
+    d.mkdir()
+    for i in range(50):
+        os.mkfifo(d / f"f{i}.err")
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    borrowed: list[float] = []
+
+    async def one(i: int) -> None:
+        with pytest.raises(FileRefused, match="FIFO"):
+            await jobfiles.read_local(str(d), str(d / f"f{i}.err"), time_limit=30)
+        borrowed.append(limiter.borrowed_tokens)
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for i in range(50):
+                tg.start_soon(one, i)
+    assert len(borrowed) == 50 and max(borrowed) == 0
