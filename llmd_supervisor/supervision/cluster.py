@@ -48,6 +48,7 @@ log = structlog.get_logger("llmd_supervisor.cluster")
 # A log copy completed from the shared file system at a run's end may take this long per
 # file (a multi-GiB log on a slow file system); then it is left as an exact prefix.
 CATCH_UP_LIMIT_S = 600.0
+CATCH_UP_AT_ONCE = 4  # files copied at the same time
 
 
 class RunFiles(Protocol):
@@ -155,23 +156,30 @@ async def catch_up(attempt: Attempt, layout: RunLayout, job_id: str, time_limit:
         copied += n
         attempt.on_bytes(n)
 
-    for source in sources:
-        local = local_dir / posixpath.basename(source)
-        try:
-            await tail_to_local(
-                files,
-                layout.log_dir,
-                source,
-                local,
-                stop=stop,
-                on_bytes=count,
-                budget=attempt.budget,
-                drain_limit=CATCH_UP_LIMIT_S,
-            )
-        except (FileRefused, LogCapped) as exc:
-            await attempt.refused(exc)
-        except RemoteError as exc:
-            raise OSError(f"copying {source} here failed: {exc}") from exc
+    limiter = anyio.CapacityLimiter(CATCH_UP_AT_ONCE)
+
+    async def one(source: str) -> None:
+        async with limiter:
+            try:
+                await tail_to_local(
+                    files,
+                    layout.log_dir,
+                    source,
+                    local_dir / posixpath.basename(source),
+                    stop=stop,
+                    on_bytes=count,
+                    budget=attempt.budget,
+                    drain_limit=CATCH_UP_LIMIT_S,
+                )
+            except (FileRefused, LogCapped) as exc:
+                await attempt.refused(exc)
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for source in sources:
+                tg.start_soon(one, source)
+    except* (RemoteError, OSError) as group:  # the local disk's, or a reader that failed
+        raise OSError(f"copying the logs here failed: {group.exceptions[0]}") from None
     return copied
 
 
