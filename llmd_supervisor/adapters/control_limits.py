@@ -9,7 +9,7 @@ import anyio
 
 from llmd_supervisor.core.config import SocketLimits
 
-__all__ = ["REFUSAL_LOG_S", "Budget", "Occupancy", "RefusalLog", "drop"]
+__all__ = ["REFUSAL_LOG_S", "Budget", "Occupancy", "RefusalLog", "drop", "timeout_message"]
 
 REFUSAL_LOG_S = 10.0  # one control.refused line per uid and reason this often
 
@@ -27,6 +27,11 @@ class Budget:
     async def take(self, uid: int, n: int) -> None:
         while self.held + n > self.total or self.by_uid.get(uid, 0) + n > self.per_uid:
             await self._freed.wait()
+        self.held += n
+        self.by_uid[uid] = self.by_uid.get(uid, 0) + n
+
+    def charge(self, uid: int, n: int) -> None:
+        """Count `n` bytes already received (a line's first read) without waiting."""
         self.held += n
         self.by_uid[uid] = self.by_uid.get(uid, 0) + n
 
@@ -104,3 +109,24 @@ class RefusalLog:
         if len(self._last) > 4096:  # a crowd of uids: forget the old entries
             self._last = {k: v for k, v in self._last.items() if now - v[0] < 6 * REFUSAL_LOG_S}
         return count
+
+
+def timeout_message(limits: SocketLimits, what: str) -> tuple[float, str]:
+    """The limit and the error message for a connection that timed out waiting for
+    `what`: "first_byte", "idle" or "request"."""
+    seconds, why = {
+        "first_byte": (
+            limits.first_byte_timeout_s,
+            "no request arrived within {s:g} s of connecting (daemon.first_byte_timeout_s)",
+        ),
+        "idle": (
+            limits.idle_timeout_s,
+            "the connection was idle for {s:g} s (daemon.idle_timeout_s)",
+        ),
+        "request": (
+            limits.request_timeout_s,
+            "the request line was not complete within {s:g} s of its first byte "
+            "(daemon.request_timeout_s)",
+        ),
+    }[what]
+    return seconds, f"Closing the connection: {why.format(s=seconds)}."

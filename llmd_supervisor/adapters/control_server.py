@@ -11,7 +11,8 @@ closes the connection (``control.write_timeout``). A streaming request over the 
 ``max_streams_per_uid`` is answered ``busy`` (the connection stays usable). Partial
 request lines are held against a byte budget in all and per uid: a connection that would
 go over it stops reading (the kernel pushes back on its writer) until bytes are freed or
-its request timeout passes, so memory stays bounded whatever the peers send.
+its request timeout passes, so memory stays bounded whatever the peers send: the budget,
+plus a line's first read (16 KiB, charged when it arrived) per connection.
 
 Cancellation contract: when the client closes its end while a streaming request runs (or a
 stream item cannot be written), the handler is cancelled and the connection is closed. A
@@ -42,7 +43,7 @@ import anyio.abc
 import anyio.lowlevel
 import structlog
 
-from llmd_supervisor.adapters.control_limits import Occupancy, drop
+from llmd_supervisor.adapters.control_limits import Occupancy, drop, timeout_message
 from llmd_supervisor.adapters.control_protocol import (
     DEFAULT_MAX_MESSAGE,
     OPS,
@@ -68,7 +69,11 @@ logger = structlog.get_logger("llmd_supervisor.adapters.control_server")
 _UCRED: Final = struct.Struct("3i")
 _BACKLOG: Final = 128
 _PROBE_TIMEOUT: Final = 2.0
-_READ_CHUNK: Final = 64 << 10  # bytes asked of the socket per read
+# Bytes asked of the socket per read (anyio reads a Unix socket with recv(n), so nothing
+# is read ahead): a line's first read is small and charged once it arrived, the rest of
+# a line is read in reserved chunks.
+_FIRST_READ: Final = 16 << 10
+_READ_CHUNK: Final = 64 << 10
 _REFUSE_WRITE_S: Final = 1.0  # a refused connection's one error line
 # accept() failures that mean "out of resources for now", not "the listener is broken".
 _TRANSIENT_ACCEPT_ERRNOS: Final = frozenset(
@@ -165,7 +170,7 @@ class _Connection:
                 wait = self._line_started + self._limits.request_timeout_s - anyio.current_time()
                 what = "request"
             with anyio.move_on_after(wait) as scope:
-                received = await self._receive(self._max + 1 - len(self._buffer))
+                received = await self._receive()
             if scope.cancelled_caught:
                 await self._timed_out(what)
             if not received:
@@ -173,20 +178,28 @@ class _Connection:
                     self._log.debug("control.partial_line_dropped", size=len(self._buffer))
                 return None
 
-    async def _receive(self, room: int) -> bool:
-        """Read more into the buffer (at most `room` bytes, within the budget); False at the
-        end of the stream."""
-        want = max(1, min(_READ_CHUNK, room))
-        uid = self._peer.uid
-        await self._occ.budget.take(uid, want)
+    async def _receive(self) -> bool:
+        """Read more into the buffer; False at the end of the stream.
+
+        The first read of a line is charged after it arrived (an idle connection holds no
+        budget); a line in progress reads on only once the budget has room for a read.
+        """
+        uid, budget = self._peer.uid, self._occ.budget
+        reserved = 0
+        if self._buffer:
+            await budget.take(uid, _READ_CHUNK)
+            reserved = _READ_CHUNK
         try:
-            data = await self._stream.receive(want)  # never more than `want`
+            data = await self._stream.receive(reserved or _FIRST_READ)  # at most that
         except anyio.EndOfStream:
             data = b""
         except BaseException:
-            self._occ.budget.give(uid, want)
+            budget.give(uid, reserved)
             raise
-        self._occ.budget.give(uid, want - len(data))
+        if len(data) > reserved:
+            budget.charge(uid, len(data) - reserved)
+        else:
+            budget.give(uid, reserved - len(data))
         if not data:
             return False
         if not self._buffer:
@@ -195,24 +208,9 @@ class _Connection:
         return True
 
     async def _timed_out(self, what: str) -> NoReturn:
-        lim = self._limits
-        seconds, message = {
-            "first_byte": (
-                lim.first_byte_timeout_s,
-                "no request arrived within {s:g} s of connecting (daemon.first_byte_timeout_s)",
-            ),
-            "idle": (
-                lim.idle_timeout_s,
-                "the connection was idle for {s:g} s (daemon.idle_timeout_s)",
-            ),
-            "request": (
-                lim.request_timeout_s,
-                "the request line was not complete within {s:g} s of its first byte "
-                "(daemon.request_timeout_s)",
-            ),
-        }[what]
+        seconds, message = timeout_message(self._limits, what)
         self._log.info("control.timeout", kind=what, timeout_s=seconds, buffered=len(self._buffer))
-        await self._close_with("timeout", f"Closing the connection: {message.format(s=seconds)}.")
+        await self._close_with("timeout", message)
 
     async def _close_with(self, code: str, message: str) -> NoReturn:
         """Send one error line (no request id) and end the connection."""
@@ -361,7 +359,7 @@ class _Connection:
         """
         try:
             while len(self._buffer) <= self._max:
-                if not await self._receive(self._max + 1 - len(self._buffer)):
+                if not await self._receive():
                     break
             else:
                 await anyio.sleep_forever()

@@ -29,6 +29,7 @@ from types import MappingProxyType
 from typing import Any, Final, Generic, Protocol, TypeVar
 
 import anyio
+import anyio.lowlevel
 import structlog
 
 from llmd_supervisor.adapters.control_protocol import (
@@ -328,7 +329,9 @@ class ControlApi(Generic[H]):
         todo = [(k, h) for k, h in keyed if start is None or k > start]
         runs: list[RunBrief] = []
         size = 0
-        for key, h in todo:
+        for n, (key, h) in enumerate(todo):
+            if n % 250 == 249:
+                await anyio.lowlevel.checkpoint()  # thousands of runs: let others go too
             brief = run_brief(h, now)
             size += len(json.dumps(brief, separators=(",", ":"))) + 1
             if runs and (size > LIST_PAGE_BYTES or len(runs) == (limit or LIST_MAX_LIMIT)):
