@@ -5,6 +5,8 @@ lines. Used by `control_server`; no sockets here.
 
 from __future__ import annotations
 
+from collections import deque
+
 import anyio
 
 from llmd_supervisor.core.config import SocketLimits
@@ -15,23 +17,40 @@ REFUSAL_LOG_S = 10.0  # one control.refused line per uid and reason this often
 
 
 class Budget:
-    """Bytes of partial request lines held, in all and per uid; taking more waits."""
+    """Bytes of partial request lines held, in all and per uid; taking more waits.
+
+    Waiters are granted in order as bytes are given back, skipping one whose uid is still
+    over its share (so one uid's backlog never holds up another's), and only a waiter
+    that got its bytes is woken: a crowd waiting costs nothing while nothing is freed.
+    """
 
     def __init__(self, total: int, per_uid: int) -> None:
         self.total = total
         self.per_uid = per_uid
         self.held = 0
         self.by_uid: dict[int, int] = {}
-        self._freed = anyio.Event()
+        self._waiters: deque[tuple[int, int, anyio.Event]] = deque()
+
+    def _fits(self, uid: int, n: int) -> bool:
+        return self.held + n <= self.total and self.by_uid.get(uid, 0) + n <= self.per_uid
 
     async def take(self, uid: int, n: int) -> None:
-        while self.held + n > self.total or self.by_uid.get(uid, 0) + n > self.per_uid:
-            await self._freed.wait()
-        self.held += n
-        self.by_uid[uid] = self.by_uid.get(uid, 0) + n
+        if self._fits(uid, n):
+            self.charge(uid, n)
+            return
+        entry = (uid, n, anyio.Event())
+        self._waiters.append(entry)
+        try:
+            await entry[2].wait()
+        except BaseException:
+            if entry[2].is_set():  # granted, but cancelled before it could be used
+                self.give(uid, n)
+            else:
+                self._waiters.remove(entry)
+            raise
 
     def charge(self, uid: int, n: int) -> None:
-        """Count `n` bytes already received (a line's first read) without waiting."""
+        """Count `n` bytes (already received, or granted) without waiting."""
         self.held += n
         self.by_uid[uid] = self.by_uid.get(uid, 0) + n
 
@@ -44,8 +63,13 @@ class Budget:
             self.by_uid[uid] = left
         else:
             del self.by_uid[uid]
-        self._freed.set()
-        self._freed = anyio.Event()
+        for entry in list(self._waiters):
+            if self.held >= self.total:
+                break
+            if self._fits(entry[0], entry[1]):
+                self._waiters.remove(entry)
+                self.charge(entry[0], entry[1])
+                entry[2].set()
 
 
 class Occupancy:

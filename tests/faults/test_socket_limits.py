@@ -33,6 +33,7 @@ import pytest
 from llmd_supervisor.adapters.journal import Journal
 from llmd_supervisor.adapters.journal_rows import RunMeta
 from llmd_supervisor.core.lifecycle import Run, RunState, Transition
+from llmd_supervisor.core.summary import LogChunk, chunk_bytes, read
 from llmd_supervisor.core.verdict import Outcome
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.devcluster import REPO, DevCluster
@@ -525,3 +526,109 @@ def test_stopping_the_daemon_with_a_flood_open_takes_seconds(
         rc = d.stop(signal.SIGTERM)
         took = time.monotonic() - start
     assert rc == 0 and took < 10, took
+
+
+GENERATOR = """
+import sys, time
+out = sys.stdout.buffer
+text = b"".join(b"INFO vllm step %d: 12.5 tok/s \\xe2\\x82\\xac\\n" % i for i in range(20000))
+for i in range(30):  # about 3 MB in 30 writes while the run goes on
+    out.write(text[:100000] + (b"\\xff\\xfe\\xc3" if i % 3 == 0 else b"") + b"\\xf0\\x9f")
+    out.write(b"\\x98\\x80\\n")
+    out.flush()
+    time.sleep(0.05)
+"""
+
+
+def test_a_live_3mb_rank_log_with_invalid_utf8_follows_byte_exact(
+    cluster: DevCluster, root_dir: Path, stranger: Stranger, shared_tmp: Path
+) -> None:
+    """The real path: the job writes the log on a node, the daemon tails it over SSH into
+    its copy while `logs --rank 0 --follow --json` streams it; every file's chunks put
+    together are the node's file byte for byte. `submit --wait --follow` of the same run
+    prints its batch log byte for byte meanwhile."""
+    gen = shared_tmp / "gen.py"
+    gen.write_text(GENERATOR)
+    spec = demo_spec(shared_tmp, port=8760)
+    start = spec.index("prefill_command = [")
+    end = spec.index("]\n", start) + 2
+    engine = (
+        "exec python3 {node_dir}/engine.py --role prefill --host {host} --port {port} "
+        "--served-name {served_name}"
+    )
+    command = json.dumps(["sh", "-c", f"python3 {gen}; {engine}"])
+    spec = spec[:start] + f"prefill_command = {command}\n" + spec[end:]
+    d = daemon_for(cluster, root_dir, stranger)
+    (root_dir / "live.toml").write_text(spec)
+    d.start()
+    err = root_dir / "submit.err"
+    try:
+        with err.open("wb") as e:
+            waiting = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "llmd_supervisor",
+                    "submit",
+                    str(root_dir / "live.toml"),
+                    "--wait",
+                    "--follow",
+                    "--socket",
+                    str(d.socket),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=e,
+                cwd=REPO,
+            )
+        try:
+            deadline = time.monotonic() + 60
+            while "submitted run " not in err.read_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            run = err.read_text().split("submitted run ", 1)[1].split()[0]
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "llmd_supervisor",
+                    "logs",
+                    run,
+                    "--rank",
+                    "0",
+                    "--follow",
+                    "--json",
+                    "--socket",
+                    str(d.socket),
+                ],
+                capture_output=True,
+                timeout=240,
+                check=False,
+                cwd=REPO,
+            )
+            batch_out, _ = waiting.communicate(timeout=240)
+        finally:
+            if waiting.poll() is None:
+                waiting.kill()
+            waiting.wait()
+        final = d.status(run)
+    finally:
+        d.stop()
+    assert waiting.returncode == 0, err.read_text()
+    batch = Path(str(final["log_dir"])) / f"{final['job_name']}-{final['slurm_job_id']}.out"
+    assert batch_out == batch.read_bytes()
+    assert proc.returncode == 0, proc.stderr
+    assert final["outcome"] == "succeeded", final["reason"]
+    files: dict[str, bytearray] = {}
+    encodings: set[str] = set()
+    for line in proc.stdout.splitlines():
+        chunk = read(LogChunk, json.loads(line))
+        encodings.add(chunk.get("encoding", "?"))
+        got = files.setdefault(chunk["file"].rsplit("/", 1)[-1], bytearray())
+        assert chunk["offset"] == len(got)
+        got += chunk_bytes(chunk)
+    job_dir = Path(str(final["log_dir"])) / str(final["slurm_job_id"])
+    engine_log = files["rank0.prefill.engine.log"]
+    assert len(engine_log) > 3_000_000
+    assert encodings == {"utf-8", "base64"}
+    for name, data in files.items():
+        assert bytes(data) == (job_dir / name).read_bytes(), name
+    measured(f"live rank log: {len(engine_log)} bytes in {len(proc.stdout.splitlines())} chunks")

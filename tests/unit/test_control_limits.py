@@ -282,3 +282,32 @@ def test_the_unit_and_the_shipped_config_agree_with_the_limits() -> None:
     # Every admitted client (an fd, and an inotify fd while following) plus room for SSH
     # links and log copies; refusals need an fd for a moment too.
     assert int(service["LimitNOFILE"]) >= 2 * BASE.max_connections + 4096
+
+
+@pytest.mark.asyncio
+async def test_the_budget_grants_in_order_and_one_uid_never_holds_up_another() -> None:
+    from llmd_supervisor.adapters.control_limits import Budget
+
+    budget = Budget(total=100, per_uid=40)
+    await budget.take(1, 40)
+    got: list[str] = []
+    async with anyio.create_task_group() as tg:
+
+        async def take(name: str, uid: int, n: int) -> None:
+            await budget.take(uid, n)
+            got.append(name)
+
+        tg.start_soon(take, "a1", 1, 30)
+        tg.start_soon(take, "a2", 1, 10)
+        await anyio.wait_all_tasks_blocked()
+        await budget.take(2, 40)  # another uid: at once, though uid 1 has waiters
+        budget.give(1, 25)  # room for a2 (10), not yet for a1 (30): a2 goes first
+        await anyio.wait_all_tasks_blocked()
+        assert got == ["a2"]
+        budget.give(1, 15)
+        await anyio.wait_all_tasks_blocked()
+        assert got == ["a2", "a1"]
+    assert budget.by_uid == {1: 40, 2: 40} and budget.held == 80
+    with anyio.move_on_after(0.05):
+        await budget.take(2, 10)  # over uid 2's share: waits, then is cancelled
+    assert budget.held == 80 and not budget._waiters
