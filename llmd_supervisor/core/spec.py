@@ -49,6 +49,7 @@ from llmd_supervisor.core.spec_fields import (
     num_field,
     path_field,
     pattern_field,
+    shown,
 )
 from llmd_supervisor.core.spec_slurm import (
     ALLOWED_SBATCH_OPTIONS,
@@ -442,7 +443,7 @@ def _parse_env(t: Mapping[str, object]) -> Env:
                 raise SpecError(fld, value, "use a string (or number) value")
             text = str(value)
             if CONTROL_RE.search(text):
-                raise SpecError(fld, text, "remove control characters (newlines, tabs, NUL)")
+                raise SpecError(fld, shown(text), "remove control characters (newlines, tabs, NUL)")
             out[name] = text
         roles[role] = out
     return Env(**roles)

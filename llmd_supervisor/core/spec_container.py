@@ -24,6 +24,7 @@ from llmd_supervisor.core.spec_fields import (
     path_field,
     pattern_field,
     plain_path,
+    shown,
 )
 from llmd_supervisor.errors import SpecError
 
@@ -94,13 +95,13 @@ def mount_source_error(path: str) -> str | None:
 def mount(fld: str, value: object) -> str:
     """Validate one ``container.mounts`` entry ('SRC:DST' or 'SRC:DST:ro|rw')."""
     if not isinstance(value, str):
-        raise SpecError(fld, value, "a mount is a string 'SRC:DST' or 'SRC:DST:ro'")
+        raise SpecError(fld, shown(value), "a mount is a string 'SRC:DST' or 'SRC:DST:ro'")
     parts = value.split(":")
     ok = len(parts) in (2, 3) and all(PATH_RE.fullmatch(p) and plain_path(p) for p in parts[:2])
     if not ok or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
         raise SpecError(
             fld,
-            value,
+            shown(value),
             "use 'SRC:DST' or 'SRC:DST:ro' with absolute, plain paths (no '.' or '..' parts)",
         )
     why = mount_source_error(parts[0])
@@ -119,12 +120,12 @@ def python_field(t: Mapping[str, object]) -> str:
         " (a name of letters, digits and . _ + -, or an absolute path; never starting with '-')"
     )
     if not isinstance(value, str):
-        raise SpecError("container.python", value, hint)
+        raise SpecError("container.python", shown(value), hint)
     if PYTHON_NAME_RE.fullmatch(value) or (
         len(value) <= 200 and PATH_RE.fullmatch(value) and plain_path(value) and value != "/"
     ):
         return value
-    raise SpecError("container.python", value, hint)
+    raise SpecError("container.python", shown(value), hint)
 
 
 def parse_container(t: Mapping[str, object]) -> Container:

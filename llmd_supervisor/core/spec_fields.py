@@ -21,6 +21,16 @@ PLACEHOLDER_RE: Final = re.compile(r"\{\{|\}\}|\{([a-z_]+)\}|[{}]")
 CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f]")
 
 
+def shown(value: object) -> object:
+    """`value` as an error shows it: a long string is cut (error replies are bounded, and
+    the hint after the value is what the user needs)."""
+    if isinstance(value, str) and len(value) > 80:
+        return value[:77] + "..."
+    if isinstance(value, list | dict) and len(text := repr(value)) > 80:
+        return text[:77] + "..."
+    return value
+
+
 def plain_path(path: str) -> bool:
     """No ``.`` or ``..`` part: the path means what it says (checked after PATH_RE)."""
     return not any(part in (".", "..") for part in path.split("/"))
@@ -32,7 +42,7 @@ def check_keys(prefix: str, table: Mapping[str, object], allowed: Sequence[str])
             where = f"{prefix}.{key}" if prefix else key
             scope = f"in [{prefix}]" if prefix else "at the top level"
             raise SpecError(
-                where, table[key], f"unknown key; allowed {scope}: {', '.join(allowed)}"
+                where, shown(table[key]), f"unknown key; allowed {scope}: {', '.join(allowed)}"
             )
 
 
@@ -82,7 +92,7 @@ def pattern_field(
     if value is None:
         return None
     if not isinstance(value, str) or not pattern.fullmatch(value):
-        raise SpecError(fld, value, hint)
+        raise SpecError(fld, shown(value), hint)
     return value
 
 
@@ -118,20 +128,20 @@ def command_field(
     for i, item in enumerate(items):
         where = f"{fld}[{i}]"
         if not isinstance(item, str) or not item:
-            raise SpecError(where, item, "each argv element is a non-empty string")
+            raise SpecError(where, shown(item), "each argv element is a non-empty string")
         if CONTROL_RE.search(item):
-            raise SpecError(where, item, "remove control characters (newlines, tabs, NUL)")
+            raise SpecError(where, shown(item), "remove control characters (newlines, tabs, NUL)")
         for m in PLACEHOLDER_RE.finditer(item):
             tok = m.group(0)
             if tok in ("{{", "}}"):
                 continue
             name = m.group(1)
             if name is None:
-                raise SpecError(where, item, "write literal braces as '{{' and '}}'")
+                raise SpecError(where, shown(item), "write literal braces as '{{' and '}}'")
             if name not in placeholders:
                 raise SpecError(
                     where,
-                    item,
+                    shown(item),
                     f"unknown placeholder {{{name}}}; known: {', '.join(sorted(placeholders))}",
                 )
         argv.append(item)

@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
+from llmd_supervisor.core.spec_fields import shown
 from llmd_supervisor.errors import SpecError
 
 __all__ = [
@@ -137,6 +138,10 @@ RESERVED_SBATCH_OPTIONS: Final[dict[str, str]] = {
     "chdir": "the job runs in its log directory's node files",
     "wait": "use `llmd-supervisor submit --wait`",
     "parsable": "the supervisor reads sbatch's output itself",
+    "array": "one run is one job",
+    "wrap": "the batch script is the supervisor's",
+    "input": "the batch script's stdin is the supervisor's",
+    "open-mode": "the supervisor owns the batch log files",
 }
 
 # Why some well-known options are refused (the rest: not on the list).
@@ -157,17 +162,13 @@ def allowed_list() -> str:
     return ", ".join(f"--{name}" for name in ALLOWED_SBATCH_OPTIONS)
 
 
-def _shown(arg: str) -> str:
-    return arg if len(arg) <= 80 else arg[:77] + "..."
-
-
 def extra_arg(fld: str, arg: object) -> str:
     """Validate one ``slurm.extra_args`` entry; return it unchanged."""
     if not isinstance(arg, str):
         raise SpecError(fld, arg, "each extra sbatch arg is a string like '--exclusive'")
     if len(arg) > MAX_EXTRA_ARG_CHARS:
         raise SpecError(
-            fld, _shown(arg), f"an extra sbatch arg is at most {MAX_EXTRA_ARG_CHARS} characters"
+            fld, shown(arg), f"an extra sbatch arg is at most {MAX_EXTRA_ARG_CHARS} characters"
         )
     fix = f"allowed: {allowed_list()} (full names, as '--option' or '--option=value')"
     short = SHORT_ARG_RE.fullmatch(arg)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from datetime import UTC, datetime
+from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -20,6 +21,7 @@ from llmd_supervisor.core.slurm_parse import (
     parse_squeue,
     parse_state,
 )
+from llmd_supervisor.core.spec import load_spec
 from llmd_supervisor.core.verdict import (
     Outcome,
     QueryOutcome,
@@ -29,7 +31,7 @@ from llmd_supervisor.core.verdict import (
     sacct_query,
     scontrol_query,
 )
-from llmd_supervisor.errors import SlurmParseError
+from llmd_supervisor.errors import SlurmParseError, SpecError
 
 EXAMPLES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 T0 = datetime(2026, 11, 30, tzinfo=UTC)
@@ -104,3 +106,31 @@ def test_queries_and_verdict_never_raise_nor_succeed_on_garbage(
             # Only reachable if the garbage happened to be a real COMPLETED 0:0 record.
             assert marker.marker is not None and marker.marker.rc == 0
             assert "COMPLETED" in stdout
+
+
+# Run spec text: TOML-ish pieces (structure, strings of every kind, escapes, comments, big
+# numbers, a lone surrogate) around the demo's own lines, so deep nesting, dotted keys and
+# broken strings all occur; load_spec raises SpecError or returns a spec, nothing else.
+DEMO_LINES = (Path(__file__).resolve().parents[2] / "deploy/llm-d/demo.toml").read_text()
+TOML_PIECES = st.sampled_from(
+    [
+        "[", "]", "[[", "]]", "{", "}", "=", ".", ",", " ", "\n", "#", '"', "'", '"""', "'''",
+        "\\", "\\u00e9", "a", "run", "slurm", "extra_args", "x", "1", "-1", "1.5", "0x",
+        "9" * 40, "f" * 30, "inf", "nan", "true", "1979-05-27T07:32:00Z", "\ud800", "\x00",
+        '"--export-file=/etc/shadow"', '"/:/host"', '"-c"', "é",
+    ]
+)  # fmt: skip
+SPEC_TEXT = st.one_of(
+    st.text(max_size=300),
+    st.lists(TOML_PIECES, max_size=80).map("".join),
+    st.tuples(
+        st.integers(min_value=0, max_value=len(DEMO_LINES)), st.lists(TOML_PIECES, max_size=30)
+    ).map(lambda t: DEMO_LINES[: t[0]] + "".join(t[1]) + DEMO_LINES[t[0] :]),
+)
+
+
+@EXAMPLES
+@given(SPEC_TEXT)
+def test_load_spec_raises_only_spec_errors(text: str) -> None:
+    with contextlib.suppress(SpecError):
+        load_spec(text)

@@ -10,6 +10,7 @@ import copy
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -223,6 +224,10 @@ def test_script_unpacks_node_files_and_exits_with_srun_rc(tmp_path: Path) -> Non
         assert (node_dir / name).read_text() == bundled_node_sources()[name]
     config = json.loads((node_dir / "config.json").read_text())
     assert config == json.loads(json.dumps(agent_config(spec)))
+    # The config holds the [env] values (tokens); the script runs under umask 077.
+    assert stat.S_IMODE((node_dir / "config.json").stat().st_mode) == 0o600
+    for path in (log_dir / "99", node_dir, *node_dir.iterdir()):
+        assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
     assert config["env"]["decode"]["EVIL"] == evil
     assert argv[-4:] == [
         "python3",
@@ -231,6 +236,28 @@ def test_script_unpacks_node_files_and_exits_with_srun_rc(tmp_path: Path) -> Non
         f"{node_dir}/config.json",
     ]
     assert "--kill-on-bad-exit=1" in argv and "--signal=TERM@10" in argv
+
+
+def test_requeued_job_rewrites_a_stale_config_privately(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    node_dir = log_dir / "99" / "node"
+    node_dir.mkdir(parents=True)
+    stale = node_dir / "config.json"
+    stale.write_text("{}")
+    stale.chmod(0o644)  # e.g. left by an earlier attempt of the same job id
+    spec = spec_with(run={"log_dir": str(log_dir)}, env={"common": {"TOKEN": "s3cret"}})
+    rc, out, _ = _run_script(render_sbatch(spec, job_name="t"), tmp_path, rc=0)
+    assert rc == 0, out
+    assert json.loads(stale.read_text())["env"]["common"]["TOKEN"] == "s3cret"
+    assert stat.S_IMODE(stale.stat().st_mode) == 0o600
+
+
+def test_script_sets_umask_077_and_exports_only_sbatch_environment() -> None:
+    script = render_sbatch(spec_with(), job_name="t")
+    lines = script.splitlines()
+    assert "umask 077" in lines and "umask 022" not in lines
+    assert lines.index("umask 077") < next(i for i, ln in enumerate(lines) if "cat >" in ln)
+    assert sbatch_lines(script).count("--export=ALL") == 1
 
 
 def test_batch_shell_survives_term_and_keeps_srun_rc(tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import re
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -11,12 +12,16 @@ from typing import Any
 import pytest
 
 from llmd_supervisor.core.spec import (
+    ALLOWED_SBATCH_OPTIONS,
+    RESERVED_SBATCH_OPTIONS,
     ContainerKind,
     RunSpec,
+    check_daemon_dirs,
     load_spec,
     parse_spec,
     time_limit_seconds,
 )
+from llmd_supervisor.core.spec_slurm import extra_arg
 from llmd_supervisor.errors import SpecError
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "llm-d"
@@ -259,3 +264,368 @@ def test_request_rate_number_and_requeue() -> None:
 
 def test_trailing_slash_of_paths_is_dropped() -> None:
     assert parse_spec(demo(run__log_dir="/var/tmp/x/")).log_dir == "/var/tmp/x"
+
+
+# --- slurm.extra_args: an allow-list of full sbatch option names ---------------------------
+
+SBATCH_OPTIONS_FILE = Path(__file__).resolve().parents[1] / "data" / "sbatch-options-22.05.txt"
+
+ALLOWED_ARGS = [
+    "--comment=bench/run-42",
+    "--constraint=h100&ib",
+    "--constraint=[rack1|rack2]",
+    "--contiguous",
+    "--cores-per-socket=32",
+    "--cpus-per-gpu=8",
+    "--cpus-per-task=16",
+    "--exclude=node[1-3],gpu7",
+    "--exclusive",
+    "--exclusive=user",
+    "--exclusive=mcs",
+    "--gres=gpu:8",
+    "--gres=gpu:h100:8",
+    "--gres-flags=enforce-binding",
+    "--gres-flags=disable-binding",
+    "--licenses=fluent:2",
+    "--mem=0",
+    "--mem=512G",
+    "--mem-per-cpu=4096",
+    "--mem-per-gpu=80G",
+    "--mincpus=4",
+    "--nodelist=node[1-4]",
+    "--oversubscribe",
+    "--prefer=h100",
+    "--qos=high",
+    "--reservation=maint,bench",
+    "--sockets-per-node=2",
+    "--spread-job",
+    "--switches=1@10:00",
+    "--threads-per-core=1",
+    "--tmp=100G",
+    "--wckey=bench",
+]
+
+# (arg, what the hint must say)
+REFUSED_ARGS = [
+    ("--export-file=/etc/shadow", "reads a file on the login node"),
+    ("--export-file=3", "reads a file on the login node"),
+    ("--bbf=/etc/shadow", "reads a file"),
+    ("--nodefile=/etc/hosts", "reads a file"),
+    ("--nodelist=/etc/hostlist", "no '/'"),
+    ("--exclude=/root/hosts", "no '/'"),
+    ("--uid=0", "changes the job's user"),
+    ("--gid=0", "changes the job's group"),
+    ("--get-user-env", "loads a login environment"),
+    ("--get-user-env=10L", "loads a login environment"),
+    ("--priority=4294967000", "changes the job's priority"),
+    ("--nice=-10000", "changes the job's priority"),
+    ("--nice", "changes the job's priority"),
+    ("--reboot", "reboots"),
+    ("--export=NONE", "cannot be overridden"),
+    ("--export=ALL,TOKEN=x", "cannot be overridden"),
+    ("--tasks-per-node=2", "alias of --ntasks-per-node"),
+    ("--tasks-per=2", "abbreviates --tasks-per-node"),
+    ("--ntasks-per=2", "abbreviates --ntasks-per-node"),
+    ("--exp=NONE", "abbreviates --export"),
+    ("--excl", "write --exclude or --exclusive"),
+    ("--mem-per=4G", "write --mem-per-cpu or --mem-per-gpu"),
+    ("--constr=h100", "write --constraint"),
+    ("-C", "write --constraint"),
+    ("-Ch100", "write --constraint=VALUE"),
+    ("-C h100", "write --constraint=VALUE"),
+    ("-x=node1", "write --exclude=VALUE"),
+    ("-N4", "short sbatch options are not accepted"),
+    ("-t60", "short sbatch options are not accepted"),
+    ("--clusters=other", "not an sbatch option a run spec may set"),
+    ("--container=/bundle", "not an sbatch option a run spec may set"),
+    ("--propagate", "not an sbatch option a run spec may set"),
+    ("--test-only", "not an sbatch option a run spec may set"),
+    ("--hold", "not an sbatch option a run spec may set"),
+    ("--time-min=1", "not an sbatch option a run spec may set"),
+    ("--mail-user=a@example.org", "not an sbatch option a run spec may set"),
+    ("--array=1-3", "cannot be overridden"),
+    ("--wrap=true", "cannot be overridden"),
+    ("--gpus-per-node=8", "topology.gpus_per_node"),
+    ("--exclusive=everyone", "'user' or 'mcs'"),
+    ("--contiguous=yes", "takes no value"),
+    ("--mem", "needs a value"),
+    ("--mem=lots", "a size like 64G"),
+    ("--cpus-per-task=-1", "a count"),
+    ("--qos=", "names:"),
+    ("--constraint=a;b", "node features"),
+    ("--EXCLUSIVE", "write it as '--option' or '--option=value'"),
+    ("--exclusive --mem=0", "write it as"),
+    ("exclusive", "write it as"),
+    ("--comment=" + "x" * 300, "at most 256 characters"),
+]
+
+
+@pytest.mark.parametrize("arg", ALLOWED_ARGS)
+def test_allowed_extra_args_pass_unchanged(arg: str) -> None:
+    assert parse_spec(demo(slurm__extra_args=[arg])).slurm.extra_args == (arg,)
+
+
+def test_every_allowed_option_has_an_allowed_example() -> None:
+    named = {a.split("=", 1)[0].removeprefix("--") for a in ALLOWED_ARGS}
+    assert named == set(ALLOWED_SBATCH_OPTIONS)
+
+
+@pytest.mark.parametrize(("arg", "hint_part"), REFUSED_ARGS)
+def test_refused_extra_args_name_the_value_and_the_fix(arg: str, hint_part: str) -> None:
+    err = spec_error(demo(slurm__extra_args=["--exclusive", arg]))
+    assert err.field == "slurm.extra_args[1]"
+    assert hint_part in err.hint
+    assert len(str(err)) < 1000  # the control socket's error replies are capped there
+
+
+def test_refusal_lists_the_allowed_options() -> None:
+    err = spec_error(demo(slurm__extra_args=["--export-file=/etc/shadow"]))
+    assert "'--export-file=/etc/shadow'" in str(err)
+    assert all(f"--{name}" in err.hint for name in ALLOWED_SBATCH_OPTIONS)
+    assert "remove it" in err.hint and "full names" in err.hint
+
+
+def test_too_many_extra_args() -> None:
+    err = spec_error(demo(slurm__extra_args=["--contiguous"] * 33))
+    assert err.field == "slurm.extra_args" and "at most 32" in err.hint
+
+
+def _man_page_options() -> dict[str, tuple[str | None, str, str]]:
+    """name -> (short, value kind, verdict) from tests/data/sbatch-options-22.05.txt."""
+    out = {}
+    for line in SBATCH_OPTIONS_FILE.read_text().splitlines():
+        if not line or line.startswith("#"):
+            continue
+        synopsis, verdict = (part.strip() for part in line.rsplit("|", 1))
+        m = re.match(r"(?:-([A-Za-z]), )?--([a-z][a-z0-9-]*)(\[=|=)?", synopsis)
+        assert m is not None, line
+        kind = {None: "none", "=": "required", "[=": "optional"}[m.group(3)]
+        out[m.group(2)] = (m.group(1), kind, verdict)
+    return out
+
+
+def test_allowed_options_are_real_sbatch_options_with_their_short_forms() -> None:
+    man = _man_page_options()
+    assert len(man) == 102
+    for name, option in ALLOWED_SBATCH_OPTIONS.items():
+        assert name in man, name
+        short, kind, verdict = man[name]
+        assert (option.short, option.value, verdict) == (short, kind, "allowed"), name
+    assert {n for n, (_, _, v) in man.items() if v == "allowed"} == set(ALLOWED_SBATCH_OPTIONS)
+    for name in RESERVED_SBATCH_OPTIONS:
+        assert name in man or name == "tasks-per-node", name
+
+
+def test_every_other_man_page_option_is_refused() -> None:
+    for name, (short, _, verdict) in _man_page_options().items():
+        if verdict == "allowed":
+            continue
+        for arg in (f"--{name}", f"--{name}=1", *([f"-{short}1"] if short else [])):
+            with pytest.raises(SpecError):
+                extra_arg("slurm.extra_args[0]", arg)
+
+
+# --- container.python and mounts -----------------------------------------------------------
+
+PYXIS = {"container__kind": "pyxis", "container__squash_file": "/img/vllm.sqsh"}
+
+
+@pytest.mark.parametrize(
+    "python", ["python3", "python3.11", "pypy3", "/usr/bin/python3", "/opt/conda/bin/python"]
+)
+def test_container_python_allowed(python: str) -> None:
+    assert parse_spec(demo(container__python=python)).container.python == python
+
+
+@pytest.mark.parametrize(
+    "python",
+    [
+        "-c",
+        "--help",
+        "-Wd",
+        "-",
+        "--container-image=/x",
+        "bin/python3",
+        "./python3",
+        "/usr/../bin/python3",
+        "/usr/./bin/python3",
+        "/",
+        "",
+        "python 3",
+        "python3;id",
+        3,
+        "a" * 65,
+    ],
+)
+def test_container_python_refused(python: object) -> None:
+    err = spec_error(demo(container__python=python))
+    assert err.field == "container.python" and "never starting with '-'" in err.hint
+
+
+@pytest.mark.parametrize(
+    "mount",
+    [
+        "/data:/data",
+        "/lustre/cache/hf:/root/.cache/huggingface",
+        "/scratch/x:/x:ro",
+        "/scratch/x:/x:rw",
+        "/var/tmp/models:/models:ro",
+        "/run-data:/r",
+        "/var/runner:/r",
+    ],
+)
+def test_mount_allowed(mount: str) -> None:
+    assert parse_spec(demo(**PYXIS, container__mounts=[mount])).container.mounts == (mount,)
+
+
+@pytest.mark.parametrize(
+    ("mount", "hint_part"),
+    [
+        ("/:/host", "'/' cannot be mounted"),
+        ("/:/host:ro", "'/' cannot be mounted"),
+        ("/var/run/docker.sock:/var/run/docker.sock", "overlaps /var/run/docker.sock"),
+        ("/run/docker.sock:/d.sock", "overlaps /run/docker.sock"),
+        ("/run:/run", "overlaps /run/docker.sock"),
+        ("/var/run:/r", "overlaps /var/run/docker.sock"),
+        ("/var:/v:ro", "overlaps /var/run/docker.sock"),
+        ("/run/munge:/run/munge", "overlaps /run/munge"),
+        ("/var/run/munge/munge.socket.2:/m", "overlaps /var/run/munge"),
+        ("/etc/munge:/e:ro", "overlaps /etc/munge"),
+        ("/etc:/e:ro", "overlaps /etc/munge"),
+        ("/data/../var/run/docker.sock:/d", "no '.' or '..' parts"),
+        ("/data/./x:/x", "no '.' or '..' parts"),
+        ("/a:/b:rx", "'SRC:DST:ro'"),
+        ("relative:/x", "'SRC:DST:ro'"),
+        ("/a", "'SRC:DST:ro'"),
+        ("/a:/b:ro:x", "'SRC:DST:ro'"),
+        ("/a b:/b", "'SRC:DST:ro'"),
+    ],
+)
+def test_mount_refused(mount: str, hint_part: str) -> None:
+    err = spec_error(demo(**PYXIS, container__mounts=["/ok:/ok", mount]))
+    assert err.field == "container.mounts[1]" and hint_part in err.hint
+
+
+@pytest.mark.parametrize(
+    ("field", "key"), [("run.log_dir", "run__log_dir"), ("model.path", "model__path")]
+)
+@pytest.mark.parametrize("path", ["/", "/run", "/var/run/munge"])
+def test_implicitly_mounted_dirs_are_checked_in_containers(field: str, key: str, path: str) -> None:
+    err = spec_error(demo(**PYXIS, **{key: path}))
+    assert err.field == field and "mounted into the container" in err.hint
+    if key == "model__path":  # without a container the model path is only a string
+        assert parse_spec(demo(**{key: path})).model.path == path
+
+
+@pytest.mark.parametrize("path", ["/var/tmp/../x", "/var/tmp/./x", "/.."])
+def test_paths_with_dot_parts_are_refused(path: str) -> None:
+    assert "no '.' or '..' parts" in spec_error(demo(run__log_dir=path)).hint
+
+
+DAEMON_DIRS = ("/var/lib/llmd-supervisor", "/srv/archive/", "/run/llmd-supervisor")
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "hit"),
+    [
+        (
+            {"run__log_dir": "/var/lib/llmd-supervisor/runs"},
+            "run.log_dir",
+            "/var/lib/llmd-supervisor",
+        ),
+        ({"run__log_dir": "/srv/archive"}, "run.log_dir", "/srv/archive"),
+        (
+            {**PYXIS, "container__mounts": ["/var/lib:/x"]},
+            "container.mounts[0]",
+            "/var/lib/llmd-supervisor",
+        ),
+        (
+            {**PYXIS, "container__mounts": ["/ok:/ok", "/srv/archive/r1:/a:ro"]},
+            "container.mounts[1]",
+            "/srv/archive",
+        ),
+        ({**PYXIS, "model__path": "/srv"}, "model.path", "/srv/archive"),
+    ],
+)
+def test_check_daemon_dirs_refuses(changes: dict[str, Any], field: str, hit: str) -> None:
+    spec = parse_spec(demo(**changes))
+    with pytest.raises(SpecError) as info:
+        check_daemon_dirs(spec, DAEMON_DIRS)
+    assert info.value.field == field and f"supervisor's directory {hit}" in info.value.hint
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {},
+        {"run__log_dir": "/var/lib/llmd-supervisor-runs"},
+        {**PYXIS, "container__mounts": ["/var/lib/other:/o", "/srv/data:/d"]},
+        {"model__path": "/srv"},  # no container: the model path is not mounted
+    ],
+)
+def test_check_daemon_dirs_allows(changes: dict[str, Any]) -> None:
+    check_daemon_dirs(parse_spec(demo(**changes)), DAEMON_DIRS)
+
+
+# --- TOML text that tomllib cannot take --------------------------------------------------------
+
+DEMO_TEXT = (DEPLOY / "demo.toml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "hint_part"),
+    [
+        ("x = " + "[" * 100_000 + "]" * 100_000, "<toml>", "nested more than 16 deep"),
+        ("x = " + "{a=" * 40 + "1" + "}" * 40, "<toml>", "nested more than 16 deep"),
+        ("x = [" * 20 + "]" * 20, "<toml>", "nested more than 16 deep"),
+        ("a." * 20_000 + "b = 1", "<toml>", "more than 16 parts"),
+        ("[" + "t." * 30 + "u]", "<toml>", "more than 16 parts"),
+        ("x = " + "9" * 5000, "<toml>", "4300 digits"),
+        ("x = -" + "9" * 5000, "<toml>", "4300 digits"),
+        ("x = 0x" + "f" * 5000, "x", "fit in 64 bits"),
+        ("x = [1, 0o" + "7" * 100 + "]", "x[1]", "fit in 64 bits"),
+        (DEMO_TEXT.replace("prefill_nodes = 2", "prefill_nodes = 99999999999999999999"),
+         "topology.prefill_nodes", "fit in 64 bits"),
+        (DEMO_TEXT.replace('time_limit = "00:05:00"', 'time_limit = "' + "9" * 5000 + '"'),
+         "slurm.time_limit", "Slurm time"),
+        ('x = "\ud800"', "<toml>", "lone surrogate"),
+        ("x = 1\n" + "#" * (256 * 1024), "<toml>", "at most 262144 characters"),
+        ("x = [1,,2]", "<toml>", "not valid TOML"),
+        ("x = \x00", "<toml>", "not valid TOML"),
+    ],
+)  # fmt: skip
+def test_toml_failures_are_spec_errors(text: str, field: str, hint_part: str) -> None:
+    with pytest.raises(SpecError) as info:
+        load_spec(text)
+    assert info.value.field == field and hint_part in info.value.hint
+    assert len(str(info.value)) < 1000
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        'x = "' + "a." * 40 + '"',  # dots and brackets inside strings are data
+        "x = '" + "[" * 40 + "'",
+        'x = """\n' + "{[" * 40 + '\n"""',
+        "x = '''" + "a." * 40 + "''''",
+        'x = "\\"' + "[" * 40 + '"',  # an escaped quote does not end a basic string
+        "x = 1 # " + "[." * 40,  # a comment
+        "x = [" + ", ".join(["1.5"] * 100) + "]",  # many floats, one dot each
+    ],
+)
+def test_scan_skips_strings_and_comments(text: str) -> None:
+    # The text gets past the scan to the spec's own validation (unknown key x).
+    assert spec_error_text(text).field == "x"
+
+
+def test_scan_follows_a_literal_string_ending_in_a_backslash() -> None:
+    # 'a\' is a complete literal string: the brackets after it are structure.
+    with pytest.raises(SpecError) as info:
+        load_spec("x = ['a\\'" + ", [" * 20 + "]" * 21)
+    assert "nested more than 16 deep" in info.value.hint
+
+
+def spec_error_text(text: str) -> SpecError:
+    with pytest.raises(SpecError) as info:
+        load_spec(text)
+    return info.value
