@@ -27,7 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from llmd_supervisor.adapters.remote import NodeLink, SshSettings
 from llmd_supervisor.adapters.slurm import SlurmClient
-from llmd_supervisor.adapters.slurm_ssh import SshRunner, read_file
+from llmd_supervisor.adapters.slurm_ssh import SshRunner
+from llmd_supervisor.errors import FileRefused
+from llmd_supervisor.supervision.cluster import ThroughLoginHost
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.devcluster import DevCluster
 
@@ -276,8 +278,8 @@ listen = "127.0.0.1:{port}"
     }
     assert f"WorkDir={os.getcwd()} " in workdir["dev"]
     assert "WorkDir=/root " in workdir["login"] and os.getcwd() != "/root"
-    # Every Slurm command of the login cluster, and its marker read (`cat`), went
-    # through its own runner; the local cluster's marker was read from this filesystem.
+    # Every Slurm command of the login cluster, and its marker read (node/jobfile.py run
+    # by python3), went through its own runner; the local cluster's marker was read here.
     s = _scrape(port)
 
     def count(cluster_name: str, command: str) -> float:
@@ -288,8 +290,8 @@ listen = "127.0.0.1:{port}"
         return s.get(key, 0.0)
 
     assert count("login", "sbatch") == count("dev", "sbatch") == 1
-    assert count("login", "squeue") >= 1 and count("login", "cat") >= 1
-    assert count("dev", "cat") == 0
+    assert count("login", "squeue") >= 1 and count("login", "python3") >= 1
+    assert count("dev", "python3") == 0
     assert s[("llmd_supervisor_runs", (("state", "succeeded"),))] == 2
 
 
@@ -310,7 +312,10 @@ async def test_ssh_runner_feeds_stdin_and_sets_slurm_conf_on_the_login_host(
         assert conf.stdout.strip() == cluster.env["SLURM_CONF"]
         client = SlurmClient(runner, timeout=30)
         assert "MinJobAge" in (await client.scontrol_config()).stdout
-        assert await read_file(runner, "/nonexistent/marker", time_limit=10) is None
-        assert await read_file(runner, "/etc/hostname", time_limit=10) is not None
+        files = ThroughLoginHost(client, "node1", "python3")
+        assert await files.read("/nonexistent", "/nonexistent/marker") is None
+        assert await files.read("/etc", "/etc/hostname") is not None
+        with pytest.raises(FileRefused, match="symbolic link"):
+            await files.read("/etc", "/etc/mtab")  # -> /proc/self/mounts
     finally:
         await link.aclose()
