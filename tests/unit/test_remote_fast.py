@@ -28,6 +28,7 @@ from llmd_supervisor.adapters import jobfiles, tail
 from llmd_supervisor.adapters.remote import NodeLink
 from llmd_supervisor.adapters.tail import tail_to_local
 from llmd_supervisor.errors import FileRefused, RemoteError, TailConflict
+from tests.fakes.hostile import SECRET, plant
 from tests.fakes.log_writer import Writer, size_of
 from tests.fakes.ssh_server import HOST, FakeSshServer, wait_until
 from tests.fakes.ssh_server import ssh_server as ssh_server  # the fixture
@@ -97,44 +98,22 @@ async def test_job_files_are_read_by_the_node_reader_and_missing_ones_are_none(
         assert await link.read_file(str(d), str(d / "sub" / "missing")) is None
 
 
-HOSTILE: list[tuple[str, str]] = [
-    ("link", "is a symbolic link"),
-    ("fifo", "is a FIFO"),
-    ("dir", "is a directory"),
-    ("dirlink/x", "is a symbolic link or not a directory"),
-    ("hardlink", "2 hard links"),
-    ("big", "larger than 65536 bytes"),
-]
-
-
-def plant_hostile(d: Path, secret: Path) -> None:
-    """What a job can leave in its log directory instead of plain files."""
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "link").symlink_to(secret)
-    os.mkfifo(d / "fifo")
-    (d / "dir").mkdir()
-    (d / "dirlink").symlink_to(secret.parent)
-    (d / "hardlink").write_bytes(b"x")
-    os.link(d / "hardlink", d / "hardlink2")
-    (d / "big").write_bytes(b"y" * (65536 + 1))
-
-
 @pytest.mark.asyncio
 async def test_links_fifos_directories_and_huge_files_are_refused_unread(
     link: NodeLink, tmp_path: Path
 ) -> None:
     secret = tmp_path / "secret" / "shadow"
     secret.parent.mkdir()
-    secret.write_bytes(b"SECRET")
+    secret.write_bytes(SECRET)
     d = tmp_path / "logs"
-    plant_hostile(d, secret)
-    (d / "x").symlink_to(secret.parent)
+    kinds = plant(d, secret)
     with anyio.fail_after(20):
-        for name, why in HOSTILE:
-            with pytest.raises(FileRefused, match=why):
+        for name, why in kinds.items():
+            with pytest.raises(FileRefused, match=why) as info:
                 await link.read_file(str(d), str(d / name))
+            assert "secret-hash" not in str(info.value)
         with pytest.raises(FileRefused, match="symbolic link"):
-            await link.list_dir(str(d), str(d / "x"))
+            await link.list_dir(str(d), str(d / "dirlink"))
         # the reader goes on answering after every refusal
         (d / "ok").write_bytes(b"fine")
         assert await link.read_file(str(d), str(d / "ok")) == b"fine"
