@@ -235,14 +235,16 @@ async def _follow_once(
     )
     stream = await link.open_stream(command, action=f"starting a follower of {remote_path}")
     ended = False
+    watching = anyio.CancelScope()
     try:
         async with anyio.create_task_group() as tg:
 
             async def watch_stop() -> None:
-                await drain.stop.wait()
-                drain.notice()
-                tg.cancel_scope.deadline = drain.deadline
-                await stream.send_eof()  # the follower copies up to the current end, exits
+                with watching:
+                    await drain.stop.wait()
+                    drain.notice()
+                    tg.cancel_scope.deadline = drain.deadline
+                    await stream.send_eof()  # the follower copies up to the end, exits
 
             async def pump() -> None:
                 nonlocal ended
@@ -251,7 +253,10 @@ async def _follow_once(
                     copy.append(chunk)
                     await copy.maybe_sync()
                 ended = True
-                tg.cancel_scope.cancel()
+                watching.cancel()
+                # The follower has exited: its last stderr line (why) follows at once.
+                limit = anyio.current_time() + CLOSE_LIMIT_S
+                tg.cancel_scope.deadline = min(tg.cancel_scope.deadline, limit)
 
             tg.start_soon(stream.collect_stderr, log)
             tg.start_soon(watch_stop)
@@ -266,7 +271,9 @@ async def _follow_once(
         return False  # the drain deadline passed (the caller notices)
     await copy.sync()
     if status == jobfiles.REFUSED:
-        raise FileRefused(remote_path, stream.stderr_text().removeprefix("refused: "))
+        lines = stream.stderr_text().splitlines()
+        why = [line.removeprefix("refused: ") for line in lines if line.startswith("refused: ")]
+        raise FileRefused(remote_path, why[-1] if why else "the follower refused it")
     if status == jobfiles.OK and drain.stop.is_set():
         return True
     raise RemoteError(
