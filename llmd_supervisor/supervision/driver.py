@@ -61,7 +61,7 @@ from llmd_supervisor.core.lifecycle import (
 )
 from llmd_supervisor.core.paths import check_canonical, check_log_dir
 from llmd_supervisor.core.render import render_sbatch
-from llmd_supervisor.core.spec import RunSpec, load_spec
+from llmd_supervisor.core.spec import RunSpec, check_daemon_dirs, load_spec
 from llmd_supervisor.errors import (
     IllegalTransition,
     SlurmCommandError,
@@ -193,7 +193,7 @@ class Supervisor:
         """Validate, render, journal as `accepted` and start supervising; SpecError if bad."""
         spec = load_spec(spec_toml)
         cluster_cfg = self.config.cluster(cluster)
-        await self._admit_log_dir(spec.log_dir, self.clusters[cluster_cfg.name])
+        await self._admit(spec, self.clusters[cluster_cfg.name])
         run_id = uuid.uuid4().hex[:12]
         job_name = f"llmd-{run_id}"
         script = render_sbatch(spec, job_name=job_name)
@@ -219,11 +219,15 @@ class Supervisor:
         self.tg.start_soon(self._supervise, handle)
         return handle
 
-    async def _admit_log_dir(self, log_dir: str, cluster: Cluster) -> None:
-        """SpecError unless `log_dir` is allowed (`core.paths`) and, resolved where the
-        cluster's commands run (``realpath -m``), is itself: no link on its way."""
+    async def _admit(self, spec: RunSpec, cluster: Cluster) -> None:
+        """SpecError unless the spec's directories keep clear of the daemon's own, and its
+        log directory is allowed (`core.paths`) and, resolved where the cluster's commands
+        run (``realpath -m``), is itself: no link on its way."""
         c = self.config
-        check_log_dir(log_dir, c.log_roots, [str(c.state_dir), str(c.archive_root)])
+        own = (str(c.state_dir), str(c.archive_root))
+        check_daemon_dirs(spec, (*own, str(c.socket_path.parent)))
+        log_dir = spec.log_dir
+        check_log_dir(log_dir, c.log_roots, own)
         argv = ["realpath", "-m", "--", log_dir]
         result = await cluster.client.runner.run(argv, time_limit=cluster.client.timeout)
         if not result.ok:

@@ -29,13 +29,14 @@ from tests.fakes.slurm_replay import End, ReplayCluster, Start
 
 def _config(tmp: Path) -> Config:
     (tmp / "known_hosts").write_text("")
+    (tmp / "run").mkdir(exist_ok=True)  # as systemd's RuntimeDirectory would
     with socket.socket() as s:  # node links go to a closed loopback port
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
     return Config(
         state_dir=tmp / "state",
         log_roots=(str(tmp),),
-        socket_path=tmp / "control.sock",
+        socket_path=tmp / "run" / "control.sock",  # its directory is the daemon's own
         ssh=SshConfig(known_hosts=str(tmp / "known_hosts"), port=port, connect_timeout_s=0.5),
         poll=PollConfig(min_interval_s=0.05, max_interval_s=0.2),
         limits=Limits(verify_timeout_s=10, finish_drain_s=1, heartbeat_interval_s=0.2),
