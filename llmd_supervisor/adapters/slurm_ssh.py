@@ -1,8 +1,9 @@
 """Slurm commands on a remote login node: a `CommandRunner` over one `NodeLink`.
 
 A cluster configured with ``login_host`` runs every Slurm client command (and the few
-file commands the supervisor needs where Slurm runs: ``mkdir -p``, ``cat`` of the marker)
-over one multiplexed SSH connection to that host, quoted with shlex, in the same small
+file commands the supervisor needs where Slurm runs: ``mkdir -p``, ``realpath -m``,
+``node/jobfile.py`` reading the marker) over one multiplexed SSH connection to that
+host, quoted with shlex, in the same small
 environment as locally (`llmd_supervisor.adapters.slurm.command_env`): the login
 shell's own variables are cleared, except PASSED_ENV as the login host has them, and the
 configured ones (SLURM_CONF) are set -- ``sh -c 'exec env -i ${PATH+"PATH=$PATH"} ...
@@ -23,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 
 from llmd_supervisor.adapters.remote import NodeLink, SshSettings
-from llmd_supervisor.adapters.slurm import FIXED_ENV, PASSED_ENV, CommandResult, CommandRunner
+from llmd_supervisor.adapters.slurm import FIXED_ENV, PASSED_ENV, CommandResult
 from llmd_supervisor.core.config import SshConfig
 from llmd_supervisor.errors import RemoteError, SlurmCommandError
 
@@ -81,17 +82,3 @@ class SshRunner:
         return CommandResult.finished(
             argv, result.exit_status, result.stdout, result.stderr, started_at=started_at, t0=t0
         )
-
-
-async def read_file(runner: CommandRunner, path: str, *, time_limit: float) -> bytes | None:
-    """`cat` `path` where `runner` runs commands: its bytes, or None if it does not exist.
-
-    Raises `SlurmCommandError` when the file exists but cannot be read, or the command
-    could not run.
-    """
-    result = await runner.run(["cat", "--", path], time_limit=time_limit)
-    if result.ok:
-        return result.stdout.encode()
-    if "No such file" in result.stderr:
-        return None
-    raise SlurmCommandError(result.argv, result.returncode, result.stderr)
