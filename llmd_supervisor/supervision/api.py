@@ -46,7 +46,7 @@ from llmd_supervisor.core.config import Config, SocketLimits
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.lifecycle import Run
 from llmd_supervisor.core.render import render_sbatch
-from llmd_supervisor.core.spec import load_spec
+from llmd_supervisor.core.spec import RunSpec
 from llmd_supervisor.core.summary import (
     ArchiveInfo,
     DryRun,
@@ -130,6 +130,7 @@ class SupervisorView(Protocol[H]):
     @property
     def handles(self) -> Mapping[str, H]: ...
     def get(self, ref: str) -> H | None: ...
+    async def admit(self, spec_toml: str, cluster: str | None = None) -> RunSpec: ...
     async def submit(self, spec_toml: str, *, owner_uid: int, cluster: str | None = None) -> H: ...
     async def cancel(self, handle: H) -> None: ...
 
@@ -292,7 +293,8 @@ class ControlApi(Generic[H]):
             )
         try:
             if args["dry_run"]:
-                script = render_sbatch(load_spec(spec_toml), job_name="llmd-dry-run")
+                spec = await self.sup.admit(spec_toml, None if cluster is None else str(cluster))
+                script = render_sbatch(spec, job_name="llmd-dry-run")
                 return {"dry_run": True, "script": script}
             handle = await self.sup.submit(
                 spec_toml, owner_uid=peer.uid, cluster=None if cluster is None else str(cluster)

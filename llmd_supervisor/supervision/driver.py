@@ -191,9 +191,8 @@ class Supervisor:
         self, spec_toml: str, *, owner_uid: int, cluster: str | None = None
     ) -> RunHandle:
         """Validate, render, journal as `accepted` and start supervising; SpecError if bad."""
-        spec = load_spec(spec_toml)
+        spec = await self.admit(spec_toml, cluster)
         cluster_cfg = self.config.cluster(cluster)
-        await self._admit(spec, self.clusters[cluster_cfg.name])
         run_id = uuid.uuid4().hex[:12]
         job_name = f"llmd-{run_id}"
         script = render_sbatch(spec, job_name=job_name)
@@ -219,20 +218,24 @@ class Supervisor:
         self.tg.start_soon(self._supervise, handle)
         return handle
 
-    async def _admit(self, spec: RunSpec, cluster: Cluster) -> None:
-        """SpecError unless the spec's directories keep clear of the daemon's own, and its
-        log directory is allowed (`core.paths`) and, resolved where the cluster's commands
-        run (``realpath -m``), is itself: no link on its way."""
+    async def admit(self, spec_toml: str, cluster: str | None = None) -> RunSpec:
+        """The validated spec, as `submit` (and a dry run) accepts it: SpecError unless its
+        directories keep clear of the daemon's own, and its log directory is allowed
+        (`core.paths`) and, resolved where the cluster's commands run (``realpath -m``),
+        is itself: no link on its way."""
+        spec = load_spec(spec_toml)
         c = self.config
+        client = self.clusters[c.cluster(cluster).name].client
         own = (str(c.state_dir), str(c.archive_root))
         check_daemon_dirs(spec, (*own, str(c.socket_path.parent)))
         log_dir = spec.log_dir
         check_log_dir(log_dir, c.log_roots, own)
         argv = ["realpath", "-m", "--", log_dir]
-        result = await cluster.client.runner.run(argv, time_limit=cluster.client.timeout)
+        result = await client.runner.run(argv, time_limit=client.timeout)
         if not result.ok:
             raise SlurmCommandError(result.argv, result.returncode, result.stderr)
         check_canonical(log_dir, result.stdout.strip())
+        return spec
 
     async def resume_all(self) -> int:
         """Start a driver for every run the journal holds as not final; return how many."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import anyio
 
-from llmd_supervisor.adapters.control_client import ControlClient
+from llmd_supervisor.adapters.control_client import ControlClient, list_all
 from tests.daemon_helpers import Daemon, demo_spec
 
 # Engine ports reserved for the benchmarks (other sessions use 8200-8699).
@@ -117,7 +117,12 @@ slurm_conf = "{e["SLURM_CONF"]}"
         return results
 
     def runs(self) -> list[dict[str, object]]:
-        value = self.ctl("list", {"all": True}).get("runs", [])
+        async def go() -> dict[str, object]:
+            with anyio.fail_after(120):
+                async with ControlClient(self.socket) as c:
+                    return await list_all(c, all_runs=True)
+
+        value = anyio.run(go).get("runs", [])
         assert isinstance(value, list)
         return [r for r in value if isinstance(r, dict)]
 

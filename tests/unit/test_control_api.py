@@ -19,6 +19,7 @@ from llmd_supervisor.adapters.control_protocol import OPS, Peer, Request
 from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.lifecycle import Run, RunState, new_run
+from llmd_supervisor.core.spec import RunSpec, load_spec
 from llmd_supervisor.core.summary import (
     LogChunk,
     LogsDone,
@@ -98,6 +99,9 @@ class Supervisor:
 
     def get(self, ref: str) -> Handle | None:
         return self.handles.get(ref)
+
+    async def admit(self, spec_toml: str, cluster: str | None = None) -> RunSpec:
+        return load_spec(spec_toml)
 
     async def submit(self, spec_toml: str, *, owner_uid: int, cluster: str | None = None) -> Handle:
         return self.add("new", owner_uid, RunState.ACCEPTED)
