@@ -115,8 +115,9 @@ fi
 cat >&2 <<EOF
 
 Next steps:
-  1. Edit $ETC/config.toml: [[clusters]] (slurm_conf, login_host), [ssh], and add the
-     run log directories to the unit: systemctl edit llmd-supervisor ->
+  1. Edit $ETC/config.toml: [[clusters]] (slurm_conf, login_host), [ssh], and
+     daemon.log_roots (where run log directories may be; none until set), and add the
+     same directories to the unit: systemctl edit llmd-supervisor ->
      [Service] ReadWritePaths=/your/shared/run/logs
   2. Let $LLMD_USER reach the nodes: authorize $STATE/.ssh/id_ed25519.pub for it on the
      nodes and collect their host keys: ssh-keyscan NODE... >> $STATE/.ssh/known_hosts

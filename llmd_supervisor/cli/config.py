@@ -84,6 +84,25 @@ def environment_problems(config: Config) -> list[ConfigError]:
             problems.append(
                 ConfigError(key, group, "no such group; create it (groupadd) or remove the key")
             )
+    if not config.log_roots:
+        problems.append(
+            ConfigError(
+                "daemon.log_roots",
+                [],
+                "no run can be submitted until it lists the directories run log directories"
+                " may be below, e.g. log_roots = ['/shared/llmd-runs']",
+            )
+        )
+    for i, root in enumerate(config.log_roots):
+        real = os.path.realpath(root)
+        if real != root:
+            problems.append(
+                ConfigError(
+                    f"daemon.log_roots[{i}]",
+                    root,
+                    f"it resolves to {real} (a symbolic link on its way); list {real} instead",
+                )
+            )
     parent = config.state_dir
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent

@@ -126,6 +126,7 @@ def test_config_check_reports_every_missing_file_and_group(tmp_path: Path) -> No
 [daemon]
 state_dir = "{tmp_path}/state"
 admin_group = "no-such-group-llmd"
+log_roots = ["{tmp_path}/link-to-runs"]
 [ssh]
 identity_files = ["{tmp_path}/nokey"]
 known_hosts = "{tmp_path}/nohosts"
@@ -138,13 +139,22 @@ login_host = "login1"
 slurm_conf = "/only/on/login1/slurm.conf"
 """
     )
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "link-to-runs").symlink_to(tmp_path / "runs")
     out = cli("config", "check", "--config", str(path))
     assert out.returncode == 2
     lines = out.stderr.strip().splitlines()
-    keys = ["ssh.identity_files[0]", "ssh.known_hosts", "clusters[0].slurm_conf", "admin_group"]
+    keys = [
+        "ssh.identity_files[0]",
+        "ssh.known_hosts",
+        "clusters[0].slurm_conf",
+        "admin_group",
+        f"daemon.log_roots[0]' has invalid value '{tmp_path}/link-to-runs': it resolves to"
+        f" {tmp_path}/runs",
+    ]
     for key in keys:
         assert any(key in line for line in lines), (key, lines)
-    assert len(lines) == 4  # the login_host cluster's slurm.conf is not looked for here
+    assert len(lines) == 5  # the login_host cluster's slurm.conf is not looked for here
     assert "ssh-keygen" in out.stderr and "ssh-keyscan" in out.stderr
 
 
@@ -158,6 +168,7 @@ def test_config_check_passes_a_good_file(tmp_path: Path) -> None:
         f"""
 [daemon]
 state_dir = "{tmp_path}/not/yet/state"
+log_roots = ["{tmp_path}"]
 [ssh]
 identity_files = ["{key}"]
 known_hosts = "{hosts}"
@@ -171,3 +182,7 @@ login_host = "login1"
     out = cli("config", "check", "--config", str(path))
     assert out.returncode == 0, out.stderr
     assert "OK" in out.stdout and "here (local), there (ssh login1)" in out.stdout
+    path.write_text(path.read_text().replace(f'log_roots = ["{tmp_path}"]', ""))
+    out = cli("config", "check", "--config", str(path))
+    assert out.returncode == 2 and "daemon.log_roots" in out.stderr, out.stderr
+    assert "no run can be submitted" in out.stderr
