@@ -139,28 +139,16 @@ class SupervisorView(Protocol[H]):
 
 
 def run_summary(h: HandleView, now: datetime) -> RunSummary:
-    """The run as the control socket shows it."""
+    """The run as the control socket shows it: its brief, whole, and its evidence."""
     run = h.run
     health: dict[str, NodeView] = {
         node: {"rank": n.rank, "reachable": n.reachable, "agent_state": n.agent_state}
         for node, n in h.health.items()
     }
     return {
-        "run": run.run_id,
-        "job_name": run.job_name,
-        "state": run.state.value,
-        "outcome": run.outcome.value if run.outcome else None,
-        "reason": run.reason,
-        "slurm_job_id": run.slurm_job_id,
-        "attempt": run.attempt,
+        **run_brief(h, now),
+        "reason": run.reason,  # whole, and every node: one run's summary
         "nodes": list(run.nodes),
-        "nodes_healthy": sum(1 for n in health.values() if n["reachable"]),
-        "cancel_requested": run.cancel_requested,
-        "cluster": h.meta.cluster,
-        "owner_uid": h.meta.owner_uid,
-        "created_at": h.meta.created_at.isoformat(),
-        "elapsed_s": round((now - h.meta.created_at).total_seconds(), 1),
-        "archive": h.meta.archive_dir,
         "log_dir": h.meta.log_dir,
         "health": health,
         "transitions": [
