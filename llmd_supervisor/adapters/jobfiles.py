@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import posixpath
+import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -67,6 +68,15 @@ def answer(path: str, status: int | str, data: bytes) -> bytes | None:
     raise FileRefused(path, reason or f"the reader failed with status {status}")
 
 
+def listing(path: str, status: str, data: bytes) -> list[str]:
+    """The entry names of a `list` answer, [] when missing; FileRefused otherwise."""
+    if status == "missing":
+        return []
+    if status != "ok":
+        raise FileRefused(path, data.decode("utf-8", "replace") or f"the listing said {status}")
+    return [n for n in data.decode("utf-8", "surrogateescape").split("\n") if n]
+
+
 async def read_local(log_dir: str, path: str, *, time_limit: float) -> bytes | None:
     """A small file (marker, status) of a job seen through this machine's file system:
     its bytes, None when missing; `FileRefused` when not a plain file or too large;
@@ -74,7 +84,7 @@ async def read_local(log_dir: str, path: str, *, time_limit: float) -> bytes | N
     root, rel = split(log_dir, path)
     cmd = argv(sys.executable, "read", root, rel, str(SMALL_FILE_MAX))
     with anyio.fail_after(time_limit):
-        result = await anyio.run_process(cmd, check=False, stdin=None)
+        result = await anyio.run_process(cmd, check=False, stdin=subprocess.DEVNULL)
     return answer(path, result.returncode, result.stdout or result.stderr)
 
 
@@ -86,12 +96,7 @@ async def list_local(log_dir: str, path: str, *, time_limit: float) -> list[str]
     with anyio.fail_after(time_limit):
         result = await anyio.run_process(argv(sys.executable, "serve", root), input=request)
     head, _, body = result.stdout.partition(b"\n")
-    status = head.split(b" ")[0].decode(errors="replace")
-    if status == "missing":
-        return []
-    if status != "ok":
-        raise FileRefused(path, body.decode("utf-8", "replace") or "the listing failed")
-    return [n for n in body.decode("utf-8", "surrogateescape").split("\n") if n]
+    return listing(path, head.split(b" ")[0].decode(errors="replace"), body)
 
 
 class LocalStream:
@@ -100,10 +105,6 @@ class LocalStream:
     def __init__(self, process: anyio.abc.Process) -> None:
         self.process = process
         self.stderr_tail = b""
-
-    @property
-    def exit_status(self) -> int | None:
-        return self.process.returncode
 
     def stderr_text(self) -> str:
         return self.stderr_tail.decode("utf-8", "replace").strip()

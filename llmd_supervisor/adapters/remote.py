@@ -25,7 +25,7 @@ import asyncssh
 import structlog
 
 from llmd_supervisor.adapters import jobfiles
-from llmd_supervisor.errors import FileRefused, RemoteError
+from llmd_supervisor.errors import RemoteError
 
 _log = structlog.get_logger("llmd_supervisor.adapters.remote")
 
@@ -315,11 +315,7 @@ class NodeLink:
         """The entry names (at most `jobfiles.LIST_MAX`) of a directory in `log_dir`, []
         if it is missing; `FileRefused` if it is a link or not a directory."""
         status, data = await self._files("list", log_dir, path, jobfiles.LIST_MAX, time_limit)
-        if status == "missing":
-            return []
-        if status != "ok":
-            raise FileRefused(path, data.decode("utf-8", "replace") or status)
-        return [n for n in data.decode("utf-8", "surrogateescape").split("\n") if n]
+        return jobfiles.listing(path, status, data)
 
     async def _files(
         self, op: str, log_dir: str, path: str, limit: int, time_limit: float
@@ -329,6 +325,8 @@ class NodeLink:
         root, rel = jobfiles.split(log_dir, path)
         action = f"reading {path}" if op == "read" else f"listing {path}"
         request = (json.dumps([op, rel, limit]) + "\n").encode()
+        # The largest answer: the file, or `limit` names of at most 255 bytes and a newline.
+        most = (limit if op == "read" else limit * 256) + _SERVE_SLACK
 
         async def ask(conn: asyncssh.SSHClientConnection) -> tuple[str, bytes]:
             async with self._files_lock:
@@ -345,7 +343,7 @@ class NodeLink:
                     head = await proc.stdout.readuntil(b"\n")
                     word, _, size = head.decode(errors="replace").strip().partition(" ")
                     n = int(size) if size.isdigit() else -1
-                    if not 0 <= n <= limit + _SERVE_SLACK:
+                    if not 0 <= n <= most:
                         raise RemoteError(self.host, action, f"the reader answered {head[:80]!r}")
                     data = await proc.stdout.readexactly(n) if n else b""
                 except EOFError as exc:  # the reader ended (no python3 there?)

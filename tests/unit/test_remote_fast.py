@@ -452,3 +452,20 @@ async def test_closing_the_link_ends_its_tailer_and_a_second_tailer_is_refused(
         assert failed and link.closed
         assert dst.read_bytes() == b"data\n"
         await wait_until("remote follower gone", lambda: not ssh_server.running(FOLLOWER))
+
+
+@pytest.mark.asyncio
+async def test_a_job_directory_of_thousands_of_files_lists_up_to_the_bound(
+    link: NodeLink, tmp_path: Path
+) -> None:
+    d = tmp_path / "logs" / "7"
+
+    def make() -> None:
+        d.mkdir(parents=True)
+        for i in range(5000):
+            (d / f"rank{i % 4}.{'x' * 200}.{i}.log").touch()
+
+    await anyio.to_thread.run_sync(make)
+    with anyio.fail_after(30):
+        names = await link.list_dir(str(tmp_path / "logs"), str(d))
+    assert len(names) == jobfiles.LIST_MAX
