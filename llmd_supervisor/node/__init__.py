@@ -9,6 +9,10 @@ and writes them to the run's job directory on the shared file system:
   it imports ``common`` and nothing else outside the standard library;
 * ``engine.py`` -- stand-in for a vLLM prefill/decode engine;
 * ``bench.py`` -- stand-in benchmark client.
+
+``jobfile.py`` is not part of the batch script: the daemon runs it (``python3 -I -S -c``)
+on the nodes, login hosts and its own machine to read a job's files without following
+links (see :mod:`llmd_supervisor.adapters.jobfiles`).
 """
 
 NODE_FILES = ("common.py", "agent.py", "engine.py", "bench.py")
