@@ -32,6 +32,10 @@ def marker_filename(job_id: str) -> str:
     return shared.marker_name(job_id)
 
 
+# How much of a failed marker's own reason a verdict's one-line reason shows.
+REASON_SHOWN = 300
+
+
 class MarkerStatus(StrEnum):
     """What the marker file turned out to be; only OK carries usable fields."""
 
@@ -81,9 +85,16 @@ class MarkerReading:
         return self.marker is not None
 
     def describe(self) -> str:
-        """One phrase for a verdict reason, e.g. ``marker rc=7 from rank 2``."""
+        """One phrase for a verdict reason, e.g. ``marker rc=0 from rank 2``, or with a
+        failure its own words: ``marker rc=73 from rank 2: rank 1 (prefill, ...) failed``."""
         if self.marker is not None:
-            return f"marker rc={self.marker.rc} from rank {self.marker.rank}"
+            m = self.marker
+            said = " ".join(m.reason.split())  # one line, whatever the file held
+            said = said if len(said) <= REASON_SHOWN else said[: REASON_SHOWN - 3] + "..."
+            # A failure is told by the rank that saw it (the marker's reason), not only by
+            # the coordinator that published it.
+            why = f": {said}" if m.rc != 0 and said else ""
+            return f"marker rc={m.rc} from rank {m.rank}{why}"
         name = marker_filename(self.expected_job_id)
         if self.status is MarkerStatus.MISSING:
             return f"marker {name} missing"

@@ -780,7 +780,6 @@ class Agent(object):
 
     def run_sweep(self) -> Tuple[int, str]:
         bench = self.cfg["bench"]
-        self.set_state(shared.STATE_BENCHMARKING)
         bench_dir = os.path.join(self.job_dir, "bench")
         os.makedirs(bench_dir, exist_ok=True)
         prefill = [
@@ -793,8 +792,12 @@ class Agent(object):
         ]
         final_rc = 0
         failures: List[str] = []
-        for conc in bench["concurrencies"]:
-            conc = int(conc)
+        points = [int(c) for c in bench["concurrencies"]]
+        for i, conc in enumerate(points):
+            # What `status` shows while the sweep runs.
+            self.set_state(
+                shared.STATE_BENCHMARKING, "concurrency %d (%d of %d)" % (conc, i + 1, len(points))
+            )
             values = self.template_values()
             values.update(
                 {

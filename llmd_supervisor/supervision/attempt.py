@@ -43,6 +43,7 @@ from llmd_supervisor.core.health import (
 )
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.errors import FileRefused, LogCapped, RemoteError, SupervisorError
+from llmd_supervisor.node.common import STATE_BENCHMARKING
 
 log = structlog.get_logger("llmd_supervisor.attempt")
 
@@ -253,8 +254,15 @@ def _size(path: Path) -> int:
 
 
 def _status_state(data: bytes) -> str:
+    """The agent's state, with the point it is at while benchmarking (bounded)."""
     try:
         value = json.loads(data)
     except ValueError:
         return "unreadable"
-    return str(value.get("state", "")) if isinstance(value, dict) else "unreadable"
+    if not isinstance(value, dict):
+        return "unreadable"
+    state = str(value.get("state", ""))[:40]
+    reason = value.get("reason")
+    if state == STATE_BENCHMARKING and isinstance(reason, str) and reason:
+        return f"{state}: {reason[:80]}"
+    return state

@@ -37,8 +37,20 @@ def test_ok() -> None:
     assert reading.marker.rank == 2
     assert reading.marker.reason == "sweep done"
     assert reading.marker.finished_at == datetime(2026, 11, 30, 21, 59, 0, 123000, tzinfo=UTC)
-    assert reading.describe() == "marker rc=7 from rank 2"
+    assert reading.describe() == "marker rc=7 from rank 2: sweep done"
     assert reading.raw_text is not None and '"rc": 7' in reading.raw_text
+
+
+def test_a_failed_marker_tells_its_own_reason_on_one_bounded_line() -> None:
+    said = "rank 1 (prefill, node2:8330) failed:\n engine exited with rc 3 before the marker"
+    reading = read_marker(body(rc=73, reason=said), JOB)
+    assert reading.describe() == (
+        "marker rc=73 from rank 2: rank 1 (prefill, node2:8330) failed: engine exited with"
+        " rc 3 before the marker"
+    )
+    long = read_marker(body(rc=1, reason="x" * 5000), JOB).describe()
+    assert len(long) < 400 and long.endswith("...")
+    assert read_marker(body(rc=0, reason="ok"), JOB).describe() == "marker rc=0 from rank 2"
 
 
 def test_as_the_node_agent_writes_it() -> None:

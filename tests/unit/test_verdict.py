@@ -136,7 +136,8 @@ CASES = [
          "marker .bench_done.42 missing; Slurm says COMPLETED 0:0 (sacct, 2 agreeing reads)",
          past_deadline=True),
     Case("completed-marker-rc7", OK2, marker(7), Outcome.FAILED,
-         "marker rc=7 from rank 2; Slurm says COMPLETED 0:0 (sacct, 2 agreeing reads)"),
+         "marker rc=7 from rank 2: sweep done; Slurm says COMPLETED 0:0 (sacct, 2 agreeing"
+         " reads)"),
     Case("completed-marker-truncated-waits", OK2, TRUNCATED, Outcome.PENDING_EVIDENCE,
          "marker .bench_done.42 truncated"),
     Case("completed-marker-truncated-at-deadline", OK2, TRUNCATED, Outcome.FAILED,
