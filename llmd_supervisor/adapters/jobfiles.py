@@ -35,6 +35,8 @@ SOURCE: Final = (Path(node.__file__).parent / "jobfile.py").read_text()
 OK, MISSING, REFUSED, TOO_LARGE = 0, 1, 3, 4
 # A marker or a status file is at most this large; a larger one is refused, unread.
 SMALL_FILE_MAX: Final = 64 << 10
+# A benchmark point's result file (vLLM's may hold per-request arrays) or a diagnostic.
+RESULT_FILE_MAX: Final = 32 << 20
 # Entry names read from one job directory per listing.
 LIST_MAX: Final = 4096
 
@@ -56,14 +58,14 @@ def argv(python: str, mode: str, *args: str) -> list[str]:
     return [python, "-I", "-S", "-c", SOURCE, mode, *args]
 
 
-def answer(path: str, status: int | str, data: bytes) -> bytes | None:
+def answer(path: str, status: int | str, data: bytes, limit: int = SMALL_FILE_MAX) -> bytes | None:
     """The bytes of a `read`, None when missing; FileRefused otherwise."""
     if status in (OK, "ok"):
         return data
     if status in (MISSING, "missing"):
         return None
     if status in (TOO_LARGE, "too_large"):
-        raise FileRefused(path, f"it is larger than {SMALL_FILE_MAX} bytes")
+        raise FileRefused(path, f"it is larger than {limit} bytes")
     reason = data.decode("utf-8", "replace").strip().removeprefix("refused: ")
     raise FileRefused(path, reason or f"the reader failed with status {status}")
 
@@ -77,15 +79,18 @@ def listing(path: str, status: str, data: bytes) -> list[str]:
     return [n for n in data.decode("utf-8", "surrogateescape").split("\n") if n]
 
 
-async def read_local(log_dir: str, path: str, *, time_limit: float) -> bytes | None:
-    """A small file (marker, status) of a job seen through this machine's file system:
-    its bytes, None when missing; `FileRefused` when not a plain file or too large;
-    `TimeoutError` when it cannot be read within `time_limit` (the reader is killed)."""
+async def read_local(
+    log_dir: str, path: str, *, time_limit: float, limit: int = SMALL_FILE_MAX
+) -> bytes | None:
+    """A file of a job seen through this machine's file system (marker, status, a
+    benchmark result): its bytes, None when missing; `FileRefused` when not a plain file
+    or larger than `limit`; `TimeoutError` when it cannot be read within `time_limit`
+    (the reader is killed)."""
     root, rel = split(log_dir, path)
-    cmd = argv(sys.executable, "read", root, rel, str(SMALL_FILE_MAX))
+    cmd = argv(sys.executable, "read", root, rel, str(limit))
     with anyio.fail_after(time_limit):
         result = await anyio.run_process(cmd, check=False, stdin=subprocess.DEVNULL)
-    return answer(path, result.returncode, result.stdout or result.stderr)
+    return answer(path, result.returncode, result.stdout or result.stderr, limit)
 
 
 async def list_local(log_dir: str, path: str, *, time_limit: float) -> list[str]:

@@ -8,8 +8,12 @@ Layout, for log directory ``L``, job name ``N`` and job id ``J``:
   * ``L/N-J.out``, ``L/N-J.err``   -- the batch logs (sbatch ``--output=L/%x-%j.out``)
   * ``L/.bench_done.J``            -- the completion marker
   * ``L/J/``                       -- the job directory: per-rank logs and status files
+  * ``L/J/bench/c<N>.json|.log``   -- each benchmark point's result and client log
 and in the run's archive directory ``A``:
   * ``A/logs/attempt<K>/<name>``   -- byte-exact copies of attempt K's logs, by file name
+  * ``A/results/c<N>.json|.log``   -- the benchmark's raw result files and point logs
+  * ``A/results.json``             -- their normalised table
+  * ``A/ranks/<name>``             -- each rank's last status file and diagnostic
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from pathlib import Path
 from llmd_supervisor.node import common
 
 LOGS = "logs"
+RESULTS = "results"
 
 
 def batch_log_patterns(log_dir: str) -> tuple[str, str]:
@@ -58,6 +63,17 @@ class RunLayout:
     def marker(self, job_id: str) -> str:
         return f"{self.log_dir}/{common.marker_name(job_id)}"
 
+    def diag_file(self, job_id: str, rank: int) -> str:
+        return f"{self.job_dir(job_id)}/{common.diag_name(rank)}"
+
+    def bench_files(self, job_id: str, concurrency: int) -> tuple[str, str]:
+        """A benchmark point's result file and client log (remote paths)."""
+        bench = f"{self.job_dir(job_id)}/{common.BENCH_DIR}"
+        return (
+            f"{bench}/{common.result_name(concurrency)}",
+            f"{bench}/{common.bench_log_name(concurrency)}",
+        )
+
     @staticmethod
     def is_batch_log(name: str) -> bool:
         """A batch .out or .err file name (the rest of a log directory is per rank)."""
@@ -84,3 +100,18 @@ class RunLayout:
     def batch_copy(self, attempt: int, job_id: str) -> Path:
         """The local copy of the batch .out of an attempt."""
         return self.copies(attempt) / self.batch_log_names(job_id)[0]
+
+    @property
+    def results_dir(self) -> Path:
+        """The benchmark's raw result files and point logs, byte-exact (`results/c<N>.json`)."""
+        return self.archive_dir / RESULTS
+
+    @property
+    def results_table(self) -> Path:
+        """The normalised results table (`core.results.results_table`)."""
+        return self.archive_dir / "results.json"
+
+    @property
+    def ranks_dir(self) -> Path:
+        """Each rank's last status file and diagnostic."""
+        return self.archive_dir / "ranks"

@@ -780,7 +780,7 @@ class Agent(object):
 
     def run_sweep(self) -> Tuple[int, str]:
         bench = self.cfg["bench"]
-        bench_dir = os.path.join(self.job_dir, "bench")
+        bench_dir = os.path.join(self.job_dir, shared.BENCH_DIR)
         os.makedirs(bench_dir, exist_ok=True)
         prefill = [
             "http://%s:%d" % (self.host_of(r), self.port_of(r))
@@ -808,11 +808,12 @@ class Agent(object):
                     "request_rate": str(bench["request_rate"]),
                     "prefill_urls": ",".join(prefill),
                     "decode_urls": ",".join(decode),
-                    "result_file": os.path.join(bench_dir, "c%d.json" % conc),
+                    "result_file": os.path.join(bench_dir, shared.result_name(conc)),
                 }
             )
             argv = [expand_template(a, values) for a in bench["command"]]
-            rc = self.run_bench_point(conc, argv, os.path.join(bench_dir, "c%d.log" % conc))
+            log_path = os.path.join(bench_dir, shared.bench_log_name(conc))
+            rc = self.run_bench_point(conc, argv, log_path)
             if rc != 0:
                 failures.append("concurrency %d exited %s" % (conc, _rc_text(rc)))
                 if final_rc == 0:
@@ -1108,7 +1109,7 @@ class Agent(object):
         if self.engine is not None:
             lines += ["", "last lines of %s:" % self.engine_log]
             lines += ["  " + ln for ln in tail_lines(self.engine_log)]
-        path = os.path.join(self.job_dir, "rank%d.diag.txt" % self.rank)
+        path = os.path.join(self.job_dir, shared.diag_name(self.rank))
         try:
             write_atomic(path, ("\n".join(lines) + "\n").encode("utf-8"), durable=True)
             self.log("diag.written", path=path)

@@ -76,6 +76,24 @@ def status_name(rank: int) -> str:
     return "rank%d%s" % (rank, STATUS_SUFFIX)
 
 
+def diag_name(rank: int) -> str:
+    """A rank's diagnostic (written on SIGTERM) in the job directory."""
+    return "rank%d.diag.txt" % rank
+
+
+BENCH_DIR = "bench"  # in the job directory: one result and one log per benchmark point
+
+
+def result_name(concurrency: int) -> str:
+    """A benchmark point's result file name in the bench directory."""
+    return "c%d.json" % concurrency
+
+
+def bench_log_name(concurrency: int) -> str:
+    """A benchmark point's client log file name in the bench directory."""
+    return "c%d.log" % concurrency
+
+
 def rank_prefix(rank: int) -> str:
     return "rank%d." % rank
 

@@ -54,9 +54,12 @@ CATCH_UP_AT_ONCE = 4  # files copied at the same time
 class RunFiles(Protocol):
     """How the daemon reaches a run's files on one cluster."""
 
-    async def read(self, log_dir: str, path: str) -> bytes | None:
-        """A small file's bytes (the marker); None when missing or unreadable right now;
-        `FileRefused` when it is not a plain file of the job (never read)."""
+    async def read(
+        self, log_dir: str, path: str, limit: int = jobfiles.SMALL_FILE_MAX
+    ) -> bytes | None:
+        """A file's bytes (the marker, a benchmark result: at most `limit`); None when
+        missing or unreadable right now; `FileRefused` when it is not a plain file of the
+        job or larger (never read)."""
         ...
 
     def local_path(self, path: str) -> Path | None:
@@ -74,9 +77,13 @@ class SharedLogDir:
     def __init__(self, time_limit: float = 30.0) -> None:
         self._time_limit = time_limit  # per read of a small file, or copy of one log
 
-    async def read(self, log_dir: str, path: str) -> bytes | None:
+    async def read(
+        self, log_dir: str, path: str, limit: int = jobfiles.SMALL_FILE_MAX
+    ) -> bytes | None:
         try:
-            return await jobfiles.read_local(log_dir, path, time_limit=self._time_limit)
+            return await jobfiles.read_local(
+                log_dir, path, time_limit=self._time_limit, limit=limit
+            )
         except TimeoutError:
             log.warning("run.file_unreadable", path=path, error="no answer in time")
             return None
@@ -105,9 +112,11 @@ class ThroughLoginHost:
         self._host = host
         self._python = python
 
-    async def read(self, log_dir: str, path: str) -> bytes | None:
+    async def read(
+        self, log_dir: str, path: str, limit: int = jobfiles.SMALL_FILE_MAX
+    ) -> bytes | None:
         root, rel = jobfiles.split(log_dir, path)
-        argv = jobfiles.argv(self._python, "read", root, rel, str(jobfiles.SMALL_FILE_MAX))
+        argv = jobfiles.argv(self._python, "read", root, rel, str(limit))
         try:
             result = await self._client.runner.run(argv, time_limit=self._client.timeout)
         except SlurmCommandError as exc:
@@ -123,7 +132,7 @@ class ThroughLoginHost:
             log.warning("run.file_unreadable", host=self._host, path=path, error=why)
             return None
         data = (result.stdout if result.returncode == jobfiles.OK else result.stderr).encode()
-        return jobfiles.answer(path, result.returncode, data)
+        return jobfiles.answer(path, result.returncode, data, limit)
 
     def local_path(self, path: str) -> Path | None:
         return None

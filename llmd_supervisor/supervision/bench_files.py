@@ -1,0 +1,85 @@
+"""The benchmark's files of a finished job, read through the cluster's `RunFiles`.
+
+What the verdict's validity gate reads (each point's result file) and what the archive
+keeps besides the log copies: the raw result files and point logs (`results/`), and each
+rank's last status file and diagnostic (`ranks/`). Every read goes through
+`node/jobfile.py` (no link followed, plain files of the job's account only, bounded); a
+refused file is reported, never read.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+
+from llmd_supervisor.adapters.jobfiles import RESULT_FILE_MAX, SMALL_FILE_MAX
+from llmd_supervisor.core.layout import RESULTS, RunLayout
+from llmd_supervisor.errors import FileRefused
+from llmd_supervisor.supervision.cluster import RunFiles
+
+Refused = Callable[[FileRefused], Awaitable[None]]
+READS_AT_ONCE = 4  # each read is a child process (or a command on the login host)
+
+
+@dataclass
+class BenchFiles:
+    """What was read: per concurrency its result file's bytes (None: missing; a
+    `FileRefused`: not a plain file), and the archive's extra files by relative name."""
+
+    results: dict[int, bytes | FileRefused | None] = field(default_factory=dict)
+    archived: dict[str, bytes] = field(default_factory=dict)
+
+
+async def read_results(
+    files: RunFiles, layout: RunLayout, job_id: str, concurrencies: Sequence[int]
+) -> dict[int, bytes | FileRefused | None]:
+    """Each point's result file, as the validity gate takes it."""
+    out: dict[int, bytes | FileRefused | None] = {}
+    for c in concurrencies:
+        path = layout.bench_files(job_id, c)[0]
+        try:
+            out[c] = await files.read(layout.log_dir, path, RESULT_FILE_MAX)
+        except FileRefused as exc:
+            out[c] = exc
+    return out
+
+
+async def read_all(
+    files: RunFiles,
+    layout: RunLayout,
+    job_id: str,
+    concurrencies: Sequence[int],
+    ranks: int,
+    refused: Refused,
+) -> BenchFiles:
+    """The result files, point logs, status files and diagnostics of a job."""
+    got = BenchFiles(results=await read_results(files, layout, job_id, concurrencies))
+    for c, data in got.results.items():
+        name = posixpath.basename(layout.bench_files(job_id, c)[0])
+        if isinstance(data, FileRefused):
+            await refused(data)
+        elif data is not None:
+            got.archived[f"{RESULTS}/{name}"] = data
+    wanted = [(RESULTS, layout.bench_files(job_id, c)[1], RESULT_FILE_MAX) for c in concurrencies]
+    for rank in range(ranks):
+        wanted.append(("ranks", layout.status_file(job_id, rank), SMALL_FILE_MAX))
+        wanted.append(("ranks", layout.diag_file(job_id, rank), RESULT_FILE_MAX))
+    limiter = anyio.CapacityLimiter(READS_AT_ONCE)
+
+    async def one(folder: str, path: str, limit: int) -> None:
+        async with limiter:
+            try:
+                data = await files.read(layout.log_dir, path, limit)
+            except FileRefused as exc:
+                await refused(exc)
+                return
+        if data is not None:
+            got.archived[f"{folder}/{posixpath.basename(path)}"] = data
+
+    async with anyio.create_task_group() as tg:
+        for folder, path, limit in wanted:
+            tg.start_soon(one, folder, path, limit)
+    return got
