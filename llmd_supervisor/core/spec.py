@@ -16,20 +16,23 @@ Layout (see ``deploy/llm-d/demo.toml``)::
     [engine]     port, port_stride, health_path, health_timeout_s,
                  prefill_command, decode_command
     [benchmark]  command, input_len, output_len, concurrencies, prompts_multiplier,
-                 request_rate, point_timeout_s
+                 request_rate, point_timeout_s, result_format = vllm|inferencex
+    [benchmark.validity]  min_completed_fraction, min_output_tokens, max_failed
+                 (see :mod:`llmd_supervisor.core.spec_bench`)
     [slurm]      partition, account, time_limit, extra_args, requeue
     [env.common] [env.prefill] [env.decode] [env.bench]   NAME = "value"
 """
 
 from __future__ import annotations
 
-import math
 import posixpath
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from llmd_supervisor.core.results import Validity
+from llmd_supervisor.core.spec_bench import BENCHMARK_KEYS, Benchmark, parse_benchmark
 from llmd_supervisor.core.spec_container import (
     IMAGE_RE,
     Container,
@@ -90,6 +93,7 @@ __all__ = [
     "RunSpec",
     "Slurm",
     "Topology",
+    "Validity",
     "check_daemon_dirs",
     "load_spec",
     "parse_spec",
@@ -175,17 +179,6 @@ class Engine:
 
 
 @dataclass(frozen=True)
-class Benchmark:
-    command: tuple[str, ...]
-    concurrencies: tuple[int, ...]
-    input_len: int = 1024
-    output_len: int = 256
-    prompts_multiplier: int = 10
-    request_rate: float = math.inf
-    point_timeout_s: float = 3600.0
-
-
-@dataclass(frozen=True)
 class Slurm:
     time_limit: str
     partition: str | None = None
@@ -242,15 +235,7 @@ _TABLES: Final = {
         "health_path",
         "health_timeout_s",
     ),
-    "benchmark": (
-        "command",
-        "concurrencies",
-        "input_len",
-        "output_len",
-        "prompts_multiplier",
-        "request_rate",
-        "point_timeout_s",
-    ),
+    "benchmark": BENCHMARK_KEYS,
     "slurm": ("partition", "account", "time_limit", "extra_args", "requeue"),
     "env": ("common", "prefill", "decode", "bench"),
 }
@@ -295,7 +280,7 @@ def parse_spec(data: Mapping[str, object]) -> RunSpec:
         model=model,
         container=container,
         engine=_parse_engine(t["engine"]),
-        benchmark=_parse_benchmark(t["benchmark"]),
+        benchmark=parse_benchmark(t["benchmark"], BENCH_PLACEHOLDERS),
         slurm=slurm,
         env=_parse_env(t["env"]),
         sigterm_grace_s=grace,
@@ -352,45 +337,6 @@ def _parse_engine(t: Mapping[str, object]) -> Engine:
         )
         or "/health",
         health_timeout_s=num_field(t, "engine.health_timeout_s", default=600.0, lo=1.0, hi=86400.0),
-    )
-
-
-def _parse_benchmark(t: Mapping[str, object]) -> Benchmark:
-    raw = list_field(t, "benchmark.concurrencies", required=True)
-    if not raw:
-        raise SpecError("benchmark.concurrencies", raw, "list at least one concurrency")
-    concs: list[int] = []
-    for i, c in enumerate(raw):
-        if isinstance(c, bool) or not isinstance(c, int) or not 1 <= c <= 100000:
-            raise SpecError(
-                f"benchmark.concurrencies[{i}]", c, "each concurrency is an integer 1..100000"
-            )
-        concs.append(c)
-    if len(set(concs)) != len(concs):
-        raise SpecError("benchmark.concurrencies", raw, "remove the duplicate concurrencies")
-    rate_raw = t.get("request_rate", "inf")
-    if rate_raw == "inf":
-        rate = math.inf
-    elif isinstance(rate_raw, int | float) and not isinstance(rate_raw, bool) and rate_raw > 0:
-        rate = float(rate_raw)
-        if not math.isfinite(rate):
-            rate = math.inf
-    else:
-        raise SpecError(
-            "benchmark.request_rate", rate_raw, "use a positive number of requests/s or 'inf'"
-        )
-    return Benchmark(
-        command=command_field(t, "benchmark.command", BENCH_PLACEHOLDERS),
-        concurrencies=tuple(concs),
-        input_len=int_field(t, "benchmark.input_len", default=1024, lo=1, hi=10_000_000),
-        output_len=int_field(t, "benchmark.output_len", default=256, lo=1, hi=10_000_000),
-        prompts_multiplier=int_field(
-            t, "benchmark.prompts_multiplier", default=10, lo=1, hi=100000
-        ),
-        request_rate=rate,
-        point_timeout_s=num_field(
-            t, "benchmark.point_timeout_s", default=3600.0, lo=1.0, hi=604800.0
-        ),
     )
 
 

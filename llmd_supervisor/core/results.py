@@ -1,0 +1,454 @@
+"""Benchmark results as evidence: parse, gate, tabulate (pure, no I/O).
+
+A benchmark point's result file is what a client saved with ``--save-result``:
+
+* ``vllm`` -- ``vllm bench serve`` (vllm/benchmarks/serve.py): has ``failed``;
+  ``max_concurrency`` is null when the client ran unbounded.
+* ``inferencex`` -- InferenceX's ``utils/bench_serving/benchmark_serving.py``: the same
+  keys without ``failed`` (failed = num_prompts - completed).
+
+:func:`parse_result` turns the file's bytes into a :class:`Point` or a named
+:class:`ResultProblem` (never an exception). :func:`gate` decides whether every configured
+concurrency has a believable point (DESIGN.md section 5, item 4) and keeps per-point
+evidence for the receipt. :func:`results_table` is the archive's ``results.json``.
+The field list and its provenance are in ``tests/data/results/README.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final, Literal, get_args
+
+__all__ = [
+    "FORMATS",
+    "MAX_RESULT_BYTES",
+    "GateResult",
+    "Point",
+    "PointEvidence",
+    "ResultFormat",
+    "ResultProblem",
+    "Stats",
+    "Validity",
+    "gate",
+    "min_completed",
+    "parse_result",
+    "result_name",
+    "results_table",
+]
+
+ResultFormat = Literal["vllm", "inferencex"]
+FORMATS: Final[tuple[ResultFormat, ...]] = get_args(ResultFormat)
+# A saved result without --save-detailed is a few KiB; with it, per-request arrays.
+MAX_RESULT_BYTES: Final = 64 * 1024 * 1024
+LATENCIES: Final = ("ttft", "tpot", "itl", "e2el")
+
+ProblemKind = Literal[
+    "missing",  # no result file
+    "too_large",  # over MAX_RESULT_BYTES
+    "not_json",  # not UTF-8 JSON (or several documents: --append-result)
+    "not_object",  # JSON, but not an object
+    "missing_field",  # a required key is absent
+    "bad_value",  # a key has the wrong type, is negative or not finite
+    "inconsistent",  # the numbers contradict each other
+    "refused",  # the reader refused the file (a link, not a plain file, ...)
+]
+
+
+@dataclass(frozen=True)
+class Stats:
+    """One latency metric in milliseconds; None where the client did not report it
+    (``--percentile-metrics`` left it out, or ``--metric-percentiles`` has no 99)."""
+
+    mean: float | None = None
+    median: float | None = None
+    p99: float | None = None
+
+    def as_dict(self) -> dict[str, float | None]:
+        return {"mean": self.mean, "median": self.median, "p99": self.p99}
+
+
+@dataclass(frozen=True)
+class Point:
+    """One benchmark point, normalised from either format."""
+
+    format: ResultFormat
+    concurrency: int | None  # the result's max_concurrency; None = unbounded
+    num_prompts: int
+    completed: int
+    failed: int
+    duration_s: float
+    request_throughput: float
+    output_throughput: float
+    total_token_throughput: float
+    total_input_tokens: int
+    total_output_tokens: int
+    ttft_ms: Stats = Stats()
+    tpot_ms: Stats = Stats()
+    itl_ms: Stats = Stats()
+    e2el_ms: Stats = Stats()
+
+    @property
+    def input_throughput(self) -> float:
+        """Input tokens/s as InferenceX's process_result.py derives it."""
+        return max(0.0, self.total_token_throughput - self.output_throughput)
+
+
+@dataclass(frozen=True)
+class ResultProblem:
+    """Why a result file is not a point: a kind (see ProblemKind) and a bounded detail."""
+
+    kind: ProblemKind
+    detail: str
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.detail}" if self.detail else self.kind
+
+
+@dataclass(frozen=True)
+class Validity:
+    """What makes a point valid (the spec's ``[benchmark.validity]``)."""
+
+    min_completed_fraction: float = 0.95
+    min_output_tokens: int = 1
+    max_failed: int | None = None  # None: whatever the fraction leaves
+
+
+def min_completed(fraction: float, num_prompts: int) -> int:
+    """ceil(fraction x num_prompts), immune to float noise (0.95 x 320 = 304)."""
+    return max(0, math.ceil(round(fraction * num_prompts, 9)))
+
+
+def result_name(concurrency: int) -> str:
+    """The archive's name of a point's result file."""
+    return f"results/c{concurrency}.json"
+
+
+# --- parsing -----------------------------------------------------------------------------
+
+
+class _Bad(Exception):
+    def __init__(self, problem: ResultProblem) -> None:
+        super().__init__(str(problem))
+        self.problem = problem
+
+
+def _shown(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _reject_constant(name: str) -> float:
+    raise _Bad(ResultProblem("bad_value", f"the JSON holds {name}, not a finite number"))
+
+
+def parse_result(data: bytes | str | None, fmt: ResultFormat) -> Point | ResultProblem:
+    """Parse one saved result (the file's bytes; None = no file) in format `fmt`."""
+    if fmt not in FORMATS:
+        return ResultProblem("bad_value", f"unknown result format {_shown(fmt)}")
+    if data is None:
+        return ResultProblem("missing", "no result file")
+    if len(data) > MAX_RESULT_BYTES:
+        return ResultProblem("too_large", f"{len(data)} bytes (max {MAX_RESULT_BYTES})")
+    if isinstance(data, bytes | bytearray):
+        try:
+            data = bytes(data).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            return ResultProblem("not_json", f"not UTF-8 at byte {exc.start}")
+    if not data.strip():
+        return ResultProblem("not_json", "empty file")
+    try:
+        doc = json.loads(data, parse_constant=_reject_constant)
+    except _Bad as bad:
+        return bad.problem
+    except RecursionError:
+        return ResultProblem("not_json", "nested too deeply")
+    except ValueError as exc:  # JSONDecodeError
+        line = getattr(exc, "lineno", "?")
+        col = getattr(exc, "colno", "?")
+        msg = getattr(exc, "msg", "invalid JSON")
+        return ResultProblem("not_json", f"{msg} at line {line} column {col}")
+    if not isinstance(doc, dict):
+        return ResultProblem("not_object", f"the JSON is a {type(doc).__name__}, not an object")
+    try:
+        return _point(doc, fmt)
+    except _Bad as bad:
+        return bad.problem
+
+
+def _get(doc: Mapping[str, object], key: str, fmt: ResultFormat) -> object:
+    if key not in doc:
+        hint = ""
+        if key == "failed" and fmt == "vllm" and "completed" in doc:
+            hint = " (InferenceX's client writes none: set benchmark.result_format = 'inferencex')"
+        raise _Bad(ResultProblem("missing_field", f"no {key!r}{hint}"))
+    return doc[key]
+
+
+def _count(doc: Mapping[str, object], key: str, fmt: ResultFormat) -> int:
+    value = _get(doc, key, fmt)
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _Bad(ResultProblem("bad_value", f"{key}={_shown(value)} is not a count (int >= 0)"))
+    return value
+
+
+def _number(value: object, key: str) -> float:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value < 0
+    ):
+        raise _Bad(ResultProblem("bad_value", f"{key}={_shown(value)} is not a number >= 0"))
+    return float(value)
+
+
+def _stats(doc: Mapping[str, object], metric: str) -> Stats:
+    got: list[float | None] = []
+    for prefix in ("mean", "median", "p99"):
+        key = f"{prefix}_{metric}_ms"
+        value = doc.get(key)
+        got.append(None if value is None else _number(value, key))
+    return Stats(*got)
+
+
+def _point(doc: Mapping[str, object], fmt: ResultFormat) -> Point:
+    num_prompts = _count(doc, "num_prompts", fmt)
+    completed = _count(doc, "completed", fmt)
+    if completed > num_prompts:
+        raise _Bad(
+            ResultProblem(
+                "inconsistent", f"completed={completed} is more than num_prompts={num_prompts}"
+            )
+        )
+    if fmt == "vllm" or "failed" in doc:
+        failed = _count(doc, "failed", fmt)
+        if completed + failed > num_prompts:
+            raise _Bad(
+                ResultProblem(
+                    "inconsistent",
+                    f"completed={completed} + failed={failed} is more than "
+                    f"num_prompts={num_prompts}",
+                )
+            )
+    else:
+        failed = num_prompts - completed
+    conc_key = "max_concurrency" if "max_concurrency" in doc else "concurrency"
+    raw_conc = doc.get(conc_key)
+    if isinstance(raw_conc, float) and raw_conc.is_integer():
+        raw_conc = int(raw_conc)
+    if raw_conc is not None and (
+        isinstance(raw_conc, bool) or not isinstance(raw_conc, int) or raw_conc < 1
+    ):
+        raise _Bad(
+            ResultProblem("bad_value", f"{conc_key}={_shown(raw_conc)} is not an integer >= 1")
+        )
+    concurrency = raw_conc if isinstance(raw_conc, int) else None
+    return Point(
+        format=fmt,
+        concurrency=concurrency,
+        num_prompts=num_prompts,
+        completed=completed,
+        failed=failed,
+        duration_s=_number(_get(doc, "duration", fmt), "duration"),
+        request_throughput=_number(_get(doc, "request_throughput", fmt), "request_throughput"),
+        output_throughput=_number(_get(doc, "output_throughput", fmt), "output_throughput"),
+        total_token_throughput=_number(
+            _get(doc, "total_token_throughput", fmt), "total_token_throughput"
+        ),
+        total_input_tokens=_count(doc, "total_input_tokens", fmt),
+        total_output_tokens=_count(doc, "total_output_tokens", fmt),
+        ttft_ms=_stats(doc, "ttft"),
+        tpot_ms=_stats(doc, "tpot"),
+        itl_ms=_stats(doc, "itl"),
+        e2el_ms=_stats(doc, "e2el"),
+    )
+
+
+# --- the validity gate -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PointEvidence:
+    """What the gate saw and decided for one configured concurrency."""
+
+    concurrency: int
+    file: str
+    requested: int
+    min_completed: int
+    max_failed: int
+    valid: bool
+    problem: str | None  # why not valid (None when valid)
+    point: Point | None  # None when the file was missing or unparsable
+
+    def as_dict(self) -> dict[str, object]:
+        p = self.point
+        return {
+            "concurrency": self.concurrency,
+            "file": self.file,
+            "requested": self.requested,
+            "min_completed": self.min_completed,
+            "max_failed": self.max_failed,
+            "result_concurrency": p.concurrency if p else None,
+            "num_prompts": p.num_prompts if p else None,
+            "completed": p.completed if p else None,
+            "failed": p.failed if p else None,
+            "total_output_tokens": p.total_output_tokens if p else None,
+            "duration_s": p.duration_s if p else None,
+            "valid": self.valid,
+            "problem": self.problem,
+        }
+
+
+@dataclass(frozen=True)
+class GateResult:
+    ok: bool
+    reason: str  # one line: the first failing point, or how many points passed
+    points: tuple[PointEvidence, ...]  # sorted by concurrency
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "ok": self.ok,
+            "reason": self.reason,
+            "points": [e.as_dict() for e in self.points],
+        }
+
+
+def _judge(
+    conc: int,
+    got: Point | ResultProblem | None,
+    requested: int,
+    need: int,
+    max_failed: int,
+    validity: Validity,
+) -> tuple[Point | None, str | None]:
+    if got is None:
+        return None, "no result file"
+    if isinstance(got, ResultProblem):
+        if got.kind == "missing":
+            return None, "no result file"
+        if got.kind == "refused":
+            return None, f"result file refused ({got.detail})"
+        return None, f"unparsable result ({got})"
+    if got.concurrency != conc:
+        shown = "none (unbounded)" if got.concurrency is None else str(got.concurrency)
+        return got, f"result for the wrong concurrency (max_concurrency {shown})"
+    if got.completed < need:
+        return got, f"{got.completed} of {requested} requests completed (min {need})"
+    if got.failed > max_failed:
+        return got, f"{got.failed} of {requested} requests failed (max {max_failed})"
+    if got.total_output_tokens < validity.min_output_tokens:
+        return got, (f"{got.total_output_tokens} output tokens (min {validity.min_output_tokens})")
+    if not got.duration_s > 0:
+        return got, f"duration {got.duration_s:g} s (must be > 0)"
+    return got, None
+
+
+def gate(
+    points_by_concurrency: Mapping[int, Point | ResultProblem | None],
+    expected: Mapping[int, int],
+    validity: Validity,
+    result_names: Mapping[int, str],
+) -> GateResult:
+    """Judge every configured concurrency (`expected`: concurrency -> prompts requested).
+
+    A concurrency absent from `points_by_concurrency` counts as a missing file; points for
+    concurrencies not in `expected` are ignored. `result_names` names each point's file in
+    the reason (default ``results/c<N>.json``).
+    """
+    evidence: list[PointEvidence] = []
+    first: str | None = None
+    for conc in sorted(expected):
+        requested = expected[conc]
+        need = min_completed(validity.min_completed_fraction, requested)
+        max_failed = validity.max_failed if validity.max_failed is not None else requested - need
+        name = result_names.get(conc, result_name(conc))
+        got = points_by_concurrency.get(conc)
+        point, problem = _judge(conc, got, requested, need, max_failed, validity)
+        evidence.append(
+            PointEvidence(conc, name, requested, need, max_failed, problem is None, problem, point)
+        )
+        if problem is not None and first is None:
+            first = f"benchmark c={conc}: {problem}; {name}"
+    if not expected:
+        return GateResult(False, "benchmark: no concurrency configured", ())
+    if first is not None:
+        return GateResult(False, first, tuple(evidence))
+    n = len(evidence)
+    return GateResult(True, f"benchmark: {n} of {n} points valid", tuple(evidence))
+
+
+# --- results.json -------------------------------------------------------------------------
+
+_NUMBERS: Final = (
+    "num_prompts",
+    "completed",
+    "failed",
+    "duration_s",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "input_throughput",
+    "output_throughput_per_gpu",
+    "total_token_throughput_per_gpu",
+    "input_throughput_per_gpu",
+)
+
+
+def _row(e: PointEvidence, gpus: int | None) -> dict[str, object]:
+    row: dict[str, object] = {"concurrency": e.concurrency}
+    p = e.point
+    if p is None:
+        row.update(dict.fromkeys(_NUMBERS))
+        row.update({f"{m}_ms": Stats().as_dict() for m in LATENCIES})
+    else:
+        row.update(
+            {
+                "num_prompts": p.num_prompts,
+                "completed": p.completed,
+                "failed": p.failed,
+                "duration_s": p.duration_s,
+                "request_throughput": p.request_throughput,
+                "output_throughput": p.output_throughput,
+                "total_token_throughput": p.total_token_throughput,
+                "input_throughput": p.input_throughput,
+                "output_throughput_per_gpu": p.output_throughput / gpus if gpus else None,
+                "total_token_throughput_per_gpu": (
+                    p.total_token_throughput / gpus if gpus else None
+                ),
+                "input_throughput_per_gpu": p.input_throughput / gpus if gpus else None,
+                "ttft_ms": p.ttft_ms.as_dict(),
+                "tpot_ms": p.tpot_ms.as_dict(),
+                "itl_ms": p.itl_ms.as_dict(),
+                "e2el_ms": p.e2el_ms.as_dict(),
+            }
+        )
+    row.update({"file": e.file, "valid": e.valid, "problem": e.problem})
+    return row
+
+
+def results_table(
+    points: GateResult | Iterable[PointEvidence],
+    gpus: int | None,
+    fmt: ResultFormat | None = None,
+) -> dict[str, object]:
+    """The archive's ``results.json``: one row per point, sorted by concurrency.
+
+    `gpus` is the run's GPU count (None or 0: unknown, the per-GPU numbers are null).
+    `fmt` defaults to the format of the parsed points (``vllm`` when none parsed).
+    """
+    evidence = sorted(
+        points.points if isinstance(points, GateResult) else points, key=lambda e: e.concurrency
+    )
+    if fmt is None:
+        fmt = next((e.point.format for e in evidence if e.point is not None), "vllm")
+    n_gpus = gpus if gpus is not None and gpus > 0 else None
+    return {
+        "format": fmt,
+        "gpus": n_gpus,
+        "points": [_row(e, n_gpus) for e in evidence],
+    }
