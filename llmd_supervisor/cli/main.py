@@ -13,6 +13,9 @@ from typing import Any
 from llmd_supervisor import __version__
 from llmd_supervisor.cli.config import add_parsers as add_config_parsers
 from llmd_supervisor.cli.daemon import add_parsers as add_daemon_parsers
+from llmd_supervisor.cli.daemon import socket_default
+from llmd_supervisor.cli.report import add_parsers as add_report_parsers
+from llmd_supervisor.cli.results import add_parsers as add_results_parsers
 from llmd_supervisor.errors import SpecError
 
 # A subcommand handler takes the parsed args and returns the process exit status.
@@ -30,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_verify_parser(sub)
     add_daemon_parsers(sub)
     add_config_parsers(sub)
+    add_results_parsers(sub, socket_default)
+    add_report_parsers(sub, socket_default)
     return parser
 
 

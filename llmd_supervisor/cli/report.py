@@ -1,0 +1,371 @@
+"""``llmd-supervisor report``: runs' verdicts, evidence tables and charts in one HTML file.
+
+The file is self-contained (no network, no scripts, no fonts or images from elsewhere):
+the charts are inline SVG drawn by matplotlib, an optional dependency (the ``report``
+extra). Every plotted point is its own SVG group carrying ``class="point"``,
+``data-chart``, ``data-run``, ``data-concurrency``, ``data-x`` and ``data-y``, so what a
+chart shows can be checked from the file. The charts: total throughput per GPU against
+interactivity (1000 / median TPOT in ms, the chart InferenceX publishes), and median TTFT
+and TPOT against concurrency, one line per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import html
+import io
+import math
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from llmd_supervisor.cli.results import (
+    LATENCIES,
+    ResultPoint,
+    RunResults,
+    interactivity,
+    latency,
+    no_results_reason,
+    per_gpu_total,
+)
+
+INSTALL_HINT = (
+    "llmd-supervisor report: matplotlib is not installed, and the report needs it; install "
+    "the package's report extra: pip install 'llmd-supervisor[report]' "
+    "(from a checkout: pip install -e '.[report]')."
+)
+
+# matplotlib's tab10, fixed here so that a run has one colour in every chart.
+PALETTE = (
+    "#1f77b4",
+    "#ff7f0e",
+    "#2ca02c",
+    "#d62728",
+    "#9467bd",
+    "#8c564b",
+    "#e377c2",
+    "#7f7f7f",
+    "#bcbd22",
+    "#17becf",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Series:
+    """One run's line in one chart: (x, y, concurrency) in concurrency order."""
+
+    run: str
+    label: str
+    color: str
+    points: tuple[tuple[float, float, int], ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Chart:
+    chart_id: str
+    title: str
+    xlabel: str
+    ylabel: str
+    series: tuple[Series, ...]
+    log_x: bool = False
+    left_out: tuple[str, ...] = ()  # one sentence per run not plotted
+
+
+def _valid_points(r: RunResults) -> list[ResultPoint]:
+    table = r["results"]
+    if table is None:
+        return []
+    return sorted((p for p in table["points"] if p["valid"]), key=lambda p: p["concurrency"])
+
+
+def _series(
+    runs: Sequence[RunResults],
+    x: Callable[[RunResults, ResultPoint], float | None],
+    y: Callable[[RunResults, ResultPoint], float | None],
+    label: Callable[[RunResults], str] = lambda r: r["run"],
+) -> tuple[tuple[Series, ...], tuple[str, ...]]:
+    series, left_out = [], []
+    for i, r in enumerate(runs):
+        pts = []
+        for p in _valid_points(r):
+            xv, yv = x(r, p), y(r, p)
+            if xv is not None and yv is not None and math.isfinite(xv) and math.isfinite(yv):
+                pts.append((xv, yv, p["concurrency"]))
+        if pts:
+            series.append(Series(r["run"], label(r), PALETTE[i % len(PALETTE)], tuple(pts)))
+        elif r["results"] is None or not r["results"]["points"]:
+            left_out.append(f"run {r['run']}: {no_results_reason(r)}")
+        else:
+            left_out.append(f"run {r['run']}: no valid point has the values this chart needs")
+    return tuple(series), tuple(left_out)
+
+
+def build_charts(runs: Sequence[RunResults]) -> list[Chart]:
+    """The report's three charts (pure: no matplotlib needed)."""
+
+    def gpus(r: RunResults) -> int | None:
+        return r["results"]["gpus"] if r["results"] else None
+
+    known = [bool(gpus(r)) for r in runs if _valid_points(r)]
+    if known and all(known):
+        ylabel = "total tok/s per GPU"
+    elif not any(known):
+        ylabel = "total tok/s (GPU count unknown: not per GPU)"
+    else:
+        ylabel = "total tok/s per GPU († total tok/s: GPU count unknown)"
+
+    def throughput(r: RunResults, p: ResultPoint) -> float | None:
+        n = gpus(r)
+        return per_gpu_total(p, n) if n else p["total_token_throughput"]
+
+    def tput_label(r: RunResults) -> str:
+        return r["run"] if gpus(r) else f"{r['run']} † (total, GPUs unknown)"
+
+    def conc(_: RunResults, p: ResultPoint) -> float:
+        return float(p["concurrency"])
+
+    def median(metric: str) -> Callable[[RunResults, ResultPoint], float | None]:
+        return lambda _, p: latency(p, metric, "median")
+
+    charts = []
+    s, out = _series(runs, lambda _, p: interactivity(p), throughput, tput_label)
+    charts.append(
+        Chart(
+            "tput-vs-interactivity",
+            "Throughput per GPU against interactivity",
+            "interactivity (tok/s/user = 1000 / median TPOT in ms)",
+            ylabel,
+            s,
+            left_out=out,
+        )
+    )
+    for metric in ("ttft", "tpot"):
+        s, out = _series(runs, conc, median(metric))
+        charts.append(
+            Chart(
+                f"{metric}-vs-concurrency",
+                f"Median {metric.upper()} against concurrency",
+                "concurrency (requests in flight)",
+                f"median {metric.upper()} (ms)",
+                s,
+                log_x=True,
+                left_out=out,
+            )
+        )
+    return charts
+
+
+def chart_svg(chart: Chart) -> str:
+    """`chart` as an inline `<svg>` element; each point a group with its data attributes."""
+    import matplotlib
+    from matplotlib.figure import Figure  # no pyplot: no GUI backend is ever chosen
+
+    attrs: dict[str, str] = {}
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": chart.chart_id}):
+        fig = Figure(figsize=(8.0, 4.5), layout="constrained")
+        ax = fig.add_subplot()
+        for n, s in enumerate(chart.series):
+            xs = [p[0] for p in s.points]
+            ys = [p[1] for p in s.points]
+            ax.plot(xs, ys, "-", color=s.color, linewidth=1.5, label=s.label)
+            for i, (x, y, conc) in enumerate(s.points):
+                gid = f"{chart.chart_id}-s{n}-p{i}"
+                ax.plot([x], [y], "o", markersize=6, color=s.color, gid=gid)
+                ax.annotate(
+                    f"c{conc}", (x, y), textcoords="offset points", xytext=(4, 5), fontsize=7
+                )
+                attrs[gid] = (
+                    f'class="point" data-chart="{chart.chart_id}" '
+                    f'data-run="{html.escape(s.run, quote=True)}" data-concurrency="{conc}" '
+                    f'data-x="{x:.6g}" data-y="{y:.6g}"'
+                )
+        if chart.log_x:
+            ax.set_xscale("log", base=2)
+            ticks = sorted({p[0] for s in chart.series for p in s.points})
+            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
+            ax.minorticks_off()
+        ax.set_title(chart.title)
+        ax.set_xlabel(chart.xlabel)
+        ax.set_ylabel(chart.ylabel)
+        ax.grid(True, alpha=0.3)
+        if chart.series:
+            ax.legend(fontsize=8)
+        buf = io.StringIO()
+        fig.savefig(buf, format="svg", metadata={"Date": None})
+    svg = buf.getvalue()
+    svg = svg[svg.index("<svg") :]
+    for gid, extra in attrs.items():
+        tag = f'<g id="{gid}">'
+        if svg.count(tag) != 1:
+            raise RuntimeError(f"matplotlib's SVG has {svg.count(tag)} groups {gid!r}, not one")
+        svg = svg.replace(tag, f'<g id="{gid}" {extra}>')
+    return svg
+
+
+# --- HTML ---------------------------------------------------------------------------------
+
+_CSS = """
+body { font-family: sans-serif; margin: 1.5em; color: #222; max-width: 1150px; }
+h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; }
+table { border-collapse: collapse; font-size: 0.8em; }
+th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: right; white-space: nowrap; }
+th { background: #f0f0f0; } td.text { text-align: left; white-space: normal; }
+tr.invalid td { background: #fde8e8; }
+.scroll { overflow-x: auto; }
+.verdict { padding: 0.4em 0.7em; border-left: 6px solid #999; background: #f6f6f6; }
+.succeeded { border-color: #2ca02c; } .bad { border-color: #d62728; }
+.chart svg { max-width: 100%; height: auto; }
+.note { color: #555; font-size: 0.9em; }
+"""
+
+_COLUMNS: tuple[tuple[str, Callable[[ResultPoint, int | None], object]], ...] = (
+    ("concurrency", lambda p, g: p["concurrency"]),
+    ("prompts", lambda p, g: p["num_prompts"]),
+    ("completed", lambda p, g: p["completed"]),
+    ("failed", lambda p, g: p["failed"]),
+    ("duration s", lambda p, g: p["duration_s"]),
+    ("req/s", lambda p, g: p["request_throughput"]),
+    ("output tok/s", lambda p, g: p["output_throughput"]),
+    ("total tok/s", lambda p, g: p["total_token_throughput"]),
+    ("input tok/s", lambda p, g: p["input_throughput"]),
+    ("total tok/s/GPU", lambda p, g: per_gpu_total(p, g)),
+    ("output tok/s/GPU", lambda p, g: p["output_throughput_per_gpu"]),
+    ("input tok/s/GPU", lambda p, g: p["input_throughput_per_gpu"]),
+    ("interactivity", lambda p, g: interactivity(p)),
+)
+
+
+def _num(value: object) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.2f}" if abs(value) < 1000 else f"{value:,.0f}"
+    return html.escape(str(value))
+
+
+def _lat_getter(metric: str, stat: str) -> Callable[[ResultPoint, int | None], object]:
+    return lambda p, g: latency(p, metric, stat)
+
+
+def _evidence_table(r: RunResults) -> str:
+    table = r["results"]
+    if table is None or not table["points"]:
+        return f'<p class="note">No results: {html.escape(no_results_reason(r))}.</p>'
+    columns = list(_COLUMNS)
+    for metric in LATENCIES:
+        for stat in ("mean", "median", "p99"):
+            columns.append((f"{metric.upper()} {stat} ms", _lat_getter(metric, stat)))
+    head = "".join(f"<th>{html.escape(name)}</th>" for name, _ in columns)
+    rows = []
+    for p in sorted(table["points"], key=lambda p: p["concurrency"]):
+        cells = "".join(f"<td>{_num(get(p, table['gpus']))}</td>" for _, get in columns)
+        problem = "valid" if p["valid"] else f"invalid: {p['problem'] or 'no reason given'}"
+        cells += f'<td class="text">{html.escape(problem)}</td>'
+        cells += f'<td class="text">{html.escape(p["file"])}</td>'
+        rows.append(f'<tr class="{"valid" if p["valid"] else "invalid"}">{cells}</tr>')
+    return (
+        f'<div class="scroll"><table><tr>{head}<th>valid</th><th>file</th></tr>'
+        + "".join(rows)
+        + "</table></div>"
+    )
+
+
+def _run_section(r: RunResults) -> str:
+    outcome = r["outcome"]
+    css = "succeeded" if outcome == "succeeded" else ("bad" if outcome else "")
+    table = r["results"]
+    meta = "no results table"
+    if table is not None:
+        gpus = f"{table['gpus']} GPUs" if table["gpus"] else "GPU count unknown"
+        meta = f"{table['format']} client, {gpus}, {len(table['points'])} points"
+    return (
+        f'<section id="run-{html.escape(r["run"], quote=True)}">'
+        f"<h2>Run {html.escape(r['run'])}</h2>"
+        f'<div class="verdict {css}"><b>{html.escape(outcome or "no outcome yet")}</b> '
+        f"(state {html.escape(r['state'])}): {html.escape(r['reason'] or 'no reason given')}"
+        f'</div><p class="note">{html.escape(meta)}</p>{_evidence_table(r)}</section>'
+    )
+
+
+def render_report(
+    runs: Sequence[RunResults], *, generated_at: str, svg: Callable[[Chart], str] = chart_svg
+) -> str:
+    """The whole HTML document for `runs`."""
+    parts = [
+        "<!DOCTYPE html>",
+        '<html lang="en"><head><meta charset="utf-8">',
+        "<title>llm-d benchmark report</title>",
+        f"<style>{_CSS}</style></head><body>",
+        "<h1>llm-d benchmark report</h1>",
+        f'<p class="note">Generated {html.escape(generated_at)} by llmd-supervisor for '
+        f"{len(runs)} run(s).</p>",
+        "<h2>Verdicts</h2><ul>",
+    ]
+    for r in runs:
+        parts.append(
+            f'<li><a href="#run-{html.escape(r["run"], quote=True)}">{html.escape(r["run"])}</a>: '
+            f"<b>{html.escape(r['outcome'] or r['state'])}</b> "
+            f"{html.escape(r['reason'])}</li>"
+        )
+    parts.append("</ul><h2>Charts</h2>")
+    for chart in build_charts(runs):
+        if chart.series:
+            parts.append(f'<div class="chart" id="{chart.chart_id}">{svg(chart)}</div>')
+        else:
+            parts.append(f'<p class="note">{html.escape(chart.title)}: nothing to plot.</p>')
+        for why in chart.left_out:
+            parts.append(f'<p class="note">Not plotted: {html.escape(why)}.</p>')
+    parts.extend(_run_section(r) for r in runs)
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+# --- the command --------------------------------------------------------------------------
+
+
+def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[], Path]) -> None:
+    p = sub.add_parser(
+        "report",
+        help="write runs' verdicts, results and charts as one self-contained HTML file",
+        description=(
+            "Write one HTML file (no network needed to view it) with each run's verdict, "
+            "its evidence table, and charts: total throughput per GPU against "
+            "interactivity, and median TTFT and TPOT against concurrency, one line per run. "
+            "Needs matplotlib (pip install 'llmd-supervisor[report]')."
+        ),
+    )
+    p.add_argument("runs", metavar="RUN", nargs="+", help="run id, job name or Slurm job id")
+    p.add_argument(
+        "-o", "--output", type=Path, required=True, metavar="FILE", help="the HTML file to write"
+    )
+    p.add_argument("--socket", type=Path, default=socket_default(), help="daemon control socket")
+    p.set_defaults(handler=cmd_report)
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from llmd_supervisor.adapters.fsutil import write_atomic
+    from llmd_supervisor.cli.daemon import _Exit
+    from llmd_supervisor.cli.results import fetch_results
+
+    try:
+        import matplotlib  # noqa: F401  (checked before the daemon is asked anything)
+    except ImportError:
+        print(INSTALL_HINT, file=sys.stderr)
+        return 2
+    try:
+        runs = fetch_results("report", args.socket, list(args.runs))
+    except _Exit as exc:
+        return exc.status
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    text = render_report(runs, generated_at=now)
+    output: Path = args.output
+    try:
+        write_atomic(output, text.encode("utf-8"))
+    except OSError as exc:
+        print(f"llmd-supervisor report: could not write {output}: {exc}.", file=sys.stderr)
+        return 2
+    print(f"wrote {output}")
+    return 0

@@ -1,0 +1,595 @@
+"""``llmd-supervisor results``: a run's benchmark results table, as operators read it.
+
+The daemon's ``results`` op answers, for a run ref, the run's verdict and the normalised
+table its archive holds (``results.json``, one point per concurrency). Everything here
+but `cmd_results` is a pure function of those dicts: tables for the terminal, CSV, JSON,
+InferenceX's aggregate fields, and the regression gate against a baseline run.
+
+Exit status: 0; 4 (`EXIT_REGRESSION`) when ``--baseline`` finds a regression or a missing
+point; 2 for a usage or request error (unknown run, a baseline without results); 3 when
+the daemon cannot be reached or answers something that is not a results table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import io
+import json
+import math
+import sys
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import IO, Any, TypedDict, cast
+
+from llmd_supervisor.errors import SupervisorError
+
+# Not used by any other command (0, 1, 2, 3, 10-15 and 130 are).
+EXIT_REGRESSION = 4
+
+LATENCIES = ("ttft", "tpot", "itl", "e2el")
+STATS = ("mean", "median", "p99")
+
+
+class Latency(TypedDict):
+    """One latency metric of a point, in milliseconds."""
+
+    mean: float | None
+    median: float | None
+    p99: float | None
+
+
+class ResultPoint(TypedDict):
+    """One concurrency of a run's benchmark, as the results parser normalised it."""
+
+    concurrency: int
+    num_prompts: int
+    completed: int | None
+    failed: int | None
+    duration_s: float | None
+    request_throughput: float | None
+    output_throughput: float | None
+    total_token_throughput: float | None
+    input_throughput: float | None
+    output_throughput_per_gpu: float | None
+    total_token_throughput_per_gpu: float | None
+    input_throughput_per_gpu: float | None
+    ttft_ms: Latency | None
+    tpot_ms: Latency | None
+    itl_ms: Latency | None
+    e2el_ms: Latency | None
+    file: str
+    valid: bool
+    problem: str | None
+
+
+class ResultsTable(TypedDict):
+    """A run's ``results.json``."""
+
+    format: str  # "vllm" | "inferencex"
+    gpus: int | None
+    points: list[ResultPoint]
+
+
+class RunResults(TypedDict):
+    """The ``results`` op's answer for one run."""
+
+    run: str
+    state: str
+    outcome: str | None
+    reason: str
+    results: ResultsTable | None
+
+
+class ResultsError(SupervisorError):
+    """The results asked for cannot be shown or compared as asked."""
+
+
+def read_run_results(value: object) -> RunResults:
+    """`value` (a decoded ``results`` reply) checked as `RunResults`; raise SummaryError."""
+    from llmd_supervisor.core.summary import read
+
+    return read(RunResults, value)
+
+
+# --- values -------------------------------------------------------------------------------
+
+
+def latency(point: ResultPoint, metric: str, stat: str) -> float | None:
+    """`point`'s `metric` ("ttft", ...) statistic `stat` ("median", ...) in ms, or None."""
+    values = _field(point, f"{metric}_ms")
+    if not isinstance(values, dict):
+        return None
+    value = values.get(stat)
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
+
+
+def _field(point: ResultPoint, key: str) -> object:
+    """`point[key]` for a key named at run time (None when absent)."""
+    return cast(Mapping[str, object], point).get(key)
+
+
+def per_gpu_total(point: ResultPoint, gpus: int | None) -> float | None:
+    """Total token throughput per GPU: the table's value, else total / gpus, else None."""
+    value = point["total_token_throughput_per_gpu"]
+    if value is not None:
+        return value
+    total = point["total_token_throughput"]
+    if total is not None and gpus:
+        return total / gpus
+    return None
+
+
+def interactivity(point: ResultPoint, stat: str = "median") -> float | None:
+    """InferenceX's interactivity: 1000 / TPOT (ms), tokens per second per user."""
+    tpot = latency(point, "tpot", stat)
+    return 1000.0 / tpot if tpot else None
+
+
+def _fmt(value: float | int | None) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, int):
+        return str(value)
+    if abs(value) >= 100:
+        return f"{value:.0f}"
+    if abs(value) >= 10:
+        return f"{value:.1f}"
+    return f"{value:.2f}"
+
+
+def verdict_line(r: RunResults) -> str:
+    """`run ID: STATE, OUTCOME: reason` (the outcome only once there is one)."""
+    head = f"run {r['run']}: {r['state']}"
+    if r["outcome"]:
+        head += f", {r['outcome']}"
+    return f"{head}: {r['reason']}" if r["reason"] else head
+
+
+def no_results_reason(r: RunResults) -> str:
+    """Why a run has nothing to show (its verdict's reason when it has one)."""
+    if r["results"] is None:
+        why = "its archive holds no results table"
+    else:
+        why = "its results table has no points"
+    if r["outcome"] and r["outcome"] != "succeeded":
+        return f"{why} (the run {r['outcome']}: {r['reason'] or 'no reason given'})"
+    if r["outcome"] is None:
+        return f"{why} (the run is {r['state']}, not finished)"
+    return why
+
+
+# --- text ---------------------------------------------------------------------------------
+
+
+def render_text(runs: Sequence[RunResults], *, baseline: RunResults | None = None) -> str:
+    """One block per run (the baseline's first), readable in 100 columns."""
+    blocks = []
+    if baseline is not None:
+        blocks.append(_block(baseline, label="baseline "))
+    blocks.extend(_block(r) for r in runs)
+    return "\n".join(blocks)
+
+
+def _block(r: RunResults, *, label: str = "") -> str:
+    lines = [label + verdict_line(r)]
+    table = r["results"]
+    if table is None or not table["points"]:
+        lines.append(f"  no results: {no_results_reason(r)}")
+        return "\n".join(lines) + "\n"
+    gpus = table["gpus"]
+    points = sorted(table["points"], key=lambda p: p["concurrency"])
+    gpu_text = f"{gpus} GPUs" if gpus else "GPU count unknown"
+    lines.append(f"  {table['format']} client, {gpu_text}, {len(points)} points")
+    head = ["conc", "prompts", "done", "failed", "req/s", "out tok/s", "tot tok/s"]
+    widths = [6, 8, 7, 7, 8, 10, 10]
+    if gpus:
+        head += ["tot/GPU", "out/GPU"]
+        widths += [9, 9]
+    rows = [head]
+    for p in points:
+        row = [
+            _conc(p),
+            str(p["num_prompts"]),
+            _fmt(p["completed"]),
+            _fmt(p["failed"]),
+            _fmt(p["request_throughput"]),
+            _fmt(p["output_throughput"]),
+            _fmt(p["total_token_throughput"]),
+        ]
+        if gpus:
+            row += [_fmt(per_gpu_total(p, gpus)), _fmt(p["output_throughput_per_gpu"])]
+        rows.append(row)
+    lines += ["  " + "".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lat_head = ["conc"]
+    for metric in LATENCIES:
+        lat_head += [f"{metric.upper()} med", "p99"]
+    lat_widths = [6] + [11, 9] * len(LATENCIES)
+    lines.append("  latency (ms)")
+    lat_rows = [lat_head]
+    for p in points:
+        row = [_conc(p)]
+        for metric in LATENCIES:
+            row += [_fmt(latency(p, metric, "median")), _fmt(latency(p, metric, "p99"))]
+        lat_rows.append(row)
+    lines += [
+        "  " + "".join(c.rjust(w) for c, w in zip(row, lat_widths, strict=True)) for row in lat_rows
+    ]
+    for p in points:
+        if not p["valid"]:
+            problem = p["problem"] or "marked invalid by the results parser"
+            lines.append(f"  ! c={p['concurrency']} is not valid: {problem} ({p['file']})")
+    return "\n".join(lines) + "\n"
+
+
+def _conc(p: ResultPoint) -> str:
+    return str(p["concurrency"]) + ("" if p["valid"] else "!")
+
+
+# --- machine formats ----------------------------------------------------------------------
+
+CSV_FIELDS = (
+    "run",
+    "state",
+    "outcome",
+    "reason",
+    "format",
+    "gpus",
+    "concurrency",
+    "num_prompts",
+    "completed",
+    "failed",
+    "duration_s",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "input_throughput",
+    "output_throughput_per_gpu",
+    "total_token_throughput_per_gpu",
+    "input_throughput_per_gpu",
+    *(f"{m}_ms_{s}" for m in LATENCIES for s in STATS),
+    "valid",
+    "problem",
+    "file",
+)
+
+
+def render_csv(runs: Sequence[RunResults]) -> str:
+    """One row per run and point (a run without points: one row, its point fields empty)."""
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=CSV_FIELDS, lineterminator="\n")
+    writer.writeheader()
+    for r in runs:
+        base: dict[str, object] = {
+            "run": r["run"],
+            "state": r["state"],
+            "outcome": r["outcome"] or "",
+            "reason": r["reason"],
+        }
+        table = r["results"]
+        if table is None or not table["points"]:
+            writer.writerow(base)
+            continue
+        base |= {"format": table["format"], "gpus": _cell(table["gpus"])}
+        for p in sorted(table["points"], key=lambda p: p["concurrency"]):
+            row = dict(base)
+            for key in CSV_FIELDS[6:18]:
+                row[key] = _cell(_field(p, key))
+            for m in LATENCIES:
+                for s in STATS:
+                    row[f"{m}_ms_{s}"] = _cell(latency(p, m, s))
+            row |= {"valid": str(p["valid"]).lower(), "problem": p["problem"] or ""}
+            row["file"] = p["file"]
+            writer.writerow(row)
+    return out.getvalue()
+
+
+def _cell(value: object) -> str:
+    return "" if value is None else str(value)
+
+
+def render_json(
+    runs: Sequence[RunResults],
+    *,
+    baseline: RunResults | None = None,
+    regressions: Sequence[Regression] | None = None,
+) -> str:
+    doc: dict[str, object] = {"runs": list(runs)}
+    if baseline is not None:
+        doc["baseline"] = baseline
+    if regressions is not None:
+        doc["regressions"] = [g.as_dict() for g in regressions]
+    return json.dumps(doc, indent=2, sort_keys=True) + "\n"
+
+
+def inferencex_agg(r: RunResults) -> list[dict[str, object]]:
+    """InferenceX's aggregate fields (utils/process_result.py) for each valid point.
+
+    `conc`; `tput_per_gpu`, `output_tput_per_gpu`, `input_tput_per_gpu` (tok/s per GPU,
+    null when the GPU count is unknown); `{mean,median,p99}_{ttft,tpot,itl,e2el}` in
+    seconds; `{mean,median,p99}_intvty` = 1000 / TPOT (ms). `run` says which run it is.
+    Invalid points are left out (InferenceX writes no aggregate for a failed point).
+    """
+    table = r["results"]
+    if table is None:
+        return []
+    out = []
+    for p in sorted(table["points"], key=lambda p: p["concurrency"]):
+        if not p["valid"]:
+            continue
+        row: dict[str, object] = {
+            "run": r["run"],
+            "conc": p["concurrency"],
+            "tput_per_gpu": per_gpu_total(p, table["gpus"]),
+            "output_tput_per_gpu": p["output_throughput_per_gpu"],
+            "input_tput_per_gpu": p["input_throughput_per_gpu"],
+        }
+        for m in LATENCIES:
+            for s in STATS:
+                ms = latency(p, m, s)
+                row[f"{s}_{m}"] = None if ms is None else ms / 1000.0
+        for s in STATS:
+            row[f"{s}_intvty"] = interactivity(p, s)
+        out.append(row)
+    return out
+
+
+# --- the regression gate ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Regression:
+    """One way a run is worse than its baseline at one concurrency (or as a whole)."""
+
+    run: str
+    concurrency: int | None  # None: the run as a whole (it has no results)
+    kind: str  # output_throughput | ttft_median | tpot_median | missing | invalid | no_results
+    detail: str  # what was seen, one sentence without the run and concurrency
+    baseline: float | None = None
+    value: float | None = None
+    change_pct: float | None = None
+
+    def line(self) -> str:
+        where = f"run {self.run}" + ("" if self.concurrency is None else f" c={self.concurrency}")
+        return f"REGRESSION {where}: {self.detail}"
+
+    def as_dict(self) -> dict[str, object]:
+        return dataclasses.asdict(self)
+
+
+# (kind, what, unit, how the value is read, +1: a rise is worse, -1: a drop is worse)
+_GATED: tuple[tuple[str, str, str, Callable[[ResultPoint], float | None], int], ...] = (
+    ("output_throughput", "output throughput", "tok/s", lambda p: p["output_throughput"], -1),
+    ("ttft_median", "median TTFT", "ms", lambda p: latency(p, "ttft", "median"), 1),
+    ("tpot_median", "median TPOT", "ms", lambda p: latency(p, "tpot", "median"), 1),
+)
+
+
+def compare(baseline: RunResults, run: RunResults, max_regression_pct: float) -> list[Regression]:
+    """`run`'s regressions against `baseline` at the same concurrencies.
+
+    A regression: output throughput dropped, or median TTFT or TPOT rose, by more than
+    `max_regression_pct` percent; a valid baseline point that the run lacks, has invalid,
+    or lacks a gated value of. Baseline points that are invalid are not compared.
+    Raise ResultsError when the baseline has no valid point to compare against.
+    """
+    base_points = {
+        p["concurrency"]: p for p in (baseline["results"] or {"points": []})["points"] if p["valid"]
+    }
+    if not base_points:
+        raise ResultsError(
+            f"The baseline run {baseline['run']} has no valid results to compare against: "
+            f"{no_results_reason(baseline)}."
+        )
+    table = run["results"]
+    name = run["run"]
+    if table is None or not table["points"]:
+        return [Regression(name, None, "no_results", f"no results: {no_results_reason(run)}")]
+    points = {p["concurrency"]: p for p in table["points"]}
+    found: list[Regression] = []
+    for conc, base in sorted(base_points.items()):
+        point = points.get(conc)
+        if point is None:
+            found.append(Regression(name, conc, "missing", "no point (the baseline has one)"))
+            continue
+        if not point["valid"]:
+            why = point["problem"] or "marked invalid by the results parser"
+            found.append(Regression(name, conc, "invalid", f"the point is not valid: {why}"))
+            continue
+        for kind, what, unit, get, worse in _GATED:
+            was, now = get(base), get(point)
+            if was is None or was == 0:
+                continue  # nothing to compare against
+            if now is None:
+                found.append(
+                    Regression(name, conc, kind, f"no {what} (baseline {_fmt(was)} {unit})", was)
+                )
+                continue
+            change = (now - was) / was * 100.0
+            if change * worse > max_regression_pct:
+                found.append(
+                    Regression(
+                        name,
+                        conc,
+                        kind,
+                        f"{what} {_fmt(was)} -> {_fmt(now)} {unit} ({change:+.1f} %, "
+                        f"limit {max_regression_pct:g} %)",
+                        was,
+                        now,
+                        round(change, 3),
+                    )
+                )
+    return found
+
+
+def render_regressions(
+    baseline: RunResults, regressions: Sequence[Regression], max_regression_pct: float
+) -> str:
+    lines = [g.line() for g in regressions]
+    if regressions:
+        lines.append(
+            f"{len(regressions)} regression(s) against baseline run {baseline['run']} "
+            f"(more than {max_regression_pct:g} %)."
+        )
+    else:
+        lines.append(
+            f"No regression against baseline run {baseline['run']} "
+            f"(none by more than {max_regression_pct:g} %)."
+        )
+    return "\n".join(lines) + "\n"
+
+
+# --- the command --------------------------------------------------------------------------
+
+_EPILOG = f"""\
+exit status:
+  0   shown (and, with --baseline, no regression)
+  {EXIT_REGRESSION}   --baseline: a regression or a missing point (one REGRESSION line each)
+  2   usage or request error (unknown run, a baseline without valid results)
+  3   the daemon is not reachable, or answered something that is not a results table
+"""
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a percentage >= 0")
+    return value
+
+
+def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[], Path]) -> None:
+    p = sub.add_parser(
+        "results",
+        help="show runs' benchmark results; gate them against a baseline run",
+        description=(
+            "Show each run's verdict and its benchmark results (one point per concurrency). "
+            "With --baseline and --max-regression, compare every run's points to the "
+            "baseline's at the same concurrency: output throughput dropped, or median TTFT "
+            "or TPOT rose, by more than PCT %, or a missing point is a regression."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("runs", metavar="RUN", nargs="+", help="run id, job name or Slurm job id")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--json", action="store_true", help="the tables (and regressions) as JSON")
+    how.add_argument("--csv", action="store_true", help="CSV, one row per run and point")
+    how.add_argument(
+        "--format",
+        choices=["inferencex-agg", "inferencex-agg-jsonl"],
+        default=None,
+        help="InferenceX's aggregate fields per valid point: a JSON list (what its "
+        "collect_results.py builds), or one JSON object per line",
+    )
+    p.add_argument("--baseline", metavar="RUN", default=None, help="the run to compare against")
+    p.add_argument(
+        "--max-regression",
+        metavar="PCT",
+        type=_percent,
+        default=None,
+        help="the largest change in percent that is not a regression (with --baseline)",
+    )
+    p.add_argument("--socket", type=Path, default=socket_default(), help="daemon control socket")
+    p.set_defaults(handler=cmd_results)
+
+
+def fetch_results(command: str, socket_path: Path, refs: Sequence[str]) -> list[RunResults]:
+    """Ask the daemon for each run's results (one connection); exit 2/3 on failure."""
+    from llmd_supervisor.adapters.control_client import ControlClient
+    from llmd_supervisor.cli.daemon import _read, _run
+
+    async def go() -> list[dict[str, object]]:
+        async with ControlClient(socket_path) as c:
+            return [await c.call("results", {"run": ref}) for ref in refs]
+
+    replies = _run(command, go)
+    return [_read(command, RunResults, reply) for reply in replies]
+
+
+def cmd_results(args: argparse.Namespace) -> int:
+    from llmd_supervisor.cli.daemon import _Exit
+
+    if (args.baseline is None) != (args.max_regression is None):
+        print(
+            "llmd-supervisor results: --baseline and --max-regression go together; "
+            "give both or neither.",
+            file=sys.stderr,
+        )
+        return 2
+    refs: list[str] = list(args.runs)
+    if args.baseline is not None:
+        refs.append(args.baseline)
+    try:
+        fetched = fetch_results("results", args.socket, refs)
+    except _Exit as exc:
+        return exc.status
+    runs, baseline = fetched[: len(args.runs)], None
+    if args.baseline is not None:
+        baseline = fetched[-1]
+    return show(args, runs, baseline, sys.stdout, sys.stderr)
+
+
+def show(
+    args: argparse.Namespace,
+    runs: Sequence[RunResults],
+    baseline: RunResults | None,
+    out: IO[str],
+    err: IO[str],
+) -> int:
+    """Print `runs` as `args` ask and return the exit status (the testable half)."""
+    regressions: list[Regression] | None = None
+    if baseline is not None:
+        try:
+            regressions = [g for r in runs for g in compare(baseline, r, args.max_regression)]
+        except ResultsError as exc:
+            print(f"llmd-supervisor results: {exc}", file=err)
+            return 2
+    if args.json:
+        out.write(render_json(runs, baseline=baseline, regressions=regressions))
+    elif args.csv:
+        out.write(render_csv(runs))
+    elif args.format:
+        _write_agg(args.format, runs, out, err)
+    else:
+        out.write(render_text(runs, baseline=baseline))
+    if baseline is not None and regressions is not None:
+        if not args.json:
+            text = render_regressions(baseline, regressions, args.max_regression)
+            if args.csv or args.format:
+                err.write(text)  # stdout carries the machine-readable rows alone
+            else:
+                out.write("\n" + text)
+        if regressions:
+            return EXIT_REGRESSION
+    return 0
+
+
+def _write_agg(fmt: str, runs: Iterable[RunResults], out: IO[str], err: IO[str]) -> None:
+    rows: list[dict[str, object]] = []
+    for r in runs:
+        rows += inferencex_agg(r)
+        table = r["results"]
+        if table is None or not table["points"]:
+            print(f"llmd-supervisor results: run {r['run']}: {no_results_reason(r)}.", file=err)
+            continue
+        skipped = [p["concurrency"] for p in table["points"] if not p["valid"]]
+        if skipped:
+            print(
+                f"llmd-supervisor results: run {r['run']}: left out the invalid points "
+                f"c={','.join(map(str, sorted(skipped)))}.",
+                file=err,
+            )
+        if not table["gpus"]:
+            print(
+                f"llmd-supervisor results: run {r['run']}: the GPU count is unknown, so the "
+                "per-GPU fields may be null.",
+                file=err,
+            )
+    if fmt == "inferencex-agg-jsonl":
+        out.write("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
+    else:
+        out.write(json.dumps(rows, indent=2, sort_keys=True) + "\n")
