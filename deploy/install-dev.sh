@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install what the dev cluster and the test suite need on a fresh Debian 12 machine, as root:
 # the Debian packages (Slurm 22.05, munge, MariaDB, OpenSSH, iproute2) and the project with
-# its dev extras in ./.venv. Safe to run again; a no-op when everything is there.
+# its dev and report extras in ./.venv, and chromium (the report test renders the HTML
+# report headless). Safe to run again; a no-op when everything is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" -ne 0 ]; then
@@ -9,7 +10,11 @@ if [ "$(id -u)" -ne 0 ]; then
     exit 1
 fi
 deploy/devcluster/devcluster install
+if ! command -v chromium >/dev/null 2>&1; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core
+fi
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+.venv/bin/python -m pip install --quiet --disable-pip-version-check -e '.[dev,report]'
