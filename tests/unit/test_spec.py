@@ -16,6 +16,7 @@ from llmd_supervisor.core.spec import (
     RESERVED_SBATCH_OPTIONS,
     ContainerKind,
     RunSpec,
+    Validity,
     check_daemon_dirs,
     load_spec,
     parse_spec,
@@ -629,3 +630,103 @@ def spec_error_text(text: str) -> SpecError:
     with pytest.raises(SpecError) as info:
         load_spec(text)
     return info.value
+
+
+# --- benchmark.result_format and [benchmark.validity] -----------------------------------
+
+
+def test_benchmark_result_defaults() -> None:
+    spec = parse_spec(demo())
+    assert spec.benchmark.result_format == "vllm"
+    assert spec.benchmark.validity == Validity(0.95, 1, None)
+    assert spec.benchmark.num_prompts(4) == 4 * DEMO["benchmark"]["prompts_multiplier"]
+    assert spec.benchmark.expected_prompts() == {1: 4, 2: 8, 4: 16}
+
+
+def test_benchmark_result_settings() -> None:
+    spec = parse_spec(
+        demo(
+            benchmark__result_format="inferencex",
+            benchmark__validity={
+                "min_completed_fraction": 1,
+                "min_output_tokens": 0,
+                "max_failed": 3,
+            },
+        )
+    )
+    assert spec.benchmark.result_format == "inferencex"
+    assert spec.benchmark.validity == Validity(1.0, 0, 3)
+    assert isinstance(spec.benchmark.validity.min_completed_fraction, float)
+    spec = parse_spec(demo(benchmark__validity={"min_completed_fraction": 0.5}))
+    assert spec.benchmark.validity == Validity(0.5, 1, None)
+
+
+def test_benchmark_validity_from_toml() -> None:
+    text = (DEPLOY / "demo.toml").read_text() + (
+        "\n[benchmark.validity]\nmin_completed_fraction = 0.9\nmax_failed = 2\n"
+    )
+    assert load_spec(text).benchmark.validity == Validity(0.9, 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "hint_part"),
+    [
+        ({"benchmark__result_format": "sglang"}, "benchmark.result_format", "'inferencex'"),
+        ({"benchmark__result_format": 1}, "benchmark.result_format", "'vllm'"),
+        ({"benchmark__validity": 0.9}, "benchmark.validity", "table"),
+        (
+            {"benchmark__validity": {"min_completed": 0.9}},
+            "benchmark.validity.min_completed",
+            "unknown key",
+        ),
+        (
+            {"benchmark__validity": {"min_completed_fraction": 0}},
+            "benchmark.validity.min_completed_fraction",
+            "greater than 0",
+        ),
+        (
+            {"benchmark__validity": {"min_completed_fraction": 1.5}},
+            "benchmark.validity.min_completed_fraction",
+            "at most 1",
+        ),
+        (
+            {"benchmark__validity": {"min_completed_fraction": "95%"}},
+            "benchmark.validity.min_completed_fraction",
+            "fraction",
+        ),
+        (
+            {"benchmark__validity": {"min_completed_fraction": math.nan}},
+            "benchmark.validity.min_completed_fraction",
+            "fraction",
+        ),
+        (
+            {"benchmark__validity": {"min_completed_fraction": True}},
+            "benchmark.validity.min_completed_fraction",
+            "fraction",
+        ),
+        (
+            {"benchmark__validity": {"min_output_tokens": -1}},
+            "benchmark.validity.min_output_tokens",
+            ">= 0",
+        ),
+        (
+            {"benchmark__validity": {"min_output_tokens": 1.5}},
+            "benchmark.validity.min_output_tokens",
+            "integer",
+        ),
+        (
+            {"benchmark__validity": {"max_failed": -1}},
+            "benchmark.validity.max_failed",
+            ">= 0",
+        ),
+        (
+            {"benchmark__validity": {"max_failed": "none"}},
+            "benchmark.validity.max_failed",
+            "leave it out",
+        ),
+    ],
+)
+def test_benchmark_result_errors(changes: dict[str, Any], field: str, hint_part: str) -> None:
+    err = spec_error(demo(**changes))
+    assert err.field == field
+    assert hint_part in err.hint, err.hint
