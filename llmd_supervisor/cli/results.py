@@ -19,6 +19,7 @@ import io
 import json
 import math
 import sys
+import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypedDict, cast
@@ -72,25 +73,31 @@ class ResultsTable(TypedDict):
     points: list[ResultPoint]
 
 
-class RunResults(TypedDict):
-    """The ``results`` op's answer for one run."""
-
+class _RunHead(TypedDict):
     run: str
     state: str
     outcome: str | None
     reason: str
+
+
+class RunResults(_RunHead):
+    """The ``results`` op's answer for one run."""
+
     results: ResultsTable | None
 
 
 class ResultsError(SupervisorError):
-    """The results asked for cannot be shown or compared as asked."""
+    """The results cannot be compared as asked."""
 
 
 def read_run_results(value: object) -> RunResults:
-    """`value` (a decoded ``results`` reply) checked as `RunResults`; raise SummaryError."""
+    """`value` (a decoded ``results`` reply) checked as `RunResults`; raise SummaryError.
+    The table is checked on its own, so that an error names the field that is wrong."""
     from llmd_supervisor.core.summary import read
 
-    return read(RunResults, value)
+    head = read(_RunHead, value)
+    table = value.get("results") if isinstance(value, dict) else None
+    return {**head, "results": None if table is None else read(ResultsTable, table)}
 
 
 # --- values -------------------------------------------------------------------------------
@@ -106,7 +113,6 @@ def latency(point: ResultPoint, metric: str, stat: str) -> float | None:
 
 
 def _field(point: ResultPoint, key: str) -> object:
-    """`point[key]` for a key named at run time (None when absent)."""
     return cast(Mapping[str, object], point).get(key)
 
 
@@ -140,11 +146,13 @@ def _fmt(value: float | int | None) -> str:
 
 
 def verdict_line(r: RunResults) -> str:
-    """`run ID: STATE, OUTCOME: reason` (the outcome only once there is one)."""
+    """`run ID: STATE, OUTCOME` (the outcome only once there is one)."""
     head = f"run {r['run']}: {r['state']}"
-    if r["outcome"]:
-        head += f", {r['outcome']}"
-    return f"{head}: {r['reason']}" if r["reason"] else head
+    return f"{head}, {r['outcome']}" if r["outcome"] else head
+
+
+def _wrapped(text: str) -> list[str]:
+    return textwrap.wrap(text, width=98, initial_indent="  ", subsequent_indent="      ")
 
 
 def no_results_reason(r: RunResults) -> str:
@@ -174,9 +182,11 @@ def render_text(runs: Sequence[RunResults], *, baseline: RunResults | None = Non
 
 def _block(r: RunResults, *, label: str = "") -> str:
     lines = [label + verdict_line(r)]
+    if r["reason"]:
+        lines += _wrapped(f"reason: {r['reason']}")
     table = r["results"]
     if table is None or not table["points"]:
-        lines.append(f"  no results: {no_results_reason(r)}")
+        lines += _wrapped(f"no results: {no_results_reason(r)}")
         return "\n".join(lines) + "\n"
     gpus = table["gpus"]
     points = sorted(table["points"], key=lambda p: p["concurrency"])
@@ -190,7 +200,7 @@ def _block(r: RunResults, *, label: str = "") -> str:
     rows = [head]
     for p in points:
         row = [
-            _conc(p),
+            f"{p['concurrency']}{'' if p['valid'] else '!'}",
             str(p["num_prompts"]),
             _fmt(p["completed"]),
             _fmt(p["failed"]),
@@ -209,7 +219,7 @@ def _block(r: RunResults, *, label: str = "") -> str:
     lines.append("  latency (ms)")
     lat_rows = [lat_head]
     for p in points:
-        row = [_conc(p)]
+        row = [f"{p['concurrency']}{'' if p['valid'] else '!'}"]
         for metric in LATENCIES:
             row += [_fmt(latency(p, metric, "median")), _fmt(latency(p, metric, "p99"))]
         lat_rows.append(row)
@@ -219,12 +229,8 @@ def _block(r: RunResults, *, label: str = "") -> str:
     for p in points:
         if not p["valid"]:
             problem = p["problem"] or "marked invalid by the results parser"
-            lines.append(f"  ! c={p['concurrency']} is not valid: {problem} ({p['file']})")
+            lines += _wrapped(f"! c={p['concurrency']} is not valid: {problem} ({p['file']})")
     return "\n".join(lines) + "\n"
-
-
-def _conc(p: ResultPoint) -> str:
-    return str(p["concurrency"]) + ("" if p["valid"] else "!")
 
 
 # --- machine formats ----------------------------------------------------------------------
@@ -426,18 +432,13 @@ def compare(baseline: RunResults, run: RunResults, max_regression_pct: float) ->
 def render_regressions(
     baseline: RunResults, regressions: Sequence[Regression], max_regression_pct: float
 ) -> str:
-    lines = [g.line() for g in regressions]
-    if regressions:
-        lines.append(
-            f"{len(regressions)} regression(s) against baseline run {baseline['run']} "
-            f"(more than {max_regression_pct:g} %)."
-        )
-    else:
-        lines.append(
-            f"No regression against baseline run {baseline['run']} "
-            f"(none by more than {max_regression_pct:g} %)."
-        )
-    return "\n".join(lines) + "\n"
+    against = f"against baseline run {baseline['run']}"
+    last = (
+        f"{len(regressions)} regression(s) {against} (more than {max_regression_pct:g} %)."
+        if regressions
+        else f"No regression {against} (none by more than {max_regression_pct:g} %)."
+    )
+    return "".join(f"{line}\n" for line in [*(g.line() for g in regressions), last])
 
 
 # --- the command --------------------------------------------------------------------------
@@ -500,14 +501,18 @@ def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[
 def fetch_results(command: str, socket_path: Path, refs: Sequence[str]) -> list[RunResults]:
     """Ask the daemon for each run's results (one connection); exit 2/3 on failure."""
     from llmd_supervisor.adapters.control_client import ControlClient
-    from llmd_supervisor.cli.daemon import _read, _run
+    from llmd_supervisor.cli.daemon import EXIT_DAEMON_UNREACHABLE, _Exit, _run
 
     async def go() -> list[dict[str, object]]:
         async with ControlClient(socket_path) as c:
             return [await c.call("results", {"run": ref}) for ref in refs]
 
     replies = _run(command, go)
-    return [_read(command, RunResults, reply) for reply in replies]
+    try:
+        return [read_run_results(reply) for reply in replies]
+    except SupervisorError as exc:  # a reply that is not a results table
+        print(f"llmd-supervisor {command}: {exc}", file=sys.stderr)
+        raise _Exit(EXIT_DAEMON_UNREACHABLE) from None
 
 
 def cmd_results(args: argparse.Namespace) -> int:
