@@ -45,7 +45,7 @@ class ResultPoint(TypedDict):
     """One concurrency of a run's benchmark, as the results parser normalised it."""
 
     concurrency: int
-    num_prompts: int
+    num_prompts: int | None
     completed: int | None
     failed: int | None
     duration_s: float | None
@@ -201,7 +201,7 @@ def _block(r: RunResults, *, label: str = "") -> str:
     for p in points:
         row = [
             f"{p['concurrency']}{'' if p['valid'] else '!'}",
-            str(p["num_prompts"]),
+            _fmt(p["num_prompts"]),
             _fmt(p["completed"]),
             _fmt(p["failed"]),
             _fmt(p["request_throughput"]),

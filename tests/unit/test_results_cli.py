@@ -15,6 +15,7 @@ import pytest
 from llmd_supervisor.cli.main import main
 from llmd_supervisor.cli.results import (
     EXIT_REGRESSION,
+    LATENCIES,
     RunResults,
     compare,
     inferencex_agg,
@@ -405,3 +406,26 @@ def test_no_daemon_is_one_line_and_exit_3(
 def test_render_json_is_stable() -> None:
     assert render_json(samples()) == render_json(samples())
     assert render_csv(samples()).splitlines()[0].startswith("run,state,outcome,reason,format")
+
+
+def test_a_point_without_its_result_file_shows_dashes_and_gates_as_invalid() -> None:
+    """As core/results.py writes it: every number null, latencies all null."""
+    r = run_8gpu()
+    missing: dict[str, object] = dict.fromkeys(
+        ("num_prompts", "completed", "failed", "duration_s", "request_throughput"), None
+    )
+    missing |= dict.fromkeys(
+        ("output_throughput", "total_token_throughput", "input_throughput"), None
+    )
+    missing |= {f"{k}_per_gpu": None for k in ("output_throughput", "total_token_throughput")}
+    missing |= {"input_throughput_per_gpu": None, "valid": False, "problem": "no result file"}
+    missing |= {f"{m}_ms": dict.fromkeys(("mean", "median", "p99")) for m in LATENCIES}
+    r["results"]["points"][1] |= missing  # type: ignore[index]
+    table = read_run_results(r)
+    text = render_text([table])
+    row = next(line.split() for line in text.splitlines() if line.split()[:1] == ["16!"])
+    assert row == ["16!"] + ["-"] * 8
+    assert "  ! c=16 is not valid: no result file (results/c16.json)" in text
+    found = compare(read_run_results(run_8gpu()), table, 10.0)
+    assert [(g.concurrency, g.kind) for g in found] == [(16, "invalid")]
+    assert [x["conc"] for x in inferencex_agg(table)] == [1, 64]
