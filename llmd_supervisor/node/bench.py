@@ -4,27 +4,49 @@ For each request it asks a prefill engine for one token (``kv_transfer_params`` 
 ``do_remote_decode``), then hands the returned ``kv_transfer_params`` to a decode engine,
 which pulls the KV stand-in from that prefill engine -- so one point exercises the
 coordinator -> prefill -> decode path across nodes. Engines are picked round-robin.
-``--num-prompts`` requests are issued with ``--concurrency`` in flight, paced by
-``--request-rate`` (requests/s, ``inf`` for none). The result is written as JSON to
-``--result-file``.
+``--num-prompts`` requests are issued with ``--concurrency`` (or vLLM's
+``--max-concurrency``) in flight, paced by ``--request-rate`` (requests/s, ``inf`` for
+none).
+
+The result is what ``vllm bench serve --save-result`` writes (vllm/benchmarks/serve.py;
+tests/data/results/): ``date``, ``backend``, ``num_prompts``, ``request_rate``,
+``max_concurrency``, ``duration``, ``completed``, ``failed``, ``total_input_tokens``,
+``total_output_tokens``, ``request_throughput``, ``output_throughput``,
+``total_token_throughput``, and ``mean_/median_/std_/p<P>_{ttft,tpot,itl,e2el}_ms`` for
+``--percentile-metrics`` and ``--metric-percentiles`` (default 99), plus the stand-in's own
+``errors`` (the first 10), ``prefill_urls`` and ``decode_urls``. TTFT is the prefill call;
+the decode answer is not streamed, so every request's ITL is its TPOT. It goes to
+``--result-file``, or like vLLM to ``--result-dir``/``--result-filename``
+(``--save-result`` is accepted), written to a temp file and renamed.
 
 Exit codes: 0 all requests succeeded; 1 some request failed; 2 bad arguments;
 7 the fault knob ``LLMD_FAKE_BENCH_FAIL_CONCURRENCY`` names this point's concurrency
-(comma-separated list allowed); a hang is available with ``LLMD_FAKE_BENCH_HANG=1``.
+(comma-separated list allowed; the result file then holds only an error).
+
+Fault knobs (environment), each of them leaves the exit status 0, as a real client may:
+
+* ``LLMD_FAKE_BENCH_HANG=1`` -- hang forever instead of running the point.
+* ``LLMD_FAKE_BENCH_ZERO_OUTPUT=1`` -- requests "complete" with no output tokens.
+* ``LLMD_FAKE_BENCH_FAIL_FRACTION=0.5`` -- that share of the requests fails (spread
+  evenly, without being sent); exit status 0 anyway.
+* ``LLMD_FAKE_BENCH_NO_RESULT=1`` -- run the point, write no result file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import threading
 import time
 import urllib.request
+from datetime import datetime
 from typing import Any, Dict, List, Optional
 
 FAULT_RC = 7
+METRICS = ("ttft", "tpot", "itl", "e2el")
 
 
 def post(url: str, body: Dict[str, Any], timeout: float) -> Dict[str, Any]:
@@ -69,36 +91,163 @@ def one_request(
         },
         args.request_timeout,
     )
+    usage = second.get("usage") or {}
     return {
         "latency_s": time.monotonic() - start,
         "ttft_s": ttft,
-        "output_tokens": int(second.get("usage", {}).get("completion_tokens", 0)),
+        "input_tokens": int(usage.get("prompt_tokens") or args.input_len),
+        "output_tokens": int(usage.get("completion_tokens") or 0),
         "prefill": p,
         "decode": d,
     }
 
 
 def percentile(values: List[float], q: float) -> float:
+    """numpy.percentile's default (linear interpolation); 0 for no values, as vLLM's
+    ``np.percentile(values or 0, q)``."""
     if not values:
         return 0.0
     ordered = sorted(values)
-    k = min(len(ordered) - 1, max(0, round(q / 100.0 * (len(ordered) - 1))))
-    return ordered[k]
+    k = (len(ordered) - 1) * q / 100.0
+    lo, hi = math.floor(k), math.ceil(k)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def mean(values: List[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
+def std(values: List[float]) -> float:  # numpy.std: the population deviation
+    if not values:
+        return 0.0
+    m = mean(values)
+    return math.sqrt(sum((v - m) ** 2 for v in values) / len(values))
+
+
+def fails(i: int, fraction: float) -> bool:
+    """Request i is one of the injected failures: floor(n x fraction) of n, spread out."""
+    return math.floor((i + 1) * fraction) > math.floor(i * fraction)
+
+
+def summarize(
+    args: argparse.Namespace,
+    results: List[Dict[str, Any]],
+    errors: List[str],
+    duration: float,
+    prefill: List[str],
+    decode: List[str],
+) -> Dict[str, Any]:
+    """The vLLM save-result document (key order and types as vllm/benchmarks/serve.py)."""
+    total_in = sum(r["input_tokens"] for r in results)
+    total_out = sum(r["output_tokens"] for r in results)
+    dur = duration if duration > 0 else 1e-9
+    ttfts = [r["ttft_s"] for r in results]
+    e2els = [r["latency_s"] for r in results]
+    tpots: List[float] = []
+    itls: List[float] = []
+    for r in results:
+        if r["output_tokens"] > 1:
+            tpot = (r["latency_s"] - r["ttft_s"]) / (r["output_tokens"] - 1)
+            tpots.append(tpot)
+            itls += [tpot] * (r["output_tokens"] - 1)
+    rate = float(args.request_rate)
+    doc: Dict[str, Any] = {
+        "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "endpoint_type": "openai",
+        "backend": "openai",
+        "label": None,
+        "model_id": args.served_name,
+        "tokenizer_id": args.served_name,
+        "num_prompts": args.num_prompts,
+        "request_rate": rate if rate < float("inf") else "inf",
+        "burstiness": 1.0,
+        "max_concurrency": args.concurrency,
+        "duration": duration,
+        "completed": len(results),
+        "failed": len(errors),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(results) / dur,
+        "request_goodput": None,
+        "output_throughput": total_out / dur,
+        "total_token_throughput": (total_in + total_out) / dur,
+    }
+    values = {"ttft": ttfts, "tpot": tpots, "itl": itls, "e2el": e2els}
+    selected = [m.strip() for m in args.percentile_metrics.split(",") if m.strip()]
+    for name in METRICS:
+        if name not in selected:
+            continue
+        v = values[name]
+        doc["mean_%s_ms" % name] = mean(v) * 1000
+        doc["median_%s_ms" % name] = percentile(v, 50) * 1000
+        doc["std_%s_ms" % name] = std(v) * 1000
+        for p in [float(x) for x in args.metric_percentiles.split(",") if x.strip()]:
+            word = str(int(p)) if int(p) == p else str(p)
+            doc["p%s_%s_ms" % (word, name)] = percentile(v, p) * 1000
+    doc["errors"] = errors[:10]
+    doc["prefill_urls"] = prefill
+    doc["decode_urls"] = decode
+    return doc
+
+
+def result_path(args: argparse.Namespace) -> Optional[str]:
+    if args.result_file:
+        return str(args.result_file)
+    if args.result_filename:
+        return os.path.join(args.result_dir or "", args.result_filename)
+    return None
+
+
+def write_json(path: str, value: Dict[str, Any]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as fh:
+        json.dump(value, fh, indent=1)
+    os.replace(tmp, path)
+
+
+def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="stand-in llm-d benchmark client")
     parser.add_argument("--prefill-urls", required=True)
     parser.add_argument("--decode-urls", required=True)
-    parser.add_argument("--served-name", required=True)
-    parser.add_argument("--concurrency", type=int, required=True)
+    parser.add_argument("--served-name", "--model", dest="served_name", required=True)
+    parser.add_argument(
+        "--concurrency", "--max-concurrency", dest="concurrency", type=int, required=True
+    )
     parser.add_argument("--num-prompts", type=int, required=True)
-    parser.add_argument("--input-len", type=int, default=32)
-    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--input-len", "--random-input-len", dest="input_len", type=int, default=32)
+    parser.add_argument(
+        "--output-len", "--random-output-len", dest="output_len", type=int, default=16
+    )
     parser.add_argument("--request-rate", default="inf")
     parser.add_argument("--request-timeout", type=float, default=30.0)
-    parser.add_argument("--result-file", required=True)
+    parser.add_argument("--result-file")
+    parser.add_argument("--save-result", action="store_true")
+    parser.add_argument("--result-dir")
+    parser.add_argument("--result-filename")
+    parser.add_argument("--percentile-metrics", default="ttft,tpot,itl,e2el")
+    parser.add_argument("--metric-percentiles", default="99")
+    # vLLM flags a copied command line may carry; the stand-in has no use for them
+    parser.add_argument("--backend", default="openai")
+    parser.add_argument("--dataset-name", default="random")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--num-warmups", type=int, default=0)
     args = parser.parse_args(argv)
+    if result_path(args) is None:
+        parser.error("give --result-file, or --result-filename (with --result-dir)")
+    try:
+        float(args.request_rate)
+        [float(x) for x in args.metric_percentiles.split(",") if x.strip()]
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.concurrency < 1 or args.num_prompts < 0:
+        parser.error("--concurrency must be >= 1 and --num-prompts >= 0")
+    return args
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = parse_args(argv)
+    path = result_path(args)
+    assert path is not None
     prefill = [u for u in args.prefill_urls.split(",") if u]
     decode = [u for u in args.decode_urls.split(",") if u]
     rate = float(args.request_rate)
@@ -106,16 +255,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     fail_at = os.environ.get("LLMD_FAKE_BENCH_FAIL_CONCURRENCY", "")
     if str(args.concurrency) in [c.strip() for c in fail_at.split(",")]:
         print("fault: failing concurrency %d with rc %d" % (args.concurrency, FAULT_RC), flush=True)
-        with open(args.result_file, "w") as fh:
-            json.dump({"concurrency": args.concurrency, "error": "injected fault"}, fh)
+        write_json(path, {"max_concurrency": args.concurrency, "error": "injected fault"})
         return FAULT_RC
     if os.environ.get("LLMD_FAKE_BENCH_HANG") == "1":
         print("fault: hanging", flush=True)
         while True:
             time.sleep(3600)
+    zero_output = os.environ.get("LLMD_FAKE_BENCH_ZERO_OUTPUT") == "1"
+    no_result = os.environ.get("LLMD_FAKE_BENCH_NO_RESULT") == "1"
+    try:
+        fail_fraction = float(os.environ.get("LLMD_FAKE_BENCH_FAIL_FRACTION") or 0.0)
+    except ValueError:
+        fail_fraction = 0.0
+    fail_fraction = min(1.0, max(0.0, fail_fraction))
 
     results: List[Dict[str, Any]] = []
     errors: List[str] = []
+    injected = [0]
     lock = threading.Lock()
     next_index = [0]
     start = time.monotonic()
@@ -132,12 +288,19 @@ def main(argv: Optional[List[str]] = None) -> int:
                 delay = due - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)
+            if fail_fraction > 0 and fails(i, fail_fraction):
+                with lock:
+                    injected[0] += 1
+                    errors.append("request %d: injected failure" % i)
+                continue
             try:
                 r = one_request(i, prefill, decode, args)
             except Exception as exc:
                 with lock:
                     errors.append("request %d: %s" % (i, exc))
                 continue
+            if zero_output:
+                r["output_tokens"] = 0
             with lock:
                 results.append(r)
 
@@ -147,27 +310,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     for t in threads:
         t.join()
     duration = time.monotonic() - start
-    latencies = [r["latency_s"] for r in results]
-    summary = {
-        "concurrency": args.concurrency,
-        "num_prompts": args.num_prompts,
-        "completed": len(results),
-        "failed": len(errors),
-        "errors": errors[:10],
-        "duration_s": round(duration, 4),
-        "request_throughput": round(len(results) / duration, 3) if duration > 0 else 0.0,
-        "output_tokens": sum(r["output_tokens"] for r in results),
-        "mean_latency_ms": round(1000 * sum(latencies) / len(latencies), 3) if latencies else 0.0,
-        "p50_latency_ms": round(1000 * percentile(latencies, 50), 3),
-        "p99_latency_ms": round(1000 * percentile(latencies, 99), 3),
-        "prefill_urls": prefill,
-        "decode_urls": decode,
-    }
-    tmp = args.result_file + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(summary, fh, indent=1, sort_keys=True)
-    os.replace(tmp, args.result_file)
+    summary = summarize(args, results, errors, duration, prefill, decode)
+    if no_result:
+        print("fault: writing no result file", flush=True)
+    else:
+        write_json(path, summary)
     print(json.dumps(summary, sort_keys=True), flush=True)
+    if fail_fraction > 0 and len(errors) == injected[0]:
+        return 0  # only the injected failures: a client that exits 0 regardless
     return 1 if errors else 0
 
 

@@ -4,6 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -423,3 +430,107 @@ def test_garbage_objects_give_a_point_or_a_problem(d: dict[str, Any], fmt: Resul
     assert isinstance(g, GateResult)
     assert g.ok or g.reason.startswith("benchmark c=4: ")
     json.dumps(results_table(g, 2), allow_nan=False)
+
+
+# --- the stand-in client writes what the parser reads -----------------------------------
+
+NODE = Path(__file__).resolve().parents[2] / "llmd_supervisor" / "node"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[tuple[str, str]]:
+    """A prefill and a decode stand-in engine on 127.0.0.1 (stopped by PID afterwards)."""
+    procs: list[subprocess.Popen[bytes]] = []
+    urls: list[str] = []
+    try:
+        for role in ("prefill", "decode"):
+            port = _free_port()
+            argv = [sys.executable, str(NODE / "engine.py"), "--role", role]
+            argv += ["--host", "127.0.0.1", "--port", str(port), "--served-name", "m"]
+            procs.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL))
+            urls.append(f"http://127.0.0.1:{port}")
+        deadline = time.monotonic() + 20
+        for url in urls:
+            while True:
+                try:
+                    with urllib.request.urlopen(url + "/health", timeout=1):
+                        break
+                except OSError:
+                    assert time.monotonic() < deadline, f"{url} never healthy"
+                    time.sleep(0.05)
+        yield urls[0], urls[1]
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(10)
+
+
+def bench(
+    engines: tuple[str, str], tmp: Path, env: dict[str, str], *flags: str
+) -> tuple[int, bytes | None]:
+    out = tmp / "c4.json"
+    argv = [sys.executable, str(NODE / "bench.py"), "--prefill-urls", engines[0]]
+    argv += ["--decode-urls", engines[1], "--served-name", "m", "--num-prompts", "8"]
+    argv += ["--input-len", "8", "--output-len", "4", *flags]
+    if not flags:
+        argv += ["--concurrency", "4", "--result-file", str(out)]
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("LLMD_FAKE_")}
+    done = subprocess.run(argv, env={**clean, **env}, capture_output=True, timeout=60)
+    return done.returncode, out.read_bytes() if out.exists() else None
+
+
+@pytest.mark.parametrize(
+    ("env", "rc", "reason"),
+    [
+        ({}, 0, None),
+        ({"LLMD_FAKE_BENCH_ZERO_OUTPUT": "1"}, 0, "benchmark c=4: 0 output tokens (min 1)"),
+        (
+            {"LLMD_FAKE_BENCH_FAIL_FRACTION": "0.5"},
+            0,
+            "benchmark c=4: 4 of 8 requests completed (min 8)",
+        ),
+        ({"LLMD_FAKE_BENCH_NO_RESULT": "1"}, 0, "benchmark c=4: no result file"),
+        ({"LLMD_FAKE_BENCH_FAIL_CONCURRENCY": "4"}, 7, "benchmark c=4: unparsable result"),
+    ],
+    ids=["ok", "zero-output", "fail-fraction", "no-result", "fail-concurrency"],
+)
+def test_stand_in_results_through_the_gate(
+    engines: tuple[str, str], tmp_path: Path, env: dict[str, str], rc: int, reason: str | None
+) -> None:
+    got_rc, data = bench(engines, tmp_path, env)
+    assert got_rc == rc
+    parsed = parse_result(data, "vllm")
+    g = gate({4: parsed}, {4: 8}, V, {})
+    assert g.ok is (reason is None), g.reason
+    if reason is not None:
+        assert g.reason.startswith(reason), g.reason
+    else:
+        assert isinstance(parsed, Point)
+        assert (parsed.completed, parsed.failed, parsed.total_output_tokens) == (8, 0, 32)
+        assert parsed.total_input_tokens == 64 and parsed.duration_s > 0
+        assert all(s.p99 is not None for s in (parsed.ttft_ms, parsed.tpot_ms, parsed.e2el_ms))
+
+
+def test_stand_in_keys_and_types_are_vllms(engines: tuple[str, str], tmp_path: Path) -> None:
+    """The keys of a real vLLM save-result, with its types, and vLLM's flag names."""
+    flags = ("--max-concurrency", "4", "--save-result", "--result-dir", str(tmp_path))
+    rc, data = bench(engines, tmp_path, {}, *flags, "--result-filename", "c4.json")
+    assert rc == 0 and data is not None
+    ours = json.loads(data)
+    real = json.loads(VLLM_C4)
+    skipped = {"latencies", "queue_times", "max_output_tokens_per_s", "max_concurrent_requests"}
+    skipped |= {"rtfx"} | {k for k in real if "client_queue_time" in k}
+    for key, value in real.items():
+        if key in skipped:
+            continue
+        assert key in ours, key
+        if value is not None:
+            assert type(ours[key]) is type(value), (key, ours[key], value)
+    assert ours["max_concurrency"] == 4 and ours["request_rate"] == "inf"
