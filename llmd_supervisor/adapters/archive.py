@@ -6,6 +6,9 @@ Layout of `<archive_root>/<run_id>/`:
                                (written by the tailers while the run is live; the
                                names are core.layout's)
   marker.json                  the completion marker's bytes, when it existed
+  results/c<N>.json, c<N>.log  each benchmark point's raw result and client log
+  results.json                 the normalised results table (core.results)
+  ranks/                       each rank's last status file and diagnostic
   scontrol-show-job.txt        the last `scontrol show job` record seen
   events.jsonl                 the run's journal events
   receipt.json                 the verdict's receipt (written last)
@@ -48,11 +51,19 @@ def write_archive(
     events: Sequence[Mapping[str, object]],
     marker: bytes | None,
     scontrol_snapshot: str | None,
+    files: Mapping[str, bytes] | None = None,
 ) -> Path:
     """Complete (or rewrite: idempotent) the archive `prepare` started; the receipt goes
-    last. Returns its path."""
+    last. `files` are more of the run's evidence by relative name (``results/c4.json``,
+    ``ranks/rank0.status.json``, ``results.json``). Returns its path."""
     d = run_dir(archive_root, run_id)
     (d / LOGS).mkdir(parents=True, exist_ok=True)
+    for name, data in (files or {}).items():
+        parts = name.split("/")
+        if len(parts) > 2 or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"archive file name {name!r} is not one or two plain parts")
+        (d / name).parent.mkdir(exist_ok=True)
+        write_atomic(d / name, data)
     if marker is not None:
         write_atomic(d / "marker.json", marker)
     if scontrol_snapshot:

@@ -181,6 +181,7 @@ OPS: Final[Mapping[str, OpSpec]] = MappingProxyType(
         "cancel": OpSpec({"run": _RUN}),
         "wait": OpSpec({"run": _RUN}, streaming=True),
         "archive": OpSpec({"run": _RUN}),
+        "results": OpSpec({"run": _RUN}),
     }
 )
 

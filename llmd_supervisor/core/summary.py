@@ -21,15 +21,21 @@ from llmd_supervisor.errors import SummaryError
 __all__ = [
     "ArchiveInfo",
     "DryRun",
+    "Headline",
+    "LatencyView",
     "LogChunk",
     "LogsDone",
     "NodeView",
+    "PointView",
     "Pong",
+    "ResultsTable",
     "RunBrief",
     "RunList",
+    "RunResults",
     "RunSummary",
     "TransitionView",
     "chunk_bytes",
+    "headline",
     "read",
 ]
 
@@ -50,8 +56,7 @@ class TransitionView(TypedDict):
     event: str
 
 
-class RunSummary(TypedDict):
-    """A run as ``status``, ``cancel``, ``submit``, ``list`` and ``wait`` show it."""
+class _RunSummary(TypedDict):
 
     run: str  # the run id
     job_name: str
@@ -72,6 +77,89 @@ class RunSummary(TypedDict):
     health: dict[str, NodeView]  # node name -> what its heartbeat said
     transitions: list[TransitionView]
     last_log_line: str  # the last non-empty line of the batch log copy, or ""
+
+
+class RunSummary(_RunSummary, total=False):
+    """A run as ``status``, ``cancel``, ``submit`` and ``wait`` show it. `headline` is
+    its best valid benchmark point once archived (null before; absent from an older
+    daemon)."""
+
+    headline: Headline | None
+
+
+class LatencyView(TypedDict):
+    """One latency of a benchmark point, in milliseconds (null where not measured)."""
+
+    mean: float | None
+    median: float | None
+    p99: float | None
+
+
+class PointView(TypedDict):
+    """One benchmark point of ``results.json`` (`core.results.results_table`); numbers
+    are null when its result file was missing or unparsable."""
+
+    concurrency: int
+    num_prompts: int | None
+    completed: int | None
+    failed: int | None
+    duration_s: float | None
+    request_throughput: float | None
+    output_throughput: float | None
+    total_token_throughput: float | None
+    input_throughput: float | None
+    output_throughput_per_gpu: float | None
+    total_token_throughput_per_gpu: float | None
+    input_throughput_per_gpu: float | None
+    ttft_ms: LatencyView
+    tpot_ms: LatencyView
+    itl_ms: LatencyView
+    e2el_ms: LatencyView
+    file: str
+    valid: bool
+    problem: str | None
+
+
+class ResultsTable(TypedDict):
+    """A run's ``results.json``: its benchmark points, sorted by concurrency."""
+
+    format: str  # "vllm" or "inferencex"
+    gpus: int | None  # the run's GPUs, when the spec says (per-GPU numbers need it)
+    points: list[PointView]
+
+
+class RunResults(TypedDict):
+    """``results``: a run's verdict and its results table (null before it is archived,
+    or when no job ran)."""
+
+    run: str
+    state: str
+    outcome: str | None
+    reason: str
+    results: ResultsTable | None
+
+
+class Headline(TypedDict):
+    """The best valid point of a run (highest total token throughput)."""
+
+    concurrency: int
+    total_token_throughput: float
+    output_throughput: float
+    ttft_ms_median: float | None
+
+
+def headline(table: ResultsTable) -> Headline | None:
+    """The table's best valid point, or None when no point is valid."""
+    valid = [p for p in table["points"] if p["valid"] and p["total_token_throughput"] is not None]
+    if not valid:
+        return None
+    best = max(valid, key=lambda p: p["total_token_throughput"] or 0.0)
+    return {
+        "concurrency": best["concurrency"],
+        "total_token_throughput": best["total_token_throughput"] or 0.0,
+        "output_throughput": best["output_throughput"] or 0.0,
+        "ttft_ms_median": best["ttft_ms"]["median"],
+    }
 
 
 class DryRun(TypedDict):

@@ -14,6 +14,7 @@ from datetime import datetime
 from enum import StrEnum
 
 from llmd_supervisor.core.marker import MarkerReading, marker_filename
+from llmd_supervisor.core.results import GateResult
 from llmd_supervisor.core.slurm_parse import (
     ExitCode,
     JobState,
@@ -366,6 +367,16 @@ def decide(
     return Verdict(outcome, f"{slurm}; {marker.describe()}{cancel_note}", belief)
 
 
+def with_benchmark(verdict: Verdict, gate: GateResult | None) -> Verdict:
+    """Success additionally requires the benchmark's results to pass the validity gate
+    (every configured point parsed, enough requests completed, output produced): a run
+    that Slurm and the marker call a success but whose numbers are missing, short or
+    empty is FAILED, the reason naming the point. Other outcomes stand as they are."""
+    if verdict.outcome is not Outcome.SUCCEEDED or gate is None or gate.ok:
+        return verdict
+    return Verdict(Outcome.FAILED, f"{gate.reason}; {verdict.reason}", verdict.belief)
+
+
 def _without_belief(
     state: VerdictState, accounting_off: bool, past_deadline: bool, now: datetime
 ) -> Verdict:
@@ -412,12 +423,14 @@ def build_receipt(
     decided_at: datetime,
     cancel_requested: bool,
     accounting_disabled: bool,
+    benchmark: GateResult | None = None,
 ) -> dict[str, object]:
     """The JSON-serialisable receipt of a verdict (schema ``llmd-supervisor.receipt/1``).
 
     Holds the job id, outcome and reason, the believed record with its DerivedExitCode,
     the raw sacct rows (allocation and steps) and raw scontrol record last seen, the
-    marker (raw text and parsed fields), and every query with its ISO timestamp.
+    marker (raw text and parsed fields), the benchmark's validity gate with each point's
+    evidence (when results were looked for), and every query with its ISO timestamp.
     """
     belief = verdict.belief
     sacct_rows = next((q.rows for q in reversed(state.queries) if q.rows), ())
@@ -454,6 +467,7 @@ def build_receipt(
         "sacct_rows": [row.raw for row in sacct_rows],
         "scontrol_record": scontrol_raw,
         "marker": _marker_json(marker),
+        "benchmark": None if benchmark is None else benchmark.as_dict(),
         "queries": [
             {
                 "source": q.source.value,

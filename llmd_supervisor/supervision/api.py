@@ -20,6 +20,7 @@ per-file byte offsets, so a client that reconnects resumes exactly where it stop
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -50,14 +51,25 @@ from llmd_supervisor.core.spec import RunSpec
 from llmd_supervisor.core.summary import (
     ArchiveInfo,
     DryRun,
+    Headline,
     LogsDone,
     NodeView,
     Pong,
+    ResultsTable,
     RunBrief,
     RunList,
+    RunResults,
     RunSummary,
+    headline,
+    read,
 )
-from llmd_supervisor.errors import ControlError, IllegalTransition, SpecError, SupervisorError
+from llmd_supervisor.errors import (
+    ControlError,
+    IllegalTransition,
+    SpecError,
+    SummaryError,
+    SupervisorError,
+)
 from llmd_supervisor.supervision.access import sees_all
 from llmd_supervisor.supervision.log_follow import READ_CHUNK, Growth, first_of, read_new
 from llmd_supervisor.supervision.verify import utcnow
@@ -68,6 +80,7 @@ log = structlog.get_logger("llmd_supervisor.supervision.api")
 
 WAIT_REFRESH_S: Final = 5.0  # `wait` re-sends an unchanged summary this often (elapsed_s)
 LIST_PAGE_BYTES: Final = DEFAULT_MAX_MESSAGE // 2  # a list page's briefs, encoded, at most
+RESULTS_TABLE_MAX: Final = DEFAULT_MAX_MESSAGE // 2  # a results.json the reply carries
 SHOWN_LINE_MAX: Final = 200  # characters of a summary's last log line and a brief's reason
 BRIEF_NODES_MAX: Final = 256
 FOLLOW_SAFETY_S: Final = 2.0  # a follower with inotify looks again at least this often
@@ -158,7 +171,41 @@ def run_summary(h: HandleView, now: datetime) -> RunSummary:
         "last_log_line": _last_line(h.layout.batch_copy(run.attempt, run.slurm_job_id))
         if run.slurm_job_id is not None
         else "",
+        "headline": _headline(h.layout.results_table) if run.state.is_final else None,
     }
+
+
+def _headline(path: Path) -> Headline | None:
+    """The best point of an archived results table (read again only when it changed)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return _headline_of(path, st.st_mtime_ns, st.st_size)
+
+
+@functools.lru_cache(maxsize=1024)
+def _headline_of(path: Path, mtime_ns: int, size: int) -> Headline | None:
+    try:
+        table = _results_table(path)
+    except ControlError:
+        return None
+    return headline(table) if table is not None else None
+
+
+def _results_table(path: Path) -> ResultsTable | None:
+    """The run's archived ``results.json`` (the daemon's own file), None until written."""
+    try:
+        with path.open("rb") as f:
+            data = f.read(RESULTS_TABLE_MAX + 1)
+    except FileNotFoundError:
+        return None
+    if len(data) > RESULTS_TABLE_MAX:
+        raise ControlError("internal", f"{path} is larger than {RESULTS_TABLE_MAX} bytes.")
+    try:
+        return read(ResultsTable, json.loads(data))
+    except (ValueError, SummaryError) as exc:
+        raise ControlError("internal", f"{path} is not a results table ({exc}).") from exc
 
 
 def run_brief(h: HandleView, now: datetime) -> RunBrief:
@@ -348,6 +395,18 @@ class ControlApi(Generic[H]):
         handle = self._visible(args, peer)
         return {"archive": handle.meta.archive_dir, "state": handle.run.state.value}
 
+    async def _results(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunResults:
+        handle = self._visible(args, peer)
+        run = handle.run
+        table = await anyio.to_thread.run_sync(_results_table, handle.layout.results_table)
+        return {
+            "run": run.run_id,
+            "state": run.state.value,
+            "outcome": run.outcome.value if run.outcome else None,
+            "reason": run.reason,
+            "results": table,
+        }
+
     async def _wait(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunSummary:
         """Stream a summary whenever the run changed visibly (and every WAIT_REFRESH_S)
         until it is final; the final summary is the result."""
@@ -442,6 +501,7 @@ HANDLERS: Final[Mapping[str, Op]] = MappingProxyType(
         "cancel": Op(ControlApi._cancel),
         "wait": Op(ControlApi._wait, streaming=True),
         "archive": Op(ControlApi._archive),
+        "results": Op(ControlApi._results),
     }
 )
 

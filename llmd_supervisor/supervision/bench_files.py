@@ -10,13 +10,15 @@ refused file is reported, never read.
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import anyio
 
 from llmd_supervisor.adapters.jobfiles import RESULT_FILE_MAX, SMALL_FILE_MAX
 from llmd_supervisor.core.layout import RESULTS, RunLayout
+from llmd_supervisor.core.results import GateResult, Point, ResultProblem, gate, parse_result
+from llmd_supervisor.core.spec import RunSpec
 from llmd_supervisor.errors import FileRefused
 from llmd_supervisor.supervision.cluster import RunFiles
 
@@ -31,6 +33,19 @@ class BenchFiles:
 
     results: dict[int, bytes | FileRefused | None] = field(default_factory=dict)
     archived: dict[str, bytes] = field(default_factory=dict)
+
+
+def judge(spec: RunSpec, raw: Mapping[int, bytes | FileRefused | None]) -> GateResult:
+    """The validity gate on what `read_results` found (pure)."""
+    bench = spec.benchmark
+    parsed: dict[int, Point | ResultProblem | None] = {
+        c: ResultProblem("refused", data.why)
+        if isinstance(data, FileRefused)
+        else parse_result(data, bench.result_format)
+        for c, data in raw.items()
+    }
+    expected = {c: bench.num_prompts(c) for c in bench.concurrencies}
+    return gate(parsed, expected, bench.validity, {})
 
 
 async def read_results(

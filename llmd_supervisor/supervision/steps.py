@@ -7,6 +7,7 @@ supervision retry. It ends by applying an event (or returns to let the driver re
 from __future__ import annotations
 
 import functools
+import json
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -28,10 +29,12 @@ from llmd_supervisor.core.lifecycle import (
     Verified,
     WatchersStopped,
 )
+from llmd_supervisor.core.results import GateResult, results_table
 from llmd_supervisor.core.slurm_parse import JobState, parse_scontrol_job
 from llmd_supervisor.core.verdict import SlurmQuery, Source
 from llmd_supervisor.errors import FileRefused, SlurmCommandError, SlurmParseError, SupervisorError
 from llmd_supervisor.node.common import expand_hostlist
+from llmd_supervisor.supervision import bench_files
 from llmd_supervisor.supervision.attempt import CopyState
 from llmd_supervisor.supervision.poller import QueueView
 from llmd_supervisor.supervision.verify import verify_job
@@ -257,10 +260,16 @@ async def verify(sup: Supervisor, h: RunHandle) -> None:
         async def query(self, source: Source, job_id: str) -> SlurmQuery:
             return await poller.evidence(source, job_id, starttime)
 
+    async def benchmark() -> GateResult:
+        concurrencies = h.spec.benchmark.concurrencies
+        raw = await bench_files.read_results(h.cluster.files, h.layout, job_id, concurrencies)
+        return bench_files.judge(h.spec, raw)
+
     result = await verify_job(
         _Evidence(),
         job_id,
         marker_bytes=functools.partial(_marker, h),
+        benchmark=benchmark,
         evidence_timeout=sup.config.limits.verify_timeout_s,
         interval=sup.config.poll.min_interval_s,
         cancel_requested=h.run.cancel_requested,
@@ -293,6 +302,7 @@ async def write_archive(sup: Supervisor, h: RunHandle) -> None:
         marker = None
     attempt = h.attempt
     copies = attempt.copies if attempt is not None else CopyState.COMPLETE
+    evidence = await _bench_evidence(sup, h)
     delay = 1.0
     remote_drains = 0
     while True:
@@ -313,6 +323,7 @@ async def write_archive(sup: Supervisor, h: RunHandle) -> None:
             events=events,
             marker=marker,
             scontrol_snapshot=None,
+            files=evidence,
         )
         try:
             with anyio.fail_after(sup.config.limits.archive_timeout_s, shield=True):
@@ -336,6 +347,31 @@ async def write_archive(sup: Supervisor, h: RunHandle) -> None:
     log.info("run.archived", archive=str(path))
     with anyio.CancelScope(shield=True):
         await sup.apply(h, Archived())
+
+
+async def _bench_evidence(sup: Supervisor, h: RunHandle) -> dict[str, bytes]:
+    """The benchmark's raw files, the ranks' status and diagnostics, and `results.json`
+    (empty when no job ran)."""
+    if h.run.slurm_job_id is None:
+        return {}
+    job_id, spec = h.run.slurm_job_id, h.spec
+
+    async def refused(exc: FileRefused) -> None:
+        log.warning("run.log_refused", path=exc.path, reason=exc.why)
+        fields = {"path": exc.path, "reason": exc.why}
+        await sup.journal.add_event(h.run.run_id, "log.refused", fields, sup.clock())
+
+    got = await bench_files.read_all(
+        h.cluster.files,
+        h.layout,
+        job_id,
+        spec.benchmark.concurrencies,
+        spec.topology.nodes,
+        refused,
+    )
+    gpus = spec.topology.gpus_per_node * spec.topology.nodes
+    table = results_table(bench_files.judge(spec, got.results), gpus)
+    return {**got.archived, "results.json": (json.dumps(table, indent=1) + "\n").encode()}
 
 
 def _scontrol_nodes(text: str) -> tuple[str, ...]:

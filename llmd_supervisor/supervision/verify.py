@@ -20,6 +20,7 @@ import structlog
 
 from llmd_supervisor.adapters.slurm import CommandResult, SlurmClient
 from llmd_supervisor.core.marker import MarkerReading, read_marker, refused_marker
+from llmd_supervisor.core.results import GateResult
 from llmd_supervisor.core.verdict import (
     Outcome,
     SlurmQuery,
@@ -33,6 +34,7 @@ from llmd_supervisor.core.verdict import (
     observe,
     sacct_query,
     scontrol_query,
+    with_benchmark,
 )
 from llmd_supervisor.errors import FileRefused, SlurmCommandError
 
@@ -58,6 +60,7 @@ class Evidence(Protocol):
 
 
 MarkerBytes = Callable[[], Awaitable[bytes | None]]
+Benchmark = Callable[[], Awaitable[GateResult | None]]
 Clock = Callable[[], datetime]
 
 
@@ -116,6 +119,7 @@ async def verify_job(
     job_id: str,
     *,
     marker_bytes: MarkerBytes,
+    benchmark: Benchmark | None = None,
     evidence_timeout: float,
     interval: float = 1.0,
     cancel_requested: bool = False,
@@ -125,7 +129,9 @@ async def verify_job(
 
     Never raises for Slurm failures: a failed or timed-out query is recorded in the
     receipt and asked again. Returns `unverified` once `evidence_timeout` seconds pass
-    without a believable terminal record. Cancellation leaves nothing running.
+    without a believable terminal record. Once final, `benchmark` (when given) judges the
+    results: a success whose results fail the validity gate is `failed` (the receipt
+    holds each point's evidence). Cancellation leaves nothing running.
     """
     started = clock()
     deadline = started + timedelta(seconds=evidence_timeout)
@@ -153,6 +159,8 @@ async def verify_job(
             deadline=deadline,
         )
         if verdict.final:
+            gate = await benchmark() if benchmark is not None else None
+            verdict = with_benchmark(verdict, gate)
             receipt = build_receipt(
                 state,
                 marker,
@@ -160,6 +168,7 @@ async def verify_job(
                 decided_at=now,
                 cancel_requested=cancel_requested,
                 accounting_disabled=state.accounting_disabled_seen,
+                benchmark=gate,
             )
             log.info(
                 "verify.decided",

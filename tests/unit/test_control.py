@@ -196,6 +196,7 @@ GOOD: list[tuple[str, dict[str, object], dict[str, object]]] = [
     ("cancel", {"run": "r1"}, {"run": "r1"}),
     ("wait", {"run": "r1"}, {"run": "r1"}),
     ("archive", {"run": "r1"}, {"run": "r1"}),
+    ("results", {"run": "r1"}, {"run": "r1"}),
 ]
 
 
@@ -464,7 +465,9 @@ async def test_unknown_op_is_an_error_reply(sock: Path) -> None:
                 await client.call("frobnicate")
             assert info.value.code == "unknown_op"
             assert 'Unknown op "frobnicate"' in str(info.value)
-            assert "archive, cancel, list, logs, ping, status, submit, wait" in str(info.value)
+            assert "archive, cancel, list, logs, ping, results, status, submit, wait" in str(
+                info.value
+            )
 
 
 @pytest.mark.asyncio

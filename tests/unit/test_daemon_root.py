@@ -7,11 +7,9 @@ start resumes to the end.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
-from datetime import UTC, datetime
 from pathlib import Path
 
 import anyio
@@ -20,10 +18,12 @@ import pytest
 from llmd_supervisor.adapters.control_client import ControlClient
 from llmd_supervisor.core.config import ClusterConfig, Config, Limits, PollConfig, SshConfig
 from llmd_supervisor.core.slurm_parse import JobState
+from llmd_supervisor.core.spec import load_spec
 from llmd_supervisor.core.summary import RunSummary, read
 from llmd_supervisor.supervision.daemon import serve
 from llmd_supervisor.supervision.driver import Hooks
 from tests.devcluster import REPO
+from tests.fakes.bench_results import finish_job
 from tests.fakes.slurm_replay import End, ReplayCluster, Start
 
 
@@ -93,10 +93,7 @@ async def _started(daemon: Daemon, tg: anyio.abc.TaskGroup) -> None:
 
 
 def _publish_marker(summary: RunSummary, log_dir: Path) -> None:
-    job_id = str(summary["slurm_job_id"])
-    now = datetime.now(UTC).isoformat()
-    marker = {"rc": 0, "job_id": job_id, "rank": 2, "reason": "ok", "finished_at": now}
-    (log_dir / f".bench_done.{job_id}").write_text(json.dumps(marker))
+    finish_job(log_dir, str(summary["slurm_job_id"]), load_spec(_spec(log_dir)).benchmark)
 
 
 @pytest.mark.asyncio

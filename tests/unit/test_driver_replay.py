@@ -9,11 +9,9 @@ replayed cluster do not exist here), so watchers see unreachable nodes and copy 
 from __future__ import annotations
 
 import contextlib
-import json
 import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 
 import anyio
@@ -31,6 +29,7 @@ from llmd_supervisor.supervision.cluster import Cluster, SharedLogDir
 from llmd_supervisor.supervision.driver import RunHandle, Supervisor
 from llmd_supervisor.supervision.poller import Poller
 from tests.devcluster import REPO
+from tests.fakes.bench_results import finish_job
 from tests.fakes.slurm_replay import End, ReplayCluster, Requeue, Start
 
 NODES = ("127.0.0.1",)
@@ -54,11 +53,8 @@ def _spec(log_dir: Path, grace_s: int = 2) -> str:
 
 
 def publish_marker(h: RunHandle, rc: int = 0) -> None:
-    """What the coordinator writes at the end (the job's log directory is local here)."""
-    job_id = h.job_id()
-    now = datetime.now(UTC).isoformat()
-    marker = {"rc": rc, "job_id": job_id, "rank": 2, "reason": "ok", "finished_at": now}
-    Path(h.layout.marker(job_id)).write_text(json.dumps(marker))
+    """What the coordinator writes at the end: results, then the marker."""
+    finish_job(Path(h.layout.log_dir), h.job_id(), h.spec.benchmark, rc)
 
 
 @dataclass
