@@ -227,9 +227,9 @@ class Supervisor:
         c = self.config
         client = self.clusters[c.cluster(cluster).name].client
         own = (str(c.state_dir), str(c.archive_root))
-        check_daemon_dirs(spec, (*own, str(c.socket_path.parent)))
         log_dir = spec.log_dir
         check_log_dir(log_dir, c.log_roots, own)
+        check_daemon_dirs(spec, (*own, str(c.socket_path.parent)))
         argv = ["realpath", "-m", "--", log_dir]
         result = await client.runner.run(argv, time_limit=client.timeout)
         if not result.ok:
