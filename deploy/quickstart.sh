@@ -2,8 +2,9 @@
 # Quickstart on a fresh Debian 12 machine, as root: install what is missing, bring up the
 # local dev Slurm cluster (4 nodes), start the supervisor daemon, submit the demo 2P+2D
 # llm-d run (stand-in engines and benchmark), follow it to its verified outcome, print
-# where its archive is, and stop the daemon again (the cluster stays up; stop it with
-# `deploy/devcluster/devcluster down`). Exit status: the run's (0 only for succeeded).
+# where its archive is and the benchmark's results table, and stop the daemon again (the
+# cluster stays up; stop it with `deploy/devcluster/devcluster down`). Exit status: the
+# run's (0 only for succeeded).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/install-dev.sh
@@ -44,5 +45,10 @@ set +e
 .venv/bin/llmd-supervisor submit deploy/llm-d/demo.toml --wait --follow --socket "$QS/control.sock"
 rc=$?
 set -e
+# The run just followed is the newest one this daemon knows.
+RUN=$(.venv/bin/llmd-supervisor list --all --json --socket "$QS/control.sock" |
+      .venv/bin/python -c 'import json, sys; print(json.load(sys.stdin)["runs"][-1]["run"])')
+echo "quickstart: the benchmark's results (llmd-supervisor results $RUN):" >&2
+.venv/bin/llmd-supervisor results "$RUN" --socket "$QS/control.sock" || true
 echo "quickstart: exit status $rc (0 = verified success)" >&2
 exit "$rc"

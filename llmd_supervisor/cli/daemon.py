@@ -315,8 +315,22 @@ def _print_summary(r: RunSummary, out: IO[str] | None = None) -> None:
             f"  nodes {','.join(r['nodes'])} ({r['nodes_healthy']}/{len(r['nodes'])} reachable)",
             file=out,
         )
+    benchmarking = sorted(
+        {n["agent_state"] for n in r["health"].values() if n["agent_state"].startswith("bench")}
+    )
+    if benchmarking and not r["outcome"]:
+        print(f"  {'; '.join(benchmarking)}", file=out)  # e.g. concurrency 4 (2 of 3)
     if r["outcome"]:
         print(f"  outcome {r['outcome']}: {r['reason']}", file=out)
+    best = r.get("headline")
+    if best:
+        ttft = best["ttft_ms_median"]
+        print(
+            f"  best point c={best['concurrency']}: {best['total_token_throughput']:.1f} tok/s"
+            f" total, {best['output_throughput']:.1f} tok/s output, median TTFT "
+            f"{'-' if ttft is None else f'{ttft:.1f} ms'}",
+            file=out,
+        )
     print(f"  archive {r['archive']}", file=out)
 
 

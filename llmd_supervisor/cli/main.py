@@ -92,7 +92,8 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
 _VERIFY_EPILOG = """\
 exit status:
-  0   succeeded      State COMPLETED, ExitCode 0:0 (believed) and marker rc 0 for this job
+  0   succeeded      State COMPLETED, ExitCode 0:0 (believed) and marker rc 0 for this job,
+                     and (with results) every benchmark point passes the validity gate
   10  failed         anything else that is not one of the outcomes below
   11  cancelled      Slurm says CANCELLED (or the supervisor's cancel ended the run)
   12  timed_out      Slurm says TIMEOUT
@@ -123,6 +124,18 @@ def _add_verify_parser(sub: argparse._SubParsersAction[Any]) -> None:
     where.add_argument(
         "--log-dir", type=Path, help="the run's log directory (marker: .bench_done.JOBID in it)"
     )
+    p.add_argument(
+        "--results",
+        type=Path,
+        help="the benchmark's result files c<N>.json (default: JOBID/bench under --log-dir,"
+        " when it exists); success then also needs every point to pass the validity gate",
+    )
+    p.add_argument(
+        "--result-format",
+        choices=("vllm", "inferencex"),
+        default="vllm",
+        help="the result files' format (vllm)",
+    )
     p.add_argument("--receipt", type=Path, help="write the JSON receipt here (atomically)")
     p.add_argument("--json", action="store_true", help="print the receipt as JSON on stdout")
     p.add_argument(
@@ -151,7 +164,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from llmd_supervisor.adapters.log import configure
     from llmd_supervisor.adapters.slurm import LocalRunner, SlurmClient
     from llmd_supervisor.core.marker import marker_filename
+    from llmd_supervisor.core.results import GateResult, Validity
     from llmd_supervisor.errors import SupervisorError
+    from llmd_supervisor.supervision.bench_files import gate_dir
     from llmd_supervisor.supervision.verify import EXIT_CODES, DirectEvidence, verify_job
 
     job_id: str = args.job_id
@@ -170,11 +185,20 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     async def marker_bytes() -> bytes | None:  # never through a link, at most 64 KiB
         return await jobfiles.read_local(os.path.dirname(where), where, time_limit=30)
 
+    results: Path | None = args.results
+    if results is None and args.log_dir is not None and (args.log_dir / job_id / "bench").is_dir():
+        results = args.log_dir / job_id / "bench"
+
+    async def benchmark() -> GateResult:
+        assert results is not None
+        return await gate_dir(str(results.absolute()), args.result_format, Validity())
+
     async def run() -> Any:
         return await verify_job(
             evidence,
             job_id,
             marker_bytes=marker_bytes,
+            benchmark=benchmark if results is not None else None,
             evidence_timeout=args.timeout,
             interval=args.interval,
             cancel_requested=args.cancel_requested,

@@ -10,19 +10,30 @@ refused file is reported, never read.
 from __future__ import annotations
 
 import posixpath
+import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import anyio
 
+from llmd_supervisor.adapters import jobfiles
 from llmd_supervisor.adapters.jobfiles import RESULT_FILE_MAX, SMALL_FILE_MAX
 from llmd_supervisor.core.layout import RESULTS, RunLayout
-from llmd_supervisor.core.results import GateResult, Point, ResultProblem, gate, parse_result
+from llmd_supervisor.core.results import (
+    GateResult,
+    Point,
+    ResultFormat,
+    ResultProblem,
+    Validity,
+    gate,
+    parse_result,
+)
 from llmd_supervisor.core.spec import RunSpec
 from llmd_supervisor.errors import FileRefused
 from llmd_supervisor.supervision.cluster import RunFiles
 
 Refused = Callable[[FileRefused], Awaitable[None]]
+_RESULT_NAME = re.compile(r"c([1-9][0-9]{0,5})\.json")
 READS_AT_ONCE = 4  # each read is a child process (or a command on the login host)
 
 
@@ -46,6 +57,42 @@ def judge(spec: RunSpec, raw: Mapping[int, bytes | FileRefused | None]) -> GateR
     }
     expected = {c: bench.num_prompts(c) for c in bench.concurrencies}
     return gate(parsed, expected, bench.validity, {})
+
+
+async def gate_dir(
+    results_dir: str, fmt: ResultFormat, validity: Validity, *, time_limit: float = 30
+) -> GateResult:
+    """The validity gate on a directory of result files ``c<N>.json`` without a spec (the
+    `verify` command): the points are the files found, each requested as many prompts as
+    its own result says (an unparsable one fails by itself; none found fails)."""
+    log_dir = posixpath.dirname(results_dir.rstrip("/"))
+    try:
+        names = await jobfiles.list_local(log_dir, results_dir, time_limit=time_limit)
+    except FileRefused as exc:
+        return _refused_dir(exc)
+    points: dict[int, Point | ResultProblem | None] = {}
+    expected: dict[int, int] = {}
+    for name in names:
+        m = _RESULT_NAME.fullmatch(name)
+        if m is None:
+            continue
+        c = int(m.group(1))
+        path = f"{results_dir}/{name}"
+        try:
+            data = await jobfiles.read_local(
+                log_dir, path, time_limit=time_limit, limit=RESULT_FILE_MAX
+            )
+        except FileRefused as exc:
+            points[c] = ResultProblem("refused", exc.why)
+        else:
+            points[c] = parse_result(data, fmt)
+        got = points[c]
+        expected[c] = got.num_prompts if isinstance(got, Point) else 0
+    return gate(points, expected, validity, {c: f"{results_dir}/c{c}.json" for c in points})
+
+
+def _refused_dir(exc: FileRefused) -> GateResult:
+    return GateResult(False, f"benchmark: results directory refused ({exc.why})", ())
 
 
 async def read_results(
