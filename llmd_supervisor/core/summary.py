@@ -57,7 +57,6 @@ class TransitionView(TypedDict):
 
 
 class _RunSummary(TypedDict):
-
     run: str  # the run id
     job_name: str
     state: str  # a RunState value
