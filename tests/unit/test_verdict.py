@@ -10,6 +10,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from llmd_supervisor.core.marker import MarkerReading, read_marker
+from llmd_supervisor.core.results import GateResult, Validity, gate, parse_result
 from llmd_supervisor.core.verdict import (
     RECEIPT_SCHEMA,
     Outcome,
@@ -24,7 +25,9 @@ from llmd_supervisor.core.verdict import (
     observe,
     sacct_query,
     scontrol_query,
+    with_benchmark,
 )
+from tests.fakes.bench_results import vllm_result
 
 JOB = "42"
 T0 = datetime(2026, 11, 30, 22, 0, 0, tzinfo=UTC)
@@ -423,3 +426,70 @@ def test_decide_refuses_a_marker_read_for_another_job() -> None:
             fold(OK2), other, cancel_requested=False, accounting_disabled=False,
             now=BEFORE, deadline=DEADLINE,
         )  # fmt: skip
+
+
+# --- the benchmark's validity gate on top of Slurm and the marker ----------------------
+
+POINTS = {1: 4, 2: 8}  # concurrency -> prompts requested
+
+
+def _gate(**broken: bytes | None) -> GateResult:
+    """The gate on the demo's points: each valid, unless `broken` names c<N> -> bytes."""
+    raw: dict[int, bytes | None] = {c: vllm_result(c, n) for c, n in POINTS.items()}
+    raw.update({int(k[1:]): v for k, v in broken.items()})
+    parsed = {c: parse_result(data, "vllm") for c, data in raw.items()}
+    return gate(parsed, POINTS, Validity(), {})
+
+
+@pytest.mark.parametrize(
+    ("slurm_marker", "results", "expected", "reason"),
+    [
+        ((OK2, marker(0)), _gate(), Outcome.SUCCEEDED, "marker rc=0"),
+        ((OK2, marker(0)), _gate(c2=None), Outcome.FAILED, "benchmark c=2: no result file"),
+        (
+            (OK2, marker(0)),
+            _gate(c1=vllm_result(1, 4, completed=0)),
+            Outcome.FAILED,
+            "benchmark c=1: 0 of 4 requests completed (min 4); results/c1.json; State=COMPLETED",
+        ),
+        ((OK2, marker(0)), _gate(c2=b"{not json"), Outcome.FAILED, "benchmark c=2: unparsable"),
+        ((OK2, marker(0)), _gate(c2=vllm_result(4, 8)), Outcome.FAILED, "wrong concurrency"),
+        ((OK2, marker(7)), _gate(), Outcome.FAILED, "marker rc=7 from rank 2"),
+        (([sacct("TIMEOUT")] * 2, NO_MARKER), _gate(c1=None), Outcome.TIMED_OUT, "TIMEOUT"),
+        ((OK2, marker(0)), None, Outcome.SUCCEEDED, "marker rc=0"),  # no results looked for
+    ],
+)
+def test_success_also_needs_the_benchmark_results(
+    slurm_marker: tuple[list[Q], MarkerReading],
+    results: GateResult | None,
+    expected: Outcome,
+    reason: str,
+) -> None:
+    queries, reading = slurm_marker
+    now = T0 + timedelta(seconds=len(queries) + 1)
+    state = fold(queries)
+    plain = decide(
+        state,
+        reading,
+        cancel_requested=False,
+        accounting_disabled=False,
+        now=now,
+        deadline=DEADLINE,
+    )
+    verdict = with_benchmark(plain, results)
+    assert verdict.outcome is expected, verdict.reason
+    assert reason in verdict.reason and "\n" not in verdict.reason
+    receipt = build_receipt(
+        state,
+        reading,
+        verdict,
+        decided_at=now,
+        cancel_requested=False,
+        accounting_disabled=False,
+        benchmark=results,
+    )
+    assert receipt["outcome"] == expected.value
+    if results is not None:
+        evidence = receipt["benchmark"]
+        assert isinstance(evidence, dict)
+        assert [p["concurrency"] for p in evidence["points"]] == sorted(POINTS)
