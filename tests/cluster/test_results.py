@@ -44,7 +44,7 @@ def test_the_demo_runs_results_are_archived_byte_exact_and_shown(
     assert final["outcome"] == "succeeded", final["reason"]
     run, job = str(final["run"]), str(final["slurm_job_id"])
     shown = json.loads(daemon.cli("results", run, "--json").stdout)
-    table = shown[0]["results"] if isinstance(shown, list) else shown["results"]
+    table = shown["runs"][0]["results"]
     points = {p["concurrency"]: p for p in table["points"]}
     assert {c: (p["num_prompts"], p["completed"]) for c, p in points.items()} == {
         c: (n, n) for c, n in DEMO_POINTS.items()
