@@ -24,13 +24,13 @@ from typing import Any
 
 from llmd_supervisor.cli.results import (
     LATENCIES,
-    ResultPoint,
-    RunResults,
     interactivity,
     latency,
     no_results_reason,
     per_gpu_total,
 )
+from llmd_supervisor.core.summary import PointView as ResultPoint
+from llmd_supervisor.core.summary import RunResults
 
 INSTALL_HINT = (
     "llmd-supervisor report: matplotlib is not installed, and the report needs it; install "

@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypedDict, cast
 
+from llmd_supervisor.core.summary import PointView as ResultPoint
+from llmd_supervisor.core.summary import ResultsTable, RunResults, read
 from llmd_supervisor.errors import SupervisorError
 
 # Not used by any other command (0, 1, 2, 3, 10-15 and 130 are).
@@ -33,57 +35,11 @@ LATENCIES = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "median", "p99")
 
 
-class Latency(TypedDict):
-    """One latency metric of a point, in milliseconds."""
-
-    mean: float | None
-    median: float | None
-    p99: float | None
-
-
-class ResultPoint(TypedDict):
-    """One concurrency of a run's benchmark, as the results parser normalised it."""
-
-    concurrency: int
-    num_prompts: int | None
-    completed: int | None
-    failed: int | None
-    duration_s: float | None
-    request_throughput: float | None
-    output_throughput: float | None
-    total_token_throughput: float | None
-    input_throughput: float | None
-    output_throughput_per_gpu: float | None
-    total_token_throughput_per_gpu: float | None
-    input_throughput_per_gpu: float | None
-    ttft_ms: Latency | None
-    tpot_ms: Latency | None
-    itl_ms: Latency | None
-    e2el_ms: Latency | None
-    file: str
-    valid: bool
-    problem: str | None
-
-
-class ResultsTable(TypedDict):
-    """A run's ``results.json``."""
-
-    format: str  # "vllm" | "inferencex"
-    gpus: int | None
-    points: list[ResultPoint]
-
-
 class _RunHead(TypedDict):
     run: str
     state: str
     outcome: str | None
     reason: str
-
-
-class RunResults(_RunHead):
-    """The ``results`` op's answer for one run."""
-
-    results: ResultsTable | None
 
 
 class ResultsError(SupervisorError):
@@ -93,8 +49,6 @@ class ResultsError(SupervisorError):
 def read_run_results(value: object) -> RunResults:
     """`value` (a decoded ``results`` reply) checked as `RunResults`; raise SummaryError.
     The table is checked on its own, so that an error names the field that is wrong."""
-    from llmd_supervisor.core.summary import read
-
     head = read(_RunHead, value)
     table = value.get("results") if isinstance(value, dict) else None
     return {**head, "results": None if table is None else read(ResultsTable, table)}

@@ -110,10 +110,10 @@ class PointView(TypedDict):
     output_throughput_per_gpu: float | None
     total_token_throughput_per_gpu: float | None
     input_throughput_per_gpu: float | None
-    ttft_ms: LatencyView
-    tpot_ms: LatencyView
-    itl_ms: LatencyView
-    e2el_ms: LatencyView
+    ttft_ms: LatencyView | None
+    tpot_ms: LatencyView | None
+    itl_ms: LatencyView | None
+    e2el_ms: LatencyView | None
     file: str
     valid: bool
     problem: str | None
@@ -157,7 +157,7 @@ def headline(table: ResultsTable) -> Headline | None:
         "concurrency": best["concurrency"],
         "total_token_throughput": best["total_token_throughput"] or 0.0,
         "output_throughput": best["output_throughput"] or 0.0,
-        "ttft_ms_median": best["ttft_ms"]["median"],
+        "ttft_ms_median": best["ttft_ms"]["median"] if best["ttft_ms"] else None,
     }
 
 

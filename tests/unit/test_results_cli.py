@@ -16,7 +16,6 @@ from llmd_supervisor.cli.main import main
 from llmd_supervisor.cli.results import (
     EXIT_REGRESSION,
     LATENCIES,
-    RunResults,
     compare,
     inferencex_agg,
     read_run_results,
@@ -25,6 +24,7 @@ from llmd_supervisor.cli.results import (
     render_text,
     show,
 )
+from llmd_supervisor.core.summary import RunResults
 from llmd_supervisor.errors import SummaryError
 
 CONCURRENCIES = (1, 16, 64)
