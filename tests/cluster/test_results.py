@@ -82,7 +82,9 @@ def test_a_benchmark_that_exits_0_with_bad_numbers_fails_the_run_naming_the_poin
     daemon: Daemon, shared_tmp: Path, knob: str, reason: str
 ) -> None:
     value = "0.5" if knob.endswith("FRACTION") else "1"
-    final = _run_to_end(daemon, demo_spec(shared_tmp, port=PORT + 10, tables={"bench": {knob: value}}))
+    final = _run_to_end(
+        daemon, demo_spec(shared_tmp, port=PORT + 10, tables={"bench": {knob: value}})
+    )
     assert final["outcome"] == "failed", final
     assert str(final["reason"]).startswith(reason), final["reason"]
     assert "State=COMPLETED ExitCode=0:0" in str(final["reason"])  # Slurm alone said success
