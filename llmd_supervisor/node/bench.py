@@ -14,8 +14,9 @@ tests/data/results/): ``date``, ``backend``, ``num_prompts``, ``request_rate``,
 ``total_output_tokens``, ``request_throughput``, ``output_throughput``,
 ``total_token_throughput``, and ``mean_/median_/std_/p<P>_{ttft,tpot,itl,e2el}_ms`` for
 ``--percentile-metrics`` and ``--metric-percentiles`` (default 99), plus the stand-in's own
-``errors`` (the first 10), ``prefill_urls`` and ``decode_urls``. TTFT is the prefill call;
-the decode answer is not streamed, so every request's ITL is its TPOT. It goes to
+``concurrency``, ``errors`` (the first 10), ``prefill_urls`` and ``decode_urls``. TTFT is
+the prefill call; the decode answer is not streamed, so every request's ITL is its TPOT.
+It goes to
 ``--result-file``, or like vLLM to ``--result-dir``/``--result-filename``
 (``--save-result`` is accepted), written to a temp file and renamed.
 
@@ -184,6 +185,7 @@ def summarize(
         for p in [float(x) for x in args.metric_percentiles.split(",") if x.strip()]:
             word = str(int(p)) if int(p) == p else str(p)
             doc["p%s_%s_ms" % (word, name)] = percentile(v, p) * 1000
+    doc["concurrency"] = args.concurrency  # the stand-in's own (older) key, kept
     doc["errors"] = errors[:10]
     doc["prefill_urls"] = prefill
     doc["decode_urls"] = decode
