@@ -22,6 +22,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final, Literal, get_args
 
+from llmd_supervisor.node import common
+
 __all__ = [
     "FORMATS",
     "MAX_RESULT_BYTES",
@@ -123,7 +125,7 @@ def min_completed(fraction: float, num_prompts: int) -> int:
 
 def result_name(concurrency: int) -> str:
     """The archive's name of a point's result file."""
-    return f"results/c{concurrency}.json"
+    return f"results/{common.result_name(concurrency)}"
 
 
 # --- parsing -----------------------------------------------------------------------------

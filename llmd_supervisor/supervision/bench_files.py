@@ -55,8 +55,7 @@ def judge(spec: RunSpec, raw: Mapping[int, bytes | FileRefused | None]) -> GateR
         else parse_result(data, bench.result_format)
         for c, data in raw.items()
     }
-    expected = {c: bench.num_prompts(c) for c in bench.concurrencies}
-    return gate(parsed, expected, bench.validity, {})
+    return gate(parsed, bench.expected_prompts(), bench.validity, {})
 
 
 async def gate_dir(
