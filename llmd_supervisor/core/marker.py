@@ -1,16 +1,21 @@
 """Pure reading of the completion marker ``.bench_done.<jobid>`` (DESIGN.md section 4).
 
 The coordinator publishes JSON ``{"rc": int, "job_id": str, "rank": int, "reason": str,
-"finished_at": iso8601}`` with write-to-temp, fsync, rename. This module only interprets
-bytes the caller has read (or None when the file does not exist); it never raises.
+"finished_at": iso8601}`` with write-to-temp, fsync, rename. InferenceX's launcher writes
+the rc alone as a plain integer and a newline (``7\n``), also accepted (format ``int``: no
+rank, no reason; digits without the newline are a torn write). This module only
+interprets bytes the caller has read (or None when the file does not exist); it never
+raises.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
+from typing import Literal
 
 from llmd_supervisor.node import common as shared
 
@@ -25,6 +30,9 @@ __all__ = [
 
 MARKER_PREFIX = shared.MARKER_PREFIX
 _FIELDS = ("rc", "job_id", "rank", "reason", "finished_at")
+# A plain-integer marker is complete only with its newline; digits alone may be torn.
+_INT_MARKER = re.compile(r"(0|-?[1-9][0-9]{0,9})\n")
+_TORN_INT = re.compile(r"-?[0-9]{1,10}")
 
 
 def marker_filename(job_id: str) -> str:
@@ -64,9 +72,10 @@ class Marker:
 
     rc: int
     job_id: str
-    rank: int
+    rank: int | None  # None in a plain-integer marker
     reason: str
-    finished_at: datetime
+    finished_at: datetime | None  # None in a plain-integer marker
+    format: Literal["json", "int"] = "json"
 
 
 @dataclass(frozen=True)
@@ -94,6 +103,8 @@ class MarkerReading:
             # A failure is told by the rank that saw it (the marker's reason), not only by
             # the coordinator that published it.
             why = f": {said}" if m.rc != 0 and said else ""
+            if m.format == "int":
+                return f"marker rc={m.rc} (plain integer)"
             return f"marker rc={m.rc} from rank {m.rank}{why}"
         name = marker_filename(self.expected_job_id)
         if self.status is MarkerStatus.MISSING:
@@ -123,6 +134,17 @@ def read_marker(data: bytes | None, expected_job_id: str) -> MarkerReading:
     body = text.strip()
     if not body:
         return bad(MarkerStatus.EMPTY, f"{len(data)} bytes, no content")
+    # InferenceX's launcher writes the rc alone: "7\n" (no job id, rank or reason).
+    if _INT_MARKER.fullmatch(text):
+        return MarkerReading(
+            MarkerStatus.OK,
+            expected_job_id,
+            "",
+            text,
+            Marker(int(text), expected_job_id, None, "", None, "int"),
+        )
+    if _TORN_INT.fullmatch(text):
+        return bad(MarkerStatus.TRUNCATED, f"plain integer {text!r} without its newline")
     try:
         value: object = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError:

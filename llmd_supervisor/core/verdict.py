@@ -491,10 +491,11 @@ def _marker_json(marker: MarkerReading) -> dict[str, object]:
         "parsed": None
         if parsed is None
         else {
+            "format": parsed.format,
             "rc": parsed.rc,
             "job_id": parsed.job_id,
             "rank": parsed.rank,
             "reason": parsed.reason,
-            "finished_at": parsed.finished_at.isoformat(),
+            "finished_at": None if parsed.finished_at is None else parsed.finished_at.isoformat(),
         },
     }

@@ -73,7 +73,7 @@ def test_as_the_node_agent_writes_it() -> None:
         (b"\xff\xfe{}", MarkerStatus.NOT_JSON),
         (b'{"rc": 0} trailing}', MarkerStatus.NOT_JSON),
         (b"[" * 100_000, MarkerStatus.NOT_JSON),
-        (b"0", MarkerStatus.NOT_OBJECT),
+        (b"3.5", MarkerStatus.NOT_OBJECT),
         (b'["rc", 0]', MarkerStatus.NOT_OBJECT),
         (b"null", MarkerStatus.NOT_OBJECT),
         (body(rc=...), MarkerStatus.MISSING_FIELDS),
@@ -114,3 +114,32 @@ def test_may_still_arrive() -> None:
 
 def test_describe_names_missing_file() -> None:
     assert read_marker(None, "7").describe() == "marker .bench_done.7 missing"
+
+
+@pytest.mark.parametrize(
+    ("data", "status", "rc"),
+    [
+        (b"0\n", MarkerStatus.OK, 0),
+        (b"7\n", MarkerStatus.OK, 7),
+        (b"-1\n", MarkerStatus.OK, -1),
+        (b"", MarkerStatus.EMPTY, None),
+        (b"\n", MarkerStatus.EMPTY, None),
+        (b"0", MarkerStatus.TRUNCATED, None),  # torn: the newline is not there yet
+        (b"12", MarkerStatus.TRUNCATED, None),
+        (b"0\n0\n", MarkerStatus.NOT_JSON, None),
+        (b"00\n", MarkerStatus.NOT_JSON, None),
+        (b"7 \n", MarkerStatus.NOT_OBJECT, None),
+        (b"true\n", MarkerStatus.NOT_OBJECT, None),
+    ],
+)
+def test_the_plain_integer_marker_of_inferencex(
+    data: bytes, status: MarkerStatus, rc: int | None
+) -> None:
+    reading = read_marker(data, JOB)
+    assert reading.status is status, reading.detail
+    if rc is None:
+        assert reading.marker is None
+    else:
+        assert reading.marker is not None
+        assert (reading.marker.rc, reading.marker.format, reading.marker.rank) == (rc, "int", None)
+        assert reading.describe() == f"marker rc={rc} (plain integer)"
