@@ -46,6 +46,28 @@ CASES = {
     "completed_marker_rc7": Case(
         "srun true\n" + MARKER.format(rc=7), ("-N", "1"), 10, "failed", "marker rc=7 from rank 1"
     ),
+    # InferenceX's launcher writes the rc alone, a plain integer and a newline.
+    "completed_int_marker_0": Case(
+        'srun true\necho 0 > "$LOGDIR/.bench_done.$SLURM_JOB_ID"\n',
+        ("-N", "1"),
+        0,
+        "succeeded",
+        "marker rc=0 (plain integer)",
+    ),
+    "completed_int_marker_7": Case(
+        'srun true\necho 7 > "$LOGDIR/.bench_done.$SLURM_JOB_ID"\n',
+        ("-N", "1"),
+        10,
+        "failed",
+        "marker rc=7 (plain integer)",
+    ),
+    "completed_int_marker_empty": Case(
+        'srun true\n: > "$LOGDIR/.bench_done.$SLURM_JOB_ID"\n',
+        ("-N", "1"),
+        10,
+        "failed",
+        "empty",
+    ),
     "batch_exit1_marker_ok": Case(
         MARKER.format(rc=0) + "exit 1\n", ("-N", "1"), 10, "failed", "State=FAILED ExitCode=1:0"
     ),
