@@ -118,6 +118,9 @@ ENGINE_PLACEHOLDERS: Final = frozenset(
         "group_size",
         "leader_host",
         "leader_port",
+        "host_ip",  # this node's IPv4 (the default route's source, else its name resolved)
+        "iface",  # the interface holding it (NCCL/GLOO_SOCKET_IFNAME)
+        "leader_ip",  # the group leader's IPv4
         "gpus_per_node",
         "model_path",
         "served_name",

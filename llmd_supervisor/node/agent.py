@@ -110,7 +110,7 @@ class Terminated(Exception):
 _PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([a-z_]+)\}|[{}]")
 
 
-def expand_template(template: str, values: Dict[str, str]) -> str:
+def expand_template(template: str, values: "Values | Dict[str, str]") -> str:
     """Replace ``{name}`` by ``values[name]``; ``{{``/``}}`` are literal braces."""
 
     def repl(m: "re.Match[str]") -> str:
@@ -127,6 +127,84 @@ def expand_template(template: str, values: Dict[str, str]) -> str:
         return values[name]
 
     return _PLACEHOLDER.sub(repl, template)
+
+
+class Values(object):
+    """Placeholder values; a callable one is computed when first looked up (so a node
+    address is looked for only when a template names it)."""
+
+    def __init__(self, values: Dict[str, Any]) -> None:
+        self._values = values
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._values
+
+    def __getitem__(self, name: str) -> str:
+        value = self._values[name]
+        if callable(value):
+            value = self._values[name] = str(value())
+        return str(value)
+
+    def get(self, name: str, default: str) -> str:
+        return self[name] if name in self._values else default
+
+    def update(self, more: Dict[str, str]) -> None:
+        self._values.update(more)
+
+
+def expand_known(text: str, values: "Values") -> str:
+    """Replace the known ``{name}`` placeholders in an environment value; everything else
+    (JSON, other braces) stays as written."""
+    return re.sub(r"\{([a-z_]+)\}", lambda m: values.get(m.group(1), m.group(0)), text)
+
+
+_SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
+
+
+def _interface_of(ip: str) -> str:
+    """The local interface that holds the IPv4 address `ip`, or "" (stdlib ioctl)."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for _index, name in socket.if_nameindex():
+            req = struct.pack("256s", name.encode()[:15])
+            try:
+                got = fcntl.ioctl(s.fileno(), _SIOCGIFADDR, req)
+            except OSError:  # no IPv4 address on it
+                continue
+            if socket.inet_ntoa(got[20:24]) == ip:
+                return name
+    return ""
+
+
+def node_address(node_name: str) -> Tuple[str, str]:
+    """This node's IPv4 address and the interface holding it, as InferenceX finds them
+    (`ip route get 1.1.1.1`): the source address of the default route, found with a UDP
+    connect (no packet is sent); without a default route, the address `node_name`
+    resolves to when it is one of this node's own. Raises ConfigError otherwise."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect(("1.1.1.1", 80))
+            ip = str(s.getsockname()[0])
+        except OSError:
+            ip = ""
+    if ip and _interface_of(ip):
+        return ip, _interface_of(ip)
+    try:
+        ip = socket.gethostbyname(node_name)
+    except OSError as exc:
+        raise ConfigError(
+            "cannot find this node's IPv4 address: no default route, and %r does not"
+            " resolve (%s)" % (node_name, exc)
+        ) from None
+    iface = _interface_of(ip)
+    if not iface:
+        raise ConfigError(
+            "cannot find this node's IPv4 address: no default route, and %r resolves to"
+            " %s, which no interface here holds" % (node_name, ip)
+        )
+    return ip, iface
 
 
 class Role(object):
@@ -381,6 +459,7 @@ class Agent(object):
         self.role = Role(rank, cfg)
         self.rank = rank
         self.hosts = hosts
+        self._address: Optional[Tuple[str, str]] = None
         self.log_dir = str(cfg["log_dir"])
         self.job_dir = os.path.join(self.log_dir, job_id)
         self.node_dir = os.path.join(self.job_dir, "node")
@@ -419,6 +498,26 @@ class Agent(object):
 
     def host_of(self, rank: int) -> str:
         return self.hosts[rank]
+
+    @property
+    def address(self) -> Tuple[str, str]:
+        """This node's IPv4 address and interface (found once, when first asked)."""
+        if self._address is None:
+            self._address = node_address(
+                os.environ.get("SLURMD_NODENAME") or self.host_of(self.rank)
+            )
+        return self._address
+
+    def ip_of(self, rank: int) -> str:
+        """A rank's IPv4 address (this node's own, or its host name resolved)."""
+        if rank == self.rank:
+            return self.address[0]
+        try:
+            return socket.gethostbyname(self.host_of(rank))
+        except OSError as exc:
+            raise ConfigError(
+                "cannot resolve %r (rank %d): %s" % (self.host_of(rank), rank, exc)
+            ) from None
 
     def port_of(self, rank: int) -> int:
         return self.port_base + rank * self.port_stride
@@ -520,32 +619,41 @@ class Agent(object):
 
     # ---- engine
 
-    def template_values(self) -> Dict[str, str]:
+    def template_values(self) -> "Values":
         r = self.role
-        return {
-            "rank": str(self.rank),
-            "role": r.role,
-            "host": self.host_of(self.rank),
-            "port": str(self.port_of(self.rank)),
-            "group": str(r.group),
-            "group_rank": str(r.group_rank),
-            "group_size": str(r.group_size),
-            "leader_host": self.host_of(r.leader_rank),
-            "leader_port": str(self.port_of(r.leader_rank)),
-            "gpus_per_node": str(self.cfg.get("gpus_per_node", 0)),
-            "model_path": str(self.cfg["model_path"]),
-            "served_name": str(self.cfg["served_name"]),
-            "log_dir": self.log_dir,
-            "job_dir": self.job_dir,
-            "node_dir": self.node_dir,
-            "job_id": self.job_id,
-        }
+        return Values(
+            {
+                "rank": str(self.rank),
+                "role": r.role,
+                "host": self.host_of(self.rank),
+                "port": str(self.port_of(self.rank)),
+                "group": str(r.group),
+                "group_rank": str(r.group_rank),
+                "group_size": str(r.group_size),
+                "leader_host": self.host_of(r.leader_rank),
+                "leader_port": str(self.port_of(r.leader_rank)),
+                # Found only when a template names them (see Values).
+                "host_ip": lambda: self.address[0],
+                "iface": lambda: self.address[1],
+                "leader_ip": lambda: self.ip_of(r.leader_rank),
+                "gpus_per_node": str(self.cfg.get("gpus_per_node", 0)),
+                "model_path": str(self.cfg["model_path"]),
+                "served_name": str(self.cfg["served_name"]),
+                "log_dir": self.log_dir,
+                "job_dir": self.job_dir,
+                "node_dir": self.node_dir,
+                "job_id": self.job_id,
+            }
+        )
 
     def role_env(self, role: str) -> Dict[str, str]:
         env = dict(os.environ)
         envs = self.cfg.get("env", {})
-        env.update({str(k): str(v) for k, v in envs.get("common", {}).items()})
-        env.update({str(k): str(v) for k, v in envs.get(role, {}).items()})
+        values = self.template_values()
+        for table in ("common", role):
+            env.update(
+                {str(k): expand_known(str(v), values) for k, v in envs.get(table, {}).items()}
+            )
         r = self.role
         env.update(
             {
