@@ -51,6 +51,28 @@ def test_expand_template() -> None:
         agent.expand_template("{port", values)
 
 
+def test_environment_values_expand_known_placeholders_only_and_lazily() -> None:
+    looked: list[str] = []
+
+    def ip() -> str:
+        looked.append("ip")
+        return "10.77.0.12"
+
+    values = agent.Values({"rank": "3", "host_ip": ip})
+    assert agent.expand_known('{"kv_role": "kv_consumer"} {rank} {nope}', values) == (
+        '{"kv_role": "kv_consumer"} 3 {nope}'
+    )
+    assert looked == []  # the address is looked for only when a value names it
+    assert agent.expand_known("{host_ip}:{host_ip}", values) == "10.77.0.12:10.77.0.12"
+    assert looked == ["ip"]
+
+
+def test_the_node_address_is_one_of_its_own_interfaces() -> None:
+    ip, iface = agent.node_address("localhost")
+    assert iface and agent._interface_of(ip) == iface
+    assert agent._interface_of("192.0.2.254") == ""  # TEST-NET-1: held by no interface
+
+
 def _cfg(p: int, d: int, pw: int, dw: int) -> dict[str, int]:
     return {"prefill_nodes": p, "decode_nodes": d, "prefill_workers": pw, "decode_workers": dw}
 
