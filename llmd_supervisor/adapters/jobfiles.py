@@ -93,6 +93,34 @@ async def read_local(
     return answer(path, result.returncode, result.stdout or result.stderr, limit)
 
 
+async def read_many_local(
+    log_dir: str, paths: Sequence[tuple[str, int]], *, time_limit: float
+) -> dict[str, bytes | FileRefused | None]:
+    """Several files of a job here, each (path, limit), through one reader process:
+    path -> its bytes, None when missing, or the `FileRefused` that says why not."""
+    out: dict[str, bytes | FileRefused | None] = {}
+    if not paths:
+        return out
+    root = split(log_dir, paths[0][0])[0]
+    requests = b"".join(
+        (json.dumps(["read", split(log_dir, path)[1], limit]) + "\n").encode()
+        for path, limit in paths
+    )
+    with anyio.fail_after(time_limit):
+        result = await anyio.run_process(argv(sys.executable, "serve", root), input=requests)
+    answers = result.stdout
+    for path, limit in paths:
+        head, _, answers = answers.partition(b"\n")
+        word, _, size = head.decode(errors="replace").partition(" ")
+        n = int(size) if size.isdigit() else 0
+        data, answers = answers[:n], answers[n:]
+        try:
+            out[path] = answer(path, word or "error", data, limit)
+        except FileRefused as exc:
+            out[path] = exc
+    return out
+
+
 async def list_local(log_dir: str, path: str, *, time_limit: float) -> list[str]:
     """Entry names of a job directory here (at most LIST_MAX), [] when missing;
     `FileRefused` when it is a link or not a directory."""

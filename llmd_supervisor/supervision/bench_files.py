@@ -14,8 +14,6 @@ import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import anyio
-
 from llmd_supervisor.adapters import jobfiles
 from llmd_supervisor.adapters.jobfiles import RESULT_FILE_MAX, SMALL_FILE_MAX
 from llmd_supervisor.core.layout import RESULTS, RunLayout
@@ -34,7 +32,6 @@ from llmd_supervisor.supervision.cluster import RunFiles
 
 Refused = Callable[[FileRefused], Awaitable[None]]
 _RESULT_NAME = re.compile(r"c([1-9][0-9]{0,5})\.json")
-READS_AT_ONCE = 4  # each read is a child process (or a command on the login host)
 
 
 @dataclass
@@ -98,14 +95,9 @@ async def read_results(
     files: RunFiles, layout: RunLayout, job_id: str, concurrencies: Sequence[int]
 ) -> dict[int, bytes | FileRefused | None]:
     """Each point's result file, as the validity gate takes it."""
-    out: dict[int, bytes | FileRefused | None] = {}
-    for c in concurrencies:
-        path = layout.bench_files(job_id, c)[0]
-        try:
-            out[c] = await files.read(layout.log_dir, path, RESULT_FILE_MAX)
-        except FileRefused as exc:
-            out[c] = exc
-    return out
+    paths = {c: layout.bench_files(job_id, c)[0] for c in concurrencies}
+    got = await files.read_many(layout.log_dir, [(p, RESULT_FILE_MAX) for p in paths.values()])
+    return {c: got.get(p) for c, p in paths.items()}
 
 
 async def read_all(
@@ -116,31 +108,20 @@ async def read_all(
     ranks: int,
     refused: Refused,
 ) -> BenchFiles:
-    """The result files, point logs, status files and diagnostics of a job."""
-    got = BenchFiles(results=await read_results(files, layout, job_id, concurrencies))
-    for c, data in got.results.items():
-        name = posixpath.basename(layout.bench_files(job_id, c)[0])
-        if isinstance(data, FileRefused):
-            await refused(data)
-        elif data is not None:
-            got.archived[f"{RESULTS}/{name}"] = data
-    wanted = [(RESULTS, layout.bench_files(job_id, c)[1], RESULT_FILE_MAX) for c in concurrencies]
+    """The result files, point logs, status files and diagnostics of a job (one batch)."""
+    wanted = [(RESULTS, layout.bench_files(job_id, c)[0], RESULT_FILE_MAX) for c in concurrencies]
+    wanted += [(RESULTS, layout.bench_files(job_id, c)[1], RESULT_FILE_MAX) for c in concurrencies]
     for rank in range(ranks):
         wanted.append(("ranks", layout.status_file(job_id, rank), SMALL_FILE_MAX))
         wanted.append(("ranks", layout.diag_file(job_id, rank), RESULT_FILE_MAX))
-    limiter = anyio.CapacityLimiter(READS_AT_ONCE)
-
-    async def one(folder: str, path: str, limit: int) -> None:
-        async with limiter:
-            try:
-                data = await files.read(layout.log_dir, path, limit)
-            except FileRefused as exc:
-                await refused(exc)
-                return
-        if data is not None:
-            got.archived[f"{folder}/{posixpath.basename(path)}"] = data
-
-    async with anyio.create_task_group() as tg:
-        for folder, path, limit in wanted:
-            tg.start_soon(one, folder, path, limit)
-    return got
+    got = await files.read_many(layout.log_dir, [(path, limit) for _, path, limit in wanted])
+    out = BenchFiles()
+    for c in concurrencies:
+        out.results[c] = got.get(layout.bench_files(job_id, c)[0])
+    for folder, path, _ in wanted:
+        data = got.get(path)
+        if isinstance(data, FileRefused):
+            await refused(data)
+        elif data is not None:
+            out.archived[f"{folder}/{posixpath.basename(path)}"] = data
+    return out

@@ -18,7 +18,7 @@ Issue 2.5 adds more implementations (shared file system without SSH to the nodes
 from __future__ import annotations
 
 import posixpath
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -62,6 +62,13 @@ class RunFiles(Protocol):
         job or larger (never read)."""
         ...
 
+    async def read_many(
+        self, log_dir: str, paths: Sequence[tuple[str, int]]
+    ) -> dict[str, bytes | FileRefused | None]:
+        """Several files, each (path, limit): path -> bytes, None (missing or unreadable
+        now) or the `FileRefused` saying why it is not read."""
+        ...
+
     def local_path(self, path: str) -> Path | None:
         """Where this machine sees a file of the job (to notice it appear), or None."""
         ...
@@ -87,6 +94,15 @@ class SharedLogDir:
         except TimeoutError:
             log.warning("run.file_unreadable", path=path, error="no answer in time")
             return None
+
+    async def read_many(
+        self, log_dir: str, paths: Sequence[tuple[str, int]]
+    ) -> dict[str, bytes | FileRefused | None]:
+        try:
+            return await jobfiles.read_many_local(log_dir, paths, time_limit=self._time_limit)
+        except TimeoutError:
+            log.warning("run.file_unreadable", path=log_dir, error="no answer in time")
+            return dict.fromkeys((p for p, _ in paths), None)
 
     def local_path(self, path: str) -> Path | None:
         return Path(path)
@@ -133,6 +149,17 @@ class ThroughLoginHost:
             return None
         data = (result.stdout if result.returncode == jobfiles.OK else result.stderr).encode()
         return jobfiles.answer(path, result.returncode, data, limit)
+
+    async def read_many(
+        self, log_dir: str, paths: Sequence[tuple[str, int]]
+    ) -> dict[str, bytes | FileRefused | None]:
+        out: dict[str, bytes | FileRefused | None] = {}
+        for path, limit in paths:  # one command each on the login host
+            try:
+                out[path] = await self.read(log_dir, path, limit)
+            except FileRefused as exc:
+                out[path] = exc
+        return out
 
     def local_path(self, path: str) -> Path | None:
         return None

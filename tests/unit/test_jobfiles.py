@@ -227,3 +227,24 @@ async def test_fifty_fifos_read_at_once_hold_no_worker_thread(tmp_path: Path) ->
             for i in range(50):
                 tg.start_soon(one, i)
     assert len(borrowed) == 50 and max(borrowed) == 0
+
+
+@pytest.mark.asyncio
+async def test_many_files_are_read_through_one_reader_each_judged_alone(
+    logs: tuple[Path, dict[str, str]],
+) -> None:
+    d, kinds = logs
+    (d / "ok.json").write_bytes(b'{"completed": 4}')
+    (d / "big.json").write_bytes(b"x" * 10)
+    paths = [(str(d / "ok.json"), 100), (str(d / "nope"), 100), (str(d / "big.json"), 3)]
+    paths += [(str(d / name), jobfiles.SMALL_FILE_MAX) for name in kinds]
+    with anyio.fail_after(30):
+        got = await jobfiles.read_many_local(str(d), paths, time_limit=20)
+    assert got[str(d / "ok.json")] == b'{"completed": 4}'
+    assert got[str(d / "nope")] is None
+    too_large = got[str(d / "big.json")]
+    assert isinstance(too_large, FileRefused) and "larger than 3 bytes" in too_large.why
+    for name, why in kinds.items():
+        refused = got[str(d / name)]
+        assert isinstance(refused, FileRefused) and why in refused.why, (name, refused)
+    assert SECRET not in b"".join(v for v in got.values() if isinstance(v, bytes))
