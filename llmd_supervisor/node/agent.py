@@ -492,6 +492,8 @@ class Agent(object):
         self._lock = threading.Lock()
         self._stop_heartbeat = threading.Event()
         self._status_seq = 0
+        # Each stage with its deadline and how it ended (in the status file, see stage()).
+        self.stages: List[Dict[str, Any]] = []
         self._log_fh: Any = None
 
     # ---- paths and naming
@@ -559,6 +561,69 @@ class Agent(object):
         self.log("state", state=state, reason=self.reason)
         self.write_status()
 
+    def stage(self, name: str, deadline_s: float) -> None:
+        """Begin stage `name`, which must end within `deadline_s` (or fail the run)."""
+        with self._lock:
+            self.stages.append(
+                {
+                    "name": name,
+                    "state": "running",
+                    "deadline_s": deadline_s,
+                    "started_at": now_iso(),
+                }
+            )
+        self.log("stage.started", stage=name, deadline_s=deadline_s)
+        self.write_status()
+
+    def stage_end(self, failed: Optional[str] = None, diagnose: bool = True) -> None:
+        """End the current stage: done, or failed with `failed` (and, with `diagnose`,
+        network diagnostics)."""
+        with self._lock:
+            if not self.stages or self.stages[-1]["state"] != "running":
+                return
+            current = self.stages[-1]
+            current.update(state="failed" if failed else "done", ended_at=now_iso())
+            if failed:
+                current["detail"] = failed
+        self.log("stage." + current["state"], stage=current["name"], detail=failed or "")
+        if failed and diagnose:
+            self.write_network_diag(current["name"], failed)
+        self.write_status()
+
+    def write_network_diag(self, stage: str, why: str) -> None:
+        """What a person would look at when a stage failed: this node's addresses, routes
+        and listening sockets (``rank<r>.net.txt`` in the job directory)."""
+        lines = ["llmd-agent network diagnostic: stage %s failed" % stage, "why: %s" % why]
+        for argv in (["ip", "-4", "addr"], ["ip", "-4", "route"], ["ss", "-ltn"]):
+            lines += ["", "$ " + " ".join(argv)]
+            try:
+                out = subprocess.run(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    timeout=5,
+                    check=False,
+                ).stdout
+                lines.append(out.decode("utf-8", "replace")[:20000].rstrip())
+            except (OSError, subprocess.SubprocessError) as exc:
+                lines.append("(could not run: %s)" % exc)
+        path = os.path.join(self.job_dir, "rank%d.net.txt" % self.rank)
+        try:
+            write_atomic(path, ("\n".join(lines) + "\n").encode("utf-8"), durable=False)
+        except OSError as exc:
+            self.log("diag.error", error=str(exc))
+
+    def where(self, rank: int, port: int, path: str = "") -> str:
+        """How a stage failure names a rank's endpoint: ``rank 3 (decode, node4) on
+        10.77.0.14:8000/health``."""
+        try:
+            ip = self.ip_of(rank)
+        except ConfigError:
+            ip = self.host_of(rank)
+        role = Role(rank, self.cfg)
+        return "rank %d (%s, %s) on %s:%d%s" % (rank, role.name, self.host_of(rank), ip, port, path)
+
     def write_status(self) -> None:
         with self._lock:
             self._status_seq += 1
@@ -579,6 +644,7 @@ class Agent(object):
                 "local_rc": self.local_rc,
                 "seq": self._status_seq,
                 "updated_at": now_iso(),
+                "stages": [dict(st) for st in self.stages],
             }
             data = (json.dumps(status, sort_keys=True) + "\n").encode("utf-8")
             try:
@@ -804,18 +870,23 @@ class Agent(object):
             if self.start_error is not None:
                 raise self.start_error
             self.set_state(shared.STATE_WAITING_ENGINES)
+            self.stage("engines-healthy", self.health_timeout_s)
             self.wait_all_engines(deadline)
+            self.stage_end()
             rc, reason = self.run_sweep()
         except LocalFailure as exc:
             rc, reason = exc.rc, exc.reason
             if exc.from_rank is None:
                 reason = "%s: %s" % (self.rank_label(self.rank), reason)
+            self.stage_end(failed=reason)
             self.log("run.failed", rc=rc, reason=reason)
         delay = self.knob("LLMD_FAKE_MARKER_DELAY_S")
         if delay > 0:
             self.log("fault.marker_delay", seconds=delay)
             self.sleep(delay)
+        self.stage("marker-published", 60.0)
         self.publish(rc, reason)
+        self.stage_end()
         self.final_rc = rc
         self.set_state(shared.STATE_STOPPING, reason)
         self.stop_group(self.engine, "engine")
@@ -877,11 +948,13 @@ class Agent(object):
                     )
                 first = min(pending)
                 detail = "; ".join(
-                    "%s: %s" % (self.rank_label(r), w) for r, w in sorted(pending.items())
+                    "%s: %s" % (self.where(r, self.port_of(r), self.health_path), w)
+                    for r, w in sorted(pending.items())
                 )
                 raise LocalFailure(
                     shared.RC_REMOTE_UNHEALTHY,
-                    "engines not healthy after %gs: %s" % (self.health_timeout_s, detail),
+                    "stage engines-healthy: no answer after %gs from %s"
+                    % (self.health_timeout_s, detail),
                     from_rank=first,
                 )
             self.sleep(0.5)
@@ -921,7 +994,11 @@ class Agent(object):
             )
             argv = [expand_template(a, values) for a in bench["command"]]
             log_path = os.path.join(bench_dir, shared.bench_log_name(conc))
+            timeout = float(bench.get("point_timeout_s", 3600))
+            self.stage("benchmark c=%d" % conc, timeout)
             rc = self.run_bench_point(conc, argv, log_path)
+            failed = None if rc == 0 else "concurrency %d exited %s" % (conc, _rc_text(rc))
+            self.stage_end(failed, diagnose=rc == 124)  # 124: over its deadline
             if rc != 0:
                 failures.append("concurrency %d exited %s" % (conc, _rc_text(rc)))
                 if final_rc == 0:

@@ -226,6 +226,15 @@ def test_blackholed_health_endpoint_hits_the_deadline(local_run: MakeRun) -> Non
     assert elapsed < 3.0 + 5.0, f"took {elapsed:.1f} s for a 3 s deadline"
     marker = run.marker()
     assert marker is not None and marker["rc"] == 74 and marker["rank"] == 1
-    assert "rank 0 (prefill, 127.0.0.1:" in str(marker["reason"])
+    assert (
+        "stage engines-healthy: no answer after 3s from rank 0 (prefill, 127.0.0.1) on 127.0.0.1:"
+        in str(marker["reason"])
+    )
     assert "timed out" in str(marker["reason"])
+    stages = {st["name"]: st for st in run.status(1)["stages"]}
+    assert stages["engines-healthy"]["state"] == "failed"
+    assert stages["engines-healthy"]["deadline_s"] == 3.0
+    assert stages["marker-published"]["state"] == "done"
+    net = (run.job_dir / "rank1.net.txt").read_text()
+    assert "stage engines-healthy failed" in net and "$ ip -4 addr" in net
     assert run.live_children() == []
