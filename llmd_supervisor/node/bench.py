@@ -1,8 +1,16 @@
 """Stand-in benchmark client: stdlib only, Python 3.9+.
 
-For each request it asks a prefill engine for one token (``kv_transfer_params`` with
-``do_remote_decode``), then hands the returned ``kv_transfer_params`` to a decode engine,
-which pulls the KV stand-in from that prefill engine -- so one point exercises the
+Single-URL mode, like ``vllm bench serve --base-url URL``: with ``--base-url`` every
+request goes to ``URL`` + ``--endpoint`` (default ``/v1/completions``) and nowhere else,
+streamed (``"stream": true``, ``stream_options.include_usage``) as vLLM's openai backend
+does; the P/D split is the server's business (the router and the sidecars). TTFT is the
+first streamed token, ITL the gaps between the following ones, and the result has
+``base_url`` (``prefill_urls`` and ``decode_urls`` are empty).
+
+P/D mode (``--prefill-urls`` and ``--decode-urls``, the original): for each request it
+asks a prefill engine for one token (``kv_transfer_params`` with ``do_remote_decode``),
+then hands the returned ``kv_transfer_params`` to a decode engine, which pulls the KV
+stand-in from that prefill engine -- so one point exercises the
 coordinator -> prefill -> decode path across nodes. Engines are picked round-robin.
 ``--num-prompts`` requests are issued with ``--concurrency`` (or vLLM's
 ``--max-concurrency``) in flight, paced by ``--request-rate`` (requests/s, ``inf`` for
@@ -62,6 +70,59 @@ def post(url: str, body: Dict[str, Any], timeout: float) -> Dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError("non-object response from %s" % url)
     return value
+
+
+def one_streamed_request(i: int, args: argparse.Namespace) -> Dict[str, Any]:
+    """One request to --base-url, streamed; times from the server-sent events."""
+    prompt = " ".join("w%d" % (j % 97) for j in range(args.input_len))
+    body: Dict[str, Any] = {
+        "model": args.served_name,
+        "max_tokens": args.output_len,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if args.endpoint.rstrip("/").endswith("/chat/completions"):
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    if args.ignore_eos:
+        body["ignore_eos"] = True
+    req = urllib.request.Request(
+        args.base_url.rstrip("/") + args.endpoint,
+        data=json.dumps(body).encode("utf-8"),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    start = time.monotonic()
+    stamps: List[float] = []
+    usage: Dict[str, Any] = {}
+    with urllib.request.urlopen(req, timeout=args.request_timeout) as resp:
+        for raw in resp:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if isinstance(event.get("usage"), dict):
+                usage = event["usage"]
+            for choice in event.get("choices") or []:
+                delta = choice.get("delta") or {}
+                if choice.get("text") or delta.get("content"):
+                    stamps.append(time.monotonic())
+    if not stamps:
+        raise ValueError("no token streamed")
+    end = time.monotonic()
+    return {
+        "latency_s": end - start,
+        "ttft_s": stamps[0] - start,
+        "itls_s": [stamps[k] - stamps[k - 1] for k in range(1, len(stamps))],
+        "input_tokens": int(usage.get("prompt_tokens") or args.input_len),
+        "output_tokens": int(usage.get("completion_tokens") or len(stamps)),
+        "prefill": None,
+        "decode": None,
+    }
 
 
 def one_request(
@@ -150,7 +211,7 @@ def summarize(
         if r["output_tokens"] > 1:
             tpot = (r["latency_s"] - r["ttft_s"]) / (r["output_tokens"] - 1)
             tpots.append(tpot)
-            itls += [tpot] * (r["output_tokens"] - 1)
+            itls += r["itls_s"] if "itls_s" in r else [tpot] * (r["output_tokens"] - 1)
     rate = float(args.request_rate)
     doc: Dict[str, Any] = {
         "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
@@ -189,6 +250,8 @@ def summarize(
     doc["errors"] = errors[:10]
     doc["prefill_urls"] = prefill
     doc["decode_urls"] = decode
+    if args.base_url:
+        doc["base_url"] = args.base_url
     return doc
 
 
@@ -209,8 +272,10 @@ def write_json(path: str, value: Dict[str, Any]) -> None:
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description="stand-in llm-d benchmark client")
-    parser.add_argument("--prefill-urls", required=True)
-    parser.add_argument("--decode-urls", required=True)
+    parser.add_argument("--base-url", help="single-URL mode: every request to URL/--endpoint")
+    parser.add_argument("--endpoint", default="/v1/completions")
+    parser.add_argument("--prefill-urls")
+    parser.add_argument("--decode-urls")
     parser.add_argument("--served-name", "--model", dest="served_name", required=True)
     parser.add_argument(
         "--concurrency", "--max-concurrency", dest="concurrency", type=int, required=True
@@ -234,6 +299,10 @@ def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--num-warmups", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.base_url and (args.prefill_urls or args.decode_urls):
+        parser.error("--base-url (single-URL mode) excludes --prefill-urls/--decode-urls")
+    if not args.base_url and not (args.prefill_urls and args.decode_urls):
+        parser.error("give --base-url, or both --prefill-urls and --decode-urls")
     if result_path(args) is None:
         parser.error("give --result-file, or --result-filename (with --result-dir)")
     try:
@@ -250,8 +319,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parse_args(argv)
     path = result_path(args)
     assert path is not None
-    prefill = [u for u in args.prefill_urls.split(",") if u]
-    decode = [u for u in args.decode_urls.split(",") if u]
+    prefill = [u for u in (args.prefill_urls or "").split(",") if u]
+    decode = [u for u in (args.decode_urls or "").split(",") if u]
     rate = float(args.request_rate)
 
     fail_at = os.environ.get("LLMD_FAKE_BENCH_FAIL_CONCURRENCY", "")
@@ -296,7 +365,10 @@ def main(argv: Optional[List[str]] = None) -> int:
                     errors.append("request %d: injected failure" % i)
                 continue
             try:
-                r = one_request(i, prefill, decode, args)
+                if args.base_url:
+                    r = one_streamed_request(i, args)
+                else:
+                    r = one_request(i, prefill, decode, args)
             except Exception as exc:
                 with lock:
                     errors.append("request %d: %s" % (i, exc))
