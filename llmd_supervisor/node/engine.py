@@ -24,14 +24,15 @@ Two ways to start it:
     remote_engine_id, remote_request_id, remote_host, remote_port, tp_size}``; the KV
     stays here, keyed by ``remote_request_id``, until a decode engine fetches it or
     ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT`` s (default 480) pass. A ``kv_consumer`` refuses
-    such a request (400), where vLLM asserts;
+    such a request (400; stricter than vLLM, to make a miswired topology visible);
   - a request with ``do_remote_prefill`` is a decode leg: a ``kv_producer`` refuses it
     (400); otherwise ``remote_block_ids``, ``remote_engine_id``, ``remote_request_id``,
     ``remote_host`` and ``remote_port`` must all be set -- params no prefill returned
-    are refused (400) -- and the KV is fetched from ``remote_host:remote_port``. When
-    that prefill engine does not know the request (or has another engine id, or other
-    blocks), the request fails (500) under policy ``fail``, or is computed locally under
-    ``recompute``;
+    are refused (400; vLLM would skip the transfer with a warning, or trip an assertion
+    when ``remote_block_ids`` is empty) -- and the KV is fetched from
+    ``remote_host:remote_port``. When that prefill engine does not know the request (or
+    has another engine id, or other blocks), the request fails (500) under policy
+    ``fail``, or is computed locally under ``recompute``;
   - a request without ``kv_transfer_params`` is served locally (prefill and decode), as
     vLLM does (the sidecar's path when the router picked no prefill endpoint).
 
