@@ -32,6 +32,7 @@ from importlib import resources
 from llmd_supervisor import __version__
 from llmd_supervisor.core.layout import batch_log_patterns
 from llmd_supervisor.core.spec import JOB_NAME_RE, ContainerKind, RunSpec
+from llmd_supervisor.core.spec_services import Service
 from llmd_supervisor.errors import SpecError
 from llmd_supervisor.node import NODE_FILES
 from llmd_supervisor.node import common as shared
@@ -84,9 +85,24 @@ def agent_config(spec: RunSpec) -> dict[str, object]:
             "health_timeout_s": spec.engine.health_timeout_s,
             "connect_timeout_s": 2.0,
             "read_timeout_s": 2.0,
-            "prefill": {"command": list(spec.engine.prefill_command)},
-            "decode": {"command": list(spec.engine.decode_command)},
+            "prefill": {
+                "command": list(spec.engine.prefill_command),
+                "health": spec.engine.prefill_health,
+            },
+            "decode": {
+                "command": list(spec.engine.decode_command),
+                "health": spec.engine.decode_health,
+            },
         },
+        "router": None
+        if spec.router is None
+        else {
+            "port": spec.router.port,
+            "processes": [_service(p) for p in spec.router.processes],
+        },
+        "sidecar": None
+        if spec.sidecar is None
+        else {**_service(spec.sidecar.service), "on": spec.sidecar.on},
         "bench": {
             "command": list(b.command),
             "concurrencies": list(b.concurrencies),
@@ -108,6 +124,16 @@ def agent_config(spec: RunSpec) -> dict[str, object]:
         "coordinator_silence_s": spec.coordinator_silence_s,
         "heartbeat_s": HEARTBEAT_S,
         "exit_linger_s": stop + 5.0,
+    }
+
+
+def _service(service: Service) -> dict[str, object]:
+    return {
+        "name": service.name,
+        "command": list(service.command),
+        "port": service.port,
+        "health_path": service.health_path,
+        "startup_timeout_s": service.startup_timeout_s,
     }
 
 

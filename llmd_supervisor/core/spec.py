@@ -54,6 +54,15 @@ from llmd_supervisor.core.spec_fields import (
     pattern_field,
     shown,
 )
+from llmd_supervisor.core.spec_services import (
+    SERVICE_PLACEHOLDERS,
+    HealthScope,
+    Router,
+    Sidecar,
+    health_scope,
+    parse_router,
+    parse_sidecar,
+)
 from llmd_supervisor.core.spec_slurm import (
     ALLOWED_SBATCH_OPTIONS,
     EXTRA_ARG_RE,
@@ -141,6 +150,9 @@ BENCH_PLACEHOLDERS: Final = ENGINE_PLACEHOLDERS | {
     "result_file",
 }
 
+# A router's or sidecar's command: the engine's placeholders and the topology's ports.
+SERVICE_COMMAND_PLACEHOLDERS: Final = ENGINE_PLACEHOLDERS | SERVICE_PLACEHOLDERS - {"router_url"}
+
 MAX_GRACE_S: Final = 3600
 MAX_NODES: Final = 1024
 
@@ -179,6 +191,10 @@ class Engine:
     port_stride: int = 0
     health_path: str = "/health"
     health_timeout_s: float = 600.0
+    # Which nodes of a role answer health checks: "all", group "leaders" (followers run
+    # --headless, with no HTTP API) or "none".
+    prefill_health: HealthScope = "all"
+    decode_health: HealthScope = "all"
 
 
 @dataclass(frozen=True)
@@ -212,6 +228,8 @@ class RunSpec:
     benchmark: Benchmark
     slurm: Slurm
     env: Env
+    router: Router | None = None  # processes on the coordinator (Envoy + EPP)
+    sidecar: Sidecar | None = None  # the P/D sidecar on decode nodes
     sigterm_grace_s: int = 30
     marker_grace_s: float = 10.0
     coordinator_silence_s: float = 60.0
@@ -237,8 +255,12 @@ _TABLES: Final = {
         "port_stride",
         "health_path",
         "health_timeout_s",
+        "prefill_health",
+        "decode_health",
     ),
     "benchmark": BENCHMARK_KEYS,
+    "router": ("port", "process"),
+    "sidecar": ("command", "port", "health_path", "startup_timeout_s", "on"),
     "slurm": ("partition", "account", "time_limit", "extra_args", "requeue"),
     "env": ("common", "prefill", "decode", "bench"),
 }
@@ -271,6 +293,7 @@ def parse_spec(data: Mapping[str, object]) -> RunSpec:
         )
     log_dir = path_field(run, "run.log_dir", required=True) or ""
     model = _parse_model(t["model"])
+    router = parse_router(t["router"], SERVICE_COMMAND_PLACEHOLDERS)
     container = parse_container(t["container"])
     if container.kind is not ContainerKind.NONE:  # both are mounted into the container too
         for fld, path in (("run.log_dir", log_dir), ("model.path", model.path)):
@@ -283,9 +306,13 @@ def parse_spec(data: Mapping[str, object]) -> RunSpec:
         model=model,
         container=container,
         engine=_parse_engine(t["engine"]),
-        benchmark=parse_benchmark(t["benchmark"], BENCH_PLACEHOLDERS),
+        benchmark=parse_benchmark(
+            t["benchmark"], BENCH_PLACEHOLDERS | ({"router_url"} if router else set())
+        ),
         slurm=slurm,
         env=_parse_env(t["env"]),
+        router=router,
+        sidecar=parse_sidecar(t["sidecar"], SERVICE_COMMAND_PLACEHOLDERS),
         sigterm_grace_s=grace,
         marker_grace_s=num_field(run, "run.marker_grace_s", default=10.0, lo=0.0, hi=3600.0),
         coordinator_silence_s=num_field(
@@ -340,6 +367,8 @@ def _parse_engine(t: Mapping[str, object]) -> Engine:
         )
         or "/health",
         health_timeout_s=num_field(t, "engine.health_timeout_s", default=600.0, lo=1.0, hi=86400.0),
+        prefill_health=health_scope(t, "engine.prefill_health"),
+        decode_health=health_scope(t, "engine.decode_health"),
     )
 
 

@@ -64,7 +64,9 @@ spec):
   * ``LLMD_FAKE_MARKER_DELAY_S`` -- the coordinator waits this long before publishing;
   * ``LLMD_FAKE_MARKER_LAG_S`` -- a worker ignores a marker younger than this (simulated
     shared-filesystem lag);
-  * ``LLMD_FAKE_MARKER_SLOW_WRITE_S`` -- the coordinator writes the temp file slowly.
+  * ``LLMD_FAKE_MARKER_SLOW_WRITE_S`` -- the coordinator writes the temp file slowly;
+  * ``LLMD_FAKE_NODE_IP`` -- this node's address for ``{host_ip}`` (tests that run every
+    rank on one machine set 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -248,6 +250,41 @@ def leader_ranks(cfg: Dict[str, Any], role: str) -> List[int]:
         return list(range(0, p, size))
     size = d // int(cfg["decode_workers"])
     return list(range(p, p + d, size))
+
+
+def sidecar_ranks(cfg: Dict[str, Any]) -> List[int]:
+    """The decode ranks that run the P/D sidecar (none without a [sidecar])."""
+    sidecar = cfg.get("sidecar")
+    if not sidecar:
+        return []
+    p, d = int(cfg["prefill_nodes"]), int(cfg["decode_nodes"])
+    return list(range(p, p + d)) if sidecar.get("on") == "all" else leader_ranks(cfg, "decode")
+
+
+def endpoints_yaml(endpoints: List[Tuple[str, str, int, str]]) -> str:
+    """The EPP's file-discovery endpoints file: (name, IPv4, port, role) each, the port
+    as a string (upstream unmarshals it into one)."""
+    lines = ["# written by the llmd agent from the allocation's node addresses", "endpoints:"]
+    for name, ip, port, role in endpoints:
+        lines += [
+            "- name: %s" % name,
+            "  address: %s" % ip,
+            "  port: '%d'" % port,
+            "  labels:",
+            "    llm-d.ai/role: %s" % role,
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def check_tcp(host: str, port: int, timeout_s: float) -> str:
+    """ "" when `host:port` accepts a TCP connection, else a short reason."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return ""
+    except socket.timeout:
+        return "timed out"
+    except OSError as exc:
+        return exc.strerror or exc.__class__.__name__
 
 
 def marker_path(log_dir: str, job_id: str) -> str:
@@ -494,6 +531,9 @@ class Agent(object):
         self._status_seq = 0
         # Each stage with its deadline and how it ended (in the status file, see stage()).
         self.stages: List[Dict[str, Any]] = []
+        # Router and sidecar processes this rank started: name -> process (in the
+        # engine's process group, so every stop of the engine stops them too).
+        self.services: Dict[str, "subprocess.Popen[bytes]"] = {}
         self._log_fh: Any = None
 
     # ---- paths and naming
@@ -505,9 +545,12 @@ class Agent(object):
     def address(self) -> Tuple[str, str]:
         """This node's IPv4 address and interface (found once, when first asked)."""
         if self._address is None:
-            self._address = node_address(
-                os.environ.get("SLURMD_NODENAME") or self.host_of(self.rank)
-            )
+            forced = os.environ.get("LLMD_FAKE_NODE_IP")  # tests on one machine: 127.0.0.1
+            if forced:
+                self._address = (forced, _interface_of(forced))
+            else:
+                name = os.environ.get("SLURMD_NODENAME") or self.host_of(self.rank)
+                self._address = node_address(name)
         return self._address
 
     def ip_of(self, rank: int) -> str:
@@ -762,6 +805,154 @@ class Agent(object):
         self.log("engine.started", pid=self.engine.pid)
         self.write_status()
 
+    def service_values(self) -> "Values":
+        """Placeholders of router and sidecar commands (and of the benchmark)."""
+        values = self.template_values()
+        router, sidecar = self.cfg.get("router"), self.cfg.get("sidecar")
+        coordinator = self.role.prefill_nodes
+        extra: Dict[str, Any] = {
+            "endpoints_file": os.path.join(self.job_dir, shared.ENDPOINTS_FILE),
+            "router_port": str(router["port"]) if router else "",
+            "sidecar_port": str(sidecar["port"]) if sidecar else "",
+        }
+        if router:
+            extra["router_url"] = lambda: "http://%s:%d" % (self.ip_of(coordinator), router["port"])
+        values.update(extra)
+        return values
+
+    def start_service(self, svc: Dict[str, Any]) -> "subprocess.Popen[bytes]":
+        """Start a router or sidecar process (log ``rank<r>.<name>.log``) in the engine's
+        process group."""
+        values = self.service_values()
+        argv = [expand_template(a, values) for a in svc["command"]]
+        name = str(svc["name"])
+        log_path = os.path.join(self.job_dir, "rank%d.%s.log" % (self.rank, name))
+        self.log("%s.start" % name, argv=" ".join(argv), log=log_path)
+        group = self.engine.pid if self.engine is not None else None
+        with open(log_path, "ab") as out:
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env=self.role_env(self.role.role),
+                    cwd=self.job_dir,
+                    preexec_fn=_child_preexec_for(os.getpid(), group),
+                    close_fds=True,
+                )
+            except OSError as exc:
+                raise LocalFailure(
+                    shared.RC_SERVICE_DIED, "%s could not be started: %s" % (name, exc)
+                ) from exc
+        self.services[name] = proc
+        self.log("%s.started" % name, pid=proc.pid)
+        return proc
+
+    def check_services(self) -> None:
+        """LocalFailure if a router or sidecar process of this rank has exited."""
+        for name, proc in self.services.items():
+            rc = proc.poll()
+            if rc is not None:
+                raise LocalFailure(
+                    shared.RC_SERVICE_DIED, "%s exited with %s" % (name, _rc_text(rc))
+                )
+
+    def wait_healthy(
+        self,
+        stage: str,
+        svc: Dict[str, Any],
+        targets: List[Tuple[int, str]],
+        proc: Optional["subprocess.Popen[bytes]"] = None,
+    ) -> None:
+        """Stage `stage`: every (rank, address) answers `svc`'s health check (GET its
+        health_path, or a TCP connect) within its startup deadline."""
+        timeout = float(svc["startup_timeout_s"])
+        port, path = int(svc["port"]), svc.get("health_path")
+        self.stage(stage, timeout)
+        deadline = time.monotonic() + timeout
+        pending = {rank: "not checked yet" for rank, _ in targets}
+        addresses = dict(targets)
+        while pending:
+            self.check_term()
+            if proc is not None and proc.poll() is not None:
+                raise LocalFailure(
+                    shared.RC_SERVICE_DIED,
+                    "stage %s: %s exited with %s before it was healthy"
+                    % (stage, svc["name"], _rc_text(proc.poll())),
+                )
+            self.raise_if_others_failed()
+            for rank in sorted(pending):
+                host = addresses[rank]
+                why = (
+                    check_health(host, port, path, self.connect_s, self.read_s)
+                    if path
+                    else check_tcp(host, port, self.connect_s)
+                )
+                if why:
+                    pending[rank] = why
+                else:
+                    del pending[rank]
+            if not pending:
+                self.stage_end()
+                return
+            if time.monotonic() >= deadline:
+                rank = min(pending)
+                raise LocalFailure(
+                    shared.RC_SERVICE_UNHEALTHY,
+                    "stage %s: %s of rank %d (%s) no answer on %s:%d%s after %gs (last: %s)"
+                    % (
+                        stage,
+                        svc["name"],
+                        rank,
+                        self.host_of(rank),
+                        addresses[rank],
+                        port,
+                        path or "",
+                        timeout,
+                        pending[rank],
+                    ),
+                    from_rank=None if rank == self.rank else rank,
+                )
+            self.sleep(0.5)
+
+    def start_own_sidecar(self) -> None:
+        """On a sidecar rank: start the P/D sidecar and wait until it answers here."""
+        sidecar = self.cfg.get("sidecar")
+        if sidecar and self.rank in sidecar_ranks(self.cfg):
+            proc = self.start_service(sidecar)
+            try:
+                here = self.ip_of(self.rank)  # where the other nodes reach it
+            except ConfigError:
+                here = "127.0.0.1"
+            self.wait_healthy("sidecar-healthy", sidecar, [(self.rank, here)], proc)
+
+    def start_router(self) -> str:
+        """On the coordinator: every sidecar answers, the endpoints file is written (by
+        rename), the router processes start in order and each answers; the router URL."""
+        sidecar, router = self.cfg.get("sidecar"), self.cfg["router"]
+        if sidecar:
+            targets = [(r, self.ip_of(r)) for r in sidecar_ranks(self.cfg)]
+            self.wait_healthy("sidecars-healthy", sidecar, targets)
+        endpoints = [
+            ("prefill-%d" % r, self.ip_of(r), self.port_of(r), "prefill")
+            for r in leader_ranks(self.cfg, "prefill")
+        ]
+        for r in leader_ranks(self.cfg, "decode"):
+            port = (
+                int(sidecar["port"])
+                if sidecar and r in sidecar_ranks(self.cfg)
+                else self.port_of(r)
+            )
+            endpoints.append(("decode-%d" % r, self.ip_of(r), port, "decode"))
+        path = os.path.join(self.job_dir, shared.ENDPOINTS_FILE)
+        write_atomic(path, endpoints_yaml(endpoints).encode("utf-8"), durable=False)
+        self.log("endpoints.written", path=path, endpoints=len(endpoints))
+        for svc in router["processes"]:
+            proc = self.start_service(svc)
+            self.wait_healthy("%s-healthy" % svc["name"], svc, [(self.rank, "127.0.0.1")], proc)
+        return self.service_values()["router_url"]
+
     def poll_engine(self) -> Optional[int]:
         """Return the engine's exit status once it has exited (negative = signal)."""
         eng = self.engine
@@ -873,7 +1064,9 @@ class Agent(object):
             self.stage("engines-healthy", self.health_timeout_s)
             self.wait_all_engines(deadline)
             self.stage_end()
-            rc, reason = self.run_sweep()
+            self.start_own_sidecar()
+            router_url = self.start_router() if self.cfg.get("router") else None
+            rc, reason = self.run_sweep(router_url)
         except LocalFailure as exc:
             rc, reason = exc.rc, exc.reason
             if exc.from_rank is None:
@@ -910,8 +1103,18 @@ class Agent(object):
             "marker.published", rc=rc, reason=reason, path=marker_path(self.log_dir, self.job_id)
         )
 
+    def health_checked(self, rank: int) -> bool:
+        """Whether `rank`'s engine answers health checks ([engine] prefill_/decode_health:
+        all, group leaders only -- followers run --headless -- or none)."""
+        scope = self.cfg["engine"][Role(rank, self.cfg).role].get("health", "all")
+        return scope == "all" or (scope == "leaders" and Role(rank, self.cfg).is_leader)
+
     def wait_all_engines(self, deadline: float) -> None:
-        ranks = list(range(self.role.prefill_nodes + self.role.decode_nodes))
+        ranks = [
+            r
+            for r in range(self.role.prefill_nodes + self.role.decode_nodes)
+            if self.health_checked(r)
+        ]
         pending = {r: "not checked yet" for r in ranks}
         while pending:
             self.check_term()
@@ -959,7 +1162,7 @@ class Agent(object):
                 )
             self.sleep(0.5)
 
-    def run_sweep(self) -> Tuple[int, str]:
+    def run_sweep(self, router_url: Optional[str] = None) -> Tuple[int, str]:
         bench = self.cfg["bench"]
         bench_dir = os.path.join(self.job_dir, shared.BENCH_DIR)
         os.makedirs(bench_dir, exist_ok=True)
@@ -990,6 +1193,7 @@ class Agent(object):
                     "prefill_urls": ",".join(prefill),
                     "decode_urls": ",".join(decode),
                     "result_file": os.path.join(bench_dir, shared.result_name(conc)),
+                    "router_url": router_url or "",
                 }
             )
             argv = [expand_template(a, values) for a in bench["command"]]
@@ -1039,6 +1243,7 @@ class Agent(object):
                         "engine exited with %s during the benchmark" % _rc_text(erc),
                     )
                 self.raise_if_others_failed()
+                self.check_services()
                 if time.monotonic() >= deadline:
                     self.log("bench.timeout", concurrency=conc, timeout_s=timeout)
                     self.stop_group(self.bench, "bench")
@@ -1097,7 +1302,9 @@ class Agent(object):
             if self.start_error is not None:
                 raise self.start_error
             self.set_state(shared.STATE_WAITING_HEALTH)
-            self.wait_own_health(time.monotonic() + self.health_timeout_s)
+            if self.health_checked(self.rank):
+                self.wait_own_health(time.monotonic() + self.health_timeout_s)
+            self.start_own_sidecar()
             self.set_state(shared.STATE_READY)
             while True:
                 self.check_term()
@@ -1110,6 +1317,7 @@ class Agent(object):
                         shared.RC_ENGINE_DIED,
                         "engine exited with %s before the marker" % _rc_text(rc),
                     )
+                self.check_services()
                 if silence.expired():
                     self.set_state(
                         "coordinator_silent",
@@ -1146,6 +1354,7 @@ class Agent(object):
 
     def set_local_failure(self, exc: "LocalFailure") -> None:
         """Record a local failure in the status file, where the coordinator looks for it."""
+        self.stage_end(failed=exc.reason)
         with self._lock:
             self.local_rc = exc.rc
         self.log("local.failure", rc=exc.rc, reason=exc.reason)
@@ -1427,10 +1636,11 @@ _PRCTL = _load_prctl()
 _PR_SET_PDEATHSIG = 1
 
 
-def _child_preexec_for(parent: int) -> Any:
+def _child_preexec_for(parent: int, group: Optional[int] = None) -> Any:
     """A preexec_fn for engine/bench children of ``parent`` (the agent's pid).
 
-    The child gets its own session and process group, and is SIGKILLed if the agent dies
+    The child gets its own session and process group (or joins `group`, the engine's), and
+    is SIGKILLed if the agent dies
     (a SIGKILLed agent cannot stop it otherwise). If the agent died between fork and
     prctl the signal would never come, so the child checks its parent and exits.
 
@@ -1440,7 +1650,12 @@ def _child_preexec_for(parent: int) -> Any:
     """
 
     def preexec() -> None:
-        os.setsid()
+        try:
+            if group is None:
+                raise OSError
+            os.setpgid(0, group)  # a router or sidecar: stopped with its engine's group
+        except OSError:
+            os.setsid()
         if _PRCTL is not None:
             _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
             if os.getppid() != parent:

@@ -22,7 +22,8 @@ CONFIG_VERSION = 1
 MARKER_PREFIX = ".bench_done."
 STATUS_SUFFIX = ".status.json"
 NODE_DIR = "node"
-BENCH_DIR = "bench"
+# The router's endpoints (EPP file discovery), in the job directory.
+ENDPOINTS_FILE = "endpoints.yaml"
 
 # Exit codes of the agent (and so of srun and the job), beside the marker's own rc.
 RC_OK = 0
@@ -33,6 +34,8 @@ RC_ENGINE_UNHEALTHY = 72
 RC_ENGINE_DIED = 73
 RC_REMOTE_UNHEALTHY = 74
 RC_COORDINATOR_SILENT = 75
+RC_SERVICE_UNHEALTHY = 76  # a router or sidecar process not healthy within its deadline
+RC_SERVICE_DIED = 77  # a router or sidecar process exited
 RC_SIGTERM = 143
 LOCAL_FAILURE_RCS = (RC_ENGINE_START, RC_ENGINE_UNHEALTHY, RC_ENGINE_DIED)
 

@@ -81,6 +81,7 @@ log = structlog.get_logger("llmd_supervisor.supervision.api")
 WAIT_REFRESH_S: Final = 5.0  # `wait` re-sends an unchanged summary this often (elapsed_s)
 LIST_PAGE_BYTES: Final = DEFAULT_MAX_MESSAGE // 2  # a list page's briefs, encoded, at most
 RESULTS_TABLE_MAX: Final = DEFAULT_MAX_MESSAGE // 2  # a results.json the reply carries
+LIST_YIELD_EVERY: Final = 1000  # `list` lets others run after this many runs looked at
 SHOWN_LINE_MAX: Final = 200  # characters of a summary's last log line and a brief's reason
 BRIEF_NODES_MAX: Final = 256
 FOLLOW_SAFETY_S: Final = 2.0  # a follower with inotify looks again at least this often
@@ -358,17 +359,21 @@ class ControlApi(Generic[H]):
                 )
             start = (created, run_id)
         sees, now = self._sees(peer), self.clock()
-        keyed = sorted(
-            ((h.meta.created_at.isoformat(), h.run.run_id), h)
-            for h in list(self.sup.handles.values())
-            if sees(h) and (args["all"] or not h.run.state.is_final or h.meta.owner_uid == peer.uid)
-        )
+        keyed = []
+        for n, h in enumerate(list(self.sup.handles.values())):
+            if n % LIST_YIELD_EVERY == LIST_YIELD_EVERY - 1:
+                await anyio.lowlevel.checkpoint()  # thousands of runs: let others go too
+            if sees(h) and (
+                args["all"] or not h.run.state.is_final or h.meta.owner_uid == peer.uid
+            ):
+                keyed.append(((h.meta.created_at.isoformat(), h.run.run_id), h))
+        keyed.sort(key=lambda item: item[0])
         todo = [(k, h) for k, h in keyed if start is None or k > start]
         runs: list[RunBrief] = []
         size = 0
         for n, (key, h) in enumerate(todo):
-            if n % 250 == 249:
-                await anyio.lowlevel.checkpoint()  # thousands of runs: let others go too
+            if n % (LIST_YIELD_EVERY // 10) == LIST_YIELD_EVERY // 10 - 1:
+                await anyio.lowlevel.checkpoint()
             brief = run_brief(h, now)
             size += len(json.dumps(brief, separators=(",", ":"))) + 1
             if runs and (size > LIST_PAGE_BYTES or len(runs) == (limit or LIST_MAX_LIMIT)):

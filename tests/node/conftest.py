@@ -153,7 +153,11 @@ class LocalRun:
         for name in NODE_FILES:
             shutil.copy(NODE_SRC / name, node_dir / name)
         self.config_path = node_dir / "config.json"
-        self.config_path.write_text(json.dumps(cfg))
+        self.write_config()
+
+    def write_config(self) -> None:
+        """(Re)write the agents' config.json from `config` (before `start`)."""
+        self.config_path.write_text(json.dumps(self.config))
 
     @property
     def nranks(self) -> int:
