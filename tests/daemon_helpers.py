@@ -17,6 +17,21 @@ from tests.devcluster import REPO, DevCluster
 DEMO_SPEC = REPO / "deploy" / "llm-d" / "demo.toml"
 
 
+def with_ports(text: str, port: int) -> str:
+    """demo.toml's text with every port of its topology moved with `port`: the engine's,
+    the sidecar's (+1), the router's (+2) and the router's admin port (+3)."""
+    offsets = {"[engine]": 0, "[sidecar]": 1, "[router]": 2, "[[router.process]]": 3}
+    table, lines = "", []
+    for line in text.splitlines():
+        if line.startswith("["):
+            table = line.split("#")[0].strip()
+        line = line.replace('"--admin-port", "9901"', f'"--admin-port", "{port + 3}"')
+        if line.startswith("port = ") and table in offsets:
+            line = f"port = {port + offsets[table]}"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
 def demo_spec(
     log_dir: Path,
     *,
@@ -26,17 +41,14 @@ def demo_spec(
     grace_s: int | None = None,
 ) -> str:
     """deploy/llm-d/demo.toml with its own log directory, port and fault knobs."""
-    text = DEMO_SPEC.read_text()
     lines = []
-    for line in text.splitlines():
+    for line in with_ports(DEMO_SPEC.read_text(), port).splitlines():
         if line.startswith("log_dir ="):
             line = f'log_dir = "{log_dir}"'
-        elif line.startswith("port = "):
-            line = f"port = {port}"
         elif grace_s is not None and line.startswith("sigterm_grace_s ="):
             line = f"sigterm_grace_s = {grace_s}"
         lines.append(line)
-    assert lines[-2:] != [] and "[env.common]" in text
+    assert lines[-2:] != [] and "[env.common]" in DEMO_SPEC.read_text()
     # [env.common] is the demo's last table: extra keys appended here land in it.
     lines += [f'{k} = "{v}"' for k, v in (common or {}).items()]
     for table, values in (tables or {}).items():

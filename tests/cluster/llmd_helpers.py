@@ -22,6 +22,7 @@ from typing import Any
 
 from llmd_supervisor.core.render import render_sbatch
 from llmd_supervisor.core.spec import load_spec
+from tests.daemon_helpers import with_ports
 from tests.devcluster import REPO, DevCluster
 
 DEMO = REPO / "deploy" / "llm-d" / "demo.toml"
@@ -58,14 +59,19 @@ def spec_text(
     ``bench`` to variables; ``common`` entries are added to the existing ``[env.common]``.
     """
     text = DEMO.read_text()
-    for key, value in {"log_dir": str(log_dir), **(overrides or {})}.items():
+    values = {"log_dir": str(log_dir), **(overrides or {})}
+    port = values.pop("port", None)
+    if port is not None:  # every port of the topology moves with it
+        assert isinstance(port, int)
+        text = with_ports(text, port)
+    for key, value in values.items():
         pattern = re.compile(rf"^{re.escape(key)}\s*=.*$", re.MULTILINE)
         text, n = pattern.subn(f"{key} = {toml_value(value)}", text)
         if n != 1:
             raise ValueError(f"{key!r} occurs {n} times in {DEMO}, expected once")
     tables = dict(env or {})
     common = tables.pop("common", {})
-    if not text.rstrip().endswith('PYTHONDONTWRITEBYTECODE = "1"'):
+    if text.rstrip().rsplit("\n[", 1)[-1].split("]")[0] != "env.common":
         raise ValueError(f"{DEMO} no longer ends with its [env.common] table")
     text = text.rstrip() + "\n"
     text += "".join(f"{k} = {toml_value(v)}\n" for k, v in common.items())

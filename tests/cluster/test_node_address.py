@@ -35,8 +35,7 @@ def test_host_ip_iface_and_leader_ip_reach_each_engine_as_its_own_nodes(
     spec = demo_spec(
         shared_tmp,
         port=8950,
-        common={
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "{host_ip}",
+        common={  # (the demo sets VLLM_NIXL_SIDE_CHANNEL_HOST = "{host_ip}" itself)
             "NCCL_SOCKET_IFNAME": "{iface}",
             "LLMD_LEADER_IP": "{leader_ip}",
             "LLMD_JSON_STAYS": "{'kv_role': 'kv_consumer'}",
