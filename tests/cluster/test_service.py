@@ -239,7 +239,8 @@ listen = "127.0.0.1:{port}"
         "login": daemon.root / "spec-login.toml",
     }
     specs["dev"].write_text(demo_spec(log_dir / "dev", port=8632))
-    specs["login"].write_text(demo_spec(log_dir / "login", port=8633))
+    # (both jobs may share the nodes: their topologies get ports 10 apart)
+    specs["login"].write_text(demo_spec(log_dir / "login", port=8642))
     procs = {
         name: subprocess.Popen(
             [
@@ -262,10 +263,10 @@ listen = "127.0.0.1:{port}"
         )
         for name, path in specs.items()
     }
+    answers = {name: p.communicate(timeout=280) for name, p in procs.items()}  # all, first
     results = {}
-    for name, p in procs.items():
-        out, err = p.communicate(timeout=280)
-        assert p.returncode == 0, f"{name}: {err}\n{daemon.log_text()[-3000:]}"
+    for name, (out, err) in answers.items():
+        assert procs[name].returncode == 0, f"{name}: {err}\n{daemon.log_text()[-3000:]}"
         results[name] = _json(out)
     for name, final in results.items():
         assert final["outcome"] == "succeeded", final["reason"]
