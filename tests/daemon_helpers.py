@@ -218,3 +218,23 @@ def assert_copies_identical(final: Mapping[str, object], *, settle_s: float = 5.
             time.sleep(0.2)
         assert copy.read_bytes() == remote.read_bytes(), f"{copy} differs from {remote}"
     return [c.name for c in copies]
+
+
+def run_to_end(daemon: Daemon, spec: str) -> dict[str, object]:
+    """Submit `spec` and wait for its final summary."""
+    proc = daemon.submit(spec)
+    assert proc.returncode == 0, proc.stderr
+    run = str(json.loads(proc.stdout)["run"])
+    final = json.loads(daemon.cli("wait", run, "--json", check=False, timeout=300).stdout)
+    assert isinstance(final, dict)
+    return final
+
+
+def node_addresses() -> dict[str, str]:
+    """The dev cluster's node name -> IPv4, as it writes them into /etc/hosts."""
+    out = {}
+    for line in Path("/etc/hosts").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 2 and fields[1].startswith("node"):
+            out[fields[1]] = fields[0]
+    return out

@@ -10,23 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_helpers import Daemon, demo_spec
+from tests.daemon_helpers import Daemon, demo_spec, node_addresses
 from tests.devcluster import DevCluster
 
 pytestmark = pytest.mark.cluster
 
 # The engines dump their environment before exec'ing the stand-in.
 DUMP_ENV = """'env > "$LLMD_JOB_DIR/env.rank$LLMD_RANK"; exec "$0" "$@"'"""
-
-
-def _hosts() -> dict[str, str]:
-    """Node name -> IPv4, as the dev cluster writes /etc/hosts."""
-    out = {}
-    for line in Path("/etc/hosts").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 2 and fields[1].startswith("node"):
-            out[fields[1]] = fields[0]
-    return out
 
 
 def test_host_ip_iface_and_leader_ip_reach_each_engine_as_its_own_nodes(
@@ -55,7 +45,7 @@ def test_host_ip_iface_and_leader_ip_reach_each_engine_as_its_own_nodes(
     finally:
         d.stop()
     assert final["outcome"] == "succeeded", final["reason"]
-    hosts = _hosts()
+    hosts = node_addresses()
     job_dir = shared_tmp / str(final["slurm_job_id"])
     dumps = sorted(job_dir.glob("env.rank*"))
     assert len(dumps) == 4, dumps

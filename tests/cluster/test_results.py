@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_helpers import Daemon, demo_spec
+from tests.daemon_helpers import Daemon, demo_spec, run_to_end
 from tests.devcluster import DevCluster
 
 pytestmark = pytest.mark.cluster
@@ -28,19 +28,10 @@ def daemon(cluster: DevCluster, tmp_path: Path) -> Iterator[Daemon]:
     d.stop()
 
 
-def _run_to_end(daemon: Daemon, spec: str) -> dict[str, object]:
-    proc = daemon.submit(spec)
-    assert proc.returncode == 0, proc.stderr
-    run = str(json.loads(proc.stdout)["run"])
-    final = json.loads(daemon.cli("wait", run, "--json", check=False, timeout=300).stdout)
-    assert isinstance(final, dict)
-    return final
-
-
 def test_the_demo_runs_results_are_archived_byte_exact_and_shown(
     daemon: Daemon, shared_tmp: Path
 ) -> None:
-    final = _run_to_end(daemon, demo_spec(shared_tmp, port=PORT))
+    final = run_to_end(daemon, demo_spec(shared_tmp, port=PORT))
     assert final["outcome"] == "succeeded", final["reason"]
     run, job = str(final["run"]), str(final["slurm_job_id"])
     shown = json.loads(daemon.cli("results", run, "--json").stdout)
@@ -82,7 +73,7 @@ def test_a_benchmark_that_exits_0_with_bad_numbers_fails_the_run_naming_the_poin
     daemon: Daemon, shared_tmp: Path, knob: str, reason: str
 ) -> None:
     value = "0.5" if knob.endswith("FRACTION") else "1"
-    final = _run_to_end(
+    final = run_to_end(
         daemon, demo_spec(shared_tmp, port=PORT + 10, tables={"bench": {knob: value}})
     )
     assert final["outcome"] == "failed", final

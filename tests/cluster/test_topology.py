@@ -5,14 +5,13 @@ within their deadlines, naming the stage and the rank."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.daemon_helpers import Daemon, demo_spec
+from tests.daemon_helpers import Daemon, demo_spec, node_addresses, run_to_end
 from tests.devcluster import DevCluster
 
 pytestmark = pytest.mark.cluster
@@ -29,28 +28,10 @@ def daemon(cluster: DevCluster, tmp_path: Path) -> Iterator[Daemon]:
     d.stop()
 
 
-def _run(daemon: Daemon, spec: str) -> dict[str, object]:
-    proc = daemon.submit(spec)
-    assert proc.returncode == 0, proc.stderr
-    run = str(json.loads(proc.stdout)["run"])
-    final = json.loads(daemon.cli("wait", run, "--json", check=False, timeout=300).stdout)
-    assert isinstance(final, dict)
-    return final
-
-
-def _hosts() -> dict[str, str]:
-    out = {}
-    for line in Path("/etc/hosts").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 2 and fields[1].startswith("node"):
-            out[fields[1]] = fields[0]
-    return out
-
-
 def test_every_request_takes_router_sidecar_prefill_decode(
     daemon: Daemon, shared_tmp: Path
 ) -> None:
-    final = _run(daemon, demo_spec(shared_tmp, port=PORT))
+    final = run_to_end(daemon, demo_spec(shared_tmp, port=PORT))
     assert final["outcome"] == "succeeded", final["reason"]
     job_dir = shared_tmp / str(final["slurm_job_id"])
     endpoints = (job_dir / "endpoints.yaml").read_text()
@@ -58,7 +39,7 @@ def test_every_request_takes_router_sidecar_prefill_decode(
     listed = final["nodes"]
     assert isinstance(listed, list)
     nodes = [str(n) for n in listed]
-    hosts = _hosts()
+    hosts = node_addresses()
     # prefill leaders (ranks 0, 1) and the decode leader (rank 2), by their own IPv4
     assert addresses == {hosts[n] for n in nodes[:3]}, endpoints
     router = (job_dir / "rank2.router.log").read_text()
@@ -76,7 +57,7 @@ def test_a_router_that_never_gets_ready_fails_within_its_deadline_naming_the_sta
     daemon: Daemon, shared_tmp: Path
 ) -> None:
     spec = demo_spec(shared_tmp, port=PORT + 10, common={"LLMD_FAKE_ROUTER_NEVER_HEALTHY": "1"})
-    final = _run(daemon, spec)
+    final = run_to_end(daemon, spec)
     assert final["outcome"] == "failed", final
     reason = str(final["reason"])
     assert "stage router-healthy: router of rank 2" in reason, reason
@@ -89,7 +70,7 @@ def test_a_sidecar_that_crashes_fails_the_run_naming_the_sidecar(
     daemon: Daemon, shared_tmp: Path
 ) -> None:
     spec = demo_spec(shared_tmp, port=PORT + 20, common={"LLMD_FAKE_SIDECAR_CRASH_AFTER_S": "0.5"})
-    final = _run(daemon, spec)
+    final = run_to_end(daemon, spec)
     assert final["outcome"] == "failed", final
     reason = str(final["reason"])
     assert "sidecar exited with" in reason and "marker rc=77" in reason, reason

@@ -415,8 +415,10 @@ async def test_cli_submit_follow_across_two_restarts_prints_every_byte_once(
     assert "submitted run r1" in text and "outcome succeeded: fake" in text
     assert "Traceback" not in text
     assert [r.op for r in run.requests].count("submit") == 1
-    assert [r.op for r in run.requests].count("logs") == 3
-    assert [r.op for r in run.requests].count("wait") == 3
+    # One stream per restart it saw: a client still backing off from the first restart
+    # when the second one comes (a loaded machine) reconnects once for both.
+    assert 2 <= [r.op for r in run.requests].count("logs") <= 3
+    assert 2 <= [r.op for r in run.requests].count("wait") <= 3
 
 
 def _more(run: FakeRun, than: int) -> bool:
