@@ -23,12 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from llmd_supervisor.cli.results import (
-    LATENCIES,
     interactivity,
     latency,
     no_results_reason,
     per_gpu_total,
 )
+from llmd_supervisor.core.results import LATENCIES
 from llmd_supervisor.core.summary import PointView as ResultPoint
 from llmd_supervisor.core.summary import RunResults
 

@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypedDict, cast
 
+from llmd_supervisor.core.results import LATENCIES, NUMBER_FIELDS
 from llmd_supervisor.core.summary import PointView as ResultPoint
 from llmd_supervisor.core.summary import ResultsTable, RunResults, read
 from llmd_supervisor.errors import SupervisorError
@@ -31,7 +32,6 @@ from llmd_supervisor.errors import SupervisorError
 # Not used by any other command (0, 1, 2, 3, 10-15 and 130 are).
 EXIT_REGRESSION = 4
 
-LATENCIES = ("ttft", "tpot", "itl", "e2el")
 STATS = ("mean", "median", "p99")
 
 
@@ -197,17 +197,7 @@ CSV_FIELDS = (
     "format",
     "gpus",
     "concurrency",
-    "num_prompts",
-    "completed",
-    "failed",
-    "duration_s",
-    "request_throughput",
-    "output_throughput",
-    "total_token_throughput",
-    "input_throughput",
-    "output_throughput_per_gpu",
-    "total_token_throughput_per_gpu",
-    "input_throughput_per_gpu",
+    *NUMBER_FIELDS,
     *(f"{m}_ms_{s}" for m in LATENCIES for s in STATS),
     "valid",
     "problem",

@@ -386,7 +386,8 @@ def gate(
 
 # --- results.json -------------------------------------------------------------------------
 
-_NUMBERS: Final = (
+# The numbers of a results.json row (null when its file was missing or unparsable).
+NUMBER_FIELDS: Final = (
     "num_prompts",
     "completed",
     "failed",
@@ -405,7 +406,7 @@ def _row(e: PointEvidence, gpus: int | None) -> dict[str, object]:
     row: dict[str, object] = {"concurrency": e.concurrency}
     p = e.point
     if p is None:
-        row.update(dict.fromkeys(_NUMBERS))
+        row.update(dict.fromkeys(NUMBER_FIELDS))
         row.update({f"{m}_ms": Stats().as_dict() for m in LATENCIES})
     else:
         row.update(

@@ -15,7 +15,6 @@ import pytest
 from llmd_supervisor.cli.main import main
 from llmd_supervisor.cli.results import (
     EXIT_REGRESSION,
-    LATENCIES,
     compare,
     inferencex_agg,
     read_run_results,
@@ -24,6 +23,7 @@ from llmd_supervisor.cli.results import (
     render_text,
     show,
 )
+from llmd_supervisor.core.results import LATENCIES
 from llmd_supervisor.core.summary import RunResults
 from llmd_supervisor.errors import SummaryError
 
