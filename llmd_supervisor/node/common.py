@@ -13,6 +13,7 @@ Files of one job, under the run's log directory ``L`` and job id ``J``:
   * ``L/J/bench/``                    -- the benchmark points' results and logs
 """
 
+import os
 import re
 from typing import List
 
@@ -77,6 +78,15 @@ def marker_name(job_id: str) -> str:
 def status_name(rank: int) -> str:
     """A rank's heartbeat file name in the job directory."""
     return "rank%d%s" % (rank, STATUS_SUFFIX)
+
+
+def fault(name: str) -> str:
+    """A stand-in's fault knob from the environment: its value, or "" when unset or when
+    ``LLMD_FAKE_FAULT_RANKS`` is set and does not list this rank (``LLMD_RANK``)."""
+    ranks = os.environ.get("LLMD_FAKE_FAULT_RANKS", "").strip()
+    if ranks and os.environ.get("LLMD_RANK", "") not in [r.strip() for r in ranks.split(",")]:
+        return ""
+    return os.environ.get(name, "")
 
 
 def diag_name(rank: int) -> str:

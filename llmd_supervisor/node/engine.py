@@ -71,6 +71,11 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Tuple
 
+if __package__:  # imported from the installed package (the tests)
+    from .common import fault
+else:  # run from the job's node directory, where common.py lies beside this file
+    from common import fault  # type: ignore[import-not-found,no-redef]
+
 CRASH_RC = 3
 BLOCK_SIZE = 16  # tokens per KV block (vLLM's default block size on CUDA)
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -81,17 +86,6 @@ REMOTE_FIELDS = (
     "remote_host",
     "remote_port",
 )
-
-
-def fault_active() -> bool:
-    ranks = os.environ.get("LLMD_FAKE_FAULT_RANKS", "").strip()
-    if not ranks:
-        return True
-    return os.environ.get("LLMD_RANK", "") in [r.strip() for r in ranks.split(",")]
-
-
-def fault(name: str) -> str:
-    return os.environ.get(name, "") if fault_active() else ""
 
 
 def plant(spec: str) -> None:

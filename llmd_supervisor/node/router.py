@@ -71,6 +71,11 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
+if __package__:  # imported from the installed package (the tests)
+    from .common import fault
+else:  # run from the job's node directory, where common.py lies beside this file
+    from common import fault  # type: ignore[import-not-found,no-redef]
+
 ROLE_LABEL = "llm-d.ai/role"
 PREFILL_ROLES = ("prefill", "encode-prefill", "prefill-decode", "both", "encode-prefill-decode")
 DECODE_ROLES = ("decode", "prefill-decode", "both", "encode-prefill-decode")
@@ -79,17 +84,6 @@ HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length"
 UPSTREAM_ERROR = (
     b"upstream connect error or disconnect/reset before headers. reset reason: connection failure"
 )
-
-
-def fault_active() -> bool:
-    ranks = os.environ.get("LLMD_FAKE_FAULT_RANKS", "").strip()
-    if not ranks:
-        return True
-    return os.environ.get("LLMD_RANK", "") in [r.strip() for r in ranks.split(",")]
-
-
-def fault(name: str) -> str:
-    return os.environ.get(name, "") if fault_active() else ""
 
 
 # --- a YAML subset ------------------------------------------------------------------------

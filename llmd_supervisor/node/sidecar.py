@@ -74,6 +74,11 @@ import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Tuple
 
+if __package__:  # imported from the installed package (the tests)
+    from .common import fault
+else:  # run from the job's node directory, where common.py lies beside this file
+    from common import fault  # type: ignore[import-not-found,no-redef]
+
 CRASH_RC = 3
 PREFILL_HEADER = "x-prefiller-host-port"
 REQUEST_ID_HEADER = "x-request-id"
@@ -120,17 +125,6 @@ IGNORED_BOOL_FLAGS = (
     "moriio-parallel-dispatch",
     "zap-devel",
 )
-
-
-def fault_active() -> bool:
-    ranks = os.environ.get("LLMD_FAKE_FAULT_RANKS", "").strip()
-    if not ranks:
-        return True
-    return os.environ.get("LLMD_RANK", "") in [r.strip() for r in ranks.split(",")]
-
-
-def fault(name: str) -> str:
-    return os.environ.get(name, "") if fault_active() else ""
 
 
 def go_bool(text: str) -> bool:
