@@ -188,6 +188,7 @@ def srun_argv(spec: RunSpec) -> list[str]:
             f"--container-mounts={shlex.quote(','.join(mounts))}",
             f"--container-workdir={shlex.quote(spec.log_dir)}",
         ]
+        argv += [shlex.quote(a) for a in c.extra_args]
         argv += [shlex.quote(c.python), *agent]
     elif c.kind is ContainerKind.DOCKER:
         assert c.image is not None
@@ -198,6 +199,9 @@ def srun_argv(spec: RunSpec) -> list[str]:
             argv += ["-v", shlex.quote(m)]
         for var in DOCKER_PASS_ENV:
             argv += ["-e", var]
+        if c.user is not None:
+            argv.append(f"--user={c.user}")
+        argv += [shlex.quote(a) for a in c.extra_args]
         argv += [shlex.quote(c.image), shlex.quote(c.python), *agent]
     else:
         argv += [shlex.quote(c.python), *agent]

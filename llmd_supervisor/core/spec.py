@@ -12,7 +12,8 @@ Layout (see ``deploy/llm-d/demo.toml``)::
     [run]        log_dir, sigterm_grace_s, marker_grace_s, coordinator_silence_s
     [topology]   prefill_nodes, decode_nodes, prefill_workers, decode_workers, gpus_per_node
     [model]      path, served_name
-    [container]  kind = none|docker|pyxis, image, squash_file, mounts, python
+    [container]  kind = none|docker|pyxis, image, squash_file, mounts, python,
+                 extra_args (allow-listed docker/pyxis options), user (docker UID[:GID])
     [engine]     port, port_stride, health_path, health_timeout_s,
                  prefill_command, decode_command
     [benchmark]  command, input_len, output_len, concurrencies, prompts_multiplier,
@@ -247,7 +248,7 @@ _TABLES: Final = {
         "gpus_per_node",
     ),
     "model": ("path", "served_name"),
-    "container": ("kind", "image", "squash_file", "mounts", "python"),
+    "container": ("kind", "image", "squash_file", "mounts", "python", "extra_args", "user"),
     "engine": (
         "prefill_command",
         "decode_command",

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
 
+from llmd_supervisor.core.spec_container_args import container_extra_args, container_user
 from llmd_supervisor.core.spec_fields import (
     PATH_RE,
     list_field,
@@ -67,6 +68,8 @@ class Container:
     squash_file: str | None = None
     mounts: tuple[str, ...] = ()
     python: str = "python3"
+    extra_args: tuple[str, ...] = ()  # checked by spec_container_args
+    user: str | None = None  # docker --user UID[:GID]
 
 
 def overlapping(path: str, dirs: Iterable[str]) -> str | None:
@@ -162,4 +165,6 @@ def parse_container(t: Mapping[str, object]) -> Container:
         raise SpecError(
             "container.image", image, "'pyxis' runs container.squash_file; remove image"
         )
-    return Container(kind, image, squash, mounts, python)
+    extra = container_extra_args(t, kind.value)
+    user = container_user(t, kind.value)
+    return Container(kind, image, squash, mounts, python, extra, user)
