@@ -8,9 +8,14 @@ error, never a skip: in CI a missing component must fail the run.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
+import subprocess
+import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -28,7 +33,32 @@ LOOP_BLOCK_LIMIT_S = 0.3
 _SLOW_CALLBACK_MSG = "Executing %s took %.3f seconds"
 
 
+# The whole session's limit: CI stops at 90 minutes (install included), and a run that hangs
+# where pytest-timeout's alarm cannot reach (a finalizer, a C call) must still end with
+# every thread's stack printed, not be cut off silently. LLMD_TEST_SESSION_LIMIT_S overrides.
+SESSION_LIMIT_S = float(os.environ.get("LLMD_TEST_SESSION_LIMIT_S", 80 * 60))
+
+
+def _session_watchdog(config: pytest.Config, limit_s: float) -> None:
+    time.sleep(limit_s)
+    capture = config.pluginmanager.getplugin("capturemanager")
+    if capture is not None:  # the stacks go to the real stderr, not a test's captured one
+        capture.suspend_global_capture(in_=True)
+    sys.stderr.write(f"\ntests: the session passed its {limit_s:.0f} s limit; every thread:\n")
+    faulthandler.dump_traceback(all_threads=True)
+    sys.stderr.flush()
+    with contextlib.suppress(OSError, subprocess.SubprocessError):  # and the processes, for a hang on a child
+        subprocess.run(["ps", "-eo", "pid,ppid,stat,etime,args"], stdout=sys.stderr, timeout=10)
+    os._exit(3)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    threading.Thread(
+        target=_session_watchdog,
+        args=(config, SESSION_LIMIT_S),
+        name="session-watchdog",
+        daemon=True,
+    ).start()
     config.addinivalue_line(
         "markers",
         "blocks_event_loop(reason): the test blocks its event loop on purpose; "
