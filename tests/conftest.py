@@ -47,7 +47,8 @@ def _session_watchdog(config: pytest.Config, limit_s: float) -> None:
     sys.stderr.write(f"\ntests: the session passed its {limit_s:.0f} s limit; every thread:\n")
     faulthandler.dump_traceback(all_threads=True)
     sys.stderr.flush()
-    with contextlib.suppress(OSError, subprocess.SubprocessError):  # and the processes, for a hang on a child
+    # And the processes, for a hang on a child.
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
         subprocess.run(["ps", "-eo", "pid,ppid,stat,etime,args"], stdout=sys.stderr, timeout=10)
     os._exit(3)
 

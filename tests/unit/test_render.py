@@ -319,3 +319,34 @@ def test_spec_and_render_import_no_io_machinery(module: str) -> None:
     ).stdout
     forbidden = {"anyio", "asyncssh", "sqlite3", "subprocess", "socket", "asyncio", "structlog"}
     assert forbidden.isdisjoint(json.loads(out))
+
+
+@pytest.mark.parametrize(
+    ("example", "expected"),
+    [
+        (
+            "example-vllm-pyxis.toml",
+            "--container-image=/lustre/images/vllm-openai-v0.33.0.sqsh --container-mounts="
+            "/lustre/llmd/runs/llama70b-pd:/lustre/llmd/runs/llama70b-pd,"
+            "/lustre/models/Llama-3.3-70B-Instruct:/lustre/models/Llama-3.3-70B-Instruct:ro,"
+            "/lustre/cache/hf:/root/.cache/huggingface --container-workdir="
+            "/lustre/llmd/runs/llama70b-pd --container-writable --container-remap-root"
+            ' python3 "$NODE_DIR/agent.py"',
+        ),
+        (
+            "example-vllm-docker.toml",
+            "docker run --rm --init --network=host --ipc=host --gpus=all",
+        ),
+    ],
+)
+def test_gpu_examples_render(example: str, expected: str) -> None:
+    spec = parse_spec(tomllib.loads((DEPLOY / example).read_text()))
+    script = render_sbatch(spec, job_name="llmd-x")
+    (srun,) = [ln for ln in script.splitlines() if ln.startswith("srun ")]
+    assert expected in srun
+    assert "#SBATCH --gpus-per-node=8" in script and "#SBATCH --exclusive" in script
+    if spec.container.kind.value == "docker":
+        assert (
+            " --privileged --device=/dev/infiniband --cap-add=IPC_LOCK --ulimit=memlock=-1"
+            ' --shm-size=32G vllm/vllm-openai:v0.33.0 python3 "$NODE_DIR/agent.py"'
+        ) in srun

@@ -76,12 +76,24 @@ def test_demo_spec_parses() -> None:
     assert spec.sigterm_grace_s == 10
 
 
-def test_example_gpu_spec_parses() -> None:
+def test_example_gpu_specs_parse() -> None:
     spec = load_spec((DEPLOY / "example-vllm-pyxis.toml").read_text())
     assert spec.container.kind is ContainerKind.PYXIS
     assert spec.container.squash_file is not None
+    assert spec.container.extra_args == ("--container-writable", "--container-remap-root")
     assert spec.topology.gpus_per_node == 8
     assert spec.slurm.extra_args == ("--exclusive", "--mem=0")
+    docker = load_spec((DEPLOY / "example-vllm-docker.toml").read_text())
+    assert docker.container.kind is ContainerKind.DOCKER
+    assert "--device=/dev/infiniband" in docker.container.extra_args
+    # The same processes under either container.
+    assert (docker.engine, docker.sidecar, docker.router, docker.benchmark, docker.env) == (
+        spec.engine,
+        spec.sidecar,
+        spec.router,
+        spec.benchmark,
+        spec.env,
+    )
 
 
 def test_defaults() -> None:
