@@ -26,6 +26,7 @@ from typing import Final
 import anyio
 import anyio.abc
 import structlog
+from anyio.streams.buffered import BufferedByteReceiveStream
 
 from llmd_supervisor import node
 from llmd_supervisor.errors import FileRefused, RemoteError
@@ -197,3 +198,82 @@ class LocalFiles:
 
     def __repr__(self) -> str:
         return "LocalFiles()"
+
+
+class SharedFsNode(LocalFiles):
+    """One allocated node's files read on this machine from the shared file system
+    (``access = "shared-fs"``: no SSH). Shaped like a `NodeLink`: `host` names the node in
+    events; small reads and listings go to one ``jobfile.py serve`` child kept per node
+    (one request at a time, each bounded by its time limit: a reader that hangs on a dead
+    file server is killed and the next request starts a new one); followers are child
+    processes too. A failed or timed-out read raises `RemoteError`, like an SSH failure,
+    so the node's probe fails and its silence is reported."""
+
+    def __init__(self, node: str) -> None:
+        self.host = node
+        self.closed = False
+        self._lock = anyio.Lock()
+        self._server: tuple[str, anyio.abc.Process, BufferedByteReceiveStream] | None = None
+
+    def __repr__(self) -> str:
+        return f"SharedFsNode({self.host!r})"
+
+    async def read_file(self, log_dir: str, path: str, *, time_limit: float = 10) -> bytes | None:
+        """A small file (marker, status) of the job: like `NodeLink.read_file`."""
+        status, data = await self._ask("read", log_dir, path, SMALL_FILE_MAX, time_limit)
+        return answer(path, status, data)
+
+    async def list_dir(self, log_dir: str, path: str, *, time_limit: float = 10) -> list[str]:
+        """A job directory's entry names: like `NodeLink.list_dir`."""
+        status, data = await self._ask("list", log_dir, path, LIST_MAX, time_limit)
+        return listing(path, status, data)
+
+    async def _ask(
+        self, op: str, log_dir: str, path: str, limit: int, time_limit: float
+    ) -> tuple[str, bytes]:
+        action = f"reading {path}" if op == "read" else f"listing {path}"
+        root, rel = split(log_dir, path)
+        request = (json.dumps([op, rel, limit]) + "\n").encode()
+        most = (limit if op == "read" else limit * 256) + 64
+        async with self._lock:
+            if self.closed:
+                raise RemoteError(self.host, action, "the node's file reader is closed")
+            try:
+                with anyio.fail_after(time_limit):
+                    if self._server is None or self._server[0] != root:
+                        await self._stop()
+                        proc = await anyio.open_process(argv(sys.executable, "serve", root))
+                        assert proc.stdout is not None
+                        self._server = (root, proc, BufferedByteReceiveStream(proc.stdout))
+                    _, proc, out = self._server
+                    assert proc.stdin is not None
+                    await proc.stdin.send(request)
+                    head = await out.receive_until(b"\n", 64)
+                    word, _, size = head.decode(errors="replace").partition(" ")
+                    n = int(size) if size.isdigit() else -1
+                    if not 0 <= n <= most:
+                        raise RemoteError(self.host, action, f"the reader answered {head!r}")
+                    return word, await out.receive_exactly(n) if n else b""
+            except TimeoutError:
+                await self._stop()
+                why = f"no answer within {time_limit:g} s (the shared file system hangs?)"
+                raise RemoteError(self.host, action, why) from None
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError) as exc:
+                await self._stop()
+                raise RemoteError(self.host, action, f"the file reader ended ({exc!r})") from None
+            except OSError as exc:
+                await self._stop()
+                raise RemoteError(self.host, action, str(exc)) from exc
+            except BaseException:
+                await self._stop()
+                raise
+
+    async def _stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            await LocalStream(server[1]).aclose()
+
+    async def aclose(self) -> None:
+        self.closed = True
+        with anyio.CancelScope(shield=True):
+            await self._stop()

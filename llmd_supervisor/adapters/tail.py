@@ -58,6 +58,17 @@ class Follows(Protocol):
     async def open_stream(self, argv: Sequence[str], *, action: str) -> Stream: ...
 
 
+class NodeFiles(Follows, Protocol):
+    """One allocated node's files as an attempt watches them: a `NodeLink` (SSH to the
+    node), or `jobfiles.SharedFsNode` (this machine's view of the shared file system)."""
+
+    async def read_file(
+        self, log_dir: str, path: str, *, time_limit: float = ...
+    ) -> bytes | None: ...
+    async def list_dir(self, log_dir: str, path: str, *, time_limit: float = ...) -> list[str]: ...
+    async def aclose(self) -> None: ...
+
+
 @dataclass
 class CopyBudget:
     """How many bytes a run's log copies may still take: `per_file` for each copy,

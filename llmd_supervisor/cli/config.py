@@ -20,7 +20,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from llmd_supervisor.core.config import DEFAULT_PATH, Config, effective, read_config, to_toml
+from llmd_supervisor.core.config import (
+    DEFAULT_PATH,
+    Access,
+    ClusterConfig,
+    Config,
+    effective,
+    read_config,
+    to_toml,
+)
 from llmd_supervisor.errors import ConfigError, SupervisorError
 
 
@@ -132,12 +140,35 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"llmd-supervisor config check: {path}: {problem}", file=sys.stderr)
     if problems:
         return 2
-    where = ", ".join(
-        f"{c.name} ({'ssh ' + c.login_host if c.login_host else 'local'})" for c in config.clusters
-    )
+    where = ", ".join(_access_text(c) for c in config.clusters)
     note = "" if path.exists() else " (no file: built-in defaults)"
     print(f"{path}: OK{note}; clusters: {where}")
+    for warning in shared_fs_warnings(config):
+        print(f"llmd-supervisor config check: {path}: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def _access_text(c: ClusterConfig) -> str:
+    if c.access is Access.LOGIN_HOST:
+        return f"{c.name} (access login-host: Slurm on {c.login_host}, logs over SSH per node)"
+    if c.access is Access.SHARED_FS:
+        return f"{c.name} (access shared-fs: Slurm here, logs from the shared file system, no SSH)"
+    return f"{c.name} (access ssh: Slurm here, logs over SSH per node)"
+
+
+def shared_fs_warnings(config: Config) -> list[str]:
+    """What makes a shared-fs cluster unworkable here: a log root this machine does not
+    see (the runs' files are only ever read locally in that mode)."""
+    shared = [c.name for c in config.clusters if c.access is Access.SHARED_FS]
+    if not shared:
+        return []
+    return [
+        f"daemon.log_roots[{i}] {root!r} is not a directory here, and cluster"
+        f" {', '.join(shared)} (access shared-fs) reads every run's files from it on this"
+        " machine; mount the shared file system here or use access = 'ssh'"
+        for i, root in enumerate(config.log_roots)
+        if not os.path.isdir(root)
+    ]
 
 
 def cmd_show(args: argparse.Namespace) -> int:

@@ -12,6 +12,7 @@ import os
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +34,22 @@ class SshConfig:
     node_python: str = "python3"  # reads the job's files on nodes and login hosts
 
 
+class Access(StrEnum):
+    """How a cluster's run files (batch and per-rank logs, status files, marker) are reached."""
+
+    SSH = "ssh"  # one SSH connection per allocated node; Slurm commands run here
+    LOGIN_HOST = "login-host"  # Slurm commands and the marker through login_host, logs per node
+    SHARED_FS = "shared-fs"  # no SSH: everything read here from the shared file system
+
+
 @dataclass(frozen=True)
 class ClusterConfig:
-    """One Slurm cluster: where its client commands run."""
+    """One Slurm cluster: where its client commands run and how its files are reached."""
 
     name: str
     slurm_conf: str | None = None  # exported as SLURM_CONF to the Slurm commands
     login_host: str | None = None  # run Slurm commands over SSH there instead of locally
+    access: Access = Access.SSH  # default: login-host when login_host is set, else ssh
 
 
 @dataclass(frozen=True)
@@ -113,6 +123,26 @@ class Config:
                 return c
         known = ", ".join(c.name for c in self.clusters)
         raise ConfigError("clusters", name, f"no cluster of that name is configured ({known})")
+
+
+def _access(c: Mapping[str, object], key: str, login_host: str | None) -> Access:
+    raw = c.get("access", Access.LOGIN_HOST.value if login_host else Access.SSH.value)
+    choices = "'ssh', 'login-host' or 'shared-fs'"
+    try:
+        access = Access(raw if isinstance(raw, str) else "")
+    except ValueError:
+        raise ConfigError(f"{key}.access", raw, f"use {choices}") from None
+    if access is Access.LOGIN_HOST and login_host is None:
+        raise ConfigError(
+            f"{key}.access", raw, "'login-host' needs login_host (the host to run Slurm on)"
+        )
+    if access is not Access.LOGIN_HOST and login_host is not None:
+        raise ConfigError(
+            f"{key}.access",
+            raw,
+            f"login_host {login_host!r} is only used with access = 'login-host'; remove one",
+        )
+    return access
 
 
 def load_config(text: str) -> Config:
@@ -249,15 +279,17 @@ def parse_config(data: Mapping[str, object]) -> Config:
         key = f"clusters[{i}]"
         if not isinstance(c, dict):
             raise ConfigError(key, c, "each [[clusters]] entry must be a table")
-        _keys(key, c, ("name", "slurm_conf", "login_host"))
+        _keys(key, c, ("name", "slurm_conf", "login_host", "access"))
         name = _str(c, f"{key}.name", "")
         if not name or not name.replace("-", "").replace("_", "").isalnum():
             raise ConfigError(f"{key}.name", name, "use letters, digits, - and _")
+        login_host = _opt_str(c, f"{key}.login_host")
         clusters.append(
             ClusterConfig(
                 name=name,
                 slurm_conf=_opt_str(c, f"{key}.slurm_conf"),
-                login_host=_opt_str(c, f"{key}.login_host"),
+                login_host=login_host,
+                access=_access(c, key, login_host),
             )
         )
     if len({c.name for c in clusters}) != len(clusters):
@@ -413,7 +445,12 @@ def effective(config: Config) -> dict[str, object]:
         "limits": {n: getattr(config.limits, n) for n in Limits.__dataclass_fields__},
         "metrics": {"listen": config.metrics_listen},
         "clusters": [
-            {"name": c.name, "slurm_conf": c.slurm_conf, "login_host": c.login_host}
+            {
+                "name": c.name,
+                "slurm_conf": c.slurm_conf,
+                "login_host": c.login_host,
+                "access": c.access.value,
+            }
             for c in config.clusters
         ],
     }

@@ -3,6 +3,12 @@
 The attempt's watcher probes each node every heartbeat (status file, log listing, marker)
 and hands the result here with the time; `observe` returns the node's new health and the
 events to journal and log. Times are `time.monotonic()` seconds, passed in.
+
+A node is silent when its probes fail (SSH does not answer) **or** when its rank's status
+file, which the agent rewrites every 2 s while it runs, has not been updated for longer
+than the silence limit: the only liveness there is without SSH (``access = "shared-fs"``),
+and an agent that hangs behind a working SSH connection is silent too. A status file in a
+final state (the agent exited) is never stale.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ class Probe:
     agent_state: str | None = None  # from the rank's status file, when read
     log_bytes: int = 0  # bytes of the node's log copies so far
     error: str = ""
+    # Seconds since the status file's updated_at (wall clock), if read and not final.
+    status_age_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -65,7 +73,8 @@ def observe(
 ) -> tuple[NodeHealth, tuple[HealthEvent, ...]]:
     """Fold one probe into a node's health; each condition is reported once until it clears."""
     events: list[HealthEvent] = []
-    if probe.ok:
+    stale = probe.status_age_s is not None and probe.status_age_s > limits.node_silent_s
+    if probe.ok and not stale:
         health = replace(
             health,
             reachable=True,
@@ -75,10 +84,15 @@ def observe(
         )
     else:
         silent = now - (health.last_ok if health.last_ok is not None else health.since)
+        error = probe.error
+        if probe.ok:  # answered, but its agent has not written its status for that long
+            assert probe.status_age_s is not None
+            silent = probe.status_age_s
+            error = f"rank {health.rank}'s status file was last updated {silent:.0f} s ago"
         health = replace(health, reachable=False)
         if silent > limits.node_silent_s and not health.unreachable_reported:
             health = replace(health, unreachable_reported=True)
-            events.append(NodeUnreachable(health.node, health.rank, round(silent, 1), probe.error))
+            events.append(NodeUnreachable(health.node, health.rank, round(silent, 1), error))
     if probe.log_bytes != health.log_bytes:
         health = replace(health, log_bytes=probe.log_bytes, grown_at=now, stalled=False)
     else:

@@ -22,6 +22,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import TypeVar
@@ -30,8 +31,7 @@ import anyio
 import anyio.abc
 import structlog
 
-from llmd_supervisor.adapters.remote import NodeLink, SshSettings
-from llmd_supervisor.adapters.tail import CopyBudget, tail_to_local
+from llmd_supervisor.adapters.tail import CopyBudget, NodeFiles, tail_to_local
 from llmd_supervisor.core.config import Limits
 from llmd_supervisor.core.health import (
     HealthLimits,
@@ -43,12 +43,19 @@ from llmd_supervisor.core.health import (
 )
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.errors import FileRefused, LogCapped, RemoteError, SupervisorError
-from llmd_supervisor.node.common import STATE_BENCHMARKING
+from llmd_supervisor.node.common import (
+    STATE_BENCHMARKING,
+    STATE_EXITED,
+    STATE_FAILED,
+    STATE_TERMINATED,
+)
 
 log = structlog.get_logger("llmd_supervisor.attempt")
 
 Record = Callable[[str, Mapping[str, object]], Awaitable[None]]
 FileT = TypeVar("FileT")
+# An agent in one of these has stopped rewriting its status file on purpose.
+FINAL_AGENT_STATES = frozenset({STATE_EXITED, STATE_TERMINATED, STATE_FAILED})
 
 
 class CopyState(StrEnum):
@@ -68,7 +75,7 @@ class Attempt:
     nodes: tuple[str, ...]
     layout: RunLayout
     coordinator_rank: int
-    ssh: SshSettings
+    connect: Callable[[str], NodeFiles]  # a node's files: over SSH, or the shared file system
     limits: Limits
     record: Record  # journal an event of the run
     on_change: Callable[[], None]  # the run's waiters may want to look again
@@ -114,7 +121,7 @@ class Attempt:
     ) -> None:
         """Watch every node until stopped: per node a heartbeat/discovery loop and its
         tailers. With the stop already asked for, one pass whose tailers drain."""
-        links = [NodeLink(node, self.ssh) for node in self.nodes]
+        links = [self.connect(node) for node in self.nodes]
         self._done = anyio.Event()
         try:
             async with anyio.create_task_group() as tg:
@@ -150,7 +157,7 @@ class Attempt:
         if self._scope is not None:
             self._scope.cancel()
 
-    async def _watch_node(self, rank: int, link: NodeLink, tg: anyio.abc.TaskGroup) -> None:
+    async def _watch_node(self, rank: int, link: NodeFiles, tg: anyio.abc.TaskGroup) -> None:
         layout, job_id = self.layout, self.job_id
         job_dir = layout.job_dir(job_id)
         local = layout.copies(self.number)
@@ -160,20 +167,21 @@ class Attempt:
         while True:  # at least one pass: a run that ended before it was seen running
             stopping = self._stop.is_set()
             state: str | None = None
+            age: float | None = None
             try:
                 for name in await self._files(link.list_dir, job_dir) or ():
                     if layout.is_rank_log(name, rank):
                         wanted.setdefault(name, f"{job_dir}/{name}")
                 status = await self._files(link.read_file, layout.status_file(job_id, rank))
                 if status is not None:
-                    state = _status_state(status)
+                    state, age = status_state(status, time.time())
                 if coordinator and self.marker_copy is None:
                     data = await self._files(link.read_file, layout.marker(job_id))
                     if data:
                         self.marker_copy = data
                         log.info("run.marker_seen", node=link.host, size=len(data))
                         self.on_marker()
-                probe = Probe(ok=True, agent_state=state)
+                probe = Probe(ok=True, agent_state=state, status_age_s=age)
             except RemoteError as exc:
                 probe = Probe(ok=False, error=str(exc))
             for name, remote_path in wanted.items():
@@ -181,7 +189,11 @@ class Attempt:
                     tailing.add(name)
                     tg.start_soon(self._tail, link, remote_path, local / name)
             probe = Probe(
-                probe.ok, probe.agent_state, sum(_size(local / n) for n in tailing), probe.error
+                probe.ok,
+                probe.agent_state,
+                sum(_size(local / n) for n in tailing),
+                probe.error,
+                probe.status_age_s,
             )
             health, events = observe(
                 self.health[link.host], probe, time.monotonic(), self._health_limits
@@ -214,7 +226,7 @@ class Attempt:
                 "log.stalled", {"node": event.node, "rank": event.rank, "quiet_s": quiet}
             )
 
-    async def _tail(self, link: NodeLink, remote_path: str, local_path: Path) -> None:
+    async def _tail(self, link: NodeFiles, remote_path: str, local_path: Path) -> None:
         try:
             local_path.parent.mkdir(parents=True, exist_ok=True)
             await tail_to_local(
@@ -253,16 +265,24 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _status_state(data: bytes) -> str:
-    """The agent's state, with the point it is at while benchmarking (bounded)."""
+def status_state(data: bytes, now: float) -> tuple[str, float | None]:
+    """The agent's state, with the point it is at while benchmarking (bounded), and the
+    seconds since it last rewrote the file (None: final state, or no usable time)."""
     try:
         value = json.loads(data)
     except ValueError:
-        return "unreadable"
+        return "unreadable", None
     if not isinstance(value, dict):
-        return "unreadable"
+        return "unreadable", None
     state = str(value.get("state", ""))[:40]
+    age = None
+    updated = value.get("updated_at")
+    if state not in FINAL_AGENT_STATES and isinstance(updated, str) and len(updated) <= 40:
+        try:
+            age = max(0.0, now - datetime.fromisoformat(updated).timestamp())
+        except ValueError:
+            age = None
     reason = value.get("reason")
     if state == STATE_BENCHMARKING and isinstance(reason, str) and reason:
-        return f"{state}: {reason[:80]}"
-    return state
+        return f"{state}: {reason[:80]}", age
+    return state, age

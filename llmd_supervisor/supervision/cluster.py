@@ -12,7 +12,10 @@ links, one `RunFiles` per cluster:
 * `ThroughLoginHost`: Slurm commands run on a login host over SSH; the marker is read
   there by `node/jobfile.py`, and at the end the SSH tailers drain (bounded by `finish_drain_s`).
 
-Issue 2.5 adds more implementations (shared file system without SSH to the nodes).
+And how one allocated node's files are watched during a run (`Cluster.connect`): a
+`NodeLink` per node (``access = "ssh"`` and ``"login-host"``), or a `SharedFsNode` per
+node that reads them here (``access = "shared-fs"``: no SSH at all; liveness then comes
+from the ranks' status files, see `core.health`).
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from llmd_supervisor.adapters import jobfiles
 from llmd_supervisor.adapters.remote import NodeLink
 from llmd_supervisor.adapters.slurm import CommandRunner, LocalRunner, SlurmClient
 from llmd_supervisor.adapters.slurm_ssh import SshRunner, ssh_settings
-from llmd_supervisor.adapters.tail import tail_to_local
-from llmd_supervisor.core.config import ClusterConfig, Config
+from llmd_supervisor.adapters.tail import NodeFiles, tail_to_local
+from llmd_supervisor.core.config import Access, ClusterConfig, Config
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.errors import (
     FileRefused,
@@ -227,6 +230,7 @@ class Cluster:
     client: SlurmClient
     poller: Poller
     files: RunFiles
+    connect: Callable[[str], NodeFiles]  # one allocated node's files, watched during a run
 
     @property
     def name(self) -> str:
@@ -256,4 +260,10 @@ def build_cluster(
         if cluster.login_host is None
         else ThroughLoginHost(client, cluster.login_host, config.ssh.node_python)
     )
-    return Cluster(cluster, client, Poller(cluster.name, client, config.poll), files)
+    settings = ssh_settings(config.ssh)
+
+    def over_ssh(node: str) -> NodeFiles:
+        return NodeLink(node, settings)
+
+    connect = jobfiles.SharedFsNode if cluster.access is Access.SHARED_FS else over_ssh
+    return Cluster(cluster, client, Poller(cluster.name, client, config.poll), files, connect)

@@ -23,7 +23,6 @@ Stopping the daemon cancels these loops and never the jobs.
 from __future__ import annotations
 
 import dataclasses
-import getpass
 import uuid
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -36,7 +35,6 @@ import structlog
 
 from llmd_supervisor.adapters import archive
 from llmd_supervisor.adapters.journal import Journal, RunMeta, StoredRun
-from llmd_supervisor.adapters.remote import SshSettings
 from llmd_supervisor.adapters.slurm import CommandRunner
 from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.health import NodeHealth
@@ -177,13 +175,6 @@ class Supervisor:
         self.clock = clock
         self.hooks = hooks or Hooks()
         self.handles: dict[str, RunHandle] = {}
-        self.ssh = SshSettings(
-            username=config.ssh.user or getpass.getuser(),
-            client_keys=config.ssh.identity_files,
-            known_hosts=config.ssh.known_hosts,
-            port=config.ssh.port,
-            connect_timeout=config.ssh.connect_timeout_s,
-        )
 
     # --- entry points ------------------------------------------------------------------
 
@@ -358,7 +349,7 @@ class Supervisor:
             nodes=nodes,
             layout=h.layout,
             coordinator_rank=h.spec.topology.coordinator_rank,
-            ssh=self.ssh,
+            connect=h.cluster.connect,
             limits=self.config.limits,
             record=record,
             on_change=h.notify,

@@ -85,6 +85,26 @@ def test_metrics_listen_must_be_loopback_with_a_real_port(listen: str) -> None:
     assert "127.0.0.1:9464" in str(info.value)  # the fix is in the message
 
 
+@pytest.mark.parametrize(
+    ("cluster", "hint_part"),
+    [
+        ('access = "nfs"', "use 'ssh', 'login-host' or 'shared-fs'"),
+        ('access = "login-host"', "'login-host' needs login_host"),
+        ('access = "shared-fs"\nlogin_host = "l1"', "only used with access = 'login-host'"),
+        ('access = "ssh"\nlogin_host = "l1"', "only used with access = 'login-host'"),
+    ],
+)
+def test_cluster_access_is_checked(cluster: str, hint_part: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(f'[[clusters]]\nname = "a"\n{cluster}\n')
+    assert info.value.key == "clusters[0].access" and hint_part in str(info.value)
+
+
+def test_cluster_access_defaults() -> None:
+    config = load_config('[[clusters]]\nname = "a"\n[[clusters]]\nname = "b"\nlogin_host = "l"\n')
+    assert [c.access.value for c in config.clusters] == ["ssh", "login-host"]
+
+
 def test_config_show_prints_effective_values_as_toml_and_json(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text(FULL)
@@ -99,7 +119,9 @@ def test_config_show_prints_effective_values_as_toml_and_json(tmp_path: Path) ->
         "name": "alpha",
         "slurm_conf": "/etc/slurm-alpha/slurm.conf",
         "login_host": None,
+        "access": "ssh",
     }
+    assert data["clusters"][1]["access"] == "login-host"  # the default with a login host
     assert data["metrics"]["listen"] == "127.0.0.1:9464"
     assert data["daemon"]["socket_mode"] == "0640"
 
@@ -181,7 +203,20 @@ login_host = "login1"
     )
     out = cli("config", "check", "--config", str(path))
     assert out.returncode == 0, out.stderr
-    assert "OK" in out.stdout and "here (local), there (ssh login1)" in out.stdout
+    assert "OK" in out.stdout
+    assert "here (access ssh: Slurm here, logs over SSH per node)" in out.stdout
+    assert "there (access login-host: Slurm on login1" in out.stdout
+    # shared-fs: named, and a log root this machine does not see is warned about.
+    shared = path.read_text().replace('name = "here"', 'name = "here"\naccess = "shared-fs"')
+    path.write_text(shared.replace(f'log_roots = ["{tmp_path}"]', 'log_roots = ["/no/such"]'))
+    out = cli("config", "check", "--config", str(path))
+    assert out.returncode == 0, out.stderr
+    assert "here (access shared-fs: Slurm here, logs from the shared file system" in out.stdout
+    assert "warning: daemon.log_roots[0] '/no/such' is not a directory here" in out.stderr
+    assert "cluster here (access shared-fs)" in out.stderr
+    path.write_text(shared)
+    out = cli("config", "check", "--config", str(path))
+    assert out.returncode == 0 and "warning" not in out.stderr, out.stderr
     path.write_text(path.read_text().replace(f'log_roots = ["{tmp_path}"]', ""))
     out = cli("config", "check", "--config", str(path))
     assert out.returncode == 2 and "daemon.log_roots" in out.stderr, out.stderr

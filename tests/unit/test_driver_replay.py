@@ -18,6 +18,7 @@ import anyio
 import anyio.abc
 import pytest
 
+from llmd_supervisor.adapters import jobfiles
 from llmd_supervisor.adapters.journal import Journal, RunMeta
 from llmd_supervisor.adapters.slurm import SlurmClient
 from llmd_supervisor.core.config import ClusterConfig, Config, Limits, PollConfig, SshConfig
@@ -98,7 +99,9 @@ async def replayed(tmp_path: Path) -> AsyncIterator[Rig]:
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(poller.run)
-            cluster = Cluster(ClusterConfig("dev"), client, poller, SharedLogDir())
+            cluster = Cluster(
+                ClusterConfig("dev"), client, poller, SharedLogDir(), jobfiles.SharedFsNode
+            )
             sup = Supervisor(config, journal, {"dev": cluster}, tg)
             yield Rig(sup, replay, journal, tmp_path)
             tg.cancel_scope.cancel()

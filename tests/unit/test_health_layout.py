@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 
 from llmd_supervisor.core import health as nh
 from llmd_supervisor.core.layout import RunLayout, batch_log_patterns
+from llmd_supervisor.supervision.attempt import status_state
 
 LIMITS = nh.HealthLimits(node_silent_s=10.0, log_stall_s=30.0)
 
@@ -95,3 +97,43 @@ def test_layout_names_the_local_copies(layout: RunLayout, tmp_path: Path) -> Non
 )
 def test_rank_logs(name: str, rank: int | None, expected: bool) -> None:
     assert RunLayout.is_rank_log(name, rank) is expected
+
+
+def test_a_status_file_not_rewritten_is_silence_even_when_the_node_answers() -> None:
+    # shared-fs: every read succeeds (the login node reads them); the agent stopped writing.
+    fresh = [(float(t), nh.Probe(True, "ready", log_bytes=t, status_age_s=1.0)) for t in (0, 2)]
+    stale = [
+        (float(t), nh.Probe(True, "ready", log_bytes=t, status_age_s=t - 2.0))
+        for t in range(4, 20, 2)
+    ]
+    health, events = run(fresh + stale)
+    assert events == [
+        nh.NodeUnreachable("node1", 0, 12.0, "rank 0's status file was last updated 12 s ago")
+    ]
+    assert not health.reachable
+    health, again = nh.observe(health, nh.Probe(True, "ready", 99, status_age_s=0.5), 21.0, LIMITS)
+    assert again == () and health.reachable and not health.unreachable_reported
+
+
+def test_no_status_age_is_no_staleness() -> None:
+    # Final states and unreadable times carry no age: never stale, however old.
+    _, events = run([(float(t), nh.Probe(True, "exited", log_bytes=t)) for t in range(0, 60, 2)])
+    assert events == []
+
+
+@pytest.mark.parametrize(
+    ("status", "state", "age"),
+    [
+        (b'{"state": "ready", "updated_at": "2026-12-01T10:00:00.000+00:00"}', "ready", 30.0),
+        (b'{"state": "exited", "updated_at": "2026-12-01T09:00:00.000+00:00"}', "exited", None),
+        (b'{"state": "failed", "updated_at": "2026-12-01T09:00:00.000+00:00"}', "failed", None),
+        (b'{"state": "ready", "updated_at": "yesterday"}', "ready", None),
+        (b'{"state": "ready", "updated_at": 5}', "ready", None),
+        (b'{"state": "ready", "updated_at": "2026-12-01T10:00:31+00:00"}', "ready", 0.0),
+        (b"[1]", "unreadable", None),
+        (b"{", "unreadable", None),
+    ],
+)
+def test_status_state_and_age(status: bytes, state: str, age: float | None) -> None:
+    now = datetime(2026, 12, 1, 10, 0, 30, tzinfo=UTC).timestamp()
+    assert status_state(status, now) == (state, age)
