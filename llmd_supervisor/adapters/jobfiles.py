@@ -19,7 +19,7 @@ import json
 import posixpath
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -43,6 +43,22 @@ LIST_MAX: Final = 4096
 
 _CHUNK = 1 << 20
 _STDERR_KEEP = 4096
+# Lines of a follower's stderr that say its file changed under it (see node/jobfile.py).
+NOTICE_PREFIXES: Final = ("replaced: ", "truncated: ")
+Notice = Callable[[str], None]
+
+
+def stderr_lines(pending: bytes, data: bytes) -> tuple[list[str], bytes]:
+    """The complete lines in `pending + data` (decoded, bounded) and what is left over."""
+    *lines, rest = (pending + data).split(b"\n")
+    return [ln.decode("utf-8", "replace")[:500] for ln in lines if ln.strip()], rest[-_STDERR_KEEP:]
+
+
+def told(line: str, log: structlog.typing.FilteringBoundLogger, notice: Notice | None) -> None:
+    """Log one line of a follower's stderr; hand a change of its file to `notice`."""
+    log.info("tail.reader_message", message=line)
+    if notice is not None and line.startswith(NOTICE_PREFIXES):
+        notice(line)
 
 
 def split(log_dir: str, path: str) -> tuple[str, str]:
@@ -157,15 +173,20 @@ class LocalStream:
             with contextlib.suppress(anyio.BrokenResourceError, OSError):
                 await self.process.stdin.aclose()
 
-    async def collect_stderr(self, log: structlog.typing.FilteringBoundLogger) -> None:
+    async def collect_stderr(
+        self, log: structlog.typing.FilteringBoundLogger, notice: Notice | None = None
+    ) -> None:
         assert self.process.stderr is not None
+        pending = b""
         with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, OSError):
             while True:
                 data = await self.process.stderr.receive(_CHUNK)
                 self.stderr_tail = (self.stderr_tail + data)[-_STDERR_KEEP:]
-                for line in data.decode("utf-8", "replace").splitlines():
-                    if line.strip():
-                        log.info("tail.reader_message", message=line[:500])
+                lines, pending = stderr_lines(pending, data)
+                for line in lines:
+                    told(line, log, notice)
+        for line in stderr_lines(pending, b"\n")[0]:
+            told(line, log, notice)
 
     async def wait(self) -> int | None:
         with anyio.move_on_after(5):

@@ -428,8 +428,11 @@ class RemoteStream:
             self.link._mark_ok()
         return bytes(chunk)
 
-    async def collect_stderr(self, log: structlog.typing.FilteringBoundLogger) -> None:
-        """Keep the last bytes of the follower's stderr and log each line of it."""
+    async def collect_stderr(
+        self, log: structlog.typing.FilteringBoundLogger, notice: jobfiles.Notice | None = None
+    ) -> None:
+        """Keep the last bytes of the follower's stderr and log each line of it (a change
+        of the followed file also goes to `notice`)."""
         pending = b""
         with contextlib.suppress(asyncssh.Error, OSError):
             while True:
@@ -437,13 +440,11 @@ class RemoteStream:
                 if not data:
                     break
                 self.stderr_tail = (self.stderr_tail + data)[-_STDERR_KEEP:]
-                *lines, pending = (pending + data).split(b"\n")
-                pending = pending[-_STDERR_KEEP:]
+                lines, pending = jobfiles.stderr_lines(pending, data)
                 for line in lines:
-                    if line.strip():
-                        log.info("tail.remote_message", message=_text(line))
-        if pending.strip():
-            log.info("tail.remote_message", message=_text(pending))
+                    jobfiles.told(line, log, notice)
+        for line in jobfiles.stderr_lines(pending, b"\n")[0]:
+            jobfiles.told(line, log, notice)
 
     async def send_eof(self) -> None:
         """Close the command's stdin (the file follower then drains and exits)."""

@@ -42,7 +42,9 @@ class Stream(Protocol):
     async def read(self, action: str) -> bytes: ...
     async def send_eof(self) -> None: ...
     async def wait(self) -> int | None: ...
-    async def collect_stderr(self, log: structlog.typing.FilteringBoundLogger) -> None: ...
+    async def collect_stderr(
+        self, log: structlog.typing.FilteringBoundLogger, notice: jobfiles.Notice | None = None
+    ) -> None: ...
     async def aclose(self) -> None: ...
 
 
@@ -153,6 +155,7 @@ async def tail_to_local(
     on_bytes: Callable[[int], None] | None = None,
     budget: CopyBudget | None = None,
     drain_limit: float | None = None,
+    on_notice: jobfiles.Notice | None = None,
 ) -> None:
     """Append remote_path's bytes to local_path, starting at local_path's current size.
 
@@ -173,7 +176,8 @@ async def tail_to_local(
     `OSError`. `FileRefused` ends it when the job's file is a link, FIFO, device or not the
     job's, and `LogCapped` when the budget is spent (the copy keeps the allowed prefix). A
     file replaced or truncated while being followed is followed by name, as ``tail -F``
-    does: the new file's bytes are appended.
+    does: the new file's bytes are appended, and the follower's line saying so
+    (``replaced: ...``, ``truncated: ...``) goes to `on_notice`.
     """
     log = _log.bind(host=link.host, remote=remote_path, local=str(local_path))
     copy = _LocalCopy(local_path, on_bytes, budget)
@@ -190,7 +194,7 @@ async def tail_to_local(
             with anyio.CancelScope(deadline=drain.deadline):
                 try:
                     if await _follow_once(
-                        link, log_dir, remote_path, copy, drain, poll_interval, log
+                        link, log_dir, remote_path, copy, drain, poll_interval, log, on_notice
                     ):
                         log.info("tail.stopped", offset=copy.offset)
                         return
@@ -238,6 +242,7 @@ async def _follow_once(
     drain: _Drain,
     poll_interval: float,
     log: structlog.typing.FilteringBoundLogger,
+    on_notice: jobfiles.Notice | None,
 ) -> bool:
     """Run one follower until it ends (False) or the stop request is drained (True)."""
     root, rel = jobfiles.split(log_dir, remote_path)
@@ -269,7 +274,7 @@ async def _follow_once(
                 limit = anyio.current_time() + CLOSE_LIMIT_S
                 tg.cancel_scope.deadline = min(tg.cancel_scope.deadline, limit)
 
-            tg.start_soon(stream.collect_stderr, log)
+            tg.start_soon(stream.collect_stderr, log, on_notice)
             tg.start_soon(watch_stop)
             tg.start_soon(pump)
     except* (RemoteError, OSError, LogCapped) as group:

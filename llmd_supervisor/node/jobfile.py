@@ -19,8 +19,13 @@ Modes:
                                TOO_LARGE (more than MAX bytes; nothing printed)
   follow ROOT REL OFFSET POLL  the file's bytes from OFFSET on, following it by name like
                                ``tail -F`` (a replaced or truncated file is read from its
-                               start) until stdin reaches EOF; then what is left up to the
-                               current end, and exit 0. A missing file is waited for.
+                               start, and said on stderr: ``replaced: REL at byte N`` or
+                               ``truncated: REL from byte N to M``) until stdin reaches EOF;
+                               then what is left up to the current end, and exit 0. A
+                               missing file is waited for. A file is taken as truncated
+                               only when a fresh open by name shows it shorter on two polls
+                               in a row (a shared file system's attribute cache may show a
+                               stale size on the open descriptor).
   serve ROOT                   one request per stdin line, a JSON list: ["read", REL, MAX]
                                or ["list", REL, MAX] (at most MAX entry names); each answer
                                is a line ``<status> <length>`` and then <length> bytes
@@ -175,17 +180,18 @@ def follow(root: str, rel: str, offset: int, poll: float) -> int:
     pos = offset
     stopping = False
     waiting = False
+    shrunk = 0  # polls in a row that saw the file shorter than what was read
     try:
         while True:
             if fd < 0:
                 opened = open_file(root, rel)
                 if opened is None and not waiting:
                     waiting = True
-                    sys.stderr.write("waiting for %s to appear (at byte %d)\n" % (rel, pos))
-                    sys.stderr.flush()
+                    _say("waiting for %s to appear (at byte %d)" % (rel, pos))
                 if opened is not None:
                     fd, st = opened
                     if ino is not None and st.st_ino != ino:
+                        _say("replaced: %s at byte %d" % (rel, pos))
                         pos = 0  # replaced while followed: the new file from its start
                     ino = st.st_ino
                     os.lseek(fd, pos, os.SEEK_SET)
@@ -200,12 +206,35 @@ def follow(root: str, rel: str, offset: int, poll: float) -> int:
             stopping = _stdin_closed(poll)
             if fd >= 0 and not stopping:
                 fd = _recheck(root, rel, fd, ino)
-                if fd >= 0 and os.fstat(fd).st_size < pos:
+                size = _size_by_name(root, rel, ino) if fd >= 0 else None
+                shrunk = shrunk + 1 if size is not None and size < pos else 0
+                if size is not None and shrunk >= 2:
+                    _say("truncated: %s from byte %d to %d" % (rel, pos, size))
+                    shrunk = 0
                     pos = 0  # truncated: like tail -F, from the start again
                     os.lseek(fd, 0, os.SEEK_SET)
     finally:
         if fd >= 0:
             os.close(fd)
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _size_by_name(root: str, rel: str, ino: Optional[int]) -> Optional[int]:
+    """The size of the file the name leads to now, if it is still the followed one (a
+    fresh open revalidates a network file system's cached attributes)."""
+    try:
+        opened = open_file(root, rel)
+    except Refused:
+        return None
+    if opened is None:
+        return None
+    nfd, st = opened
+    os.close(nfd)
+    return st.st_size if st.st_ino == ino else None
 
 
 def _recheck(root: str, rel: str, fd: int, ino: Optional[int]) -> int:

@@ -187,7 +187,7 @@ class Attempt:
             for name, remote_path in wanted.items():
                 if name not in tailing:
                     tailing.add(name)
-                    tg.start_soon(self._tail, link, remote_path, local / name)
+                    tg.start_soon(self._tail, link, remote_path, local / name, tg)
             probe = Probe(
                 probe.ok,
                 probe.agent_state,
@@ -226,7 +226,19 @@ class Attempt:
                 "log.stalled", {"node": event.node, "rank": event.rank, "quiet_s": quiet}
             )
 
-    async def _tail(self, link: NodeFiles, remote_path: str, local_path: Path) -> None:
+    async def _tail(
+        self, link: NodeFiles, remote_path: str, local_path: Path, tg: anyio.abc.TaskGroup
+    ) -> None:
+        def changed(line: str) -> None:  # the job replaced or truncated the file
+            what, _, detail = line.partition(": ")
+            fields = {"node": link.host, "path": remote_path, "copy": str(local_path)}
+            log.warning(f"run.log_{what}", detail=detail, **fields)
+
+            async def note() -> None:
+                await self.record(f"log.{what}", {**fields, "detail": detail})
+
+            tg.start_soon(note)
+
         try:
             local_path.parent.mkdir(parents=True, exist_ok=True)
             await tail_to_local(
@@ -237,6 +249,7 @@ class Attempt:
                 stop=self._stop,
                 on_bytes=self.on_bytes,
                 budget=self.budget,
+                on_notice=changed,
             )
         except* (FileRefused, LogCapped) as group:
             for exc in group.exceptions:  # not copied (or no further) by design: complete

@@ -4,6 +4,7 @@ copies stop at their byte caps; and where a log directory may be at all (core.pa
 
 from __future__ import annotations
 
+import functools
 import os
 import stat
 import subprocess
@@ -89,6 +90,61 @@ def test_follow_by_name_like_tail_F_then_drain_at_stdin_eof(tmp_path: Path) -> N
     out, err = p.communicate(timeout=10)  # stdin EOF: what is left, then exit 0
     assert p.returncode == 0, err
     assert out == b"ne\ntwo\nthree\n"
+    assert b"replaced: L/rank0.log at byte 4\n" in err  # said, never silent
+
+
+def test_a_truncation_is_said_and_only_when_a_fresh_look_confirms_it(tmp_path: Path) -> None:
+    d = tmp_path / "L"
+    d.mkdir()
+    log = d / "rank0.log"
+    log.write_bytes(b"0123456789\n")
+    p = _follower(d, "rank0.log")
+    time.sleep(0.3)
+    with log.open("r+b") as f:  # truncated in place (same inode), then written again
+        f.truncate(0)
+    time.sleep(0.5)
+    with log.open("ab") as f:
+        f.write(b"new\n")
+    out, err = p.communicate(timeout=10)
+    assert p.returncode == 0, err
+    assert out == b"0123456789\nnew\n"
+    assert b"truncated: L/rank0.log from byte 11 to 0\n" in err, err
+
+
+@pytest.mark.asyncio
+async def test_the_tailer_hands_a_change_of_its_file_to_on_notice(tmp_path: Path) -> None:
+    d = tmp_path / "L"
+    d.mkdir()
+    (d / "a.log").write_bytes(b"one\n")
+    stop = anyio.Event()
+    seen: list[str] = []
+    noticed = anyio.Event()
+
+    def notice(line: str) -> None:
+        seen.append(line)
+        noticed.set()
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(
+            functools.partial(
+                tail_to_local,
+                jobfiles.LocalFiles(),
+                str(d),
+                str(d / "a.log"),
+                tmp_path / "copy",
+                stop=stop,
+                poll_interval=0.05,
+                on_notice=notice,
+            )
+        )
+        await anyio.sleep(0.5)
+        (d / "b.log").write_bytes(b"two\n")
+        (d / "b.log").rename(d / "a.log")
+        with anyio.fail_after(10):
+            await noticed.wait()
+        stop.set()
+    assert seen == ["replaced: L/a.log at byte 4"]
+    assert (tmp_path / "copy").read_bytes() == b"one\ntwo\n"
 
 
 def test_a_link_swapped_in_while_followed_ends_the_follower_refused(tmp_path: Path) -> None:
