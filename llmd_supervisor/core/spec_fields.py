@@ -16,7 +16,11 @@ from typing import Final
 from llmd_supervisor.errors import SpecError
 
 # Absolute path, no spaces, quotes, `$`, `%` (sbatch filename patterns) or other metachars.
-PATH_RE: Final = re.compile(r"/(?:[A-Za-z0-9._+-]+/?)*")
+# An absolute path without empty parts. Each part but the last ends in its '/', so a
+# string has one way to match: `(?:[...]+/?)*` had exponentially many, and a 40-character
+# path with one bad character at its end held the event loop for hours (re is not
+# interruptible). tests/unit/test_spec.py times the worst case.
+PATH_RE: Final = re.compile(r"/(?:[A-Za-z0-9._+-]+/)*[A-Za-z0-9._+-]*")
 PLACEHOLDER_RE: Final = re.compile(r"\{\{|\}\}|\{([a-z_]+)\}|[{}]")
 CONTROL_RE: Final = re.compile(r"[\x00-\x1f\x7f]")
 

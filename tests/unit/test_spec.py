@@ -5,6 +5,8 @@ from __future__ import annotations
 import copy
 import math
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -744,3 +746,53 @@ def test_benchmark_result_errors(changes: dict[str, Any], field: str, hint_part:
     err = spec_error(demo(**changes))
     assert err.field == field
     assert hint_part in err.hint, err.hint
+
+
+# Every string field of the spec, given text built to make a backtracking regex explode
+# (a long run of allowed characters, then one that is not). A pattern with nested
+# quantifiers takes hours on these, and `re` cannot be interrupted, so the check runs in a
+# child process with a limit no linear pattern comes near.
+_ADVERSARIAL = ["/" + "a" * 5000 + " ", "/" + "a/" * 2500 + " ", "a" * 5000 + "!", "-" * 5000]
+_HANG_CHECK = """
+import copy, sys, tomllib
+from llmd_supervisor.core.spec import parse_spec
+from llmd_supervisor.errors import SpecError
+demo = tomllib.loads(open(sys.argv[1]).read())
+def strings(t, path=()):
+    for k, v in t.items():
+        if isinstance(v, dict):
+            yield from strings(v, (*path, k))
+        elif isinstance(v, str):
+            yield (*path, k)
+        elif isinstance(v, list) and v and isinstance(v[0], str):
+            yield (*path, k, 0)
+tried = 0
+for where in strings(demo):
+    for bad in %r:
+        data = copy.deepcopy(demo)
+        t = data
+        for k in where[:-1]:
+            t = t[k]
+        t[where[-1]] = bad
+        try:
+            parse_spec(data)
+        except SpecError:
+            pass
+        tried += 1
+print(tried)
+"""
+
+
+@pytest.mark.parametrize("example", ["demo.toml", "example-vllm-pyxis.toml"])
+def test_no_field_pattern_backtracks_on_adversarial_text(example: str) -> None:
+    code = _HANG_CHECK % (_ADVERSARIAL,)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(DEPLOY / example)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout) >= 60  # every string field, each way
