@@ -14,6 +14,12 @@ if ! command -v chromium >/dev/null 2>&1; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium fonts-dejavu-core
 fi
+# The per-user install test runs install.sh --user with Debian's own python3 (a user
+# cannot reach a root-owned pyenv): it needs its venv module.
+if ! /usr/bin/python3 -c 'import ensurepip, venv' >/dev/null 2>&1; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv
+fi
 if [ ! -x .venv/bin/python ]; then
     python3 -m venv .venv
 fi

@@ -16,9 +16,24 @@
 # (llmd), PYTHON (python3, >= 3.11), DESTDIR (install under a scratch root, for tests and
 # packaging; then users are created only with LLMD_CREATE_USER=1 and systemd is left
 # alone).
+#
+# install.sh --user: the per-user service instead, as yourself and without root. Jobs are
+# then submitted as you (your Slurm associations, fair-share and quotas). It installs
+# the package into ~/.local/share/llmd-supervisor/venv (PREFIX), links the CLI to
+# ~/.local/bin, installs systemd/user/llmd-supervisor.service into
+# ~/.config/systemd/user and writes ~/.config/llmd-supervisor/config.toml (socket
+# $XDG_RUNTIME_DIR/llmd-supervisor/control.sock, mode 0600; state under
+# $XDG_STATE_HOME/llmd-supervisor) unless one exists. Your own ~/.ssh reaches the nodes,
+# or set access = "shared-fs" for a cluster whose nodes you cannot SSH to.
 set -euo pipefail
 
 SRC=$(cd "$(dirname "$0")/.." && pwd)
+if [ "${1:-}" = "--user" ]; then
+    exec bash "$SRC/deploy/install-user.sh"
+elif [ -n "${1:-}" ]; then
+    echo "install.sh: unknown argument ${1}; use no argument (the system service, as root) or --user" >&2
+    exit 2
+fi
 DESTDIR=${DESTDIR:-}
 PREFIX=${PREFIX:-/opt/llmd-supervisor}
 LLMD_USER=${LLMD_USER:-llmd}

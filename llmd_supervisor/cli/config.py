@@ -33,7 +33,15 @@ from llmd_supervisor.errors import ConfigError, SupervisorError
 
 
 def config_default() -> Path:
-    return Path(os.environ.get("LLMD_SUPERVISOR_CONFIG", str(DEFAULT_PATH)))
+    """$LLMD_SUPERVISOR_CONFIG, else your own service's config when it exists
+    (``$XDG_CONFIG_HOME/llmd-supervisor/config.toml``, written by install.sh --user), else
+    the system one."""
+    chosen = os.environ.get("LLMD_SUPERVISOR_CONFIG")
+    if chosen:
+        return Path(chosen)
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    user = Path(base) / "llmd-supervisor" / "config.toml"
+    return user if user.is_file() else DEFAULT_PATH
 
 
 def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
@@ -50,6 +58,8 @@ def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
 
 def environment_problems(config: Config) -> list[ConfigError]:
     """What on this machine keeps the configuration from working (files, groups)."""
+    if all(c.access is Access.SHARED_FS for c in config.clusters):
+        return _local_problems(config)  # no SSH at all: the [ssh] files are not used
     problems: list[ConfigError] = []
     for i, path in enumerate(config.ssh.identity_files):
         if not os.path.isfile(path):
@@ -69,6 +79,11 @@ def environment_problems(config: Config) -> list[ConfigError]:
                 "no such file; collect the nodes' host keys into it (ssh-keyscan) or fix the path",
             )
         )
+    return problems + _local_problems(config)
+
+
+def _local_problems(config: Config) -> list[ConfigError]:
+    problems: list[ConfigError] = []
     for i, cluster in enumerate(config.clusters):
         conf = cluster.slurm_conf
         if conf is not None and cluster.login_host is None and not os.path.isfile(conf):

@@ -1,8 +1,10 @@
 """CLI subcommands that run or talk to the daemon: daemon, submit, list, status, logs,
 cancel, wait, archive.
 
-Every client command takes `--json` (machine output) and `--socket`. `submit --wait` and
-`wait` exit 0 only for `succeeded` (the other outcomes use `verify`'s exit codes). A
+Every client command takes `--json` (machine output) and `--socket` (default:
+$LLMD_SUPERVISOR_SOCKET, else your own service's socket when it exists, else the system
+service's). `submit --wait` and `wait` exit 0 only for `succeeded` (the other outcomes
+use `verify`'s exit codes). A
 client that gets SIGINT/SIGTERM while waiting forwards a cancel for its run unless
 `--detach` was given; a second signal stops waiting at once.
 
@@ -56,8 +58,22 @@ EXIT_INTERRUPTED = 130
 T = TypeVar("T")
 
 
+def user_socket() -> Path | None:
+    """Where the per-user service listens (systemd/user/llmd-supervisor.service)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(runtime) / "llmd-supervisor" / "control.sock" if runtime else None
+
+
 def socket_default() -> Path:
-    return Path(os.environ.get("LLMD_SUPERVISOR_SOCKET", str(DEFAULT_SOCKET)))
+    """`--socket`'s default: $LLMD_SUPERVISOR_SOCKET, else the user's own service when its
+    socket exists, else the system service's."""
+    chosen = os.environ.get("LLMD_SUPERVISOR_SOCKET")
+    if chosen:
+        return Path(chosen)
+    user = user_socket()
+    if user is not None and user.is_socket():
+        return user
+    return DEFAULT_SOCKET
 
 
 def _seconds(text: str) -> float:
@@ -76,7 +92,9 @@ def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
         "--config",
         type=Path,
         default=None,
-        help="config TOML (default: $LLMD_SUPERVISOR_CONFIG or /etc/llmd-supervisor/config.toml)",
+        help="config TOML (default: $LLMD_SUPERVISOR_CONFIG, else"
+        " ~/.config/llmd-supervisor/config.toml if it exists, else"
+        " /etc/llmd-supervisor/config.toml)",
     )
     d.set_defaults(handler=cmd_daemon)
 

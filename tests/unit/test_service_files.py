@@ -147,3 +147,70 @@ def test_install_sh_into_a_scratch_root_is_complete_and_idempotent(
     assert config.read_text().endswith("# edited by the operator\n")
     assert key.read_bytes() == key_bytes
     assert "created" not in second.stderr  # no user, group, venv or key created twice
+
+
+USER_UNIT = REPO / "systemd" / "user" / "llmd-supervisor.service"
+
+
+def test_the_user_unit_runs_the_users_own_daemon() -> None:
+    units = unit_directives(USER_UNIT.read_text())
+    service = units["Service"]
+    assert "User" not in service and "Group" not in service  # the user manager's own user
+    assert service["Type"] == "notify" and service["KillMode"] == "mixed"
+    assert service["RuntimeDirectory"] == service["StateDirectory"] == "llmd-supervisor"
+    assert service["RuntimeDirectoryMode"] == service["StateDirectoryMode"] == "0700"
+    assert service["ExecStart"] == (
+        "%h/.local/share/llmd-supervisor/venv/bin/llmd-supervisor daemon"
+        " --config %E/llmd-supervisor/config.toml"
+    )
+    assert units["Install"]["WantedBy"] == "default.target"
+    analyze = shutil.which("systemd-analyze")
+    assert analyze is not None, "systemd-analyze is part of systemd, which install-dev.sh needs"
+
+
+def test_user_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    analyze = shutil.which("systemd-analyze")
+    if analyze is None:
+        pytest.fail("systemd-analyze is not installed on this machine")
+    binary = Path(sys.executable).parent / "llmd-supervisor"
+    unit = tmp_path / "llmd-supervisor.service"
+    unit.write_text(
+        USER_UNIT.read_text().replace(
+            "%h/.local/share/llmd-supervisor/venv/bin/llmd-supervisor", str(binary)
+        )
+    )
+    # `--user` needs a running user manager; the directives are the same for both.
+    out = subprocess.run(
+        [analyze, "verify", str(unit)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0 and out.stderr.strip() == "", out.stderr
+
+
+def test_the_cli_finds_the_users_socket_and_config_before_the_system_ones(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket as sock
+
+    from llmd_supervisor.cli.config import config_default
+    from llmd_supervisor.cli.daemon import DEFAULT_SOCKET, socket_default
+    from llmd_supervisor.core.config import DEFAULT_PATH
+
+    monkeypatch.delenv("LLMD_SUPERVISOR_SOCKET", raising=False)
+    monkeypatch.delenv("LLMD_SUPERVISOR_CONFIG", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "conf"))
+    assert socket_default() == DEFAULT_SOCKET and config_default() == DEFAULT_PATH
+    user_sock = tmp_path / "run/llmd-supervisor/control.sock"
+    user_sock.parent.mkdir(parents=True)
+    listener = sock.socket(sock.AF_UNIX)
+    listener.bind(str(user_sock))
+    user_conf = tmp_path / "conf/llmd-supervisor/config.toml"
+    user_conf.parent.mkdir(parents=True)
+    user_conf.write_text("")
+    try:
+        assert socket_default() == user_sock and config_default() == user_conf
+        monkeypatch.setenv("LLMD_SUPERVISOR_SOCKET", "/x/y.sock")
+        monkeypatch.setenv("LLMD_SUPERVISOR_CONFIG", "/x/c.toml")
+        assert socket_default() == Path("/x/y.sock") and config_default() == Path("/x/c.toml")
+    finally:
+        listener.close()
