@@ -520,6 +520,8 @@ class Agent(object):
         self.reason = ""
         self.final_rc: Optional[int] = None
         self.local_rc: Optional[int] = None
+        self.failed_component: Optional[str] = None  # what failed here: engine, sidecar, ...
+        self.failed_rank: Optional[int] = None  # ... on which rank (another: not answering)
         self.start_error: Optional[LocalFailure] = None
         self.engine_log = ""
         self.marker_published = False
@@ -685,6 +687,8 @@ class Agent(object):
                 "reason": self.reason,
                 "rc": self.final_rc,
                 "local_rc": self.local_rc,
+                "failed_component": self.failed_component,
+                "failed_rank": self.failed_rank,
                 "seq": self._status_seq,
                 "updated_at": now_iso(),
                 "stages": [dict(st) for st in self.stages],
@@ -843,7 +847,9 @@ class Agent(object):
                 )
             except OSError as exc:
                 raise LocalFailure(
-                    shared.RC_SERVICE_DIED, "%s could not be started: %s" % (name, exc)
+                    shared.RC_SERVICE_DIED,
+                    "%s could not be started: %s" % (name, exc),
+                    component=name,
                 ) from exc
         self.services[name] = proc
         self.log("%s.started" % name, pid=proc.pid)
@@ -855,7 +861,9 @@ class Agent(object):
             rc = proc.poll()
             if rc is not None:
                 raise LocalFailure(
-                    shared.RC_SERVICE_DIED, "%s exited with %s" % (name, _rc_text(rc))
+                    shared.RC_SERVICE_DIED,
+                    "%s exited with %s" % (name, _rc_text(rc)),
+                    component=name,
                 )
 
     def wait_healthy(
@@ -880,6 +888,7 @@ class Agent(object):
                     shared.RC_SERVICE_DIED,
                     "stage %s: %s exited with %s before it was healthy"
                     % (stage, svc["name"], _rc_text(proc.poll())),
+                    component=svc["name"],
                 )
             self.raise_if_others_failed()
             for rank in sorted(pending):
@@ -913,6 +922,7 @@ class Agent(object):
                         pending[rank],
                     ),
                     from_rank=None if rank == self.rank else rank,
+                    component=svc["name"],
                 )
             self.sleep(0.5)
 
@@ -1357,6 +1367,8 @@ class Agent(object):
         self.stage_end(failed=exc.reason)
         with self._lock:
             self.local_rc = exc.rc
+            self.failed_component = exc.component
+            self.failed_rank = self.rank if exc.from_rank is None else exc.from_rank
         self.log("local.failure", rc=exc.rc, reason=exc.reason)
         self.set_state(
             shared.STATE_ENGINE_DIED if exc.rc == shared.RC_ENGINE_DIED else shared.STATE_FAILED,
@@ -1573,11 +1585,17 @@ class Agent(object):
 
 
 class LocalFailure(Exception):
-    def __init__(self, rc: int, reason: str, from_rank: Optional[int] = None) -> None:
+    """This rank failed with `rc`; `component` is what failed: "engine" (the default), or
+    a service by its name ("sidecar", a router process), recorded in the status file."""
+
+    def __init__(
+        self, rc: int, reason: str, from_rank: Optional[int] = None, component: str = "engine"
+    ) -> None:
         super().__init__(reason)
         self.rc = rc
         self.reason = reason
         self.from_rank = from_rank
+        self.component = component
 
 
 class _Silence(object):

@@ -218,7 +218,8 @@ class Attempt:
     async def _report(self, event: NodeUnreachable | LogStalled) -> None:
         if isinstance(event, NodeUnreachable):
             log.warning("run.node_unreachable", node=event.node, silent_s=round(event.silent_s))
-            await self.record("node.unreachable", {"node": event.node, "error": event.error})
+            fields = {"node": event.node, "error": event.error, "attempt": self.number}
+            await self.record("node.unreachable", fields)
         else:
             quiet = round(event.quiet_s)
             log.warning("run.stalled", node=event.node, rank=event.rank, quiet_s=quiet)

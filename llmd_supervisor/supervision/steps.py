@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING
 import anyio
 import structlog
 
-from llmd_supervisor.adapters import archive
+from llmd_supervisor.adapters import archive, jobfiles
 from llmd_supervisor.adapters.slurm import NameLookup
+from llmd_supervisor.core.cause import Diagnosis, diagnose, rank_end
 from llmd_supervisor.core.lifecycle import (
     Archived,
     LeftQueue,
@@ -31,13 +32,13 @@ from llmd_supervisor.core.lifecycle import (
 )
 from llmd_supervisor.core.results import GateResult, results_table
 from llmd_supervisor.core.slurm_parse import JobState, parse_scontrol_job
-from llmd_supervisor.core.verdict import SlurmQuery, Source
+from llmd_supervisor.core.verdict import Outcome, SlurmQuery, Source
 from llmd_supervisor.errors import FileRefused, SlurmCommandError, SlurmParseError, SupervisorError
-from llmd_supervisor.node.common import expand_hostlist
+from llmd_supervisor.node.common import RC_CONFIG, expand_hostlist
 from llmd_supervisor.supervision import bench_files
 from llmd_supervisor.supervision.attempt import CopyState
 from llmd_supervisor.supervision.poller import QueueView
-from llmd_supervisor.supervision.verify import verify_job
+from llmd_supervisor.supervision.verify import VerifyResult, verify_job
 
 if TYPE_CHECKING:
     from llmd_supervisor.supervision.driver import Loop, RunHandle, Supervisor
@@ -275,11 +276,56 @@ async def verify(sup: Supervisor, h: RunHandle) -> None:
         cancel_requested=h.run.cancel_requested,
         clock=sup.clock,
     )
-    await sup.journal.add_event(
-        h.run.run_id, RECEIPT_EVENT, {"receipt": result.receipt}, sup.clock()
-    )
+    diagnosis = await _diagnosis(sup, h, result)
+    reason, receipt = result.verdict.reason, dict(result.receipt)
+    receipt["cause"] = None if diagnosis is None else diagnosis.as_json()
+    if diagnosis is not None:
+        reason = receipt["reason"] = f"{reason}; {diagnosis.text}"
+    await sup.journal.add_event(h.run.run_id, RECEIPT_EVENT, {"receipt": receipt}, sup.clock())
     poller.untrack(job_id)
-    await sup.apply(h, Verified(result.verdict.outcome, result.verdict.reason))
+    await sup.apply(h, Verified(result.verdict.outcome, reason))
+
+
+async def _diagnosis(sup: Supervisor, h: RunHandle, result: VerifyResult) -> Diagnosis | None:
+    """Why the run did not succeed (`core.cause`), from the verdict, the ranks' last status
+    files (unreadable ones are left out), the nodes this attempt reported unreachable, and
+    the benchmark's gate."""
+    if result.verdict.outcome is Outcome.SUCCEEDED:
+        return None
+    job_id = h.job_id()
+    count = len(h.run.nodes) or h.spec.topology.nodes
+    paths = [(h.layout.status_file(job_id, r), jobfiles.SMALL_FILE_MAX) for r in range(count)]
+    try:
+        read = await h.cluster.files.read_many(h.layout.log_dir, paths)
+    except (SupervisorError, OSError, TimeoutError) as exc:
+        log.warning("run.status_unreadable", run_id=h.run.run_id, error=str(exc))
+        read = {}
+    ends = []
+    for data in read.values():
+        try:
+            value = json.loads(data) if isinstance(data, bytes) else None
+        except ValueError:
+            continue
+        end = rank_end(value) if isinstance(value, dict) else None
+        if end is not None:
+            ends.append(end)
+    unreachable = [
+        str(e.get("node"))
+        for e in await sup.journal.events(h.run.run_id)
+        if e.get("kind") == "node.unreachable" and e.get("attempt") == h.run.attempt
+    ]
+    gate = result.receipt.get("benchmark")
+    marker = result.marker.marker
+    belief = result.verdict.belief
+    return diagnose(
+        result.verdict.outcome,
+        slurm_state=None if belief is None else belief.record.state.state,
+        cancel_requested=h.run.cancel_requested,
+        ranks=ends,
+        unreachable=unreachable,
+        benchmark_failed=(isinstance(gate, dict) and gate.get("ok") is False)
+        or (marker is not None and 0 < marker.rc < RC_CONFIG),
+    )
 
 
 async def _marker(h: RunHandle) -> bytes | None:

@@ -75,6 +75,7 @@ def test_failing_bench_point_fails_the_run_naming_rc_and_rank(
     result = _result(proc.stdout)
     assert result["outcome"] == "failed"
     assert "rc=7" in str(result["reason"])
+    assert str(result["reason"]).endswith("; cause=workload"), result["reason"]
 
 
 def test_cancel_mid_run_terms_every_rank_and_ends_cancelled(daemon: Daemon, log_dir: Path) -> None:

@@ -84,6 +84,7 @@ def test_cut_link_reports_unreachable_then_node_failed(
         devcluster("node", node, "resume")
     assert final["outcome"] == "node_failed", final["reason"]
     assert "State=NODE_FAIL" in str(final["reason"])
+    assert str(final["reason"]).endswith(f"; cause=infrastructure node={node}"), final["reason"]
     events = (Path(str(final["archive"])) / "events.jsonl").read_text()
     assert '"kind": "node.unreachable"' in events
 

@@ -1,0 +1,136 @@
+"""The cause of a run that did not succeed (core.cause): a table over the evidence."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from llmd_supervisor.core.cause import NODE_RCS, Cause, RankEnd, diagnose, rank_end
+from llmd_supervisor.core.slurm_parse import JobState
+from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.node import common
+
+P, D = "prefill", "decode"
+
+
+def ranks(*rcs: int | None, component: str = "engine") -> list[RankEnd]:
+    """2 prefill + 2 decode ranks on node1..node4 with these own exit statuses (a failing
+    one names `component` as what failed, on itself)."""
+    out = []
+    for i, rc in enumerate(rcs):
+        role, ran = (P, frozenset({"engine"})) if i < 2 else (D, frozenset({"engine", "sidecar"}))
+        failing = rc in NODE_RCS
+        what, where = (component, i) if failing else (None, None)
+        out.append(RankEnd(i, f"node{i + 1}", role, rc, what, where, ran))
+    return out
+
+
+def saw(reporter: RankEnd, rc: int, culprit: int, component: str) -> RankEnd:
+    """`reporter` failed because rank `culprit`'s `component` did not answer it."""
+    return RankEnd(
+        reporter.rank, reporter.node, reporter.role, rc, component, culprit, reporter.ran
+    )
+
+
+OK4 = ranks(0, 0, 0, 0)
+BENCH7 = ranks(7, 7, 7, 7)  # a benchmark point's rc: every rank exits with the marker's
+ENGINE = common.RC_ENGINE_DIED
+SIDECAR = common.RC_SERVICE_DIED
+TERM = common.RC_SIGTERM
+BOTH = frozenset({"engine", "sidecar"})
+
+CASES: list[tuple[str, dict[str, Any], Cause, tuple[str, ...]]] = [
+    ("node fail", {"slurm_state": JobState.NODE_FAIL, "unreachable": ["node4"]},
+     Cause.INFRASTRUCTURE, ("node4",)),
+    ("boot fail", {"slurm_state": JobState.BOOT_FAIL}, Cause.INFRASTRUCTURE, ()),
+    ("preempted", {"slurm_state": JobState.PREEMPTED}, Cause.INFRASTRUCTURE, ()),
+    ("oom", {"slurm_state": JobState.OUT_OF_MEMORY}, Cause.WORKLOAD, ()),
+    ("timeout", {"slurm_state": JobState.TIMEOUT, "outcome": Outcome.TIMED_OUT},
+     Cause.WORKLOAD, ()),
+    ("cancel asked", {"cancel_requested": True, "slurm_state": JobState.CANCELLED},
+     Cause.CANCELLED, ()),
+    ("cancelled by slurm", {"outcome": Outcome.CANCELLED}, Cause.CANCELLED, ()),
+    ("one node silent", {"unreachable": ["node3"], "ranks": OK4},
+     Cause.INFRASTRUCTURE, ("node3",)),
+    ("every node silent (our network)", {"unreachable": ["node1", "node2", "node3", "node4"],
+     "ranks": OK4}, Cause.UNKNOWN, ()),
+    ("one decode sidecar died", {"ranks": ranks(TERM, TERM, TERM, SIDECAR, component="sidecar")},
+     Cause.INFRASTRUCTURE, ("node4",)),
+    ("every decode sidecar died",
+     {"ranks": ranks(TERM, TERM, SIDECAR, SIDECAR, component="sidecar")}, Cause.WORKLOAD, ()),
+    ("the router never ready (one per job)",
+     {"ranks": ranks(TERM, TERM, common.RC_SERVICE_UNHEALTHY, TERM, component="router")},
+     Cause.UNKNOWN, ()),
+    ("a remote engine not answering the coordinator",
+     {"ranks": [*OK4[:2], saw(OK4[2], common.RC_REMOTE_UNHEALTHY, 1, "engine"), OK4[3]]},
+     Cause.INFRASTRUCTURE, ("node2",)),
+    ("the culprit's own record wins over what another rank saw",
+     {"ranks": [*OK4[:2], saw(OK4[2], SIDECAR, 3, "engine"),
+                ranks(0, 0, 0, SIDECAR, component="sidecar")[3]]},
+     Cause.INFRASTRUCTURE, ("node4",)),
+    ("the only sidecar died (one decode group)",
+     {"ranks": [*OK4[:2], RankEnd(2, "node3", D, SIDECAR, "sidecar", 2, BOTH),
+                RankEnd(3, "node4", D, TERM)]},
+     Cause.UNKNOWN, ()),
+    ("one prefill engine died", {"ranks": ranks(ENGINE, TERM, TERM, TERM)},
+     Cause.INFRASTRUCTURE, ("node1",)),
+    ("every prefill engine died", {"ranks": ranks(ENGINE, ENGINE, TERM, TERM)},
+     Cause.WORKLOAD, ()),
+    ("every prefill engine and the decode leader's never healthy (follower unchecked)",
+     {"ranks": ranks(*[common.RC_ENGINE_UNHEALTHY] * 3, TERM)}, Cause.WORKLOAD, ()),
+    ("every engine never healthy",
+     {"ranks": ranks(*[common.RC_ENGINE_UNHEALTHY] * 4)}, Cause.WORKLOAD, ()),
+    ("benchmark rc 7", {"ranks": BENCH7, "benchmark_failed": True}, Cause.WORKLOAD, ()),
+    ("gate failed", {"ranks": OK4, "benchmark_failed": True}, Cause.WORKLOAD, ()),
+    ("nothing known", {"ranks": []}, Cause.UNKNOWN, ()),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("evidence", "cause", "nodes"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_cause(evidence: dict[str, Any], cause: Cause, nodes: tuple[str, ...]) -> None:
+    args: dict[str, Any] = {
+        "slurm_state": JobState.FAILED,
+        "cancel_requested": False,
+        "ranks": OK4,
+        "unreachable": [],
+        "benchmark_failed": False,
+        **evidence,
+    }
+    outcome = args.pop("outcome", Outcome.FAILED)
+    diagnosis = diagnose(outcome, **args)
+    assert diagnosis is not None
+    assert (diagnosis.cause, diagnosis.nodes) == (cause, nodes), diagnosis.why
+    suffix = f"cause={cause.value}" + (f" node={','.join(nodes)}" if nodes else "")
+    assert diagnosis.text == suffix
+
+
+def test_a_success_has_no_cause() -> None:
+    no_cause = diagnose(
+        Outcome.SUCCEEDED,
+        slurm_state=JobState.COMPLETED,
+        cancel_requested=False,
+        ranks=OK4,
+        unreachable=[],
+        benchmark_failed=False,
+    )
+    assert no_cause is None
+
+
+@pytest.mark.parametrize(
+    ("status", "end"),
+    [
+        ({"rank": 3, "host": "node4", "role": "decode", "local_rc": 77,
+          "failed_component": "sidecar", "failed_rank": 3},
+         RankEnd(3, "node4", "decode", 77, "sidecar", 3)),
+        ({"rank": 0, "host": "node1", "role": "prefill"}, RankEnd(0, "node1", "prefill", None)),
+        ({"rank": 1, "host": "n", "role": 5, "local_rc": True}, RankEnd(1, "n", "", None)),
+        ({"rank": "0", "host": "node1"}, None),
+        ({"rank": True, "host": "node1"}, None),
+        ({"rank": 0}, None),
+    ],
+)  # fmt: skip
+def test_rank_end_from_a_status_file(status: dict[str, object], end: RankEnd | None) -> None:
+    assert rank_end(status) == end
