@@ -4,25 +4,15 @@ prefill engine never healthy is the workload's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.daemon_helpers import Daemon, demo_spec, run_to_end
-from tests.devcluster import DevCluster
 
 pytestmark = pytest.mark.cluster
 
 PORT = 9400
-
-
-@pytest.fixture
-def daemon(cluster: DevCluster, tmp_path: Path) -> Iterator[Daemon]:
-    d = Daemon(cluster, tmp_path)
-    d.start()
-    yield d
-    d.stop()
 
 
 def _never_healthy(log_dir: Path, port: int, ranks: str) -> str:

@@ -22,14 +22,6 @@ pytestmark = pytest.mark.cluster
 
 
 @pytest.fixture
-def daemon(cluster: DevCluster, tmp_path: Path) -> Iterator[Daemon]:
-    d = Daemon(cluster, tmp_path)
-    d.start()
-    yield d
-    d.stop()
-
-
-@pytest.fixture
 def log_dir(shared_tmp: Path) -> Path:
     d = shared_tmp / "runs"
     return d

@@ -6,26 +6,16 @@ naming the point."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.daemon_helpers import Daemon, demo_spec, run_to_end
-from tests.devcluster import DevCluster
 
 pytestmark = pytest.mark.cluster
 
 PORT = 8900
 DEMO_POINTS = {1: 4, 2: 8, 4: 16}  # concurrency -> prompts (prompts_multiplier = 4)
-
-
-@pytest.fixture
-def daemon(cluster: DevCluster, tmp_path: Path) -> Iterator[Daemon]:
-    d = Daemon(cluster, tmp_path)
-    d.start()
-    yield d
-    d.stop()
 
 
 def test_the_demo_runs_results_are_archived_byte_exact_and_shown(

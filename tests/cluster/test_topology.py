@@ -6,26 +6,16 @@ within their deadlines, naming the stage and the rank."""
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.daemon_helpers import Daemon, demo_spec, node_addresses, run_to_end
-from tests.devcluster import DevCluster
 
 pytestmark = pytest.mark.cluster
 
 PORT = 9100
 PROMPTS = 4 + 8 + 16  # the demo's three points (concurrency x prompts_multiplier 4)
-
-
-@pytest.fixture
-def daemon(cluster: DevCluster, tmp_path: Path) -> Iterator[Daemon]:
-    d = Daemon(cluster, tmp_path)
-    d.start()
-    yield d
-    d.stop()
 
 
 def test_every_request_takes_router_sidecar_prefill_decode(
