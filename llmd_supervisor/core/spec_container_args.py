@@ -25,7 +25,12 @@ from dataclasses import dataclass
 from typing import Final
 
 from llmd_supervisor.core.spec_fields import list_field, plain_path, shown
-from llmd_supervisor.core.spec_slurm import EXTRA_ARG_RE, MAX_EXTRA_ARG_CHARS, MAX_EXTRA_ARGS
+from llmd_supervisor.core.spec_slurm import (
+    EXTRA_ARG_RE,
+    MAX_EXTRA_ARG_CHARS,
+    MAX_EXTRA_ARGS,
+    SHORT_ARG_RE,
+)
 from llmd_supervisor.errors import SpecError
 
 __all__ = [
@@ -154,7 +159,7 @@ def _one(fld: str, arg: object, kind: str) -> str:
         raise SpecError(
             fld, shown(arg), f"an extra option is at most {MAX_EXTRA_ARG_CHARS} characters"
         )
-    short = re.fullmatch(r"-([A-Za-z])(.*)", arg, re.DOTALL)
+    short = SHORT_ARG_RE.fullmatch(arg)
     m = EXTRA_ARG_RE.fullmatch(arg)
     name = short.group(1) if short else m.group(1) if m else None
     if name is None:
