@@ -7,9 +7,12 @@ benchmark's validity gate). A retry policy may only act on ``infrastructure``.
 * ``infrastructure`` — Slurm says NODE_FAIL, BOOT_FAIL or PREEMPTED; or some node was
   unreachable (or its status file silent) while others were not; or one node's engine or
   sidecar failed (to start, to get healthy, to answer the coordinator, by dying) while
-  another rank of the same role did not: the implicated nodes are named. Each rank's
-  status file says what failed (``failed_component``) and on which rank
-  (``failed_rank``: another one when this rank only saw it not answer).
+  another rank of the same role had passed its own health check for it and did not fail:
+  the implicated nodes are named. Each rank's status file says what failed
+  (``failed_component``), on which rank (``failed_rank``: another one when this rank only
+  saw it not answer), and what passed its own health check there (``healthy``). A rank
+  stopped before its check (TERM after another's failure, an unchecked ``--headless``
+  follower) is no evidence either way.
 * ``workload`` — OUT_OF_MEMORY, TIMEOUT or DEADLINE; a benchmark point that failed or
   did not pass the validity gate; every rank of a role failing the same way (the model,
   the flags or the image, not a node).
@@ -73,7 +76,7 @@ class RankEnd:
     local_rc: int | None  # the rank's own exit status (rc is the marker's, on every rank)
     component: str | None = None  # what failed: engine, sidecar, a router process
     failed_rank: int | None = None  # where it failed (another rank: it did not answer)
-    ran: frozenset[str] = frozenset({"engine"})  # what the rank ran (engine, sidecar)
+    healthy: frozenset[str] = frozenset()  # what passed its own health check on the rank
 
 
 @dataclass(frozen=True)
@@ -100,12 +103,7 @@ def rank_end(status: Mapping[str, object]) -> RankEnd | None:
     rank = _int(rank)
     if rank is None or not isinstance(node, str):
         return None
-    stages = status.get("stages")
-    names = (
-        {st.get("name") for st in stages[:64] if isinstance(st, dict)}
-        if isinstance(stages, list)
-        else set()
-    )
+    healthy = status.get("healthy")
     return RankEnd(
         rank,
         node[:255],
@@ -113,7 +111,9 @@ def rank_end(status: Mapping[str, object]) -> RankEnd | None:
         _int(status.get("local_rc")),
         component[:64] if isinstance(component, str) else None,
         _int(status.get("failed_rank")),
-        frozenset({"engine", "sidecar"} if "sidecar-healthy" in names else {"engine"}),
+        frozenset(h[:64] for h in healthy[:16] if isinstance(h, str))
+        if isinstance(healthy, list)
+        else frozenset(),
     )
 
 
@@ -169,7 +169,8 @@ def _compare(culprits: Mapping[int, str], ranks: Sequence[RankEnd]) -> Diagnosis
         return Diagnosis(Cause.UNKNOWN, (), "a failing rank left no status file")
     healthy_peer = {
         c: any(
-            r.rank not in culprits and r.role == by_rank[c].role and what in r.ran for r in ranks
+            r.rank not in culprits and r.role == by_rank[c].role and what in r.healthy
+            for r in ranks
         )
         for c, what in culprits.items()
     }

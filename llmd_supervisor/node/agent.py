@@ -521,6 +521,7 @@ class Agent(object):
         self.final_rc: Optional[int] = None
         self.local_rc: Optional[int] = None
         self.failed_component: Optional[str] = None  # what failed here: engine, sidecar, ...
+        self.healthy: List[str] = []  # what passed its own health check here (engine, sidecar)
         self.failed_rank: Optional[int] = None  # ... on which rank (another: not answering)
         self.start_error: Optional[LocalFailure] = None
         self.engine_log = ""
@@ -606,6 +607,14 @@ class Agent(object):
         self.log("state", state=state, reason=self.reason)
         self.write_status()
 
+    def mark_healthy(self, component: str) -> None:
+        """`component` passed its own health check on this rank (evidence that the node
+        could run it, for the daemon's cause of a failure elsewhere)."""
+        with self._lock:
+            if component not in self.healthy:
+                self.healthy.append(component)
+        self.write_status()
+
     def stage(self, name: str, deadline_s: float) -> None:
         """Begin stage `name`, which must end within `deadline_s` (or fail the run)."""
         with self._lock:
@@ -688,6 +697,7 @@ class Agent(object):
                 "rc": self.final_rc,
                 "local_rc": self.local_rc,
                 "failed_component": self.failed_component,
+                "healthy": list(self.healthy),
                 "failed_rank": self.failed_rank,
                 "seq": self._status_seq,
                 "updated_at": now_iso(),
@@ -936,6 +946,7 @@ class Agent(object):
             except ConfigError:
                 here = "127.0.0.1"
             self.wait_healthy("sidecar-healthy", sidecar, [(self.rank, here)], proc)
+            self.mark_healthy("sidecar")
 
     def start_router(self) -> str:
         """On the coordinator: every sidecar answers, the endpoints file is written (by
@@ -1031,6 +1042,7 @@ class Agent(object):
             last = check_health(host, port, self.health_path, self.connect_s, self.read_s)
             if not last:
                 self.log("engine.healthy", host=host, port=port)
+                self.mark_healthy("engine")
                 return
             if time.monotonic() >= deadline:
                 raise LocalFailure(
@@ -1150,6 +1162,8 @@ class Agent(object):
                 else:
                     del pending[r]
                     self.log("engine.ready", peer=r, host=self.host_of(r), port=self.port_of(r))
+                    if r == self.rank:
+                        self.mark_healthy("engine")
             if not pending:
                 return
             if time.monotonic() >= deadline:

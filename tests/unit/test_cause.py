@@ -12,24 +12,27 @@ from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.node import common
 
 P, D = "prefill", "decode"
+BOTH = frozenset({"engine", "sidecar"})
 
 
 def ranks(*rcs: int | None, component: str = "engine") -> list[RankEnd]:
     """2 prefill + 2 decode ranks on node1..node4 with these own exit statuses (a failing
-    one names `component` as what failed, on itself)."""
+    one names `component` as what failed, on itself; the others passed their engine's
+    health check, and the decode ones their sidecar's)."""
     out = []
     for i, rc in enumerate(rcs):
-        role, ran = (P, frozenset({"engine"})) if i < 2 else (D, frozenset({"engine", "sidecar"}))
+        role, ok = (P, frozenset({"engine"})) if i < 2 else (D, BOTH)
         failing = rc in NODE_RCS
         what, where = (component, i) if failing else (None, None)
-        out.append(RankEnd(i, f"node{i + 1}", role, rc, what, where, ran))
+        healthy = frozenset() if failing else ok
+        out.append(RankEnd(i, f"node{i + 1}", role, rc, what, where, healthy))
     return out
 
 
 def saw(reporter: RankEnd, rc: int, culprit: int, component: str) -> RankEnd:
     """`reporter` failed because rank `culprit`'s `component` did not answer it."""
     return RankEnd(
-        reporter.rank, reporter.node, reporter.role, rc, component, culprit, reporter.ran
+        reporter.rank, reporter.node, reporter.role, rc, component, culprit, reporter.healthy
     )
 
 
@@ -38,7 +41,6 @@ BENCH7 = ranks(7, 7, 7, 7)  # a benchmark point's rc: every rank exits with the 
 ENGINE = common.RC_ENGINE_DIED
 SIDECAR = common.RC_SERVICE_DIED
 TERM = common.RC_SIGTERM
-BOTH = frozenset({"engine", "sidecar"})
 
 CASES: list[tuple[str, dict[str, Any], Cause, tuple[str, ...]]] = [
     ("node fail", {"slurm_state": JobState.NODE_FAIL, "unreachable": ["node4"]},
@@ -46,6 +48,9 @@ CASES: list[tuple[str, dict[str, Any], Cause, tuple[str, ...]]] = [
     ("boot fail", {"slurm_state": JobState.BOOT_FAIL}, Cause.INFRASTRUCTURE, ()),
     ("preempted", {"slurm_state": JobState.PREEMPTED}, Cause.INFRASTRUCTURE, ()),
     ("oom", {"slurm_state": JobState.OUT_OF_MEMORY}, Cause.WORKLOAD, ()),
+    ("a peer stopped before its own check is no evidence",
+     {"ranks": [RankEnd(0, "node1", P, ENGINE, "engine", 0), RankEnd(1, "node2", P, TERM),
+                *OK4[2:]]}, Cause.UNKNOWN, ()),
     ("timeout", {"slurm_state": JobState.TIMEOUT, "outcome": Outcome.TIMED_OUT},
      Cause.WORKLOAD, ()),
     ("cancel asked", {"cancel_requested": True, "slurm_state": JobState.CANCELLED},
@@ -70,8 +75,8 @@ CASES: list[tuple[str, dict[str, Any], Cause, tuple[str, ...]]] = [
                 ranks(0, 0, 0, SIDECAR, component="sidecar")[3]]},
      Cause.INFRASTRUCTURE, ("node4",)),
     ("the only sidecar died (one decode group)",
-     {"ranks": [*OK4[:2], RankEnd(2, "node3", D, SIDECAR, "sidecar", 2, BOTH),
-                RankEnd(3, "node4", D, TERM)]},
+     {"ranks": [*OK4[:2], RankEnd(2, "node3", D, SIDECAR, "sidecar", 2),
+                RankEnd(3, "node4", D, TERM, healthy=frozenset({"engine"}))]},
      Cause.UNKNOWN, ()),
     ("one prefill engine died", {"ranks": ranks(ENGINE, TERM, TERM, TERM)},
      Cause.INFRASTRUCTURE, ("node1",)),
@@ -126,6 +131,9 @@ def test_a_success_has_no_cause() -> None:
           "failed_component": "sidecar", "failed_rank": 3},
          RankEnd(3, "node4", "decode", 77, "sidecar", 3)),
         ({"rank": 0, "host": "node1", "role": "prefill"}, RankEnd(0, "node1", "prefill", None)),
+        ({"rank": 2, "host": "node3", "role": "decode", "healthy": ["engine", "sidecar", 3]},
+         RankEnd(2, "node3", "decode", None, healthy=BOTH)),
+        ({"rank": 2, "host": "node3", "healthy": "engine"}, RankEnd(2, "node3", "", None)),
         ({"rank": 1, "host": "n", "role": 5, "local_rc": True}, RankEnd(1, "n", "", None)),
         ({"rank": "0", "host": "node1"}, None),
         ({"rank": True, "host": "node1"}, None),
