@@ -9,6 +9,7 @@ refused file is reported, never read.
 
 from __future__ import annotations
 
+import json
 import posixpath
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -98,6 +99,23 @@ async def read_results(
     paths = {c: layout.bench_files(job_id, c)[0] for c in concurrencies}
     got = await files.read_many(layout.log_dir, [(p, RESULT_FILE_MAX) for p in paths.values()])
     return {c: got.get(p) for c, p in paths.items()}
+
+
+async def read_statuses(
+    files: RunFiles, layout: RunLayout, job_id: str, ranks: int
+) -> list[dict[str, object]]:
+    """Each rank's last status file that reads and parses as a JSON object (the others are
+    left out: missing, refused or torn)."""
+    paths = [(layout.status_file(job_id, r), SMALL_FILE_MAX) for r in range(ranks)]
+    out = []
+    for data in (await files.read_many(layout.log_dir, paths)).values():
+        try:
+            value = json.loads(data) if isinstance(data, bytes) else None
+        except ValueError:
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+    return out
 
 
 async def read_all(

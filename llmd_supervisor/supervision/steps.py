@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import anyio
 import structlog
 
-from llmd_supervisor.adapters import archive, jobfiles
+from llmd_supervisor.adapters import archive
 from llmd_supervisor.adapters.slurm import NameLookup
 from llmd_supervisor.core.cause import Diagnosis, diagnose, rank_end
 from llmd_supervisor.core.lifecycle import (
@@ -292,23 +292,13 @@ async def _diagnosis(sup: Supervisor, h: RunHandle, result: VerifyResult) -> Dia
     the benchmark's gate."""
     if result.verdict.outcome is Outcome.SUCCEEDED:
         return None
-    job_id = h.job_id()
     count = len(h.run.nodes) or h.spec.topology.nodes
-    paths = [(h.layout.status_file(job_id, r), jobfiles.SMALL_FILE_MAX) for r in range(count)]
     try:
-        read = await h.cluster.files.read_many(h.layout.log_dir, paths)
+        statuses = await bench_files.read_statuses(h.cluster.files, h.layout, h.job_id(), count)
     except (SupervisorError, OSError, TimeoutError) as exc:
         log.warning("run.status_unreadable", run_id=h.run.run_id, error=str(exc))
-        read = {}
-    ends = []
-    for data in read.values():
-        try:
-            value = json.loads(data) if isinstance(data, bytes) else None
-        except ValueError:
-            continue
-        end = rank_end(value) if isinstance(value, dict) else None
-        if end is not None:
-            ends.append(end)
+        statuses = []
+    ends = [end for status in statuses if (end := rank_end(status)) is not None]
     unreachable = [
         str(e.get("node"))
         for e in await sup.journal.events(h.run.run_id)
