@@ -73,7 +73,9 @@ class RankEnd:
     rank: int
     node: str
     role: str
-    local_rc: int | None  # the rank's own exit status (rc is the marker's, on every rank)
+    # The rank's own failure's rc: `failed_rc` (the coordinator's too), else `local_rc` (rc
+    # is the marker's, the same on every rank).
+    local_rc: int | None
     component: str | None = None  # what failed: engine, sidecar, a router process
     failed_rank: int | None = None  # where it failed (another rank: it did not answer)
     healthy: frozenset[str] = frozenset()  # what passed its own health check on the rank
@@ -108,7 +110,7 @@ def rank_end(status: Mapping[str, object]) -> RankEnd | None:
         rank,
         node[:255],
         role[:40] if isinstance(role, str) else "",
-        _int(status.get("local_rc")),
+        _int(status.get("failed_rc")) or _int(status.get("local_rc")),
         component[:64] if isinstance(component, str) else None,
         _int(status.get("failed_rank")),
         frozenset(h[:64] for h in healthy[:16] if isinstance(h, str))

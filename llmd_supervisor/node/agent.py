@@ -523,6 +523,7 @@ class Agent(object):
         self.failed_component: Optional[str] = None  # what failed here: engine, sidecar, ...
         self.healthy: List[str] = []  # what passed its own health check here (engine, sidecar)
         self.failed_rank: Optional[int] = None  # ... on which rank (another: not answering)
+        self.failed_rc: Optional[int] = None  # ... with which rc (local_rc: workers only)
         self.start_error: Optional[LocalFailure] = None
         self.engine_log = ""
         self.marker_published = False
@@ -699,6 +700,7 @@ class Agent(object):
                 "failed_component": self.failed_component,
                 "healthy": list(self.healthy),
                 "failed_rank": self.failed_rank,
+                "failed_rc": self.failed_rc,
                 "seq": self._status_seq,
                 "updated_at": now_iso(),
                 "stages": [dict(st) for st in self.stages],
@@ -1093,6 +1095,7 @@ class Agent(object):
             rc, reason = exc.rc, exc.reason
             if exc.from_rank is None:
                 reason = "%s: %s" % (self.rank_label(self.rank), reason)
+            self.record_failure(exc)
             self.stage_end(failed=reason)
             self.log("run.failed", rc=rc, reason=reason)
         delay = self.knob("LLMD_FAKE_MARKER_DELAY_S")
@@ -1376,13 +1379,20 @@ class Agent(object):
             self.stop_group(self.engine, "engine")
             return exc.rc
 
+    def record_failure(self, exc: "LocalFailure") -> None:
+        """What failed and where, for the status file (the daemon's cause); the
+        coordinator records it too, though its own failure goes into the marker."""
+        with self._lock:
+            self.failed_component = exc.component
+            self.failed_rank = self.rank if exc.from_rank is None else exc.from_rank
+            self.failed_rc = exc.rc
+
     def set_local_failure(self, exc: "LocalFailure") -> None:
         """Record a local failure in the status file, where the coordinator looks for it."""
         self.stage_end(failed=exc.reason)
         with self._lock:
             self.local_rc = exc.rc
-            self.failed_component = exc.component
-            self.failed_rank = self.rank if exc.from_rank is None else exc.from_rank
+        self.record_failure(exc)
         self.log("local.failure", rc=exc.rc, reason=exc.reason)
         self.set_state(
             shared.STATE_ENGINE_DIED if exc.rc == shared.RC_ENGINE_DIED else shared.STATE_FAILED,

@@ -134,6 +134,9 @@ def test_a_success_has_no_cause() -> None:
         ({"rank": 2, "host": "node3", "role": "decode", "healthy": ["engine", "sidecar", 3]},
          RankEnd(2, "node3", "decode", None, healthy=BOTH)),
         ({"rank": 2, "host": "node3", "healthy": "engine"}, RankEnd(2, "node3", "", None)),
+        ({"rank": 2, "host": "node3", "failed_rc": 76, "failed_component": "router",
+          "failed_rank": 2, "local_rc": None},
+         RankEnd(2, "node3", "", 76, "router", 2)),  # the coordinator's own failure
         ({"rank": 1, "host": "n", "role": 5, "local_rc": True}, RankEnd(1, "n", "", None)),
         ({"rank": "0", "host": "node1"}, None),
         ({"rank": True, "host": "node1"}, None),
