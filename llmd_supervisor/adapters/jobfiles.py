@@ -249,13 +249,26 @@ class SharedFsNode(LocalFiles):
         status, data = await self._ask("list", log_dir, path, LIST_MAX, time_limit)
         return listing(path, status, data)
 
+    async def read_from(
+        self, log_dir: str, path: str, offset: int, limit: int, *, time_limit: float = 30
+    ) -> bytes | None:
+        """At most `limit` bytes of a job's file from `offset` on (None: missing)."""
+        status, data = await self._ask("from", log_dir, path, limit, time_limit, offset)
+        return answer(path, status, data, limit)
+
     async def _ask(
-        self, op: str, log_dir: str, path: str, limit: int, time_limit: float
+        self,
+        op: str,
+        log_dir: str,
+        path: str,
+        limit: int,
+        time_limit: float,
+        *more: int,
     ) -> tuple[str, bytes]:
-        action = f"reading {path}" if op == "read" else f"listing {path}"
+        action = f"listing {path}" if op == "list" else f"reading {path}"
         root, rel = split(log_dir, path)
-        request = (json.dumps([op, rel, limit]) + "\n").encode()
-        most = (limit if op == "read" else limit * 256) + 64
+        request = (json.dumps([op, rel, limit, *more]) + "\n").encode()
+        most = (limit * 256 if op == "list" else limit) + 64
         async with self._lock:
             if self.closed:
                 raise RemoteError(self.host, action, "the node's file reader is closed")

@@ -216,6 +216,51 @@ async def tail_to_local(
         await copy.aclose()
 
 
+class RangeReader(Protocol):
+    """Reads part of a job's file: `jobfiles.SharedFsNode`."""
+
+    async def read_from(
+        self, log_dir: str, path: str, offset: int, limit: int, *, time_limit: float = ...
+    ) -> bytes | None: ...
+
+
+COPY_CHUNK = 8 << 20  # bytes asked of the reader at a time by `copy_rest`
+
+
+async def copy_rest(
+    reader: RangeReader,
+    log_dir: str,
+    remote_path: str,
+    local_path: Path,
+    *,
+    on_bytes: Callable[[int], None] | None = None,
+    budget: CopyBudget | None = None,
+    time_limit: float = 30.0,
+) -> None:
+    """Append what `remote_path` holds beyond the local copy's size, up to its current end
+    (one pass, no following: a run's end). The same copy rules as `tail_to_local`: the
+    local size is the offset, an exclusive flock, every chunk written whole, the budget
+    (`LogCapped`), `FileRefused` for a file that is not the job's; fsynced at the end.
+    Each chunk's read is bounded by `time_limit` (the reader's `RemoteError`)."""
+    copy = _LocalCopy(local_path, on_bytes, budget)
+    try:
+        while True:
+            want = COPY_CHUNK if budget is None else min(COPY_CHUNK, budget.allowed(copy.offset))
+            if want <= 0:
+                _log.info("tail.capped", local=str(local_path), offset=copy.offset)
+                return
+            data = await reader.read_from(
+                log_dir, remote_path, copy.offset, want, time_limit=time_limit
+            )
+            if not data:
+                return
+            copy.append(data)
+            if len(data) < want:
+                return
+    finally:
+        await copy.aclose()
+
+
 class _Drain:
     """The stop request and the deadline of the drain it starts (set once, when noticed)."""
 

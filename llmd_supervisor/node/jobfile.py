@@ -26,8 +26,9 @@ Modes:
                                only when a fresh open by name shows it shorter on two polls
                                in a row (a shared file system's attribute cache may show a
                                stale size on the open descriptor).
-  serve ROOT                   one request per stdin line, a JSON list: ["read", REL, MAX]
-                               or ["list", REL, MAX] (at most MAX entry names); each answer
+  serve ROOT                   one request per stdin line, a JSON list: ["read", REL, MAX],
+                               ["list", REL, MAX] (at most MAX entry names) or ["from", REL,
+                               MAX, OFFSET] (at most MAX bytes from OFFSET on); each answer
                                is a line ``<status> <length>`` and then <length> bytes
                                (the file, the names one per line, or the reason). Ends at
                                stdin EOF.
@@ -129,6 +130,25 @@ def read(root: str, rel: str, limit: int) -> Tuple[int, bytes]:
                 return OK, data
             data += chunk
         return TOO_LARGE, b""
+    finally:
+        os.close(fd)
+
+
+def read_from(root: str, rel: str, offset: int, limit: int) -> Tuple[int, bytes]:
+    """(status, bytes): at most `limit` bytes of the file from `offset` on."""
+    opened = open_file(root, rel)
+    if opened is None:
+        return MISSING, b""
+    fd, _st = opened
+    try:
+        os.lseek(fd, offset, os.SEEK_SET)
+        data = b""
+        while len(data) < limit:
+            chunk = os.read(fd, min(_CHUNK, limit - len(data)))
+            if not chunk:
+                break
+            data += chunk
+        return OK, data
     finally:
         os.close(fd)
 
@@ -259,10 +279,12 @@ def _recheck(root: str, rel: str, fd: int, ino: Optional[int]) -> int:
 def serve(root: str) -> None:
     for line in sys.stdin.buffer:
         try:
-            op, rel, limit = json.loads(line.decode("utf-8"))
+            op, rel, limit, *rest = json.loads(line.decode("utf-8"))
             limit = int(limit)
             if op == "read":
                 code, data = read(root, str(rel), limit)
+            elif op == "from" and len(rest) == 1 and int(rest[0]) >= 0:
+                code, data = read_from(root, str(rel), int(rest[0]), limit)
             elif op == "list":
                 code, names = list_dir(root, str(rel), limit)
                 data = "".join(n + "\n" for n in names).encode("utf-8", "surrogateescape")

@@ -33,7 +33,7 @@ from llmd_supervisor.adapters import jobfiles
 from llmd_supervisor.adapters.remote import NodeLink
 from llmd_supervisor.adapters.slurm import CommandRunner, LocalRunner, SlurmClient
 from llmd_supervisor.adapters.slurm_ssh import SshRunner, ssh_settings
-from llmd_supervisor.adapters.tail import NodeFiles, tail_to_local
+from llmd_supervisor.adapters.tail import NodeFiles, copy_rest
 from llmd_supervisor.core.config import Access, ClusterConfig, Config
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.errors import (
@@ -48,10 +48,9 @@ from llmd_supervisor.supervision.poller import Poller
 
 log = structlog.get_logger("llmd_supervisor.cluster")
 
-# A log copy completed from the shared file system at a run's end may take this long per
-# file (a multi-GiB log on a slow file system); then it is left as an exact prefix.
+# A run's log copies completed from the shared file system at its end may take this long
+# in all (multi-GiB logs on a slow file system); then they are left as exact prefixes.
 CATCH_UP_LIMIT_S = 600.0
-CATCH_UP_AT_ONCE = 4  # files copied at the same time
 
 
 class RunFiles(Protocol):
@@ -111,9 +110,9 @@ class SharedLogDir:
         return Path(path)
 
     async def complete_copies(self, attempt: Attempt, layout: RunLayout, job_id: str) -> CopyState:
-        # No need to wait for the cancelled tailers' cleanup (channel close, fsync): they
-        # append nothing after the cancel, and their copies are exact prefixes.
-        attempt.abandon()
+        # The cancelled tailers append nothing after the cancel (their copies are exact
+        # prefixes); they only have to let go of the copies' locks.
+        await attempt.abandoned()
         try:
             copied = await catch_up(attempt, layout, job_id, self._time_limit)
         except (OSError, SupervisorError) as exc:
@@ -174,20 +173,9 @@ class ThroughLoginHost:
 async def catch_up(attempt: Attempt, layout: RunLayout, job_id: str, time_limit: float) -> int:
     """Append to each local copy what its log file (seen through the shared log directory)
     holds beyond it; copies files no tailer saw. Returns the bytes copied. A file that is
-    not a plain file of the job, or beyond the copy budget, is skipped (a named event)."""
-    sources = list(layout.batch_logs(job_id).values())
-    job_dir = layout.job_dir(job_id)
-    try:
-        names = await jobfiles.list_local(layout.log_dir, job_dir, time_limit=time_limit)
-    except FileRefused as exc:
-        await attempt.refused(exc)
-        names = []
-    sources += [f"{job_dir}/{n}" for n in names if layout.is_rank_log(n)]
-    local_dir = layout.copies(attempt.number)
-    local_dir.mkdir(parents=True, exist_ok=True)
-    stop = anyio.Event()
-    stop.set()  # copy up to each file's current end, then stop
-    files = jobfiles.LocalFiles()
+    not a plain file of the job, or beyond the copy budget, is skipped (a named event).
+    One reader process serves every file, chunk by chunk (a run's end waits for this)."""
+    reader = jobfiles.SharedFsNode("localhost")
     copied = 0
 
     def count(n: int) -> None:
@@ -195,30 +183,35 @@ async def catch_up(attempt: Attempt, layout: RunLayout, job_id: str, time_limit:
         copied += n
         attempt.on_bytes(n)
 
-    limiter = anyio.CapacityLimiter(CATCH_UP_AT_ONCE)
-
-    async def one(source: str) -> None:
-        async with limiter:
-            try:
-                await tail_to_local(
-                    files,
-                    layout.log_dir,
-                    source,
-                    local_dir / posixpath.basename(source),
-                    stop=stop,
-                    on_bytes=count,
-                    budget=attempt.budget,
-                    drain_limit=CATCH_UP_LIMIT_S,
-                )
-            except (FileRefused, LogCapped) as exc:
-                await attempt.refused(exc)
-
     try:
-        async with anyio.create_task_group() as tg:
+        sources = list(layout.batch_logs(job_id).values())
+        job_dir = layout.job_dir(job_id)
+        try:
+            names = await reader.list_dir(layout.log_dir, job_dir, time_limit=time_limit)
+        except FileRefused as exc:
+            await attempt.refused(exc)
+            names = []
+        sources += [f"{job_dir}/{n}" for n in names if layout.is_rank_log(n)]
+        local_dir = layout.copies(attempt.number)
+        local_dir.mkdir(parents=True, exist_ok=True)
+        with anyio.fail_after(CATCH_UP_LIMIT_S):
             for source in sources:
-                tg.start_soon(one, source)
-    except* (RemoteError, OSError) as group:  # the local disk's, or a reader that failed
-        raise OSError(f"copying the logs here failed: {group.exceptions[0]}") from None
+                try:
+                    await copy_rest(
+                        reader,
+                        layout.log_dir,
+                        source,
+                        local_dir / posixpath.basename(source),
+                        on_bytes=count,
+                        budget=attempt.budget,
+                        time_limit=time_limit,
+                    )
+                except (FileRefused, LogCapped) as exc:
+                    await attempt.refused(exc)
+    except (RemoteError, TimeoutError) as exc:  # the reader failed or the FS hangs
+        raise OSError(f"copying the logs here failed: {exc}") from None
+    finally:
+        await reader.aclose()
     return copied
 
 
