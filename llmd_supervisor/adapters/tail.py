@@ -244,11 +244,13 @@ async def copy_rest(
     Each chunk's read is bounded by `time_limit` (the reader's `RemoteError`)."""
     copy = _LocalCopy(local_path, on_bytes, budget)
     try:
+        if budget is not None and budget.allowed(copy.offset) == 0:
+            _log.info("tail.capped", local=str(local_path), offset=copy.offset)
+            return
         while True:
-            want = COPY_CHUNK if budget is None else min(COPY_CHUNK, budget.allowed(copy.offset))
-            if want <= 0:
-                _log.info("tail.capped", local=str(local_path), offset=copy.offset)
-                return
+            # One byte over the allowance: a file beyond it raises LogCapped (named).
+            allowed = COPY_CHUNK if budget is None else budget.allowed(copy.offset) + 1
+            want = min(COPY_CHUNK, allowed)
             data = await reader.read_from(
                 log_dir, remote_path, copy.offset, want, time_limit=time_limit
             )

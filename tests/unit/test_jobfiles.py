@@ -304,3 +304,32 @@ async def test_many_files_are_read_through_one_reader_each_judged_alone(
         refused = got[str(d / name)]
         assert isinstance(refused, FileRefused) and why in refused.why, (name, refused)
     assert SECRET not in b"".join(v for v in got.values() if isinstance(v, bytes))
+
+
+@pytest.mark.asyncio
+async def test_copy_rest_appends_what_the_file_holds_beyond_the_copy(tmp_path: Path) -> None:
+    from llmd_supervisor.adapters.tail import copy_rest
+
+    d = tmp_path / "L"
+    d.mkdir()
+    (d / "a.log").write_bytes(b"0123456789" * 1000)
+    local = tmp_path / "copy"
+    local.write_bytes(b"0123")  # an exact prefix, as a cancelled tailer leaves it
+    reader = jobfiles.SharedFsNode("localhost")
+    try:
+        seen: list[int] = []
+        await copy_rest(reader, str(d), str(d / "a.log"), local, on_bytes=seen.append)
+        assert local.read_bytes() == (d / "a.log").read_bytes() and sum(seen) == 9996
+        await copy_rest(reader, str(d), str(d / "a.log"), local)  # nothing more: no change
+        assert local.read_bytes() == (d / "a.log").read_bytes()
+        budget = CopyBudget(per_file=50, per_run=10**9)
+        capped = tmp_path / "capped"
+        with pytest.raises(LogCapped):
+            await copy_rest(reader, str(d), str(d / "a.log"), capped, budget=budget, time_limit=5)
+        await copy_rest(reader, str(d), str(d / "missing.log"), tmp_path / "m")  # waits for none
+        (d / "link.log").symlink_to(d / "a.log")
+        with pytest.raises(FileRefused):
+            await copy_rest(reader, str(d), str(d / "link.log"), tmp_path / "l")
+    finally:
+        await reader.aclose()
+    assert capped.read_bytes() == b"0123456789" * 5
