@@ -137,11 +137,14 @@ class _LocalCopy:
             await anyio.to_thread.run_sync(os.fsync, self.fd)
 
     async def aclose(self) -> None:
-        """Final fsync (shielded, bounded) and close; also releases the lock."""
+        """Final fsync (shielded, bounded) and close; also releases the lock. Once."""
+        if self.fd < 0:
+            return
         with anyio.CancelScope(shield=True):
             with anyio.move_on_after(CLOSE_LIMIT_S):
                 await self.sync()
-            os.close(self.fd)
+            fd, self.fd = self.fd, -1
+            os.close(fd)
 
 
 async def tail_to_local(
@@ -300,33 +303,39 @@ async def _follow_once(
     ended = False
     watching = anyio.CancelScope()
     try:
-        async with anyio.create_task_group() as tg:
+        try:
+            async with anyio.create_task_group() as tg:
 
-            async def watch_stop() -> None:
-                with watching:
-                    await drain.stop.wait()
-                    drain.notice()
-                    tg.cancel_scope.deadline = drain.deadline
-                    await stream.send_eof()  # the follower copies up to the end, exits
+                async def watch_stop() -> None:
+                    with watching:
+                        await drain.stop.wait()
+                        drain.notice()
+                        tg.cancel_scope.deadline = drain.deadline
+                        await stream.send_eof()  # the follower copies up to the end, exits
 
-            async def pump() -> None:
-                nonlocal ended
-                action = f"following {remote_path}"
-                while chunk := await stream.read(action):
-                    copy.append(chunk)
-                    await copy.maybe_sync()
-                ended = True
-                watching.cancel()
-                # The follower has exited: its last stderr line (why) follows at once.
-                limit = anyio.current_time() + CLOSE_LIMIT_S
-                tg.cancel_scope.deadline = min(tg.cancel_scope.deadline, limit)
+                async def pump() -> None:
+                    nonlocal ended
+                    action = f"following {remote_path}"
+                    while chunk := await stream.read(action):
+                        copy.append(chunk)
+                        await copy.maybe_sync()
+                    ended = True
+                    watching.cancel()
+                    # The follower has exited: its last stderr line (why) follows at once.
+                    limit = anyio.current_time() + CLOSE_LIMIT_S
+                    tg.cancel_scope.deadline = min(tg.cancel_scope.deadline, limit)
 
-            tg.start_soon(stream.collect_stderr, log, on_notice)
-            tg.start_soon(watch_stop)
-            tg.start_soon(pump)
-    except* (RemoteError, OSError, LogCapped) as group:
-        # One pump fails at a time; its error (remote, the local disk's, the cap) is it.
-        raise group.exceptions[0] from None
+                tg.start_soon(stream.collect_stderr, log, on_notice)
+                tg.start_soon(watch_stop)
+                tg.start_soon(pump)
+        except* (RemoteError, OSError, LogCapped) as group:
+            # One pump fails at a time; its error (remote, the local disk's, the cap) is it.
+            raise group.exceptions[0] from None
+    except anyio.get_cancelled_exc_class():
+        # Cancelled (the run's end): let go of the copy, whose lock the end-of-run copy
+        # waits for, before the slower close of the follower's channel.
+        await copy.aclose()
+        raise
     finally:
         status = await stream.wait() if ended else None
         await stream.aclose()

@@ -54,9 +54,6 @@ log = structlog.get_logger("llmd_supervisor.attempt")
 
 Record = Callable[[str, Mapping[str, object]], Awaitable[None]]
 FileT = TypeVar("FileT")
-# How long `abandoned` waits for the cancelled tailers to close their copies (each closes
-# its follower within 5 s and fsyncs its copy within 2 s).
-ABANDON_LIMIT_S = 10.0
 # An agent in one of these has stopped rewriting its status file on purpose.
 FINAL_AGENT_STATES = frozenset({STATE_EXITED, STATE_TERMINATED, STATE_FAILED})
 
@@ -159,14 +156,6 @@ class Attempt:
         self._stop.set()
         if self._scope is not None:
             self._scope.cancel()
-
-    async def abandoned(self, limit: float = ABANDON_LIMIT_S) -> None:
-        """`abandon`, then wait (bounded) until every tailer has closed its copy, so the
-        copies may be appended to by someone else (their locks are released)."""
-        self.abandon()
-        if self.running:
-            with anyio.move_on_after(limit):
-                await self._done.wait()
 
     async def _watch_node(self, rank: int, link: NodeFiles, tg: anyio.abc.TaskGroup) -> None:
         layout, job_id = self.layout, self.job_id

@@ -20,8 +20,9 @@ from the ranks' status files, see `core.health`).
 
 from __future__ import annotations
 
+import functools
 import posixpath
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -42,6 +43,7 @@ from llmd_supervisor.errors import (
     RemoteError,
     SlurmCommandError,
     SupervisorError,
+    TailConflict,
 )
 from llmd_supervisor.supervision.attempt import Attempt, CopyState
 from llmd_supervisor.supervision.poller import Poller
@@ -51,6 +53,8 @@ log = structlog.get_logger("llmd_supervisor.cluster")
 # A run's log copies completed from the shared file system at its end may take this long
 # in all (multi-GiB logs on a slow file system); then they are left as exact prefixes.
 CATCH_UP_LIMIT_S = 600.0
+# How long the end-of-run copy waits for a cancelled tailer to release a copy's lock.
+RELEASE_LIMIT_S = 10.0
 
 
 class RunFiles(Protocol):
@@ -111,8 +115,8 @@ class SharedLogDir:
 
     async def complete_copies(self, attempt: Attempt, layout: RunLayout, job_id: str) -> CopyState:
         # The cancelled tailers append nothing after the cancel (their copies are exact
-        # prefixes); they only have to let go of the copies' locks.
-        await attempt.abandoned()
+        # prefixes); each copy is taken over once its tailer lets go of its lock.
+        attempt.abandon()
         try:
             copied = await catch_up(attempt, layout, job_id, self._time_limit)
         except (OSError, SupervisorError) as exc:
@@ -196,16 +200,19 @@ async def catch_up(attempt: Attempt, layout: RunLayout, job_id: str, time_limit:
         local_dir.mkdir(parents=True, exist_ok=True)
         with anyio.fail_after(CATCH_UP_LIMIT_S):
             for source in sources:
+                local = local_dir / posixpath.basename(source)
                 try:
-                    await copy_rest(
+                    copy = functools.partial(
+                        copy_rest,
                         reader,
                         layout.log_dir,
                         source,
-                        local_dir / posixpath.basename(source),
+                        local,
                         on_bytes=count,
                         budget=attempt.budget,
                         time_limit=time_limit,
                     )
+                    await _when_released(copy)
                 except (FileRefused, LogCapped) as exc:
                     await attempt.refused(exc)
     except (RemoteError, TimeoutError) as exc:  # the reader failed or the FS hangs
@@ -213,6 +220,19 @@ async def catch_up(attempt: Attempt, layout: RunLayout, job_id: str, time_limit:
     finally:
         await reader.aclose()
     return copied
+
+
+async def _when_released(copy: Callable[[], Awaitable[None]]) -> None:
+    """Run `copy` once the cancelled tailer of the same local copy has let go of it (each
+    releases its copy's lock right after the cancel, before closing its channel)."""
+    deadline = anyio.current_time() + RELEASE_LIMIT_S
+    while True:
+        try:
+            return await copy()
+        except TailConflict:
+            if anyio.current_time() >= deadline:
+                raise
+            await anyio.sleep(0.02)
 
 
 @dataclass
