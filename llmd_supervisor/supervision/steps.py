@@ -338,6 +338,11 @@ async def write_archive(sup: Supervisor, h: RunHandle) -> None:
         marker = None
     attempt = h.attempt
     copies = attempt.copies if attempt is not None else CopyState.COMPLETE
+    if attempt is None and h.run.slurm_job_id is not None and h.run.nodes:
+        # Restarted since the copies were completed: whether they were is not journaled,
+        # so complete them again (it appends only what a copy lacks).
+        attempt = h.attempt = sup.new_attempt(h, h.run.nodes)
+        copies = CopyState.LOCAL_FAILED
     evidence = await _bench_evidence(sup, h)
     delay = 1.0
     remote_drains = 0

@@ -55,3 +55,27 @@ def test_sigkill_after_transition_then_restart(
         receipt = json.loads((Path(str(final["archive"])) / "receipt.json").read_text())
         assert receipt["outcome"] == "succeeded"
     daemon.stop()
+
+
+def test_a_copy_left_short_before_a_crash_in_verifying_is_completed_after_the_restart(
+    cluster: DevCluster, tmp_path: Path, shared_tmp: Path
+) -> None:
+    # Whether the copies were complete is not journaled: a copy cut short (as a failed
+    # local write leaves it) when the daemon dies after `verifying` is completed anyway.
+    daemon = Daemon(cluster, tmp_path, crash_after="verifying:1")
+    daemon.start()
+    assert daemon.submit(demo_spec(shared_tmp, port=8470)).returncode in (0, 1, 3)
+    assert daemon.proc is not None
+    daemon.proc.wait(timeout=120)
+    assert daemon.proc.returncode == -9, daemon.log_text()[-2000:]
+    copies = sorted((daemon.state_dir / "archive").glob("*/logs/attempt1/*.out"))
+    assert copies, "no batch log copy before the crash"
+    data = copies[0].read_bytes()
+    copies[0].write_bytes(data[: len(data) // 2])
+    daemon.crash_after = None
+    daemon.start()
+    (run,) = json.loads(daemon.cli("list", "--all", "--json").stdout)["runs"]
+    final = json.loads(daemon.cli("wait", str(run["run"]), "--json", check=False).stdout)
+    daemon.stop()
+    assert final["outcome"] == "succeeded", final["reason"]
+    assert_copies_identical(final)
