@@ -43,6 +43,7 @@ LIST_MAX: Final = 4096
 
 _CHUNK = 1 << 20
 _STDERR_KEEP = 4096
+_SERVE_SLACK = 4096  # a serve answer's reason text may exceed a tiny limit
 # Lines of a follower's stderr that say its file changed under it (see node/jobfile.py).
 NOTICE_PREFIXES: Final = ("replaced: ", "truncated: ")
 Notice = Callable[[str], None]
@@ -59,6 +60,21 @@ def told(line: str, log: structlog.typing.FilteringBoundLogger, notice: Notice |
     log.info("tail.reader_message", message=line)
     if notice is not None and line.startswith(NOTICE_PREFIXES):
         notice(line)
+
+
+def serve_request(op: str, rel: str, limit: int, *more: int) -> bytes:
+    """One request line for ``jobfile.py serve``."""
+    return (json.dumps([op, rel, limit, *more]) + "\n").encode()
+
+
+def serve_head(head: bytes, op: str, limit: int) -> tuple[str, int] | None:
+    """(answer word, payload length) of a ``serve`` answer's first line, or None when the
+    length is not one `op` with `limit` can have (the largest: the bytes, or `limit` names
+    of at most 255 bytes and a newline)."""
+    word, _, size = head.decode(errors="replace").strip().partition(" ")
+    most = (limit * 256 if op == "list" else limit) + _SERVE_SLACK
+    n = int(size) if size.isdigit() else -1
+    return (word, n) if 0 <= n <= most else None
 
 
 def split(log_dir: str, path: str) -> tuple[str, str]:
@@ -120,8 +136,7 @@ async def read_many_local(
         return out
     root = split(log_dir, paths[0][0])[0]
     requests = b"".join(
-        (json.dumps(["read", split(log_dir, path)[1], limit]) + "\n").encode()
-        for path, limit in paths
+        serve_request("read", split(log_dir, path)[1], limit) for path, limit in paths
     )
     with anyio.fail_after(time_limit):
         result = await anyio.run_process(argv(sys.executable, "serve", root), input=requests)
@@ -142,7 +157,7 @@ async def list_local(log_dir: str, path: str, *, time_limit: float) -> list[str]
     """Entry names of a job directory here (at most LIST_MAX), [] when missing;
     `FileRefused` when it is a link or not a directory."""
     root, rel = split(log_dir, path)
-    request = (json.dumps(["list", rel, LIST_MAX]) + "\n").encode()
+    request = serve_request("list", rel, LIST_MAX)
     with anyio.fail_after(time_limit):
         result = await anyio.run_process(argv(sys.executable, "serve", root), input=request)
     head, _, body = result.stdout.partition(b"\n")
@@ -267,8 +282,7 @@ class SharedFsNode(LocalFiles):
     ) -> tuple[str, bytes]:
         action = f"listing {path}" if op == "list" else f"reading {path}"
         root, rel = split(log_dir, path)
-        request = (json.dumps([op, rel, limit, *more]) + "\n").encode()
-        most = (limit * 256 if op == "list" else limit) + 64
+        request = serve_request(op, rel, limit, *more)
         async with self._lock:
             if self.closed:
                 raise RemoteError(self.host, action, "the node's file reader is closed")
@@ -283,10 +297,10 @@ class SharedFsNode(LocalFiles):
                     assert proc.stdin is not None
                     await proc.stdin.send(request)
                     head = await out.receive_until(b"\n", 64)
-                    word, _, size = head.decode(errors="replace").partition(" ")
-                    n = int(size) if size.isdigit() else -1
-                    if not 0 <= n <= most:
+                    answered = serve_head(head, op, limit)
+                    if answered is None:
                         raise RemoteError(self.host, action, f"the reader answered {head!r}")
+                    word, n = answered
                     return word, await out.receive_exactly(n) if n else b""
             except TimeoutError:
                 await self._stop()

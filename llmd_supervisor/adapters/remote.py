@@ -11,7 +11,6 @@ remote command's output (the log followers of `adapters.tail` run on it).
 from __future__ import annotations
 
 import contextlib
-import json
 import random
 import shlex
 import time
@@ -38,7 +37,6 @@ CLOSE_LIMIT_S = 2.0
 _CHUNK = 1 << 16
 _STDERR_KEEP = 2048
 # Room for a refusal's reason beyond a request's size limit.
-_SERVE_SLACK = 4096
 
 
 @dataclass(frozen=True)
@@ -324,9 +322,7 @@ class NodeLink:
         root, one request at a time): (answer word, payload)."""
         root, rel = jobfiles.split(log_dir, path)
         action = f"reading {path}" if op == "read" else f"listing {path}"
-        request = (json.dumps([op, rel, limit]) + "\n").encode()
-        # The largest answer: the file, or `limit` names of at most 255 bytes and a newline.
-        most = (limit if op == "read" else limit * 256) + _SERVE_SLACK
+        request = jobfiles.serve_request(op, rel, limit)
 
         async def ask(conn: asyncssh.SSHClientConnection) -> tuple[str, bytes]:
             async with self._files_lock:
@@ -341,10 +337,10 @@ class NodeLink:
                 try:
                     proc.stdin.write(request)
                     head = await proc.stdout.readuntil(b"\n")
-                    word, _, size = head.decode(errors="replace").strip().partition(" ")
-                    n = int(size) if size.isdigit() else -1
-                    if not 0 <= n <= most:
+                    answered = jobfiles.serve_head(head, op, limit)
+                    if answered is None:
                         raise RemoteError(self.host, action, f"the reader answered {head[:80]!r}")
+                    word, n = answered
                     data = await proc.stdout.readexactly(n) if n else b""
                 except EOFError as exc:  # the reader ended (no python3 there?)
                     self._server = None
