@@ -302,18 +302,19 @@ class SharedFsNode(LocalFiles):
                         raise RemoteError(self.host, action, f"the reader answered {head!r}")
                     word, n = answered
                     return word, await out.receive_exactly(n) if n else b""
-            except TimeoutError:
+            except BaseException as exc:  # whatever happened, the reader starts afresh
                 await self._stop()
-                why = f"no answer within {time_limit:g} s (the shared file system hangs?)"
-                raise RemoteError(self.host, action, why) from None
-            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError) as exc:
-                await self._stop()
-                raise RemoteError(self.host, action, f"the file reader ended ({exc!r})") from None
-            except OSError as exc:
-                await self._stop()
-                raise RemoteError(self.host, action, str(exc)) from exc
-            except BaseException:
-                await self._stop()
+                if isinstance(exc, TimeoutError):
+                    why = f"no answer within {time_limit:g} s (the shared file system hangs?)"
+                    raise RemoteError(self.host, action, why) from None
+                if isinstance(
+                    exc, anyio.EndOfStream | anyio.IncompleteRead | anyio.BrokenResourceError
+                ):
+                    raise RemoteError(
+                        self.host, action, f"the file reader ended ({exc!r})"
+                    ) from None
+                if isinstance(exc, OSError):
+                    raise RemoteError(self.host, action, str(exc)) from exc
                 raise
 
     async def _stop(self) -> None:
