@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 from pytest_asyncio import is_async_test
 
+from tests.daemon_helpers import stop_started
 from tests.devcluster import DevCluster, devcluster
 
 # An async test fails when one callback (one step of a task) held the event loop this long.
@@ -84,6 +85,13 @@ def cluster() -> Iterator[DevCluster]:
     yield handle
     if started:
         devcluster("down")
+
+
+@pytest.fixture(autouse=True)
+def _no_daemon_left() -> Iterator[None]:
+    """Stop, after each test, every daemon it started and did not stop (a failing test's)."""
+    yield
+    stop_started()
 
 
 @pytest.fixture

@@ -15,6 +15,24 @@ from pathlib import Path
 from tests.devcluster import REPO, DevCluster
 
 DEMO_SPEC = REPO / "deploy" / "llm-d" / "demo.toml"
+# Every daemon process a test started and has not waited for: tests/conftest.py stops them
+# after each test, so a test failing half-way leaves no daemon behind.
+STARTED: list[subprocess.Popen[bytes]] = []
+
+
+def stop_started(grace_s: float = 30) -> list[int]:
+    """SIGTERM, then SIGKILL, every daemon of STARTED still running; return their PIDs."""
+    left = [p for p in STARTED if p.poll() is None]
+    STARTED.clear()
+    for proc in left:
+        proc.terminate()
+    for proc in left:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return [p.pid for p in left]
 
 
 def with_ports(text: str, port: int) -> str:
@@ -128,6 +146,7 @@ slurm_conf = "{e["SLURM_CONF"]}"
             env={**os.environ, **self.cluster.slurm_env, **self.env},
             cwd=REPO,
         )
+        STARTED.append(self.proc)
         log.close()
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:

@@ -33,9 +33,11 @@ def test_sigkill_after_transition_then_restart(
 ) -> None:
     daemon = Daemon(cluster, tmp_path, crash_after=f"{state}:{nth}")
     daemon.start()
+    accepted = 0
     for i in range(RUNS):
         spec = demo_spec(shared_tmp / f"r{i}", port=8400 + 10 * i)
-        daemon.submit(spec)  # may fail once the daemon has killed itself: that is the point
+        # may fail once the daemon has killed itself: that is the point
+        accepted += daemon.submit(spec).returncode == 0
     assert daemon.proc is not None
     daemon.proc.wait(timeout=120)
     assert daemon.proc.returncode == -9, daemon.log_text()[-2000:]
@@ -44,7 +46,9 @@ def test_sigkill_after_transition_then_restart(
     daemon.crash_after = None
     daemon.start()
     runs = json.loads(daemon.cli("list", "--all", "--json").stdout)["runs"]
-    assert len(runs) >= nth if state == "submitting" else len(runs) == RUNS
+    # nothing accepted is lost, nothing is doubled; a submit racing the crash may or may
+    # not have been journaled before the daemon died
+    assert max(accepted, nth) <= len(runs) <= RUNS, (accepted, runs)
     for r in runs:
         final = json.loads(daemon.cli("wait", str(r["run"]), "--json", check=False).stdout)
         assert final["outcome"] == "succeeded", (r["run"], final["reason"])
