@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Install what the dev cluster and the test suite need on a fresh Debian 12 machine, as root:
-# the Debian packages (Slurm 22.05, munge, MariaDB, OpenSSH, iproute2) and the project with
-# its dev and report extras in ./.venv, and chromium (the report test renders the HTML
-# report headless). Safe to run again; a no-op when everything is there.
+# the Debian packages (Slurm 22.05, munge, MariaDB, OpenSSH, iproute2, and debootstrap, which
+# builds the Debian 13 root file system of the Slurm 24.11 cluster on its first
+# `devcluster up --slurm 24.11`) and the project with its dev and report extras in ./.venv,
+# and chromium (the report test renders the HTML report headless). Safe to run again; a
+# no-op when everything is there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "$(id -u)" -ne 0 ]; then
