@@ -5,10 +5,25 @@
 # where its archive is and the benchmark's results table, and stop the daemon again (the
 # cluster stays up; stop it with `deploy/devcluster/devcluster down`). Exit status: the
 # run's (0 only for succeeded).
+#
+#   deploy/quickstart.sh [--slurm 22.05|24.11]   (default 22.05, Debian 12's Slurm; 24.11
+#   runs from a Debian 13 root file system, built and cached on its first use)
 set -euo pipefail
+SLURM=22.05
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --slurm) SLURM="${2:-}"; shift 2 || shift ;;
+        --slurm=*) SLURM="${1#--slurm=}"; shift ;;
+        *) echo "quickstart: unknown argument '$1'; usage: deploy/quickstart.sh [--slurm 22.05|24.11]" >&2; exit 2 ;;
+    esac
+done
+case "$SLURM" in
+    22.05|24.11) ;;
+    *) echo "quickstart: --slurm '$SLURM' is not a version the dev cluster runs; use 22.05 or 24.11" >&2; exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 deploy/install-dev.sh
-deploy/devcluster/devcluster up
+deploy/devcluster/devcluster up --slurm "$SLURM"
 eval "$(deploy/devcluster/devcluster env)"
 
 QS=/var/tmp/llmd-quickstart
