@@ -24,6 +24,7 @@ import contextlib
 import json
 import os
 import sqlite3
+import stat
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
@@ -55,7 +56,8 @@ _T = TypeVar("_T")
 
 BUSY_TIMEOUT_MS: Final = 10_000
 _DIR_MODE: Final = 0o750
-_FILE_MODE: Final = 0o640
+# Owner only: a run of `submit --script --export-env` keeps the client's environment here.
+_FILE_MODE: Final = 0o600
 _RESERVED_EVENT_KEYS: Final = frozenset({"at", "kind"})
 
 # Ordered migrations: MIGRATIONS[i] takes the schema from user_version i to i + 1. Append
@@ -426,6 +428,8 @@ def _create_file(path: Path) -> bool:
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
     except FileExistsError:
+        if stat.S_IMODE(path.stat().st_mode) & ~_FILE_MODE:  # an older, group-readable one
+            os.chmod(path, _FILE_MODE)
         return False
     os.close(fd)
     return True

@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter as Tally
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -231,12 +231,17 @@ class InstrumentedRunner:
         self.cluster = cluster
 
     async def run(
-        self, argv: Sequence[str], *, time_limit: float, stdin: bytes | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        time_limit: float,
+        stdin: bytes | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> CommandResult:
         command = os.path.basename(argv[0]) if argv else ""
         t0 = time.monotonic()
         try:
-            result = await self.inner.run(argv, time_limit=time_limit, stdin=stdin)
+            result = await self.inner.run(argv, time_limit=time_limit, stdin=stdin, env=env)
         except SlurmCommandError as exc:
             kind = "timeout" if exc.timed_out_after is not None else "unavailable"
             self.metrics.slurm_errors.labels(self.cluster, command, kind).inc()

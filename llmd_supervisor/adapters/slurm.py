@@ -97,14 +97,23 @@ class CommandRunner(Protocol):
     """Runs an argv somewhere (locally, or on a login node over SSH)."""
 
     async def run(
-        self, argv: Sequence[str], *, time_limit: float, stdin: bytes | None = None
-    ) -> CommandResult: ...
+        self,
+        argv: Sequence[str],
+        *,
+        time_limit: float,
+        stdin: bytes | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> CommandResult:
+        """Run `argv`; `env` (sbatch of `submit --export-env`) replaces the daemon's own
+        environment, the configured variables still winning."""
+        ...
 
 
 class LocalRunner:
     """Runs commands on this machine in `command_env` (the configured `env` on top)."""
 
     def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self._configured = dict(env or {})
         self._env = command_env(os.environ, env)
         # Children die with the daemon: an sbatch orphaned by a crash could otherwise
         # submit after the restarted daemon concluded the job did not exist.
@@ -112,14 +121,26 @@ class LocalRunner:
         self._prefix = [setpriv, "--pdeathsig", "KILL", "--"] if setpriv else []
 
     async def run(
-        self, argv: Sequence[str], *, time_limit: float, stdin: bytes | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        time_limit: float,
+        stdin: bytes | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> CommandResult:
         started_at = datetime.now(UTC)
         t0 = time.monotonic()
+        command = list(argv)
+        run_env = self._env
+        if env is not None:
+            # The program is the one the daemon's PATH names, never the client's.
+            found = shutil.which(command[0], path=self._env.get("PATH")) if command else None
+            command[:1] = [found] if found else command[:1]
+            run_env = {**env, **FIXED_ENV, **self._configured}
         try:
             with anyio.fail_after(time_limit):
                 proc = await anyio.run_process(
-                    [*self._prefix, *argv], input=stdin, check=False, env=self._env
+                    [*self._prefix, *command], input=stdin, check=False, env=run_env
                 )
         except TimeoutError as exc:
             raise SlurmCommandError(argv, None, "", timed_out_after=time_limit) from exc
@@ -145,18 +166,32 @@ class SlurmClient:
         self.runner = runner
         self.timeout = timeout
 
-    async def _run(self, argv: Sequence[str], stdin: bytes | None = None) -> CommandResult:
-        return await self.runner.run(argv, time_limit=self.timeout, stdin=stdin)
+    async def _run(
+        self,
+        argv: Sequence[str],
+        stdin: bytes | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> CommandResult:
+        if env is None:
+            return await self.runner.run(argv, time_limit=self.timeout, stdin=stdin)
+        return await self.runner.run(argv, time_limit=self.timeout, stdin=stdin, env=env)
 
-    async def _run_checked(self, argv: Sequence[str], stdin: bytes | None = None) -> CommandResult:
-        result = await self._run(argv, stdin)
+    async def _run_checked(
+        self,
+        argv: Sequence[str],
+        stdin: bytes | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> CommandResult:
+        result = await self._run(argv, stdin, env)
         if not result.ok:
             raise SlurmCommandError(argv, result.returncode, _tail(result.stderr))
         return result
 
-    async def sbatch(self, script: str, *options: str) -> str:
-        """Submit a batch script's text (on stdin, so it works through a remote login node too)."""
-        result = await self._run_checked(["sbatch", "--parsable", *options], script.encode())
+    async def sbatch(self, script: str, *options: str, env: Mapping[str, str] | None = None) -> str:
+        """Submit a batch script's text (on stdin, so it works through a remote login node
+        too); `env`: the job's environment instead of the daemon's (sbatch exports ALL)."""
+        argv = ["sbatch", "--parsable", *options]
+        result = await self._run_checked(argv, script.encode(), env)
         return parse_sbatch_parsable(result.stdout).job_id
 
     async def find_by_name(self, job_name: str, *, starttime: str) -> NameLookup:

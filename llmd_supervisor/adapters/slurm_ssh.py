@@ -63,8 +63,20 @@ class SshRunner:
         self.env = dict(env or {})
 
     async def run(
-        self, argv: Sequence[str], *, time_limit: float, stdin: bytes | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        time_limit: float,
+        stdin: bytes | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> CommandResult:
+        if env is not None:  # admission refuses it: values would show in the remote argv
+            raise SlurmCommandError(
+                argv,
+                None,
+                f"on {self.link.host}: a client's environment cannot be exported through a"
+                " login host; run the daemon on the login node for --export-env",
+            )
         started_at = datetime.now(UTC)
         t0 = time.monotonic()
         try:

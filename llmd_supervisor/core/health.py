@@ -28,7 +28,7 @@ class Probe:
 
     ok: bool
     agent_state: str | None = None  # from the rank's status file, when read
-    log_bytes: int = 0  # bytes of the node's log copies so far
+    log_bytes: int | None = 0  # bytes of the node's log copies so far (None: none watched)
     error: str = ""
     # Seconds since the status file's updated_at (wall clock), if read and not final.
     status_age_s: float | None = None
@@ -93,7 +93,9 @@ def observe(
         if silent > limits.node_silent_s and not health.unreachable_reported:
             health = replace(health, unreachable_reported=True)
             events.append(NodeUnreachable(health.node, health.rank, round(silent, 1), error))
-    if probe.log_bytes != health.log_bytes:
+    if probe.log_bytes is None:  # no log of this node is copied: nothing to stall
+        pass
+    elif probe.log_bytes != health.log_bytes:
         health = replace(health, log_bytes=probe.log_bytes, grown_at=now, stalled=False)
     else:
         quiet = now - (health.grown_at if health.grown_at is not None else health.since)

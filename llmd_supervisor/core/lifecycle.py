@@ -48,6 +48,7 @@ __all__ = [
     "Verified",
     "WatchersStopped",
     "WriteArchive",
+    "adopted_run",
     "new_run",
     "plan",
     "step",
@@ -293,6 +294,19 @@ def new_run(run_id: str, job_name: str, now: datetime) -> Run:
         outcome=None,
         reason="",
         transitions=(Transition(RunState.ACCEPTED, now, "accepted"),),
+    )
+
+
+def adopted_run(run_id: str, job_name: str, job_id: str, now: datetime) -> Run:
+    """A run made of a job submitted without the daemon (`adopt`): journaled at once as
+    `pending` with its job id, so no restart can ever submit it (the plan follows the
+    queue, which takes it to running or, already ended, to finishing)."""
+    accepted = new_run(run_id, job_name, now)
+    return replace(
+        accepted,
+        state=RunState.PENDING,
+        slurm_job_id=job_id,
+        transitions=(*accepted.transitions, Transition(RunState.PENDING, now, "adopted")),
     )
 
 

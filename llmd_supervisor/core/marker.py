@@ -10,6 +10,7 @@ raises.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Literal
 
+from llmd_supervisor.core.foreign import MarkerFormat
 from llmd_supervisor.node import common as shared
 
 __all__ = [
@@ -58,6 +60,8 @@ class MarkerStatus(StrEnum):
     BAD_FIELD = "bad_field"  # job_id/reason not a string, or rank not an int >= 0
     BAD_FINISHED_AT = "bad_finished_at"  # finished_at is not an ISO 8601 timestamp
     REFUSED = "refused"  # not a plain file of the job (a link, FIFO, device, directory, huge)
+    WRONG_FORMAT = "wrong_format"  # a valid marker, but not in the format the run declared
+    NOT_USED = "not_used"  # the run uses no marker protocol (--marker-format none)
     OK = "ok"
 
     @property
@@ -87,6 +91,7 @@ class MarkerReading:
     detail: str  # one phrase naming what was wrong, "" when OK
     raw_text: str | None  # the file's text (undecodable bytes replaced); None when missing
     marker: Marker | None = None  # set exactly when status is OK
+    name: str = ""  # the marker's file name ("": the rendered runs' .bench_done.<jobid>)
 
     @property
     def ok(self) -> bool:
@@ -106,7 +111,9 @@ class MarkerReading:
             if m.format == "int":
                 return f"marker rc={m.rc} (plain integer)"
             return f"marker rc={m.rc} from rank {m.rank}{why}"
-        name = marker_filename(self.expected_job_id)
+        if self.status is MarkerStatus.NOT_USED:
+            return "no marker protocol"
+        name = self.name or marker_filename(self.expected_job_id)
         if self.status is MarkerStatus.MISSING:
             return f"marker {name} missing"
         return f"marker {name} {self.status.value.replace('_', ' ')}: {self.detail}"
@@ -117,14 +124,33 @@ def refused_marker(why: str, expected_job_id: str) -> MarkerReading:
     return MarkerReading(MarkerStatus.REFUSED, expected_job_id, why, None)
 
 
-def read_marker(data: bytes | None, expected_job_id: str) -> MarkerReading:
+def read_marker(
+    data: bytes | None,
+    expected_job_id: str,
+    fmt: MarkerFormat = MarkerFormat.ANY,
+    name: str = "",
+) -> MarkerReading:
     """Interpret the marker file's bytes (None when the file is missing); never raises.
 
+    `fmt` is the format the run declared: ``json`` or ``int`` accept only that format
+    (the other is WRONG_FORMAT), ``any`` both, ``none`` reads nothing (NOT_USED).
     Every defect is its own status. Extra keys are allowed (forward compatibility).
     ``rc`` must be a JSON integer, not a bool; ``job_id`` must be the string
     ``expected_job_id``; ``finished_at`` must parse with ``datetime.fromisoformat``.
+    `name` is the file's name in messages (default: ``.bench_done.<job id>``).
     """
+    reading = _read(data, expected_job_id)
+    if fmt is MarkerFormat.NONE:
+        reading = MarkerReading(MarkerStatus.NOT_USED, expected_job_id, "", None)
+    elif reading.marker is not None and fmt.value not in (MarkerFormat.ANY, reading.marker.format):
+        detail = f"a {reading.marker.format} marker, but the run declared --marker-format {fmt}"
+        reading = MarkerReading(
+            MarkerStatus.WRONG_FORMAT, expected_job_id, detail, reading.raw_text
+        )
+    return dataclasses.replace(reading, name=name)
 
+
+def _read(data: bytes | None, expected_job_id: str) -> MarkerReading:
     def bad(status: MarkerStatus, detail: str) -> MarkerReading:
         return MarkerReading(status, expected_job_id, detail, text)
 

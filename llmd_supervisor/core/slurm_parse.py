@@ -399,7 +399,14 @@ _EXPOSED_JOB_KEYS = (
     "RunTime",
     "StartTime",
     "EndTime",
+    # who owns the job and where its batch logs are (`adopt`, foreign jobs): a job name or
+    # comment holding " UserId=0(root)" or " StdOut=/etc/shadow" is refused, never taken
+    "UserId",
+    "StdOut",
+    "StdErr",
+    "WorkDir",
 )
+_USER_ID_RE = re.compile(r"[^()\s]*\(([0-9]{1,10})\)", re.ASCII)
 
 
 @dataclass(frozen=True)
@@ -419,6 +426,19 @@ class ScontrolJob:
     end_time: str
     fields: Mapping[str, str]
     raw: str
+
+    @property
+    def user_id(self) -> int | None:
+        """The owner's uid from ``UserId=name(uid)`` (None: absent or not that form)."""
+        m = _USER_ID_RE.fullmatch(self.fields.get("UserId", ""))
+        return int(m.group(1)) if m else None
+
+    @property
+    def batch_logs(self) -> tuple[str, ...]:
+        """The batch script's StdOut and StdErr paths, as Slurm expanded them (absolute
+        paths only; the same file once)."""
+        paths = (self.fields.get("StdOut", ""), self.fields.get("StdErr", ""))
+        return tuple(dict.fromkeys(p for p in paths if p.startswith("/")))
 
 
 def _split_keys(line: str) -> list[tuple[str, str]]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime
 from enum import StrEnum
 
-from llmd_supervisor.core.marker import MarkerReading, marker_filename
+from llmd_supervisor.core.marker import MarkerReading, MarkerStatus, marker_filename
 from llmd_supervisor.core.results import GateResult
 from llmd_supervisor.core.slurm_parse import (
     ExitCode,
@@ -352,7 +352,9 @@ def decide(
     )
     if completed_ok:
         ended = f"Slurm says COMPLETED 0:0 ({belief.basis})"
-        if marker.marker is not None and marker.marker.rc == 0:
+        if (
+            marker.marker is not None and marker.marker.rc == 0
+        ) or marker.status is MarkerStatus.NOT_USED:
             return Verdict(Outcome.SUCCEEDED, f"{slurm}; {marker.describe()}", belief)
         if marker.marker is None and marker.status.may_still_arrive and not past_deadline:
             reason = f"{slurm}; waiting for the marker: {marker.describe()}"
@@ -484,7 +486,9 @@ def build_receipt(
 def _marker_json(marker: MarkerReading) -> dict[str, object]:
     parsed = marker.marker
     return {
-        "file": marker_filename(marker.expected_job_id),
+        "file": None
+        if marker.status is MarkerStatus.NOT_USED
+        else marker.name or marker_filename(marker.expected_job_id),
         "status": marker.status.value,
         "detail": marker.detail,
         "raw_text": marker.raw_text,

@@ -235,8 +235,10 @@ def _cut(text: str) -> str:
     return text if len(text) <= SHOWN_LINE_MAX else text[: SHOWN_LINE_MAX - 3] + "..."
 
 
-def _last_line(path: Path) -> str:
+def _last_line(path: Path | None) -> str:
     """The last non-empty line of a (local, small-read) log copy, or ""."""
+    if path is None:
+        return ""
     try:
         with path.open("rb") as f:
             f.seek(max(0, f.seek(0, 2) - 4096))
@@ -441,10 +443,9 @@ class ControlApi(Generic[H]):
             offsets = {str(k): v for k, v in given.items() if isinstance(v, int)}
         root = handle.layout.logs_root
 
-        def wanted(path: Path) -> bool:
-            if isinstance(rank, int):
-                return RunLayout.is_rank_log(path.name, rank)
-            return RunLayout.is_batch_log(path.name)
+        def wanted(path: Path) -> bool:  # path: <root>/attempt<N>/<copy name>
+            copy_name = path.relative_to(root).as_posix().partition("/")[2]
+            return handle.layout.streamed(copy_name, rank if isinstance(rank, int) else None)
 
         sent = 0
         growth = Growth.open() if follow else None

@@ -18,6 +18,7 @@ Node health decisions are the pure `core.health.observe`; this module does the I
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -159,24 +160,28 @@ class Attempt:
 
     async def _watch_node(self, rank: int, link: NodeFiles, tg: anyio.abc.TaskGroup) -> None:
         layout, job_id = self.layout, self.job_id
-        job_dir = layout.job_dir(job_id)
         local = layout.copies(self.number)
         wanted = dict(layout.batch_logs(job_id)) if rank == 0 else {}  # copy name -> remote
         tailing: set[str] = set()
         coordinator = rank == self.coordinator_rank
+        log_dirs = layout.log_dirs(job_id, rank)
+        status_path, marker_path = layout.status_file(job_id, rank), layout.marker(job_id)
         while True:  # at least one pass: a run that ended before it was seen running
             stopping = self._stop.is_set()
             state: str | None = None
             age: float | None = None
             try:
-                for name in await self._files(link.list_dir, job_dir) or ():
-                    if layout.is_rank_log(name, rank):
-                        wanted.setdefault(name, f"{job_dir}/{name}")
-                status = await self._files(link.read_file, layout.status_file(job_id, rank))
-                if status is not None:
-                    state, age = status_state(status, time.time())
-                if coordinator and self.marker_copy is None:
-                    data = await self._files(link.read_file, layout.marker(job_id))
+                for directory in log_dirs:
+                    for name in await self._files(link.list_dir, directory) or ():
+                        copy = layout.log_copy_name(job_id, rank, directory, name)
+                        if copy is not None:
+                            wanted.setdefault(copy, f"{directory}/{name}")
+                if status_path is not None:
+                    status = await self._files(link.read_file, status_path)
+                    if status is not None:
+                        state, age = status_state(status, time.time())
+                if coordinator and self.marker_copy is None and marker_path is not None:
+                    data = await self._files(link.read_file, marker_path)
                     if data:
                         self.marker_copy = data
                         log.info("run.marker_seen", node=link.host, size=len(data))
@@ -188,12 +193,9 @@ class Attempt:
                 if name not in tailing:
                     tailing.add(name)
                     tg.start_soon(self._tail, link, remote_path, local / name, tg)
-            probe = Probe(
-                probe.ok,
-                probe.agent_state,
-                sum(_size(local / n) for n in tailing),
-                probe.error,
-                probe.status_age_s,
+            watched = bool(wanted or log_dirs)
+            probe = dataclasses.replace(
+                probe, log_bytes=sum(_size(local / n) for n in tailing) if watched else None
             )
             health, events = observe(
                 self.health[link.host], probe, time.monotonic(), self._health_limits

@@ -106,7 +106,7 @@ async def read_statuses(
 ) -> list[dict[str, object]]:
     """Each rank's last status file that reads and parses as a JSON object (the others are
     left out: missing, refused or torn)."""
-    paths = [(layout.status_file(job_id, r), SMALL_FILE_MAX) for r in range(ranks)]
+    paths = [(p, SMALL_FILE_MAX) for r in range(ranks) if (p := layout.status_file(job_id, r))]
     out = []
     for data in (await files.read_many(layout.log_dir, paths)).values():
         try:
@@ -130,8 +130,10 @@ async def read_all(
     wanted = [(RESULTS, layout.bench_files(job_id, c)[0], RESULT_FILE_MAX) for c in concurrencies]
     wanted += [(RESULTS, layout.bench_files(job_id, c)[1], RESULT_FILE_MAX) for c in concurrencies]
     for rank in range(ranks):
-        wanted.append(("ranks", layout.status_file(job_id, rank), SMALL_FILE_MAX))
-        wanted.append(("ranks", layout.diag_file(job_id, rank), RESULT_FILE_MAX))
+        if (status := layout.status_file(job_id, rank)) is not None:
+            wanted.append(("ranks", status, SMALL_FILE_MAX))
+        if (diag := layout.diag_file(job_id, rank)) is not None:
+            wanted.append(("ranks", diag, RESULT_FILE_MAX))
     got = await files.read_many(layout.log_dir, [(path, limit) for _, path, limit in wanted])
     out = BenchFiles()
     for c in concurrencies:

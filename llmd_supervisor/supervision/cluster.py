@@ -21,7 +21,6 @@ from the ranks' status files, see `core.health`).
 from __future__ import annotations
 
 import functools
-import posixpath
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -188,19 +187,23 @@ async def catch_up(attempt: Attempt, layout: RunLayout, job_id: str, time_limit:
         attempt.on_bytes(n)
 
     try:
-        sources = list(layout.batch_logs(job_id).values())
-        job_dir = layout.job_dir(job_id)
-        try:
-            names = await reader.list_dir(layout.log_dir, job_dir, time_limit=time_limit)
-        except FileRefused as exc:
-            await attempt.refused(exc)
-            names = []
-        sources += [f"{job_dir}/{n}" for n in names if layout.is_rank_log(n)]
+        sources = dict(layout.batch_logs(job_id))  # copy name -> remote path
+        for directory in layout.log_dirs(job_id, None):
+            try:
+                names = await reader.list_dir(layout.log_dir, directory, time_limit=time_limit)
+            except FileRefused as exc:
+                await attempt.refused(exc)
+                names = []
+            for name in names:
+                copy_name = layout.log_copy_name(job_id, None, directory, name)
+                if copy_name is not None:
+                    sources.setdefault(copy_name, f"{directory}/{name}")
         local_dir = layout.copies(attempt.number)
         local_dir.mkdir(parents=True, exist_ok=True)
         with anyio.fail_after(CATCH_UP_LIMIT_S):
-            for source in sources:
-                local = local_dir / posixpath.basename(source)
+            for copy_name, source in sources.items():
+                local = local_dir / copy_name
+                local.parent.mkdir(parents=True, exist_ok=True)
                 try:
                     copy = functools.partial(
                         copy_rest,

@@ -145,11 +145,12 @@ async def follow_queue(sup: Supervisor, h: RunHandle, loop: Loop) -> None:
     job_id = h.job_id()
     poller = h.cluster.poller
     poller.track(job_id, h.starttime())
+    files = h.cluster.files
     if h.run.state is RunState.PENDING:
         # The batch log appears when the job starts: squeue then, not at its cadence.
-        if (started := h.cluster.files.local_path(h.layout.batch_out(job_id))) is not None:
+        if (out := h.layout.batch_out(job_id)) and (started := files.local_path(out)):
             poller.watch_start(job_id, started)
-    elif (marker := h.cluster.files.local_path(h.layout.marker(job_id))) is not None:
+    elif (path := h.layout.marker(job_id)) and (marker := files.local_path(path)):
         poller.watch_end(job_id, marker)  # the marker appears just before the job ends
     last = loop.view
     view = await _next_view_or_change(h, loop, lambda: poller.next_view(job_id, last))
@@ -320,8 +321,9 @@ async def _diagnosis(sup: Supervisor, h: RunHandle, result: VerifyResult) -> Dia
 
 async def _marker(h: RunHandle) -> bytes | None:
     """The marker as the cluster's files strategy reads it, else the coordinator's copy."""
-    if h.run.slurm_job_id is not None:
-        data = await h.cluster.files.read(h.layout.log_dir, h.layout.marker(h.run.slurm_job_id))
+    path = None if h.run.slurm_job_id is None else h.layout.marker(h.run.slurm_job_id)
+    if path is not None:
+        data = await h.cluster.files.read(h.layout.log_dir, path)
         if data is not None:
             return data
     return h.attempt.marker_copy if h.attempt is not None else None

@@ -37,7 +37,7 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from functools import cache
@@ -779,6 +779,7 @@ class ReplayCluster:
         self.jobs: dict[str, ReplayJob] = {}
         self.calls: list[tuple[str, ...]] = []
         self.stdin: list[bytes | None] = []
+        self.envs: list[Mapping[str, str] | None] = []
         self._next_id = first_job_id
         self._expected: dict[str, tuple[Step, ...]] = {}
         self._failures: dict[str, list[_Failure]] = {}
@@ -880,9 +881,15 @@ class ReplayCluster:
     # --- CommandRunner -----------------------------------------------------------------------
 
     async def run(
-        self, argv: Sequence[str], *, time_limit: float, stdin: bytes | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        time_limit: float,
+        stdin: bytes | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> CommandResult:
         await anyio.lowlevel.checkpoint()
+        self.envs.append(env)
         args = tuple(argv)
         if not args:
             raise ReplayError("empty argv")

@@ -26,7 +26,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -201,10 +201,16 @@ class CountingRunner(LocalRunner):
         self.calls: dict[str, int] = {}
 
     async def run(
-        self, argv: Sequence[str], *, time_limit: float, stdin: bytes | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        time_limit: float,
+        stdin: bytes | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> CommandResult:
         self.calls[argv[0]] = self.calls.get(argv[0], 0) + 1
-        return await super().run([*AS_RPC_USER, *argv], time_limit=time_limit, stdin=stdin)
+        argv = [*AS_RPC_USER, *argv]
+        return await super().run(argv, time_limit=time_limit, stdin=stdin, env=env)
 
 
 def _poller_window(ctx: Ctx, ids: list[str], seconds: float) -> tuple[RpcWindow, dict[str, Any]]:

@@ -334,7 +334,7 @@ async def test_open_creates_directory_and_migrates_an_empty_file(tmp_path: Path)
     async with await Journal.open(path):
         pass
     assert stat.S_IMODE(path.parent.stat().st_mode) & ~0o750 == 0
-    assert stat.S_IMODE(path.stat().st_mode) & ~0o640 == 0
+    assert stat.S_IMODE(path.stat().st_mode) & ~0o600 == 0
 
     empty = tmp_path / "empty.db"
     empty.touch()
