@@ -165,6 +165,18 @@ class TailConflict(SupervisorError):
         )
 
 
+class AdoptRefused(SupervisorError):
+    """`adopt` of a job the client does not own (nor may act on as an admin)."""
+
+    def __init__(self, job_id: str, job_uid: int | None, client_uid: int) -> None:
+        self.job_id = job_id
+        owner = "an owner Slurm does not show" if job_uid is None else f"uid {job_uid}"
+        super().__init__(
+            f"Job {job_id} belongs to {owner}, not to uid {client_uid}: only its owner or a "
+            "member of the daemon's admin group may adopt it."
+        )
+
+
 class ControlError(SupervisorError):
     """A control-socket request was refused; `code` is the wire error code (see control.py)."""
 

@@ -34,12 +34,14 @@ def run_dir(archive_root: Path, run_id: str) -> Path:
     return archive_root / run_id
 
 
-def prepare(archive_root: Path, run_id: str, *, spec_toml: str, script: str) -> Path:
-    """Create the run's archive directory with what is known at submission."""
+def prepare(archive_root: Path, run_id: str, *, spec: tuple[str, str], script: str) -> Path:
+    """Create the run's archive directory with what is known at submission: the spec as
+    (file name, text) and the batch script as submitted (none for an adopted job)."""
     d = run_dir(archive_root, run_id)
     (d / LOGS).mkdir(parents=True, exist_ok=True)
-    write_atomic(d / "spec.toml", spec_toml.encode())
-    write_atomic(d / "job.sbatch", script.encode())
+    write_atomic(d / spec[0], spec[1].encode())
+    if script:
+        write_atomic(d / "job.sbatch", script.encode())
     return d
 
 
@@ -60,9 +62,9 @@ def write_archive(
     (d / LOGS).mkdir(parents=True, exist_ok=True)
     for name, data in (files or {}).items():
         parts = name.split("/")
-        if len(parts) > 2 or any(p in ("", ".", "..") for p in parts):
-            raise ValueError(f"archive file name {name!r} is not one or two plain parts")
-        (d / name).parent.mkdir(exist_ok=True)
+        if len(parts) > 8 or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"archive file name {name!r} is not a plain relative path")
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
         write_atomic(d / name, data)
     if marker is not None:
         write_atomic(d / "marker.json", marker)

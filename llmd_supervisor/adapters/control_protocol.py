@@ -106,6 +106,7 @@ ERROR_CODES: Final = frozenset(
         "not_found",  # no such run (or rank), or one the peer may not see (supervision.access)
         "ambiguous",  # the run ref names several runs; the message names them and how to pick
         "conflict",  # the run is in a state that does not allow the op
+        "forbidden",  # the peer may not do this (adopt another user's job)
         "busy",  # a connection or stream cap is reached; the message names it
         "timeout",  # the request did not arrive in time, or a reply was not taken; closed
         "internal",  # the daemon failed; details are in its log
@@ -143,6 +144,8 @@ class OpSpec:
 _STR: Final = frozenset({"str"})
 _BOOL: Final = frozenset({"bool"})
 _RUN: Final = ArgSpec(_STR, required=True)
+# None: the daemon's first configured cluster
+_CLUSTER: Final = ArgSpec(frozenset({"str", "null"}), default=None)
 
 # The one table of the protocol's ops.
 OPS: Final[Mapping[str, OpSpec]] = MappingProxyType(
@@ -153,10 +156,13 @@ OPS: Final[Mapping[str, OpSpec]] = MappingProxyType(
                 "spec_toml": ArgSpec(_STR, required=True),
                 "spec_path": ArgSpec(_STR, default=None),  # only for messages
                 "dry_run": ArgSpec(_BOOL, default=False),
-                # None: the daemon's first configured cluster
-                "cluster": ArgSpec(frozenset({"str", "null"}), default=None),
+                "cluster": _CLUSTER,
             }
         ),
+        # a user's own batch script, and a job submitted without the daemon: a foreign
+        # spec as JSON (`core.foreign`; the CLI builds it from its options)
+        "submit_script": OpSpec({"spec_json": ArgSpec(_STR, required=True), "cluster": _CLUSTER}),
+        "adopt": OpSpec({"spec_json": ArgSpec(_STR, required=True), "cluster": _CLUSTER}),
         "list": OpSpec(
             {
                 "all": ArgSpec(_BOOL, default=False),

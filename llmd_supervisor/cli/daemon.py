@@ -26,7 +26,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any, Literal, TypeVar
 
 import anyio
 import anyio.abc
@@ -122,19 +122,85 @@ def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
             f"(default {DEFAULT_RECONNECT_S:g}; 0: give up at once)",
         )
 
-    p = client("submit", "submit a run spec to the daemon", run=False)
-    p.add_argument("spec", metavar="SPEC", type=Path)
-    p.add_argument("--wait", action="store_true", help="wait for the verified outcome")
+    def waiting(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--wait", action="store_true", help="wait for the verified outcome")
+        p.add_argument(
+            "--follow",
+            action="store_true",
+            help="print the batch log while waiting (implies --wait)",
+        )
+        p.add_argument("--detach", action="store_true", help="on Ctrl-C stop waiting, keep the run")
+        p.add_argument(
+            "--cluster", default=None, help="the configured cluster to run on (default: the first)"
+        )
+        reconnect(p)
+
+    def watching(p: argparse.ArgumentParser) -> None:
+        """What to watch in a job the daemon did not render (`core.foreign`)."""
+        g = p.add_argument_group("a job of your own launcher (with --script, and adopt)")
+        g.add_argument(
+            "--log-dir",
+            default=None,
+            metavar="DIR",
+            help="the directory its logs, marker and results are under (default: --chdir, "
+            "else the current directory); below the daemon's log_roots",
+        )
+        g.add_argument(
+            "--logs",
+            nargs="+",
+            action="extend",
+            default=[],
+            metavar="GLOB",
+            help="log files to copy, relative to --log-dir ({job_id}: the job id; wildcards "
+            "in the last part), e.g. 'slurm_job-{job_id}_rank_*.log'",
+        )
+        g.add_argument(
+            "--marker", default=None, metavar="PATTERN", help="its completion marker file"
+        )
+        g.add_argument(
+            "--marker-format",
+            choices=("json", "int", "none"),
+            default=None,
+            help="json: this project's protocol; int: the rc and a newline (InferenceX); "
+            "none: no marker, Slurm's evidence alone (default: json with --marker, else none)",
+        )
+        g.add_argument(
+            "--results",
+            nargs="+",
+            action="extend",
+            default=[],
+            metavar="GLOB",
+            help="benchmark result files to archive (vLLM's JSON is also tabulated)",
+        )
+
+    p = client("submit", "submit a run spec, or your own batch script, to the daemon", run=False)
+    p.add_argument("spec", metavar="SPEC", type=Path, nargs="?", help="run spec TOML")
     p.add_argument(
-        "--follow", action="store_true", help="print the batch log while waiting (implies --wait)"
+        "--script",
+        type=Path,
+        default=None,
+        metavar="JOB.sbatch",
+        help="submit this batch script as it is (no SPEC); sbatch options after --",
+    )
+    p.add_argument("--chdir", default=None, metavar="DIR", help="sbatch's working directory")
+    p.add_argument(
+        "--export-env",
+        action="store_true",
+        help="the job gets this shell's environment (journaled, owner-only, until the run "
+        "is archived)",
+    )
+    p.add_argument(
+        "--job-name-prefix", default=None, metavar="P", help="the job is named P-<run id>"
     )
     p.add_argument("--dry-run", action="store_true", help="validate and print the script only")
-    p.add_argument("--detach", action="store_true", help="on Ctrl-C stop waiting, keep the run")
-    p.add_argument(
-        "--cluster", default=None, help="the configured cluster to run on (default: the first)"
-    )
-    reconnect(p)
-    p.set_defaults(handler=cmd_submit)
+    watching(p)
+    waiting(p)
+    p.set_defaults(handler=cmd_submit, sbatch_args=[])
+    p = client("adopt", "supervise a job already submitted with sbatch", run=False)
+    p.add_argument("job_id", metavar="JOBID", help="its Slurm job id")
+    watching(p)
+    waiting(p)
+    p.set_defaults(handler=cmd_adopt)
     p = client("list", "list runs", run=False)
     p.add_argument("--all", action="store_true", help="include finished runs")
     p.set_defaults(handler=cmd_simple, op="list")
@@ -358,40 +424,136 @@ def _reconnect(args: argparse.Namespace) -> Reconnect:
 
 @_exits
 def cmd_submit(args: argparse.Namespace) -> int:
+    foreign_used = [
+        f"--{name.replace('_', '-')}"
+        for name in ("chdir", "export_env", "job_name_prefix", "log_dir", "logs", "marker",
+                     "marker_format", "results")
+        if getattr(args, name) not in (None, False, [])
+    ]  # fmt: skip
+    if args.script is not None or args.sbatch_args:
+        if args.spec is not None or args.script is None or args.dry_run:
+            print(
+                "llmd-supervisor submit: give a run SPEC, or --script JOB.sbatch with sbatch "
+                "options after --, not both (and --dry-run only with a SPEC)",
+                file=sys.stderr,
+            )
+            return 2
+        return _submit_foreign(args, "submit_script", _foreign_spec(args, "script"))
+    if args.spec is None or foreign_used:
+        why = f"{', '.join(foreign_used)} need --script" if foreign_used else "give a run SPEC"
+        print(f"llmd-supervisor submit: {why} (or a SPEC alone)", file=sys.stderr)
+        return 2
     try:
         spec_toml = args.spec.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         print(f"llmd-supervisor submit: cannot read {args.spec}: {exc}", file=sys.stderr)
         return 2
-    waits = (args.wait or args.follow) and not args.dry_run
-    # Waiting for a daemon that is not up yet is part of waiting; a broken connection
-    # after the request was sent is not retried (it may have been accepted).
-    policy = _reconnect(args) if waits else Reconnect(window_s=0)
     params = {
         "spec_toml": spec_toml,
         "spec_path": str(args.spec),
         "dry_run": args.dry_run,
         "cluster": args.cluster,
     }
-
-    async def go() -> dict[str, object]:
-        return await call_retrying(
-            args.socket, "submit", params, reconnect=policy, resend=False, on_lost=_lost(policy)
-        )
-
-    result = _run("submit", go)
+    result = _send_submission(args, "submit", params, waits=_waits(args))
     if args.dry_run:
         sys.stdout.write(_read("submit", DryRun, result)["script"])
         return 0
-    summary = _read("submit", RunSummary, result)
+    return _submitted(args, _read("submit", RunSummary, result))
+
+
+@_exits
+def cmd_adopt(args: argparse.Namespace) -> int:
+    return _submit_foreign(args, "adopt", _foreign_spec(args, "adopt"))
+
+
+def _waits(args: argparse.Namespace) -> bool:
+    return bool((args.wait or args.follow) and not getattr(args, "dry_run", False))
+
+
+def _send_submission(
+    args: argparse.Namespace, op: str, params: dict[str, object], *, waits: bool
+) -> dict[str, object]:
+    # Waiting for a daemon that is not up yet is part of waiting; a broken connection
+    # after the request was sent is not retried (it may have been accepted).
+    policy = _reconnect(args) if waits else Reconnect(window_s=0)
+
+    async def go() -> dict[str, object]:
+        return await call_retrying(
+            args.socket, op, params, reconnect=policy, resend=False, on_lost=_lost(policy)
+        )
+
+    return _run(op, go)
+
+
+def _foreign_spec(args: argparse.Namespace, kind: Literal["script", "adopt"]) -> str:
+    """The foreign spec JSON the daemon takes, checked here first (exit 2 when bad)."""
+    from llmd_supervisor.core import foreign
+
+    command = "submit" if kind == "script" else "adopt"
+    script, name = "", ""
+    if kind == "script":
+        path: Path = args.script
+        try:
+            with path.open("rb") as f:
+                data = f.read(foreign.SCRIPT_MAX + 1)
+            script, name = data.decode("utf-8"), path.name
+        except (OSError, UnicodeDecodeError) as exc:
+            print(f"llmd-supervisor {command}: cannot read {path}: {exc}", file=sys.stderr)
+            raise _Exit(2) from None
+    chdir = getattr(args, "chdir", None)
+    chdir = os.path.abspath(chdir) if chdir else None
+    fmt = args.marker_format or ("json" if args.marker else "none")
+    spec = foreign.ForeignSpec(
+        kind=kind,
+        watch=foreign.Watch(
+            log_dir=os.path.abspath(args.log_dir or chdir or os.getcwd()),
+            logs=tuple(args.logs),
+            marker=args.marker,
+            marker_format=foreign.MarkerFormat(fmt),
+            results=tuple(args.results),
+        ),
+        script=script,
+        script_name=name,
+        chdir=chdir or (os.getcwd() if kind == "script" else None),
+        env=dict(os.environ) if getattr(args, "export_env", False) else None,
+        sbatch_args=tuple(getattr(args, "sbatch_args", ())),
+        job_name_prefix=getattr(args, "job_name_prefix", None),
+        job_id=getattr(args, "job_id", None),
+    )
+    text = foreign.dump(spec)
+    try:
+        checked = foreign.load(text)
+    except SupervisorError as exc:
+        print(f"llmd-supervisor {command}: {exc}", file=sys.stderr)
+        raise _Exit(2) from None
+    if checked.env_dropped:
+        print(
+            f"llmd-supervisor {command}: not exported (they would change what sbatch runs or "
+            f"how): {', '.join(checked.env_dropped)}",
+            file=sys.stderr,
+        )
+    return text
+
+
+def _submit_foreign(args: argparse.Namespace, op: str, spec_json: str) -> int:
+    params: dict[str, object] = {"spec_json": spec_json, "cluster": args.cluster}
+    result = _send_submission(args, op, params, waits=_waits(args))
+    return _submitted(
+        args, _read(op, RunSummary, result), verb="adopted" if op == "adopt" else "submitted"
+    )
+
+
+def _submitted(args: argparse.Namespace, summary: RunSummary, verb: str = "submitted") -> int:
+    """Say what was submitted; with --wait/--follow, wait for its outcome."""
+    waits = _waits(args)
     if not waits:
         if args.json:
             print(json.dumps(summary, indent=2, sort_keys=True))
         else:
-            print(f"submitted run {summary['run']} ({summary['job_name']})")
+            print(f"{verb} run {summary['run']} ({summary['job_name']})")
         return 0
     if not args.json:
-        print(f"submitted run {summary['run']} ({summary['job_name']})", file=sys.stderr)
+        print(f"{verb} run {summary['run']} ({summary['job_name']})", file=sys.stderr)
     return _wait(args, summary["run"], follow=args.follow)
 
 

@@ -40,7 +40,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    sbatch_args: list[str] = []
+    if words[:1] == ["submit"] and "--" in words:  # submit --script JOB -- SBATCH-ARGS
+        cut = words.index("--")
+        words, sbatch_args = words[:cut], words[cut + 1 :]
+    args = parser.parse_args(words)
+    if sbatch_args:
+        args.sbatch_args = sbatch_args
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2

@@ -29,7 +29,6 @@ from typing import Final, Literal
 
 from llmd_supervisor.errors import SpecError
 
-KIND_MARK: Final = '{"foreign":'  # how a journaled foreign spec starts (a TOML spec cannot)
 SCRIPT_MAX: Final = 1 << 20  # bytes of a batch script
 ENV_MAX_VARS: Final = 1000
 ENV_MAX_BYTES: Final = 256 * 1024
@@ -179,7 +178,7 @@ def dump(spec: ForeignSpec, *, with_env_values: bool = True) -> str:
 
 def is_foreign(text: str) -> bool:
     """Whether a journaled spec is a foreign one (else it is a run spec's TOML)."""
-    return text.lstrip().startswith(KIND_MARK)
+    return text.lstrip().startswith("{")  # JSON; a TOML document cannot start so
 
 
 def load(text: str) -> ForeignSpec:
@@ -219,6 +218,7 @@ def load(text: str) -> ForeignSpec:
         raise SpecError(
             "--script", script[:40], "a batch script starts with '#!' (e.g. #!/bin/bash)"
         )
+    check_directives(script)
     job_id = _opt_str("job_id", body.get("job_id"))
     if kind == "adopt" and (job_id is None or not _JOB_ID.fullmatch(job_id)):
         raise SpecError("JOBID", job_id, "give the numeric Slurm job id (e.g. 4711)")
@@ -276,25 +276,69 @@ def check_sbatch_args(value: object) -> tuple[str, ...]:
             raise SpecError(
                 "SBATCH-ARGS", arg, "give options only, as --name=value (the script comes first)"
             )
-        name = arg.split("=", 1)[0] if arg.startswith("--") else arg[:2]
-        if name in _SBATCH_REFUSED:
-            raise SpecError("SBATCH-ARGS", arg, f"{name} is not allowed: {_SBATCH_REFUSED[name]}")
-        # '--nodes 2' or '-N 2' split across words cannot be told from two options
-        bare = arg == name and name not in _SBATCH_FLAGS
-        if bare:
-            raise SpecError(
-                "SBATCH-ARGS", arg, "write each option with its value: --name=value or -N2"
-            )
+        _check_sbatch_arg(arg)
         args.append(arg)
     return tuple(args)
 
 
-# sbatch's long options that take no value (sbatch --help, Slurm 22.05 and 24.11).
+# What a script's own #SBATCH lines may not ask for: the daemon could not follow the job.
+_DIRECTIVES_REFUSED: Final = ("-W", "--wait", "-H", "--hold", "--uid", "--gid", "--test-only")
+
+
+def check_directives(script: str) -> None:
+    """SpecError if the script's ``#SBATCH`` lines (those sbatch reads: before the first
+    command) hold an option that would keep the daemon from following the job."""
+    for line in script.splitlines()[1:]:
+        stripped = line.strip()
+        if stripped and not stripped.startswith("#"):
+            return  # sbatch stops reading directives at the first command
+        if not stripped.startswith("#SBATCH"):
+            continue
+        for word in stripped.removeprefix("#SBATCH").split():
+            if word.startswith("#"):
+                break
+            name = word.split("=", 1)[0]
+            name = name if name.startswith("--") else name[:2]
+            for refused in _DIRECTIVES_REFUSED:
+                if refused == name or (len(name) > 3 and refused.startswith(name)):
+                    raise SpecError(
+                        "--script",
+                        stripped[:120],
+                        f"{refused} in a #SBATCH line: {_SBATCH_REFUSED[refused]}",
+                    )
+
+
+# sbatch's options that take no value (sbatch --help, Slurm 22.05 and 24.11).
 _SBATCH_FLAGS: Final = frozenset(
     {"--contiguous", "--exclusive", "--ignore-pbs", "--no-kill", "--no-requeue", "--overcommit",
      "--oversubscribe", "--quiet", "--requeue", "--reboot", "--spread-job", "--use-min-nodes",
-     "--verbose", "--get-user-env", "-O", "-Q", "-k", "-s", "-v"}
+     "--verbose", "--get-user-env"}
 )  # fmt: skip
+_SHORT_FLAGS: Final = frozenset({"-O", "-Q", "-k", "-s", "-v", "-V", "-h", "-I"})
+
+
+def _check_sbatch_arg(arg: str) -> None:
+    """One sbatch option: never one the daemon sets or that defeats it, in any spelling
+    sbatch takes (an unambiguous prefix of a long option; short flags in one word)."""
+
+    def refuse(how: str) -> SpecError:
+        return SpecError("SBATCH-ARGS", arg, how)
+
+    if arg.startswith("--"):
+        name = arg.split("=", 1)[0]
+        for refused, why in _SBATCH_REFUSED.items():
+            if refused.startswith("--") and len(name) > 2 and refused.startswith(name):
+                raise refuse(f"{refused} is not allowed: {why}")
+        if "=" not in arg and name not in _SBATCH_FLAGS:
+            raise refuse("write each option with its value in one word: --name=value")
+        return
+    letter = arg[:2]
+    if letter in _SBATCH_REFUSED:
+        raise refuse(f"{letter} is not allowed: {_SBATCH_REFUSED[letter]}")
+    if letter in _SHORT_FLAGS and len(arg) > 2:
+        raise refuse("give each short flag in a word of its own")
+    if letter not in _SHORT_FLAGS and len(arg) == 2:
+        raise refuse("write a short option with its value in one word: -N2")
 
 
 def _env(value: object) -> tuple[dict[str, str] | None, tuple[str, ...]]:

@@ -22,41 +22,43 @@ def _inside(path: str, root: str) -> bool:
     return path == root or path.startswith(root.rstrip("/") + "/")
 
 
-def check_log_dir(log_dir: str, roots: Sequence[str], forbidden: Sequence[str]) -> None:
+def check_log_dir(
+    log_dir: str, roots: Sequence[str], forbidden: Sequence[str], *, field: str = FIELD
+) -> None:
     """SpecError unless `log_dir` is a normal absolute path under one of `roots` and not
     inside (nor a parent of) any of `forbidden` (the state and archive directories)."""
     if not log_dir.startswith("/") or posixpath.normpath(log_dir) != log_dir:
         raise SpecError(
-            FIELD,
+            field,
             log_dir,
             "use an absolute path in normal form (no '.', '..', '//' or trailing '/')",
         )
     if not roots:
         raise SpecError(
-            FIELD,
+            field,
             log_dir,
             "this daemon accepts no log directory until its operator lists the allowed"
             " parents in daemon.log_roots (e.g. log_roots = ['/shared/llmd-runs'])",
         )
     if not any(_inside(log_dir, root) and log_dir != root for root in roots):
         raise SpecError(
-            FIELD, log_dir, f"use a directory below one of daemon.log_roots ({', '.join(roots)})"
+            field, log_dir, f"use a directory below one of daemon.log_roots ({', '.join(roots)})"
         )
     for place in forbidden:
         if _inside(log_dir, place) or _inside(place, log_dir):
             raise SpecError(
-                FIELD,
+                field,
                 log_dir,
                 f"it overlaps the daemon's own directory {place}; choose one below"
                 f" {', '.join(roots)} outside it",
             )
 
 
-def check_canonical(log_dir: str, resolved: str) -> None:
+def check_canonical(log_dir: str, resolved: str, *, field: str = FIELD) -> None:
     """SpecError if resolving the links on `log_dir`'s way gives another path."""
     if resolved != log_dir:
         raise SpecError(
-            FIELD,
+            field,
             log_dir,
             f"a symbolic link on its way leads to {resolved}; give that path itself"
             " (links in a log directory's path are not followed)",

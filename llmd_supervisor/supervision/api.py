@@ -64,6 +64,7 @@ from llmd_supervisor.core.summary import (
     read,
 )
 from llmd_supervisor.errors import (
+    AdoptRefused,
     ControlError,
     IllegalTransition,
     SpecError,
@@ -146,6 +147,12 @@ class SupervisorView(Protocol[H]):
     def get(self, ref: str) -> H | None: ...
     async def admit(self, spec_toml: str, cluster: str | None = None) -> RunSpec: ...
     async def submit(self, spec_toml: str, *, owner_uid: int, cluster: str | None = None) -> H: ...
+    async def submit_script(
+        self, spec_json: str, *, owner_uid: int, cluster: str | None = None
+    ) -> H: ...
+    async def adopt(
+        self, spec_json: str, *, owner_uid: int, privileged: bool, cluster: str | None = None
+    ) -> H: ...
     async def cancel(self, handle: H) -> None: ...
 
 
@@ -321,6 +328,44 @@ class ControlApi(Generic[H]):
     ) -> RunSummary | DryRun:
         spec_toml = str(args["spec_toml"])
         where = str(args["spec_path"] or "the spec")
+        cluster = self._cluster(args)
+        try:
+            if args["dry_run"]:
+                spec = await self.sup.admit(spec_toml, cluster)
+                script = render_sbatch(spec, job_name="llmd-dry-run")
+                return {"dry_run": True, "script": script}
+            handle = await self.sup.submit(spec_toml, owner_uid=peer.uid, cluster=cluster)
+        except SpecError as exc:
+            raise ControlError("bad_request", f"{where}: {exc}") from exc
+        return run_summary(handle, self.clock())
+
+    async def _submit_script(
+        self, args: Mapping[str, object], peer: Peer, send: Send
+    ) -> RunSummary:
+        cluster = self._cluster(args)
+        try:
+            handle = await self.sup.submit_script(
+                str(args["spec_json"]), owner_uid=peer.uid, cluster=cluster
+            )
+        except SpecError as exc:
+            raise ControlError("bad_request", str(exc)) from exc
+        return run_summary(handle, self.clock())
+
+    async def _adopt(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunSummary:
+        cluster = self._cluster(args)
+        privileged = sees_all(peer, self.sup.config.admin_group)
+        try:
+            handle = await self.sup.adopt(
+                str(args["spec_json"]), owner_uid=peer.uid, privileged=privileged, cluster=cluster
+            )
+        except SpecError as exc:
+            raise ControlError("bad_request", str(exc)) from exc
+        except AdoptRefused as exc:
+            raise ControlError("forbidden", str(exc)) from exc
+        return run_summary(handle, self.clock())
+
+    def _cluster(self, args: Mapping[str, object]) -> str | None:
+        """The request's configured cluster (None: the first); bad_request if unknown."""
         cluster = args["cluster"]
         names = [c.name for c in self.sup.config.clusters]
         if cluster is not None and cluster not in names:
@@ -329,17 +374,7 @@ class ControlApi(Generic[H]):
                 f"Cluster {cluster!r} is not configured in this daemon; "
                 f"use one of: {', '.join(names)}.",
             )
-        try:
-            if args["dry_run"]:
-                spec = await self.sup.admit(spec_toml, None if cluster is None else str(cluster))
-                script = render_sbatch(spec, job_name="llmd-dry-run")
-                return {"dry_run": True, "script": script}
-            handle = await self.sup.submit(
-                spec_toml, owner_uid=peer.uid, cluster=None if cluster is None else str(cluster)
-            )
-        except SpecError as exc:
-            raise ControlError("bad_request", f"{where}: {exc}") from exc
-        return run_summary(handle, self.clock())
+        return None if cluster is None else str(cluster)
 
     async def _list(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunList:
         """One page of briefs, oldest first, from after the cursor; `next` when more remain."""
@@ -501,6 +536,8 @@ HANDLERS: Final[Mapping[str, Op]] = MappingProxyType(
     {
         "ping": Op(ControlApi._ping),
         "submit": Op(ControlApi._submit),
+        "submit_script": Op(ControlApi._submit_script),
+        "adopt": Op(ControlApi._adopt),
         "list": Op(ControlApi._list),
         "status": Op(ControlApi._status),
         "logs": Op(ControlApi._logs, streaming=True),

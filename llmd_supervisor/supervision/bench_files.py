@@ -19,19 +19,23 @@ from llmd_supervisor.adapters import jobfiles
 from llmd_supervisor.adapters.jobfiles import RESULT_FILE_MAX, SMALL_FILE_MAX
 from llmd_supervisor.core.layout import RESULTS, RunLayout
 from llmd_supervisor.core.results import (
+    FORMATS,
     GateResult,
     Point,
+    PointEvidence,
     ResultFormat,
     ResultProblem,
     Validity,
     gate,
     parse_result,
+    results_table,
 )
 from llmd_supervisor.core.spec import RunSpec
 from llmd_supervisor.errors import FileRefused
 from llmd_supervisor.supervision.cluster import RunFiles
 
 Refused = Callable[[FileRefused], Awaitable[None]]
+RESULT_FILES_MAX = 256  # a foreign job's result files archived at most
 _RESULT_NAME = re.compile(r"c([1-9][0-9]{0,5})\.json")
 
 
@@ -145,3 +149,58 @@ async def read_all(
         elif data is not None:
             out.archived[f"{folder}/{posixpath.basename(path)}"] = data
     return out
+
+
+async def read_foreign(
+    files: RunFiles, layout: RunLayout, job_id: str, refused: Refused
+) -> BenchFiles:
+    """A foreign job's result files (its `--results` patterns), byte-exact under
+    ``results/`` by their path below the log directory (at most RESULT_FILES_MAX)."""
+    watch = layout.watch
+    out = BenchFiles()
+    if watch is None or not watch.results:
+        return out
+    found: list[str] = []
+    for directory in watch.dirs(watch.results, job_id):
+        try:
+            names = await files.list_dir(layout.log_dir, directory)
+        except FileRefused as exc:
+            await refused(exc)
+            continue
+        found += [
+            f"{directory}/{n}" for n in names if watch.matching(watch.results, job_id, directory, n)
+        ]
+    got = await files.read_many(
+        layout.log_dir, [(p, RESULT_FILE_MAX) for p in found[:RESULT_FILES_MAX]]
+    )
+    for path in found[:RESULT_FILES_MAX]:
+        data = got.get(path)
+        if isinstance(data, FileRefused):
+            await refused(data)
+        elif data is not None:
+            out.archived[f"{RESULTS}/{watch.copy_name(path)}"] = data
+    return out
+
+
+def foreign_table(archived: Mapping[str, bytes]) -> dict[str, object]:
+    """`results.json` of a foreign job: a row per JSON result file that parses as vLLM's
+    (or InferenceX's) benchmark result; no validity gate (the job defines none)."""
+    evidence: list[PointEvidence] = []
+    for name, data in sorted(archived.items()):
+        if not name.startswith(f"{RESULTS}/") or not name.endswith(".json"):
+            continue
+        point: Point | ResultProblem = ResultProblem("missing", "")
+        for fmt in FORMATS:
+            point = parse_result(data, fmt)
+            if isinstance(point, Point):
+                break
+        if isinstance(point, Point):
+            conc, problem = point.concurrency or 0, None
+            requested = point.num_prompts
+        else:
+            conc, problem, requested = 0, str(point), 0
+        parsed = point if isinstance(point, Point) else None
+        evidence.append(
+            PointEvidence(conc, name, requested, 0, requested, problem is None, problem, parsed)
+        )
+    return results_table(evidence, None)

@@ -74,6 +74,11 @@ class RunFiles(Protocol):
         now) or the `FileRefused` saying why it is not read."""
         ...
 
+    async def list_dir(self, log_dir: str, path: str) -> list[str]:
+        """A directory's entry names (bounded), [] when missing or unreadable now;
+        `FileRefused` when it is a link or not a directory."""
+        ...
+
     def local_path(self, path: str) -> Path | None:
         """Where this machine sees a file of the job (to notice it appear), or None."""
         ...
@@ -108,6 +113,13 @@ class SharedLogDir:
         except TimeoutError:
             log.warning("run.file_unreadable", path=log_dir, error="no answer in time")
             return dict.fromkeys((p for p, _ in paths), None)
+
+    async def list_dir(self, log_dir: str, path: str) -> list[str]:
+        try:
+            return await jobfiles.list_local(log_dir, path, time_limit=self._time_limit)
+        except TimeoutError:
+            log.warning("run.file_unreadable", path=path, error="no answer in time")
+            return []
 
     def local_path(self, path: str) -> Path | None:
         return Path(path)
@@ -165,6 +177,20 @@ class ThroughLoginHost:
             except FileRefused as exc:
                 out[path] = exc
         return out
+
+    async def list_dir(self, log_dir: str, path: str) -> list[str]:
+        root, rel = jobfiles.split(log_dir, path)
+        request = jobfiles.serve_request("list", rel, jobfiles.LIST_MAX)
+        argv = jobfiles.argv(self._python, "serve", root)
+        try:
+            result = await self._client.runner.run(
+                argv, time_limit=self._client.timeout, stdin=request
+            )
+        except SlurmCommandError as exc:
+            log.warning("run.file_unreadable", host=self._host, path=path, error=str(exc))
+            return []
+        head, _, body = result.stdout.encode("utf-8", "surrogateescape").partition(b"\n")
+        return jobfiles.listing(path, head.split(b" ")[0].decode(errors="replace"), body)
 
     def local_path(self, path: str) -> Path | None:
         return None

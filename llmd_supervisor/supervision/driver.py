@@ -9,6 +9,10 @@ through `lifecycle.step` and is journaled (compare-and-set) before anything reli
 so whatever the journal holds after a crash or a supervision retry, `plan` of it says what
 to (re)do, and every step is idempotent:
 
+A run is of a spec the daemon renders (`core.spec`), or of a foreign job
+(`core.foreign`): a user's batch script submitted as it is, or a job submitted without
+the daemon and adopted, which is journaled straight into `pending` with its job id.
+
   accepted     -> journal `submitting` with the unique job name, then sbatch
   submitting   -> (found on entry) look the job name up; resubmit only when squeue and
                   sacct both answer that it never existed
@@ -36,7 +40,9 @@ import structlog
 from llmd_supervisor.adapters import archive
 from llmd_supervisor.adapters.journal import Journal, RunMeta, StoredRun
 from llmd_supervisor.adapters.slurm import CommandRunner
+from llmd_supervisor.core import foreign
 from llmd_supervisor.core.config import Config
+from llmd_supervisor.core.foreign import ForeignSpec
 from llmd_supervisor.core.health import NodeHealth
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.lifecycle import (
@@ -53,6 +59,7 @@ from llmd_supervisor.core.lifecycle import (
     StartWatchers,
     StopWatchers,
     WriteArchive,
+    adopted_run,
     new_run,
     plan,
     step,
@@ -66,7 +73,7 @@ from llmd_supervisor.errors import (
     SpecError,
     SupervisorError,
 )
-from llmd_supervisor.supervision import steps
+from llmd_supervisor.supervision import foreign_jobs, steps
 from llmd_supervisor.supervision.attempt import Attempt
 from llmd_supervisor.supervision.cluster import Cluster
 from llmd_supervisor.supervision.poller import QueueView
@@ -94,7 +101,7 @@ class RunHandle:
     """A run's in-memory companion to its journal row: only what cannot be derived."""
 
     stored: StoredRun
-    spec: RunSpec
+    spec: RunSpec | ForeignSpec
     configured: Cluster | None  # None: a finished run of a cluster no longer configured
     layout: RunLayout
     lock: anyio.Lock = field(default_factory=anyio.Lock)
@@ -102,6 +109,9 @@ class RunHandle:
     version: int = 0
     attempt: Attempt | None = None  # the current (or last) watched allocation
     tail_bytes: int = 0  # log bytes copied from the nodes since the daemon started
+    submitted_at: str | None = None  # an adopted job's SubmitTime (sacct --starttime)
+    job_files_known: bool = False  # a foreign job's batch logs are known (foreign_jobs)
+    job_files_asked: int = 0
 
     def count_bytes(self, n: int) -> None:
         self.tail_bytes += n
@@ -138,8 +148,15 @@ class RunHandle:
             raise IllegalTransition(self.run.state.value, "an operation needing a Slurm job id")
         return self.run.slurm_job_id
 
+    @property
+    def coordinator_rank(self) -> int:
+        """The rank that writes the marker (a foreign job's: the first node's view)."""
+        return self.spec.topology.coordinator_rank if isinstance(self.spec, RunSpec) else 0
+
     def starttime(self) -> str:
-        """sacct --starttime covering the run's submission."""
+        """sacct --starttime covering the run's submission (an adopted job's own)."""
+        if self.submitted_at is not None:
+            return self.submitted_at
         start = self.meta.created_at - timedelta(minutes=5)
         return start.astimezone().strftime("%Y-%m-%dT%H:%M:%S")
 
@@ -175,6 +192,7 @@ class Supervisor:
         self.clock = clock
         self.hooks = hooks or Hooks()
         self.handles: dict[str, RunHandle] = {}
+        self._adopting = anyio.Lock()
 
     # --- entry points ------------------------------------------------------------------
 
@@ -183,30 +201,84 @@ class Supervisor:
     ) -> RunHandle:
         """Validate, render, journal as `accepted` and start supervising; SpecError if bad."""
         spec = await self.admit(spec_toml, cluster)
-        cluster_cfg = self.config.cluster(cluster)
         run_id = uuid.uuid4().hex[:12]
         job_name = f"llmd-{run_id}"
         script = render_sbatch(spec, job_name=job_name)
-        now = self.clock()
+        return await self._accept(
+            new_run(run_id, job_name, self.clock()), spec, spec_toml, script, owner_uid, cluster
+        )
+
+    async def submit_script(
+        self, spec_json: str, *, owner_uid: int, cluster: str | None = None
+    ) -> RunHandle:
+        """A user's own batch script (`submit --script`), submitted exactly once as it is,
+        named uniquely; SpecError if its options are bad."""
+        spec = await self.admit_foreign(spec_json, cluster, "script")
+        run_id = uuid.uuid4().hex[:12]
+        run = new_run(run_id, spec.job_name(run_id), self.clock())
+        return await self._accept(run, spec, foreign.dump(spec), spec.script, owner_uid, cluster)
+
+    async def adopt(
+        self, spec_json: str, *, owner_uid: int, privileged: bool, cluster: str | None = None
+    ) -> RunHandle:
+        """A job submitted without the daemon becomes a run (`adopt`); the same job adopted
+        again is the run it already is. Only its owner (or `privileged`) may adopt it."""
+        spec = await self.admit_foreign(spec_json, cluster, "adopt")
+        name = self.config.cluster(cluster).name
+        async with self._adopting:  # two adopts of one job make one run
+            for h in self.handles.values():
+                if h.meta.cluster == name and h.run.slurm_job_id == spec.job_id:
+                    foreign_jobs.check_owner(spec, h.meta.owner_uid, owner_uid, privileged)
+                    return h
+            assert spec.job_id is not None
+            job = await foreign_jobs.job_record(self.clusters[name].client, spec.job_id)
+            owner = foreign_jobs.check_owner(spec, job.user_id, owner_uid, privileged)
+            run_id = uuid.uuid4().hex[:12]
+            run = adopted_run(run_id, f"adopted-{run_id}", spec.job_id, self.clock())
+            handle = await self._accept(
+                run, spec, foreign.dump(spec), "", owner, cluster, start=False
+            )
+            await foreign_jobs.note_job_files(self, handle, job)
+            self.tg.start_soon(self._supervise, handle)
+            return handle
+
+    async def _accept(
+        self,
+        run: Run,
+        spec: RunSpec | ForeignSpec,
+        spec_text: str,
+        script: str,
+        owner_uid: int,
+        cluster: str | None,
+        *,
+        start: bool = True,
+    ) -> RunHandle:
+        """Prepare the archive, journal the new run and (with `start`) supervise it."""
+        cluster_cfg = self.config.cluster(cluster)
+        run_id = run.run_id
+        shown = (
+            spec_text if isinstance(spec, RunSpec) else foreign.dump(spec, with_env_values=False)
+        )
+        spec_name = "spec.toml" if isinstance(spec, RunSpec) else "foreign.json"
         arch = await anyio.to_thread.run_sync(
             lambda: archive.prepare(
-                self.config.archive_root, run_id, spec_toml=spec_toml, script=script
+                self.config.archive_root, run_id, spec=(spec_name, shown), script=script
             )
         )
         meta = RunMeta(
             owner_uid=owner_uid,
             cluster=cluster_cfg.name,
-            spec_toml=spec_toml,
+            spec_toml=spec_text,
             script=script,
-            log_dir=spec.log_dir,
+            log_dir=_log_dir(spec),
             archive_dir=str(arch),
-            created_at=now,
+            created_at=run.transitions[0].at,
         )
-        run = new_run(run_id, job_name, now)
         await self.journal.insert_run(run, meta)
         handle = self._handle(StoredRun(run, meta), spec)
-        log.info("run.accepted", run_id=run_id, job_name=job_name, cluster=cluster_cfg.name)
-        self.tg.start_soon(self._supervise, handle)
+        log.info("run.accepted", run_id=run_id, job_name=run.job_name, cluster=cluster_cfg.name)
+        if start:
+            self.tg.start_soon(self._supervise, handle)
         return handle
 
     async def admit(self, spec_toml: str, cluster: str | None = None) -> RunSpec:
@@ -216,29 +288,56 @@ class Supervisor:
         is itself: no link on its way."""
         spec = load_spec(spec_toml)
         c = self.config
+        await self._check_log_dir(spec.log_dir, cluster)
+        own = (str(c.state_dir), str(c.archive_root))
+        check_daemon_dirs(spec, (*own, str(c.socket_path.parent)))
+        return spec
+
+    async def admit_foreign(self, spec_json: str, cluster: str | None, kind: str) -> ForeignSpec:
+        """The validated foreign spec of `kind` (script or adopt), as `admit` checks a run
+        spec's log directory; `--export-env` only where sbatch runs on this machine."""
+        spec = foreign.load(spec_json)
+        if spec.kind != kind:
+            raise SpecError("kind", spec.kind, f"this request takes a {kind!r} spec")
+        cluster_cfg = self.config.cluster(cluster)
+        if spec.env is not None and cluster_cfg.login_host is not None:
+            raise SpecError(
+                "--export-env",
+                cluster_cfg.login_host,
+                f"cluster {cluster_cfg.name!r} runs sbatch on its login host over SSH, where "
+                "the environment would show in the command line; run the daemon (or the "
+                "user service) on the login node, or set the variables in the script",
+            )
+        await self._check_log_dir(spec.watch.log_dir, cluster, field="--log-dir")
+        return spec
+
+    async def _check_log_dir(
+        self, log_dir: str, cluster: str | None, *, field: str = "run.log_dir"
+    ) -> None:
+        c = self.config
         client = self.clusters[c.cluster(cluster).name].client
         own = (str(c.state_dir), str(c.archive_root))
-        log_dir = spec.log_dir
-        check_log_dir(log_dir, c.log_roots, own)
-        check_daemon_dirs(spec, (*own, str(c.socket_path.parent)))
+        check_log_dir(log_dir, c.log_roots, own, field=field)
         argv = ["realpath", "-m", "--", log_dir]
         result = await client.runner.run(argv, time_limit=client.timeout)
         if not result.ok:
             raise SlurmCommandError(result.argv, result.returncode, result.stderr)
-        check_canonical(log_dir, result.stdout.strip())
-        return spec
+        check_canonical(log_dir, result.stdout.strip(), field=field)
 
     async def resume_all(self) -> int:
         """Start a driver for every run the journal holds as not final; return how many."""
         count = 0
         for stored in await self.journal.list_runs():
             run_id = stored.run.run_id
+            text = stored.meta.spec_toml
             try:
-                spec = load_spec(stored.meta.spec_toml)
+                spec = foreign.load(text) if foreign.is_foreign(text) else load_spec(text)
             except SpecError as exc:  # a spec valid at submission fails validation now
                 log.error("run.resume_failed", run_id=run_id, error=str(exc))
                 continue
             handle = self._handle(StoredRun(stored.run, _slim(stored.meta, stored.run)), spec)
+            if isinstance(spec, ForeignSpec):
+                await foreign_jobs.recall_job_files(self, handle)
             if stored.run.state.is_final:
                 continue
             if handle.configured is None:  # listed, but nothing can drive it here
@@ -267,8 +366,10 @@ class Supervisor:
         run's driver then makes sure the cancel sequence runs, now or after any retry."""
         await self.apply(handle, CancelRequested())
 
-    def _handle(self, stored: StoredRun, spec: RunSpec) -> RunHandle:
-        layout = RunLayout(spec.log_dir, stored.run.job_name, Path(stored.meta.archive_dir))
+    def _handle(self, stored: StoredRun, spec: RunSpec | ForeignSpec) -> RunHandle:
+        watch = spec.watch if isinstance(spec, ForeignSpec) else None
+        archive_dir = Path(stored.meta.archive_dir)
+        layout = RunLayout(_log_dir(spec), stored.run.job_name, archive_dir, watch)
         handle = RunHandle(stored, spec, self.clusters.get(stored.meta.cluster), layout)
         self.handles[stored.run.run_id] = handle
         return handle
@@ -348,7 +449,7 @@ class Supervisor:
             job_id=h.job_id(),
             nodes=nodes,
             layout=h.layout,
-            coordinator_rank=h.spec.topology.coordinator_rank,
+            coordinator_rank=h.coordinator_rank,
             connect=h.cluster.connect,
             limits=self.config.limits,
             record=record,
@@ -404,6 +505,10 @@ class Supervisor:
             seconds=round((self.clock() - run.transitions[0].at).total_seconds(), 1),
             archive=h.meta.archive_dir,
         )
+
+
+def _log_dir(spec: RunSpec | ForeignSpec) -> str:
+    return spec.watch.log_dir if isinstance(spec, ForeignSpec) else spec.log_dir
 
 
 def _slim(meta: RunMeta, run: Run) -> RunMeta:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import posixpath
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -18,6 +19,7 @@ import structlog
 from llmd_supervisor.adapters import archive
 from llmd_supervisor.adapters.slurm import NameLookup
 from llmd_supervisor.core.cause import Diagnosis, diagnose, rank_end
+from llmd_supervisor.core.foreign import ForeignSpec
 from llmd_supervisor.core.lifecycle import (
     Archived,
     LeftQueue,
@@ -32,10 +34,11 @@ from llmd_supervisor.core.lifecycle import (
 )
 from llmd_supervisor.core.results import GateResult, results_table
 from llmd_supervisor.core.slurm_parse import JobState, parse_scontrol_job
+from llmd_supervisor.core.spec import RunSpec
 from llmd_supervisor.core.verdict import Outcome, SlurmQuery, Source
 from llmd_supervisor.errors import FileRefused, SlurmCommandError, SlurmParseError, SupervisorError
 from llmd_supervisor.node.common import RC_CONFIG, expand_hostlist
-from llmd_supervisor.supervision import bench_files
+from llmd_supervisor.supervision import bench_files, foreign_jobs
 from llmd_supervisor.supervision.attempt import CopyState
 from llmd_supervisor.supervision.poller import QueueView
 from llmd_supervisor.supervision.verify import VerifyResult, verify_job
@@ -125,10 +128,12 @@ async def _lookup(sup: Supervisor, h: RunHandle) -> NameLookup:
 
 async def _sbatch(sup: Supervisor, h: RunHandle) -> str | None:
     """Submit the run's script; None on success (journaled), else the error text."""
-    client = h.cluster.client
+    client, spec = h.cluster.client, h.spec
+    options = spec.sbatch_options(h.run.job_name) if isinstance(spec, ForeignSpec) else []
+    env = spec.env if isinstance(spec, ForeignSpec) else None
     try:
         await client.mkdir(h.meta.log_dir)
-        job_id = await client.sbatch(h.meta.script)
+        job_id = await client.sbatch(h.meta.script, *options, env=env)
     except SlurmCommandError as exc:
         log.warning("run.sbatch_failed", error=str(exc))
         return str(exc)
@@ -143,6 +148,7 @@ async def _sbatch(sup: Supervisor, h: RunHandle) -> str | None:
 async def follow_queue(sup: Supervisor, h: RunHandle, loop: Loop) -> None:
     """Wait for the next queue view (or a change of the record: a cancel) and apply it."""
     job_id = h.job_id()
+    await foreign_jobs.ensure_job_files(sup, h)
     poller = h.cluster.poller
     poller.track(job_id, h.starttime())
     files = h.cluster.files
@@ -262,16 +268,22 @@ async def verify(sup: Supervisor, h: RunHandle) -> None:
         async def query(self, source: Source, job_id: str) -> SlurmQuery:
             return await poller.evidence(source, job_id, starttime)
 
-    async def benchmark() -> GateResult:
-        concurrencies = h.spec.benchmark.concurrencies
-        raw = await bench_files.read_results(h.cluster.files, h.layout, job_id, concurrencies)
-        return bench_files.judge(h.spec, raw)
+    spec = h.spec
 
+    async def benchmark() -> GateResult:
+        assert isinstance(spec, RunSpec)
+        concurrencies = spec.benchmark.concurrencies
+        raw = await bench_files.read_results(h.cluster.files, h.layout, job_id, concurrencies)
+        return bench_files.judge(spec, raw)
+
+    marker_path = h.layout.marker(job_id)
     result = await verify_job(
         _Evidence(),
         job_id,
         marker_bytes=functools.partial(_marker, h),
-        benchmark=benchmark,
+        marker_format=h.layout.marker_format,
+        marker_name=posixpath.basename(marker_path) if h.layout.watch and marker_path else "",
+        benchmark=benchmark if isinstance(spec, RunSpec) else None,
         evidence_timeout=sup.config.limits.verify_timeout_s,
         interval=sup.config.poll.min_interval_s,
         cancel_requested=h.run.cancel_requested,
@@ -293,7 +305,7 @@ async def _diagnosis(sup: Supervisor, h: RunHandle, result: VerifyResult) -> Dia
     the benchmark's gate."""
     if result.verdict.outcome is Outcome.SUCCEEDED:
         return None
-    count = len(h.run.nodes) or h.spec.topology.nodes
+    count = len(h.run.nodes) or (h.spec.topology.nodes if isinstance(h.spec, RunSpec) else 1)
     try:
         statuses = await bench_files.read_statuses(h.cluster.files, h.layout, h.job_id(), count)
     except (SupervisorError, OSError, TimeoutError) as exc:
@@ -404,6 +416,10 @@ async def _bench_evidence(sup: Supervisor, h: RunHandle) -> dict[str, bytes]:
         fields = {"path": exc.path, "reason": exc.why}
         await sup.journal.add_event(h.run.run_id, "log.refused", fields, sup.clock())
 
+    if isinstance(spec, ForeignSpec):
+        got = await bench_files.read_foreign(h.cluster.files, h.layout, job_id, refused)
+        table = bench_files.foreign_table(got.archived)
+        return {**got.archived, "results.json": (json.dumps(table, indent=1) + "\n").encode()}
     got = await bench_files.read_all(
         h.cluster.files,
         h.layout,

@@ -19,6 +19,7 @@ import anyio
 import structlog
 
 from llmd_supervisor.adapters.slurm import CommandResult, SlurmClient
+from llmd_supervisor.core.foreign import MarkerFormat
 from llmd_supervisor.core.marker import MarkerReading, read_marker, refused_marker
 from llmd_supervisor.core.results import GateResult
 from llmd_supervisor.core.verdict import (
@@ -119,6 +120,8 @@ async def verify_job(
     job_id: str,
     *,
     marker_bytes: MarkerBytes,
+    marker_format: MarkerFormat = MarkerFormat.ANY,
+    marker_name: str = "",
     benchmark: Benchmark | None = None,
     evidence_timeout: float,
     interval: float = 1.0,
@@ -146,7 +149,7 @@ async def verify_job(
             if query.source is Source.SACCT or believed(state) is None:
                 state = observe(state, query)
         try:
-            marker = read_marker(await marker_bytes(), job_id)
+            marker = read_marker(await marker_bytes(), job_id, marker_format, marker_name)
         except FileRefused as exc:  # a link, FIFO, directory...: never a valid marker
             marker = refused_marker(exc.why, job_id)
         now = clock()

@@ -29,7 +29,9 @@ from llmd_supervisor.core.summary import (
     read,
 )
 from llmd_supervisor.core.verdict import Outcome
-from llmd_supervisor.errors import ControlError, IllegalTransition, SupervisorError
+from llmd_supervisor.core import foreign
+from llmd_supervisor.core.foreign import ForeignSpec, Watch
+from llmd_supervisor.errors import AdoptRefused, ControlError, IllegalTransition, SupervisorError
 from llmd_supervisor.supervision import log_follow
 from llmd_supervisor.supervision.api import HANDLERS, ControlApi, Op, check_handlers
 
@@ -38,6 +40,7 @@ pytestmark = pytest.mark.timeout(30)
 T0 = datetime(2026, 1, 2, 3, 4, 5, tzinfo=UTC)
 ME = Peer(uid=1000, gid=1000, pid=1)
 OTHER = Peer(uid=1001, gid=1001, pid=2)
+JOB_OWNER = ME.uid  # the fake's adopted job belongs to ME
 
 
 @dataclass(frozen=True)
@@ -105,6 +108,21 @@ class Supervisor:
 
     async def submit(self, spec_toml: str, *, owner_uid: int, cluster: str | None = None) -> Handle:
         return self.add("new", owner_uid, RunState.ACCEPTED)
+
+    async def submit_script(
+        self, spec_json: str, *, owner_uid: int, cluster: str | None = None
+    ) -> Handle:
+        foreign.load(spec_json)  # SpecError for a bad one
+        return self.add("script", owner_uid, RunState.ACCEPTED)
+
+    async def adopt(
+        self, spec_json: str, *, owner_uid: int, privileged: bool, cluster: str | None = None
+    ) -> Handle:
+        spec = foreign.load(spec_json)
+        assert spec.job_id is not None
+        if owner_uid != JOB_OWNER and not privileged:
+            raise AdoptRefused(spec.job_id, JOB_OWNER, owner_uid)
+        return self.add("adopted", JOB_OWNER, RunState.PENDING)
 
     async def cancel(self, handle: Handle) -> None:
         if handle.run.state.is_final:
@@ -240,6 +258,30 @@ async def test_submit_validates_the_cluster_and_returns_a_summary(sup: Superviso
         await a.handle(request("submit", spec_toml="", cluster="mars"), ME, no_stream)
     summary = read(RunSummary, await a.handle(request("submit", spec_toml="x"), ME, no_stream))
     assert (summary["run"], summary["owner_uid"]) == ("new", ME.uid)
+
+
+def _adopt_json(job_id: str = "4711") -> str:
+    return foreign.dump(ForeignSpec("adopt", Watch("/shared/runs/a"), job_id=job_id))
+
+
+@pytest.mark.asyncio
+async def test_adopt_of_another_users_job_is_forbidden_and_a_bad_spec_a_bad_request(
+    sup: Supervisor,
+) -> None:
+    a = ControlApi(sup)
+    with pytest.raises(ControlError, match="belongs to uid 1000, not to uid 1001") as refused:
+        await a.handle(request("adopt", spec_json=_adopt_json()), OTHER, no_stream)
+    assert refused.value.code == "forbidden"
+    with pytest.raises(ControlError, match="'JOBID' has invalid value 'x'") as bad:
+        await a.handle(request("adopt", spec_json=_adopt_json("x")), ME, no_stream)
+    assert bad.value.code == "bad_request"
+    summary = read(
+        RunSummary, await a.handle(request("adopt", spec_json=_adopt_json()), ME, no_stream)
+    )
+    assert (summary["run"], summary["state"]) == ("adopted", "pending")
+    with pytest.raises(ControlError, match="starts with '#!'"):
+        script = foreign.dump(ForeignSpec("script", Watch("/shared/runs/a"), script="echo"))
+        await a.handle(request("submit_script", spec_json=script), ME, no_stream)
 
 
 # ---------------------------------------------------------------------- streams

@@ -24,6 +24,7 @@ from llmd_supervisor.adapters.slurm import SlurmClient
 from llmd_supervisor.core.config import ClusterConfig, Config, Limits, PollConfig, SshConfig
 from llmd_supervisor.core.lifecycle import RunState, Submit, new_run, step
 from llmd_supervisor.core.slurm_parse import JobState
+from llmd_supervisor.core.spec import RunSpec
 from llmd_supervisor.errors import SupervisorError
 from llmd_supervisor.supervision import steps
 from llmd_supervisor.supervision.cluster import Cluster, SharedLogDir
@@ -55,6 +56,7 @@ def _spec(log_dir: Path, grace_s: int = 2) -> str:
 
 def publish_marker(h: RunHandle, rc: int = 0) -> None:
     """What the coordinator writes at the end: results, then the marker."""
+    assert isinstance(h.spec, RunSpec)
     finish_job(Path(h.layout.log_dir), h.job_id(), h.spec.benchmark, rc)
 
 
