@@ -25,6 +25,9 @@ from pytest_asyncio import is_async_test
 from tests.daemon_helpers import stop_started
 from tests.devcluster import DevCluster, devcluster
 
+# The `stranger` and `root_dir` fixtures (another local user).
+pytest_plugins = ["tests.strangers"]
+
 # An async test fails when one callback (one step of a task) held the event loop this long.
 # Well above what a 2-core machine shared with other test runs adds to a callback that
 # does not block (scheduling, a garbage collection: tens of milliseconds), and well below

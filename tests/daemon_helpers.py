@@ -88,6 +88,7 @@ class Daemon:
     limits: dict[str, float] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
     crash_after: str | None = None  # STATE[:N]: see tests/faults/crash_daemon.py
+    daemon_keys: str = ""  # more [daemon] keys (e.g. socket_group)
 
     @property
     def socket(self) -> Path:
@@ -113,6 +114,7 @@ socket = "{self.socket}"
 log_roots = ["/tmp", "/var/tmp"]
 {f'archive_dir = "{self.archive_dir}"' if self.archive_dir else ""}
 log_format = "json"
+{self.daemon_keys}
 
 [ssh]
 user = "root"

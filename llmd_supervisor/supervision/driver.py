@@ -275,6 +275,7 @@ class Supervisor:
             created_at=run.transitions[0].at,
         )
         await self.journal.insert_run(run, meta)
+        self.hooks.after_journal(run)
         handle = self._handle(StoredRun(run, meta), spec)
         log.info("run.accepted", run_id=run_id, job_name=run.job_name, cluster=cluster_cfg.name)
         if start:

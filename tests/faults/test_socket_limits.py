@@ -4,7 +4,7 @@ a memory bound while another uid is still served; a stranger's run is `not_found
 pages through a thousand runs; any log (3 MB of text, invalid UTF-8) streams byte for
 byte through `logs --follow`; an ambiguous job id is an error naming the candidates.
 
-The hostile peer is a throwaway system user (created here, removed at the end) running
+The hostile peer is a throwaway system user (`tests.strangers`) running
 tests/faults/socket_peer.py under setpriv with the system python3.
 """
 
@@ -12,17 +12,11 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import resource
-import secrets
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -37,63 +31,12 @@ from llmd_supervisor.core.summary import LogChunk, chunk_bytes, read
 from llmd_supervisor.core.verdict import Outcome
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.devcluster import REPO, DevCluster
+from tests.strangers import Stranger
 
 pytestmark = pytest.mark.cluster
 
-PEER = REPO / "tests" / "faults" / "socket_peer.py"
+
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
-
-
-@dataclass(frozen=True)
-class Stranger:
-    name: str
-    uid: int
-    gid: int
-
-    def argv(self, *args: str) -> list[str]:
-        return [
-            "setpriv",
-            f"--reuid={self.uid}",
-            f"--regid={self.gid}",
-            "--clear-groups",
-            "/usr/bin/python3",
-            str(PEER),
-            *args,
-        ]
-
-    @contextmanager
-    def process(self, *args: str) -> Iterator[subprocess.Popen[str]]:
-        """The peer running in the background (its stdout a pipe); killed if still there."""
-        proc = subprocess.Popen(self.argv(*args), stdout=subprocess.PIPE, text=True)
-        try:
-            yield proc
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            assert proc.stdout is not None
-            proc.stdout.close()
-
-    def run(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            self.argv(*args), capture_output=True, text=True, timeout=timeout, check=True
-        )
-
-
-@pytest.fixture(scope="module")
-def stranger() -> Iterator[Stranger]:
-    """A system user (and its group) that exists only for these tests."""
-    name = f"llmdx{secrets.token_hex(4)}"
-    subprocess.run(
-        ["useradd", "--system", "--user-group", "--no-create-home", "--shell", "/bin/false", name],
-        check=True,
-    )
-    try:
-        entry = pwd.getpwnam(name)
-        yield Stranger(name, entry.pw_uid, entry.pw_gid)
-    finally:
-        subprocess.run(["userdel", name], check=False)
-        subprocess.run(["groupdel", name], check=False, capture_output=True)
 
 
 @dataclass
@@ -101,15 +44,7 @@ class SocketDaemon(Daemon):
     """The test daemon with extra [daemon] keys, a socket the stranger may connect to,
     and optionally a lower open-files limit (as systemd's default 1024)."""
 
-    daemon_keys: str = ""
     nofile: int | None = None
-
-    def write_config(self) -> None:
-        super().write_config()
-        text = self.config_path.read_text()
-        self.config_path.write_text(
-            text.replace("[daemon]\n", f"[daemon]\n{self.daemon_keys}\n", 1)
-        )
 
     def start(self) -> None:
         saved = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -138,17 +73,6 @@ class SocketDaemon(Daemon):
 
     def fds(self) -> int:
         return len(os.listdir(f"/proc/{self.pid}/fd"))
-
-
-@pytest.fixture
-def root_dir() -> Iterator[Path]:
-    """A daemon root the stranger can reach the socket in (the socket itself is 0660)."""
-    d = Path(tempfile.mkdtemp(prefix="llmd-sock-", dir="/var/tmp"))
-    d.chmod(0o755)
-    try:
-        yield d
-    finally:
-        shutil.rmtree(d, ignore_errors=True)
 
 
 def daemon_for(

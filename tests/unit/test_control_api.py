@@ -16,7 +16,9 @@ import anyio.lowlevel
 import pytest
 
 from llmd_supervisor.adapters.control_protocol import OPS, Peer, Request
+from llmd_supervisor.core import foreign
 from llmd_supervisor.core.config import Config
+from llmd_supervisor.core.foreign import ForeignSpec, Watch
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.lifecycle import Run, RunState, new_run
 from llmd_supervisor.core.spec import RunSpec, load_spec
@@ -29,8 +31,6 @@ from llmd_supervisor.core.summary import (
     read,
 )
 from llmd_supervisor.core.verdict import Outcome
-from llmd_supervisor.core import foreign
-from llmd_supervisor.core.foreign import ForeignSpec, Watch
 from llmd_supervisor.errors import AdoptRefused, ControlError, IllegalTransition, SupervisorError
 from llmd_supervisor.supervision import log_follow
 from llmd_supervisor.supervision.api import HANDLERS, ControlApi, Op, check_handlers

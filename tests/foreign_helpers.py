@@ -1,0 +1,109 @@
+"""Driving jobs of a user's own launcher (`tests/cluster/launcher/`) through the CLI:
+`submit --script` and `adopt` (the cluster and fault tests of issue 2.5)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.daemon_helpers import Daemon
+from tests.devcluster import REPO, DevCluster
+
+LAUNCHER = REPO / "tests" / "cluster" / "launcher"
+WATCH = [
+    "--logs",
+    "slurm_job-{job_id}_rank_*.log",
+    "--marker",
+    ".bench_done.{job_id}",
+    "--marker-format",
+    "int",
+    "--results",
+    "results/*.json",
+]
+
+
+def launcher_env(rc: int = 0, lines: int = 20) -> dict[str, str]:
+    """The settings the launcher takes from the submitting shell."""
+    return {
+        "LAUNCHER_DIR": str(LAUNCHER),
+        "IX_MODEL": "test/model-0.5b",
+        "IX_BENCH_RC": str(rc),
+        "IX_LOG_LINES": str(lines),
+    }
+
+
+def cli(
+    daemon: Daemon, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "llmd_supervisor", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=cwd or REPO,
+        env={**os.environ, **daemon.cluster.slurm_env, **(env or {})},
+    )
+
+
+def final(daemon: Daemon, run: str) -> dict[str, object]:
+    result = json.loads(daemon.cli("wait", run, "--json", check=False).stdout)
+    assert isinstance(result, dict)
+    return result
+
+
+def assert_copies_of(final: dict[str, object], run_dir: Path) -> list[str]:
+    """Every copy of the run's logs (named by its path below the log directory) is the
+    job's file byte for byte; return the copies' names."""
+    copies_dir = Path(str(final["archive"])) / "logs" / f"attempt{final['attempt']}"
+    names = sorted(str(p.relative_to(copies_dir)) for p in copies_dir.rglob("*") if p.is_file())
+    for name in names:
+        assert (copies_dir / name).read_bytes() == (run_dir / name).read_bytes(), name
+    return names
+
+
+def submit_script(daemon: Daemon, run_dir: Path, rc: int = 0) -> subprocess.CompletedProcess[str]:
+    return cli(
+        daemon,
+        "submit",
+        "--script",
+        str(LAUNCHER / "job.slurm"),
+        "--export-env",
+        "--chdir",
+        str(run_dir),
+        "--job-name-prefix",
+        "ixci",
+        *WATCH,
+        "--json",
+        "--socket",
+        str(daemon.socket),
+        "--",
+        "--time=00:04:00",
+        env=launcher_env(rc),
+    )
+
+
+def sbatch_plain(cluster: DevCluster, run_dir: Path, *, lines: int) -> str:
+    """The launcher submitted with plain sbatch (no daemon); its job id."""
+    run_dir.mkdir()
+    out = cluster.slurm(
+        [
+            "sbatch",
+            "--parsable",
+            f"--chdir={run_dir}",
+            "--job-name=plain-sbatch",
+            str(LAUNCHER / "job.slurm"),
+        ],
+        extra_env=launcher_env(lines=lines),
+    ).stdout
+    return out.strip().split(";")[0]  # fmt: skip
+
+
+def adopt(daemon: Daemon, job_id: str, run_dir: Path) -> subprocess.CompletedProcess[str]:
+    return cli(
+        daemon, "adopt", job_id, "--log-dir", str(run_dir), *WATCH, "--json",
+        "--socket", str(daemon.socket),
+    )  # fmt: skip
