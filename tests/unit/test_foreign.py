@@ -143,3 +143,30 @@ def test_the_marker_is_read_in_the_declared_format(
         assert reading.describe() == "marker .done.7 missing"
     if status is MarkerStatus.NOT_USED:
         assert reading.describe() == "no marker protocol"
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["submit", "spec.toml", "--script", "job.sbatch"], "not both"),
+        (["submit", "--logs", "x.log"], "--logs need --script"),
+        (["submit", "spec.toml", "--", "--time=1"], "not both"),
+        (["submit", "--script", "job.sbatch", "--", "--job-name=x"], "--job-name is not allowed"),
+        (["submit", "--script", "job.sbatch", "--logs", "../x"], "'--logs' has invalid value"),
+        (["adopt", "12x"], "numeric Slurm job id"),
+    ],
+)
+def test_the_cli_refuses_bad_submissions_before_asking_the_daemon(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    says: str,
+) -> None:
+    from llmd_supervisor.cli.main import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "job.sbatch").write_text(SCRIPT)
+    (tmp_path / "spec.toml").write_text("")
+    assert main([*argv[:1], "--socket", str(tmp_path / "none.sock"), *argv[1:]]) == 2
+    assert says in capsys.readouterr().err
