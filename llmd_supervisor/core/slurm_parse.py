@@ -363,8 +363,9 @@ _FREE_TEXT_KEYS = frozenset(
     }
 )
 
-# Every key ``scontrol show job`` prints in 22.05 (slurm_sprint_job_info), so that a
-# " Word=" inside a free-text value can be told apart from a real key.
+# Every key ``scontrol show job`` prints in 22.05 (slurm_sprint_job_info) and 24.11 (which
+# adds ReqTRES and AllocTRES and drops TRES and Power), so that a " Word=" inside a
+# free-text value can be told apart from a real key.
 _KNOWN_JOB_KEYS_TEXT = """
     JobId ArrayJobId ArrayTaskId ArrayTaskThrottle HetJobId HetJobOffset HetJobIdSet
     JobName UserId GroupId MCS_label Priority Nice Account QOS WCKey JobState Reason
@@ -382,7 +383,7 @@ _KNOWN_JOB_KEYS_TEXT = """
     TresPerTask NtasksPerTRES Switches Wait-for-Switch KillOInInvalidDependent
     SpreadJob Container SiblingsActive SiblingsViable SiblingsActiveRaw
     SiblingsViableRaw FedOrigin FedViableSiblings FedActiveSiblings FedOriginRaw
-    FedViableSiblingsRaw FedActiveSiblingsRaw LicensesAlloc Selinux
+    FedViableSiblingsRaw FedActiveSiblingsRaw LicensesAlloc Selinux ReqTRES AllocTRES
 """
 _KNOWN_JOB_KEYS = frozenset(_KNOWN_JOB_KEYS_TEXT.split())
 
@@ -461,8 +462,8 @@ def parse_scontrol_job(text: str) -> ScontrolJob:
     Values may contain spaces. A key is an identifier-like word (``AllocNode:Sid``,
     ``CPUs/Task`` included) at the start or after whitespace, followed by ``=``. After a
     free-text value (Command, Comment, JobName, Reason, WorkDir, Std*), a ``Word=`` that is
-    not a key Slurm 22.05 prints is taken as part of that value. The remaining ambiguity
-    — free text containing a real key such as `` JobState=COMPLETED`` — is refused, not
+    not a key Slurm 22.05 or 24.11 prints is taken as part of that value. The remaining
+    ambiguity — free text containing a real key such as `` JobState=COMPLETED`` — is refused, not
     guessed: if any exposed key (JobId, JobState, ExitCode, ...) appears twice the output
     raises SlurmParseError, so a comment can never forge a state. Other duplicated keys
     keep their first value.
