@@ -45,6 +45,18 @@ def prepare(archive_root: Path, run_id: str, *, spec: tuple[str, str], script: s
     return d
 
 
+def write_part(archive_root: Path, run_id: str, name: str, data: bytes) -> Path:
+    """One more file of the run's archive by relative name (an attempt's own receipt,
+    ``attempt2/receipt.json``), written atomically."""
+    parts = name.split("/")
+    if len(parts) > 8 or any(p in ("", ".", "..") for p in parts):
+        raise ValueError(f"archive file name {name!r} is not a plain relative path")
+    path = run_dir(archive_root, run_id) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(path, data)
+    return path
+
+
 def write_archive(
     archive_root: Path,
     run_id: str,

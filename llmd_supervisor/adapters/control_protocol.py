@@ -173,6 +173,11 @@ OPS: Final[Mapping[str, OpSpec]] = MappingProxyType(
             }
         ),
         "status": OpSpec({"run": _RUN}),
+        # the quarantined nodes; with `release` (admins only) that node's failures are
+        # forgotten first, on `cluster` (None: the first configured)
+        "nodes": OpSpec(
+            {"release": ArgSpec(frozenset({"str", "null"}), default=None), "cluster": _CLUSTER}
+        ),
         "logs": OpSpec(
             {
                 "run": _RUN,

@@ -26,7 +26,7 @@ import os
 import sqlite3
 import stat
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import Final, TypeVar
@@ -44,10 +44,13 @@ from llmd_supervisor.adapters.journal_rows import (
     iso,
     load_runs,
     load_transitions,
+    parse_time,
     run_values,
     transition_rows,
 )
+from llmd_supervisor.adapters.journal_schema import MIGRATIONS
 from llmd_supervisor.core.lifecycle import Run, RunState
+from llmd_supervisor.core.retry import Quarantined, count_failure
 from llmd_supervisor.errors import JournalConflict, JournalError
 
 __all__ = ["SCHEMA_VERSION", "Journal", "RunMeta", "StoredRun"]
@@ -60,71 +63,23 @@ _DIR_MODE: Final = 0o750
 _FILE_MODE: Final = 0o600
 _RESERVED_EVENT_KEYS: Final = frozenset({"at", "kind"})
 
-# Ordered migrations: MIGRATIONS[i] takes the schema from user_version i to i + 1. Append
-# only; never edit a migration that has shipped. Each is a sequence of single statements
-# (executescript() would commit on its own and break the enclosing transaction).
-MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
-    (
-        """
-        CREATE TABLE runs (
-            run_id           TEXT PRIMARY KEY NOT NULL,
-            job_name         TEXT NOT NULL UNIQUE,
-            state            TEXT NOT NULL,
-            attempt          INTEGER NOT NULL CHECK (attempt >= 1),
-            slurm_job_id     TEXT,
-            nodes            TEXT NOT NULL,  -- JSON array of host names
-            cancel_requested INTEGER NOT NULL CHECK (cancel_requested IN (0, 1)),
-            outcome          TEXT,
-            reason           TEXT NOT NULL,
-            owner_uid        INTEGER NOT NULL,
-            cluster          TEXT NOT NULL,
-            spec_toml        TEXT NOT NULL,
-            script           TEXT NOT NULL,
-            log_dir          TEXT NOT NULL,
-            archive_dir      TEXT NOT NULL,
-            created_at       TEXT NOT NULL,  -- UTC ISO 8601, fixed width
-            updated_at       TEXT NOT NULL
-        )
-        """,
-        "CREATE INDEX runs_by_created ON runs (created_at)",
-        "CREATE INDEX runs_by_owner ON runs (owner_uid, created_at)",
-        """
-        CREATE TABLE transitions (
-            run_id TEXT NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
-            seq    INTEGER NOT NULL CHECK (seq >= 0),
-            state  TEXT NOT NULL,
-            at     TEXT NOT NULL,
-            event  TEXT NOT NULL,
-            PRIMARY KEY (run_id, seq)
-        )
-        """,
-        """
-        CREATE TABLE events (
-            id     INTEGER PRIMARY KEY AUTOINCREMENT,
-            run_id TEXT NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
-            at     TEXT NOT NULL,
-            kind   TEXT NOT NULL,
-            fields TEXT NOT NULL  -- JSON object
-        )
-        """,
-        "CREATE INDEX events_by_run ON events (run_id, id)",
-        """
-        CREATE TABLE log_offsets (
-            run_id      TEXT NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
-            name        TEXT NOT NULL,
-            byte_offset INTEGER NOT NULL CHECK (byte_offset >= 0),
-            updated_at  TEXT NOT NULL,
-            PRIMARY KEY (run_id, name)
-        )
-        """,
-    ),
-    # 1 -> 2: the log copies' own sizes are the resume offsets; the table was never read.
-    ("DROP TABLE IF EXISTS log_offsets",),
-)
-
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 _FINAL_STATES: Final = tuple(s.value for s in RunState if s.is_final)
+_Q_COLUMNS: Final = "cluster, node, failures, reason, run_id, since, until"
+
+
+def _quarantined(row: tuple[object, ...], path: Path, operation: str) -> Quarantined:
+    cluster, node, failures, reason, run_id, since, until = row
+    return Quarantined(
+        str(cluster),
+        str(node),
+        int(str(failures)),
+        str(reason),
+        str(run_id),
+        parse_time(str(since), path, operation),
+        parse_time(str(until), path, operation),
+    )
 
 
 class Journal:
@@ -208,9 +163,9 @@ class Journal:
                 )
             conn.execute(
                 f"INSERT INTO runs ({RUN_COLUMNS}, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
-                    *run_values(run),
+                    *run_values(run)[:-1],
                     meta.owner_uid,
                     meta.cluster,
                     meta.spec_toml,
@@ -218,6 +173,7 @@ class Journal:
                     meta.log_dir,
                     meta.archive_dir,
                     created,
+                    run.submission,
                     now,
                 ),
             )
@@ -285,7 +241,7 @@ class Journal:
                 )
             conn.execute(
                 "UPDATE runs SET state = ?, attempt = ?, slurm_job_id = ?, nodes = ?, "
-                "cancel_requested = ?, outcome = ?, reason = ?, updated_at = ? "
+                "cancel_requested = ?, outcome = ?, reason = ?, submission = ?, updated_at = ? "
                 "WHERE run_id = ?",
                 (*run_values(run)[2:], now, run.run_id),
             )
@@ -378,6 +334,80 @@ class Journal:
             return out
 
         return await self._call(operation, _read(work))
+
+    async def events_of_kind(self, kind: str) -> dict[str, list[dict[str, object]]]:
+        """Every run's events of one kind (one query for all runs), by run id."""
+        operation = f"read the {kind!r} events"
+
+        def work(conn: sqlite3.Connection) -> dict[str, list[dict[str, object]]]:
+            out: dict[str, list[dict[str, object]]] = {}
+            for run_id, at, fields in conn.execute(
+                "SELECT run_id, at, fields FROM events WHERE kind = ? ORDER BY id", (kind,)
+            ):
+                decoded = decode_json(fields, dict, self._path, operation)
+                out.setdefault(run_id, []).append({"at": at, "kind": kind, **decoded})
+            return out
+
+        return await self._call(operation, _read(work))
+
+    # --- node quarantine (core.retry) -------------------------------------------------------
+
+    async def count_node_failure(
+        self, cluster: str, node: str, *, run_id: str, reason: str, at: datetime, ttl: timedelta
+    ) -> Quarantined:
+        """One more infrastructure failure of `node` on `cluster` (one transaction)."""
+        operation = f"count a failure of node {node} on cluster {cluster}"
+
+        def work(conn: sqlite3.Connection) -> Quarantined:
+            row = conn.execute(
+                f"SELECT {_Q_COLUMNS} FROM quarantine WHERE cluster = ? AND node = ?",
+                (cluster, node),
+            ).fetchone()
+            before = None if row is None else _quarantined(row, self._path, operation)
+            after = count_failure(
+                before, cluster=cluster, node=node, run_id=run_id, reason=reason, now=at, ttl=ttl
+            )
+            conn.execute(
+                f"INSERT OR REPLACE INTO quarantine ({_Q_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (
+                    cluster,
+                    node,
+                    after.failures,
+                    after.reason[:500],
+                    after.run_id,
+                    iso(after.since, self._path, operation),
+                    iso(after.until, self._path, operation),
+                ),
+            )
+            return after
+
+        return await self._call(operation, _write(work))
+
+    async def quarantined(self, cluster: str | None = None) -> list[Quarantined]:
+        """The nodes with failures counted (expired ones included), by cluster and node."""
+        operation = "read the node quarantine"
+        where, params = ("cluster = ?", (cluster,)) if cluster is not None else ("1", ())
+
+        def work(conn: sqlite3.Connection) -> list[Quarantined]:
+            rows = conn.execute(
+                f"SELECT {_Q_COLUMNS} FROM quarantine WHERE {where} ORDER BY cluster, node",
+                params,
+            ).fetchall()
+            return [_quarantined(row, self._path, operation) for row in rows]
+
+        return await self._call(operation, _read(work))
+
+    async def release_node(self, cluster: str, node: str) -> bool:
+        """Forget `node`'s failures on `cluster`; whether it had any."""
+        operation = f"release node {node} on cluster {cluster}"
+
+        def work(conn: sqlite3.Connection) -> bool:
+            cur = conn.execute(
+                "DELETE FROM quarantine WHERE cluster = ? AND node = ?", (cluster, node)
+            )
+            return cur.rowcount > 0
+
+        return await self._call(operation, _write(work))
 
     # --- plumbing ---------------------------------------------------------------------------
 

@@ -25,7 +25,8 @@ _T = TypeVar("_T")
 
 RUN_COLUMNS: Final = (
     "run_id, job_name, state, attempt, slurm_job_id, nodes, cancel_requested, outcome, "
-    "reason, owner_uid, cluster, spec_toml, script, log_dir, archive_dir, created_at"
+    "reason, owner_uid, cluster, spec_toml, script, log_dir, archive_dir, created_at, "
+    "submission"
 )
 
 
@@ -61,6 +62,7 @@ def run_values(run: Run) -> tuple[object, ...]:
         int(run.cancel_requested),
         None if run.outcome is None else run.outcome.value,
         run.reason,
+        run.submission,
     )
 
 
@@ -129,6 +131,7 @@ def _stored_run(
         log_dir,
         archive_dir,
         created_at,
+        submission,
     ) = row
     try:
         run = Run(
@@ -142,6 +145,7 @@ def _stored_run(
             outcome=None if outcome is None else Outcome(outcome),
             reason=reason,
             transitions=transitions,
+            submission=int(submission),
         )
     except ValueError as exc:
         raise JournalError(str(path), operation, f"run {run_id} has a corrupt row: {exc}") from exc

@@ -225,6 +225,14 @@ class SlurmClient:
         ids = acct.stdout.split()
         return NameLookup(ids[-1] if ids else None, certain=True)
 
+    async def node_names(self, partition: str | None = None) -> list[str]:
+        """The cluster's (or partition's) node names, each once (`sinfo --Node`)."""
+        argv = ["sinfo", "--noheader", "--Node", "--format=%N"]
+        if partition:
+            argv.append(f"--partition={partition}")
+        result = await self._run_checked(argv)
+        return sorted({n for n in result.stdout.split() if n})
+
     async def mkdir(self, path: str) -> None:
         """`mkdir -p` where the Slurm commands run (the log directory must exist for sbatch)."""
         await self._run_checked(["mkdir", "-p", "--", path])

@@ -23,10 +23,10 @@ import json
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from contextlib import aclosing
 from pathlib import Path
-from typing import IO, Any, Literal, TypeVar
+from typing import IO, Any, TypeVar
 
 import anyio
 import anyio.abc
@@ -38,22 +38,30 @@ from llmd_supervisor.adapters.control_client import (
     list_all,
     resumable_stream,
 )
+from llmd_supervisor.cli import launch
+from llmd_supervisor.cli.common import (
+    EXIT_DAEMON_UNREACHABLE,
+    _Exit,
+    _exits,
+    _expected,
+    _read,
+    _run,
+    _write,
+)
 from llmd_supervisor.core.summary import (
     ArchiveInfo,
     DryRun,
     LogChunk,
+    NodesView,
     RunList,
     RunSummary,
     chunk_bytes,
-    read,
 )
 from llmd_supervisor.core.verdict import Outcome
-from llmd_supervisor.errors import ControlError, SupervisorError
+from llmd_supervisor.errors import SupervisorError
 
 DEFAULT_SOCKET = Path("/run/llmd-supervisor/control.sock")
 DEFAULT_RECONNECT_S = 600.0
-EXIT_DAEMON_UNREACHABLE = 3
-EXIT_INTERRUPTED = 130
 
 T = TypeVar("T")
 
@@ -135,72 +143,23 @@ def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
         )
         reconnect(p)
 
-    def watching(p: argparse.ArgumentParser) -> None:
-        """What to watch in a job the daemon did not render (`core.foreign`)."""
-        g = p.add_argument_group("a job of your own launcher (with --script, and adopt)")
-        g.add_argument(
-            "--log-dir",
-            default=None,
-            metavar="DIR",
-            help="the directory its logs, marker and results are under (default: --chdir, "
-            "else the current directory); below the daemon's log_roots",
-        )
-        g.add_argument(
-            "--logs",
-            nargs="+",
-            action="extend",
-            default=[],
-            metavar="GLOB",
-            help="log files to copy, relative to --log-dir ({job_id}: the job id; wildcards "
-            "in the last part), e.g. 'slurm_job-{job_id}_rank_*.log'",
-        )
-        g.add_argument(
-            "--marker", default=None, metavar="PATTERN", help="its completion marker file"
-        )
-        g.add_argument(
-            "--marker-format",
-            choices=("json", "int", "none"),
-            default=None,
-            help="json: this project's protocol; int: the rc and a newline (InferenceX); "
-            "none: no marker, Slurm's evidence alone (default: json with --marker, else none)",
-        )
-        g.add_argument(
-            "--results",
-            nargs="+",
-            action="extend",
-            default=[],
-            metavar="GLOB",
-            help="benchmark result files to archive (vLLM's JSON is also tabulated)",
-        )
-
     p = client("submit", "submit a run spec, or your own batch script, to the daemon", run=False)
     p.add_argument("spec", metavar="SPEC", type=Path, nargs="?", help="run spec TOML")
-    p.add_argument(
-        "--script",
-        type=Path,
-        default=None,
-        metavar="JOB.sbatch",
-        help="submit this batch script as it is (no SPEC); sbatch options after --",
-    )
-    p.add_argument("--chdir", default=None, metavar="DIR", help="sbatch's working directory")
-    p.add_argument(
-        "--export-env",
-        action="store_true",
-        help="the job gets this shell's environment (journaled, owner-only, until the run "
-        "is archived)",
-    )
-    p.add_argument(
-        "--job-name-prefix", default=None, metavar="P", help="the job is named P-<run id>"
-    )
+    launch.add_script_options(p)
     p.add_argument("--dry-run", action="store_true", help="validate and print the script only")
-    watching(p)
+    launch.add_watch_options(p)
     waiting(p)
     p.set_defaults(handler=cmd_submit, sbatch_args=[])
     p = client("adopt", "supervise a job already submitted with sbatch", run=False)
     p.add_argument("job_id", metavar="JOBID", help="its Slurm job id")
-    watching(p)
+    launch.add_watch_options(p)
     waiting(p)
     p.set_defaults(handler=cmd_adopt)
+    p = client("nodes", "list quarantined nodes; `nodes release NODE` lets one in again", run=False)
+    p.add_argument("action", nargs="?", choices=("release",), help="release NODE (admins)")
+    p.add_argument("node", nargs="?", metavar="NODE")
+    p.add_argument("--cluster", default=None, help="the node's cluster (default: the first)")
+    p.set_defaults(handler=cmd_nodes)
     p = client("list", "list runs", run=False)
     p.add_argument("--all", action="store_true", help="include finished runs")
     p.set_defaults(handler=cmd_simple, op="list")
@@ -259,84 +218,6 @@ def cmd_daemon(args: argparse.Namespace) -> int:
     return 0
 
 
-# --- running a client ---------------------------------------------------------------------
-
-
-class _Exit(Exception):
-    """End the command with this status (after its one line on stderr, if any)."""
-
-    def __init__(self, status: int) -> None:
-        super().__init__(status)
-        self.status = status
-
-
-def _expected(exc: BaseException) -> BaseException | None:
-    """The first of our own errors (or `_Exit`) in `exc`, unwrapping task-group
-    ExceptionGroups, when every leaf of it is one; None when something else failed."""
-    if isinstance(exc, BaseExceptionGroup):
-        leaves = [_expected(e) for e in exc.exceptions]
-        if not leaves or any(leaf is None for leaf in leaves):
-            return None
-        return next((e for e in leaves if isinstance(e, _Exit)), leaves[0])
-    return exc if isinstance(exc, SupervisorError | _Exit | BrokenPipeError) else None
-
-
-def _run(command: str, go: Callable[[], Awaitable[T]]) -> T:
-    """`anyio.run(go)`; an expected failure becomes `_Exit` after one line on stderr.
-
-    Our errors print their message (exit 2 for an error reply, 3 when the daemon cannot be
-    reached or answers nonsense); Ctrl-C outside a wait exits 130; a closed stdout (a
-    pager that quit) exits 0. Anything else is a bug and keeps its traceback.
-    """
-    try:
-        return anyio.run(go)
-    except KeyboardInterrupt:
-        raise _Exit(EXIT_INTERRUPTED) from None
-    except BaseException as exc:  # sorted below; re-raised when unexpected
-        found = _expected(exc)
-        if found is None:
-            raise
-        if isinstance(found, _Exit):
-            raise found from None
-        if isinstance(found, BrokenPipeError):
-            _silence_stdout()
-            raise _Exit(0) from None
-        print(f"llmd-supervisor {command}: {found}", file=sys.stderr)
-        status = 2 if isinstance(found, ControlError) else EXIT_DAEMON_UNREACHABLE
-        raise _Exit(status) from None
-
-
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null, so the interpreter's last flush finds no broken pipe."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-
-
-def _exits(cmd: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    @functools.wraps(cmd)
-    def wrapper(args: argparse.Namespace) -> int:
-        try:
-            return cmd(args)
-        except _Exit as exc:
-            return exc.status
-
-    return wrapper
-
-
-def _write(data: bytes, out: IO[str] | None = None) -> None:
-    """Print log bytes exactly as they are, whatever the locale says."""
-    out = out or sys.stdout
-    out.flush()
-    buffer = getattr(out, "buffer", None)
-    if buffer is None:
-        out.write(data.decode("utf-8", "replace"))
-    else:
-        buffer.write(data)
-        buffer.flush()
-    out.flush()
-
-
 # --- clients ------------------------------------------------------------------------------
 
 
@@ -378,13 +259,27 @@ def cmd_simple(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read(command: str, kind: type[T], value: object) -> T:
-    """`value` as `kind`; a reply of the wrong shape ends the command with status 3."""
-    try:
-        return read(kind, value)
-    except SupervisorError as exc:
-        print(f"llmd-supervisor {command}: {exc}", file=sys.stderr)
-        raise _Exit(EXIT_DAEMON_UNREACHABLE) from None
+@_exits
+def cmd_nodes(args: argparse.Namespace) -> int:
+    if (args.action is None) != (args.node is None):
+        print("llmd-supervisor nodes: use `nodes` or `nodes release NODE`", file=sys.stderr)
+        return 2
+    params = {"release": args.node, "cluster": args.cluster}
+
+    async def go() -> dict[str, object]:
+        async with ControlClient(args.socket) as c:
+            return await c.call("nodes", params)
+
+    view = _read("nodes", NodesView, _run("nodes", go))
+    if args.json:
+        print(json.dumps(view, indent=2, sort_keys=True))
+        return 0
+    if args.node is not None:
+        said = "released" if view["released"] else "had no failures counted; nothing to release"
+        print(f"node {args.node}: {said}", file=sys.stderr)
+    for line in launch.nodes_table(view):
+        print(line)
+    return 0
 
 
 def _print_summary(r: RunSummary, out: IO[str] | None = None) -> None:
@@ -415,6 +310,24 @@ def _print_summary(r: RunSummary, out: IO[str] | None = None) -> None:
             f"{'-' if ttft is None else f'{ttft:.1f} ms'}",
             file=out,
         )
+    attempts = r.get("attempts") or []
+    if len(attempts) > 1 or any(a["cause"] for a in attempts):
+        for a in attempts:
+            where = f" on {','.join(a['nodes'])}" if a["nodes"] else ""
+            cause = f", cause {a['cause']}" if a["cause"] else ""
+            print(
+                f"  attempt {a['attempt']}: job {a['slurm_job_id']}{where}: {a['outcome']}"
+                f"{cause}; {a['retry']}",
+                file=out,
+            )
+    usage = r.get("usage")
+    if usage and attempts:
+        print(
+            f"  GPU-hours {usage['gpu_hours_useful']:.2f} useful, {usage['gpu_hours_lost']:.2f}"
+            f" lost; node-hours {usage['node_hours_useful']:.3f} useful,"
+            f" {usage['node_hours_lost']:.3f} lost",
+            file=out,
+        )
     print(f"  archive {r['archive']}", file=out)
 
 
@@ -438,7 +351,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 2
-        return _submit_foreign(args, "submit_script", _foreign_spec(args, "script"))
+        return _submit_foreign(args, "submit_script", launch.checked_spec(args, "script"))
     if args.spec is None or foreign_used:
         why = f"{', '.join(foreign_used)} need --script" if foreign_used else "give a run SPEC"
         print(f"llmd-supervisor submit: {why} (or a SPEC alone)", file=sys.stderr)
@@ -463,7 +376,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
 
 @_exits
 def cmd_adopt(args: argparse.Namespace) -> int:
-    return _submit_foreign(args, "adopt", _foreign_spec(args, "adopt"))
+    return _submit_foreign(args, "adopt", launch.checked_spec(args, "adopt"))
 
 
 def _waits(args: argparse.Namespace) -> bool:
@@ -483,56 +396,6 @@ def _send_submission(
         )
 
     return _run(op, go)
-
-
-def _foreign_spec(args: argparse.Namespace, kind: Literal["script", "adopt"]) -> str:
-    """The foreign spec JSON the daemon takes, checked here first (exit 2 when bad)."""
-    from llmd_supervisor.core import foreign
-
-    command = "submit" if kind == "script" else "adopt"
-    script, name = "", ""
-    if kind == "script":
-        path: Path = args.script
-        try:
-            with path.open("rb") as f:
-                data = f.read(foreign.SCRIPT_MAX + 1)
-            script, name = data.decode("utf-8"), path.name
-        except (OSError, UnicodeDecodeError) as exc:
-            print(f"llmd-supervisor {command}: cannot read {path}: {exc}", file=sys.stderr)
-            raise _Exit(2) from None
-    chdir = getattr(args, "chdir", None)
-    chdir = os.path.abspath(chdir) if chdir else None
-    fmt = args.marker_format or ("json" if args.marker else "none")
-    spec = foreign.ForeignSpec(
-        kind=kind,
-        watch=foreign.Watch(
-            log_dir=os.path.abspath(args.log_dir or chdir or os.getcwd()),
-            logs=tuple(args.logs),
-            marker=args.marker,
-            marker_format=foreign.MarkerFormat(fmt),
-            results=tuple(args.results),
-        ),
-        script=script,
-        script_name=name,
-        chdir=chdir or (os.getcwd() if kind == "script" else None),
-        env=dict(os.environ) if getattr(args, "export_env", False) else None,
-        sbatch_args=tuple(getattr(args, "sbatch_args", ())),
-        job_name_prefix=getattr(args, "job_name_prefix", None),
-        job_id=getattr(args, "job_id", None),
-    )
-    text = foreign.dump(spec)
-    try:
-        checked = foreign.load(text)
-    except SupervisorError as exc:
-        print(f"llmd-supervisor {command}: {exc}", file=sys.stderr)
-        raise _Exit(2) from None
-    if checked.env_dropped:
-        print(
-            f"llmd-supervisor {command}: not exported (they would change what sbatch runs or "
-            f"how): {', '.join(checked.env_dropped)}",
-            file=sys.stderr,
-        )
-    return text
 
 
 def _submit_foreign(args: argparse.Namespace, op: str, spec_json: str) -> int:

@@ -347,7 +347,7 @@ def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[
 
 def cmd_report(args: argparse.Namespace) -> int:
     from llmd_supervisor.adapters.fsutil import write_atomic
-    from llmd_supervisor.cli.daemon import _Exit
+    from llmd_supervisor.cli.common import _Exit
     from llmd_supervisor.cli.results import fetch_results
 
     try:

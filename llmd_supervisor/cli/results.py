@@ -445,7 +445,7 @@ def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[
 def fetch_results(command: str, socket_path: Path, refs: Sequence[str]) -> list[RunResults]:
     """Ask the daemon for each run's results (one connection); exit 2/3 on failure."""
     from llmd_supervisor.adapters.control_client import ControlClient
-    from llmd_supervisor.cli.daemon import EXIT_DAEMON_UNREACHABLE, _Exit, _run
+    from llmd_supervisor.cli.common import EXIT_DAEMON_UNREACHABLE, _Exit, _run
 
     async def go() -> list[dict[str, object]]:
         async with ControlClient(socket_path) as c:
@@ -460,7 +460,7 @@ def fetch_results(command: str, socket_path: Path, refs: Sequence[str]) -> list[
 
 
 def cmd_results(args: argparse.Namespace) -> int:
-    from llmd_supervisor.cli.daemon import _Exit
+    from llmd_supervisor.cli.common import _Exit
 
     if (args.baseline is None) != (args.max_regression is None):
         print(

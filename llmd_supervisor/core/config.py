@@ -71,6 +71,10 @@ class Limits:
     # Log copies stop here (a named event, never an outcome): per file, and per run.
     log_copy_max_bytes_per_file: int = 10 << 30
     log_copy_max_bytes_per_run: int = 20 << 30
+    # A node implicated in this many infrastructure failures (each within the TTL of the
+    # last) is kept out of every submission on its cluster until the TTL ends.
+    quarantine_ttl_s: float = 6 * 3600.0
+    quarantine_after_failures: int = 1
 
 
 @dataclass(frozen=True)
@@ -262,11 +266,14 @@ def parse_config(data: Mapping[str, object]) -> Config:
     _keys("limits", lim, names)
     defaults = Limits()
     sizes = ("log_copy_max_bytes_per_file", "log_copy_max_bytes_per_run")
+    counts = ("quarantine_after_failures",)
     values: dict[str, Any] = {
         n: _num(lim, f"limits.{n}", float(getattr(defaults, n)), 0.1, 86400)
         for n in names
-        if n not in sizes
+        if n not in sizes + counts
     }
+    for n in counts:
+        values[n] = _int(lim, f"limits.{n}", getattr(defaults, n), 1, 1000)
     for n in sizes:
         values[n] = _int(lim, f"limits.{n}", getattr(defaults, n), 1 << 20, 1 << 50)
     limits = Limits(**values)

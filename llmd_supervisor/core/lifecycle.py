@@ -31,6 +31,7 @@ __all__ = [
     "Declare",
     "Event",
     "FollowQueue",
+    "Held",
     "LeftQueue",
     "Reconcile",
     "Requeued",
@@ -152,6 +153,21 @@ class CancelRequested:
     """Someone asked to cancel the run."""
 
 
+@dataclass(frozen=True)
+class Held:
+    """An accepted run is not submitted yet, and why (e.g. too many nodes excluded)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Retry:
+    """The attempt failed because of the cluster and the retry policy tries again: a new
+    job (a new submission and attempt), submitted from `accepted` as the first one was."""
+
+    reason: str
+
+
 Event = (
     Submit
     | Submitted
@@ -163,6 +179,8 @@ Event = (
     | Verified
     | Archived
     | CancelRequested
+    | Held
+    | Retry
 )
 
 
@@ -279,6 +297,13 @@ class Run:
     outcome: Outcome | None  # set when the verdict is known (from ARCHIVING on)
     reason: str
     transitions: tuple[Transition, ...]
+    submission: int = 1  # 1 for the first job, +1 per retry (a new job: `Retry`)
+
+    @property
+    def slurm_job_name(self) -> str:
+        """The current submission's unique Slurm job name (`job_name`, then
+        `job_name.2`, ... for retries), by which a restart finds its job."""
+        return self.job_name if self.submission == 1 else f"{self.job_name}.{self.submission}"
 
 
 def new_run(run_id: str, job_name: str, now: datetime) -> Run:
@@ -316,7 +341,8 @@ def step(run: Run, event: Event, now: datetime) -> tuple[Run, tuple[Action, ...]
     Transitions (anything else raises IllegalTransition):
     accepted -Submit-> submitting -Submitted-> pending -Started-> running
     -LeftQueue-> finishing -WatchersStopped-> verifying -Verified-> archiving
-    -Archived-> the outcome's final state. pending -LeftQueue-> finishing too (a job can
+    -Archived-> the outcome's final state. verifying -Retry-> accepted (a new submission
+    and attempt; never with a cancel requested). pending -LeftQueue-> finishing too (a job can
     end before it is seen running); submitting -SubmitFailed-> archiving (failed).
     Requeued (pending, running, finishing, verifying) -> pending with attempt + 1.
     CancelRequested in any non-final state sets cancel_requested: from accepted the run
@@ -332,9 +358,9 @@ def plan(run: Run) -> tuple[Action, ...]:
     """What this record asks of the driver: its step first, then background actions."""
     match run.state:
         case RunState.ACCEPTED:
-            return (CallSbatch(run.job_name),)
+            return (CallSbatch(run.slurm_job_name),)
         case RunState.SUBMITTING:
-            return (Reconcile(run.job_name),)
+            return (Reconcile(run.slurm_job_name),)
         case RunState.PENDING | RunState.RUNNING:
             job_id = _job_id(run)
             actions: list[Action] = [FollowQueue(job_id)]
@@ -377,6 +403,17 @@ def _apply(run: Run, event: Event, now: datetime) -> Run:
             return _to(run, RunState.FINISHING, now, name)
         case WatchersStopped() if run.state is RunState.FINISHING:
             return _to(run, RunState.VERIFYING, now, name)
+        case Held(reason) if run.state is RunState.ACCEPTED:
+            return run if reason == run.reason else replace(run, reason=reason)
+        case Retry(reason) if run.state is RunState.VERIFYING and not run.cancel_requested:
+            return replace(
+                _to(run, RunState.ACCEPTED, now, name),
+                attempt=run.attempt + 1,
+                submission=run.submission + 1,
+                slurm_job_id=None,
+                nodes=(),
+                reason=reason,
+            )
         case Verified(outcome, reason) if run.state is RunState.VERIFYING:
             if outcome is Outcome.PENDING_EVIDENCE:
                 raise IllegalTransition(run.state.value, f"{name}(pending_evidence)")

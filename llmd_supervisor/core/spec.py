@@ -21,6 +21,7 @@ Layout (see ``deploy/llm-d/demo.toml``)::
     [benchmark.validity]  min_completed_fraction, min_output_tokens, max_failed
                  (see :mod:`llmd_supervisor.core.spec_bench`)
     [slurm]      partition, account, time_limit, extra_args, requeue
+    [retry]      infrastructure, exclude_nodes, backoff_s (see :mod:`llmd_supervisor.core.retry`)
     [env.common] [env.prefill] [env.decode] [env.bench]   NAME = "value"
 """
 
@@ -33,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from llmd_supervisor.core.results import Validity
+from llmd_supervisor.core.retry import RETRY_KEYS, RetryPolicy, parse_retry
 from llmd_supervisor.core.spec_bench import BENCHMARK_KEYS, Benchmark, parse_benchmark
 from llmd_supervisor.core.spec_container import (
     IMAGE_RE,
@@ -234,6 +236,7 @@ class RunSpec:
     sigterm_grace_s: int = 30
     marker_grace_s: float = 10.0
     coordinator_silence_s: float = 60.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
 
 
 # --- loading ------------------------------------------------------------------------------
@@ -260,6 +263,7 @@ _TABLES: Final = {
         "decode_health",
     ),
     "benchmark": BENCHMARK_KEYS,
+    "retry": RETRY_KEYS,
     "router": ("port", "process"),
     "sidecar": ("command", "port", "health_path", "startup_timeout_s", "on"),
     "slurm": ("partition", "account", "time_limit", "extra_args", "requeue"),
@@ -319,6 +323,7 @@ def parse_spec(data: Mapping[str, object]) -> RunSpec:
         coordinator_silence_s=num_field(
             run, "run.coordinator_silence_s", default=60.0, lo=1.0, hi=86400.0
         ),
+        retry=parse_retry(t["retry"]),
     )
 
 

@@ -20,20 +20,24 @@ from llmd_supervisor.errors import SummaryError
 
 __all__ = [
     "ArchiveInfo",
+    "AttemptView",
     "DryRun",
     "Headline",
     "LatencyView",
     "LogChunk",
     "LogsDone",
     "NodeView",
+    "NodesView",
     "PointView",
     "Pong",
+    "QuarantineView",
     "ResultsTable",
     "RunBrief",
     "RunList",
     "RunResults",
     "RunSummary",
     "TransitionView",
+    "UsageView",
     "chunk_bytes",
     "headline",
     "read",
@@ -78,12 +82,60 @@ class _RunSummary(TypedDict):
     last_log_line: str  # the last non-empty line of the batch log copy, or ""
 
 
+class QuarantineView(TypedDict):
+    """One node's counted infrastructure failures on a cluster (`nodes`)."""
+
+    cluster: str
+    node: str
+    failures: int
+    active: bool  # kept out of submissions now
+    reason: str
+    run: str  # the run whose failure was counted last
+    since: str  # ISO 8601, UTC
+    until: str
+
+
+class NodesView(TypedDict):
+    """What `nodes` shows (and `nodes release` returns, after the release)."""
+
+    nodes: list[QuarantineView]
+    released: bool  # `nodes release`: whether the node had failures counted
+
+
+class AttemptView(TypedDict):
+    """One ended attempt of a run (a job; a retry is the next one)."""
+
+    attempt: int
+    submission: int
+    slurm_job_id: str | None
+    nodes: list[str]
+    outcome: str
+    reason: str
+    cause: str | None  # infrastructure | workload | cancelled | unknown (null: succeeded)
+    implicated: list[str]  # the nodes an infrastructure failure names
+    retry: str  # the retry decision, one phrase
+    node_hours: float | None
+    gpu_hours: float | None
+
+
+class UsageView(TypedDict):
+    """A run's node- and GPU-hours: the last attempt's are useful, the others' lost."""
+
+    gpu_hours_useful: float
+    gpu_hours_lost: float
+    node_hours_useful: float
+    node_hours_lost: float
+
+
 class RunSummary(_RunSummary, total=False):
     """A run as ``status``, ``cancel``, ``submit`` and ``wait`` show it. `headline` is
     its best valid benchmark point once archived (null before; absent from an older
-    daemon)."""
+    daemon). `attempts` lists its ended attempts (at most the last 20) and `usage` what
+    they cost."""
 
     headline: Headline | None
+    attempts: list[AttemptView]
+    usage: UsageView
 
 
 class LatencyView(TypedDict):

@@ -20,7 +20,6 @@ per-file byte offsets, so a client that reconnects resumes exactly where it stop
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -44,36 +43,37 @@ from llmd_supervisor.adapters.control_protocol import (
     show,
 )
 from llmd_supervisor.core.config import Config, SocketLimits
-from llmd_supervisor.core.layout import RunLayout
-from llmd_supervisor.core.lifecycle import Run
 from llmd_supervisor.core.render import render_sbatch
+from llmd_supervisor.core.retry import Quarantined
 from llmd_supervisor.core.spec import RunSpec
 from llmd_supervisor.core.summary import (
     ArchiveInfo,
     DryRun,
-    Headline,
     LogsDone,
-    NodeView,
+    NodesView,
     Pong,
-    ResultsTable,
     RunBrief,
     RunList,
     RunResults,
     RunSummary,
-    headline,
-    read,
 )
 from llmd_supervisor.errors import (
     AdoptRefused,
     ControlError,
     IllegalTransition,
     SpecError,
-    SummaryError,
     SupervisorError,
 )
 from llmd_supervisor.supervision.access import sees_all
 from llmd_supervisor.supervision.log_follow import READ_CHUNK, Growth, first_of, read_new
 from llmd_supervisor.supervision.verify import utcnow
+from llmd_supervisor.supervision.views import (
+    HandleView,
+    cut,
+    results_table_of,
+    run_brief,
+    run_summary,
+)
 
 __all__ = ["HANDLERS", "ControlApi", "Op", "check_handlers", "run_brief", "run_summary"]
 
@@ -81,57 +81,10 @@ log = structlog.get_logger("llmd_supervisor.supervision.api")
 
 WAIT_REFRESH_S: Final = 5.0  # `wait` re-sends an unchanged summary this often (elapsed_s)
 LIST_PAGE_BYTES: Final = DEFAULT_MAX_MESSAGE // 2  # a list page's briefs, encoded, at most
-RESULTS_TABLE_MAX: Final = DEFAULT_MAX_MESSAGE // 2  # a results.json the reply carries
 LIST_YIELD_EVERY: Final = 1000  # `list` lets others run after this many runs looked at
-SHOWN_LINE_MAX: Final = 200  # characters of a summary's last log line and a brief's reason
-BRIEF_NODES_MAX: Final = 256
 FOLLOW_SAFETY_S: Final = 2.0  # a follower with inotify looks again at least this often
 FOLLOW_POLL_S: Final = 0.25  # ... and without inotify
 FOLLOW_MIN_PASS_S: Final = 0.02  # coalesce a burst of small writes into one pass
-
-
-# --------------------------------------------------------------------------- what it reads
-
-
-class HealthView(Protocol):
-    """What the API reads of a node's heartbeat state."""
-
-    @property
-    def rank(self) -> int: ...
-    @property
-    def reachable(self) -> bool: ...
-    @property
-    def agent_state(self) -> str: ...
-
-
-class MetaView(Protocol):
-    """What the API reads of a run's journaled metadata."""
-
-    @property
-    def owner_uid(self) -> int: ...
-    @property
-    def cluster(self) -> str: ...
-    @property
-    def created_at(self) -> datetime: ...
-    @property
-    def archive_dir(self) -> str: ...
-    @property
-    def log_dir(self) -> str: ...
-
-
-class HandleView(Protocol):
-    """What the API reads of a run handle: its record, and the event set on every change."""
-
-    @property
-    def run(self) -> Run: ...
-    @property
-    def meta(self) -> MetaView: ...
-    @property
-    def health(self) -> Mapping[str, HealthView]: ...
-    @property
-    def changed(self) -> anyio.Event: ...
-    @property
-    def layout(self) -> RunLayout: ...
 
 
 H = TypeVar("H", bound=HandleView)
@@ -154,105 +107,9 @@ class SupervisorView(Protocol[H]):
         self, spec_json: str, *, owner_uid: int, privileged: bool, cluster: str | None = None
     ) -> H: ...
     async def cancel(self, handle: H) -> None: ...
-
-
-# --------------------------------------------------------------------------- summaries
-
-
-def run_summary(h: HandleView, now: datetime) -> RunSummary:
-    """The run as the control socket shows it: its brief, whole, and its evidence."""
-    run = h.run
-    health: dict[str, NodeView] = {
-        node: {"rank": n.rank, "reachable": n.reachable, "agent_state": n.agent_state}
-        for node, n in h.health.items()
-    }
-    return {
-        **run_brief(h, now),
-        "reason": run.reason,  # whole, and every node: one run's summary
-        "nodes": list(run.nodes),
-        "log_dir": h.meta.log_dir,
-        "health": health,
-        "transitions": [
-            {"state": t.state.value, "at": t.at.isoformat(), "event": t.event}
-            for t in run.transitions
-        ],
-        "last_log_line": _last_line(h.layout.batch_copy(run.attempt, run.slurm_job_id))
-        if run.slurm_job_id is not None
-        else "",
-        "headline": _headline(h.layout.results_table) if run.state.is_final else None,
-    }
-
-
-def _headline(path: Path) -> Headline | None:
-    """The best point of an archived results table (read again only when it changed)."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return _headline_of(path, st.st_mtime_ns, st.st_size)
-
-
-@functools.lru_cache(maxsize=1024)
-def _headline_of(path: Path, mtime_ns: int, size: int) -> Headline | None:
-    try:
-        table = _results_table(path)
-    except ControlError:
-        return None
-    return headline(table) if table is not None else None
-
-
-def _results_table(path: Path) -> ResultsTable | None:
-    """The run's archived ``results.json`` (the daemon's own file), None until written."""
-    try:
-        with path.open("rb") as f:
-            data = f.read(RESULTS_TABLE_MAX + 1)
-    except FileNotFoundError:
-        return None
-    if len(data) > RESULTS_TABLE_MAX:
-        raise ControlError("internal", f"{path} is larger than {RESULTS_TABLE_MAX} bytes.")
-    try:
-        return read(ResultsTable, json.loads(data))
-    except (ValueError, SummaryError) as exc:
-        raise ControlError("internal", f"{path} is not a results table ({exc}).") from exc
-
-
-def run_brief(h: HandleView, now: datetime) -> RunBrief:
-    """The run as ``list`` shows it: bounded whatever the run's history and evidence."""
-    run = h.run
-    return {
-        "run": run.run_id,
-        "job_name": run.job_name,
-        "state": run.state.value,
-        "outcome": run.outcome.value if run.outcome else None,
-        "reason": _cut(run.reason),
-        "slurm_job_id": run.slurm_job_id,
-        "attempt": run.attempt,
-        "nodes": list(run.nodes[:BRIEF_NODES_MAX]),
-        "nodes_healthy": sum(1 for n in h.health.values() if n.reachable),
-        "cancel_requested": run.cancel_requested,
-        "cluster": h.meta.cluster,
-        "owner_uid": h.meta.owner_uid,
-        "created_at": h.meta.created_at.isoformat(),
-        "elapsed_s": round((now - h.meta.created_at).total_seconds(), 1),
-        "archive": h.meta.archive_dir,
-    }
-
-
-def _cut(text: str) -> str:
-    return text if len(text) <= SHOWN_LINE_MAX else text[: SHOWN_LINE_MAX - 3] + "..."
-
-
-def _last_line(path: Path | None) -> str:
-    """The last non-empty line of a (local, small-read) log copy, or ""."""
-    if path is None:
-        return ""
-    try:
-        with path.open("rb") as f:
-            f.seek(max(0, f.seek(0, 2) - 4096))
-            lines = f.read().decode("utf-8", "replace").splitlines()
-    except OSError:
-        return ""
-    return _cut(next((line for line in reversed(lines) if line.strip()), ""))
+    async def nodes(
+        self, release: tuple[str, str] | None = None
+    ) -> tuple[list[Quarantined], bool]: ...
 
 
 # --------------------------------------------------------------------------- the API
@@ -420,6 +277,37 @@ class ControlApi(Generic[H]):
         more = len(runs) < len(todo)
         return {"runs": runs, "next": f"{last[0]}|{last[1]}" if more else None}
 
+    async def _nodes(self, args: Mapping[str, object], peer: Peer, send: Send) -> NodesView:
+        """The nodes with infrastructure failures counted; `release` one (admins only)."""
+        node = args["release"]
+        release = None
+        if node is not None:
+            if not sees_all(peer, self.sup.config.admin_group):
+                raise ControlError(
+                    "forbidden",
+                    "Only root or a member of the daemon's admin group may release a node.",
+                )
+            release = (self.sup.config.cluster(self._cluster(args)).name, str(node))
+        found, released = await self.sup.nodes(release)
+        now = self.clock()
+        after = self.sup.config.limits.quarantine_after_failures
+        return {
+            "nodes": [
+                {
+                    "cluster": q.cluster,
+                    "node": q.node,
+                    "failures": q.failures,
+                    "active": q.active(now, after),
+                    "reason": cut(q.reason),
+                    "run": q.run_id,
+                    "since": q.since.isoformat(),
+                    "until": q.until.isoformat(),
+                }
+                for q in found
+            ],
+            "released": released,
+        }
+
     async def _status(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunSummary:
         return run_summary(self._visible(args, peer), self.clock())
 
@@ -440,7 +328,7 @@ class ControlApi(Generic[H]):
     async def _results(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunResults:
         handle = self._visible(args, peer)
         run = handle.run
-        table = await anyio.to_thread.run_sync(_results_table, handle.layout.results_table)
+        table = await anyio.to_thread.run_sync(results_table_of, handle.layout.results_table)
         return {
             "run": run.run_id,
             "state": run.state.value,
@@ -540,6 +428,7 @@ HANDLERS: Final[Mapping[str, Op]] = MappingProxyType(
         "adopt": Op(ControlApi._adopt),
         "list": Op(ControlApi._list),
         "status": Op(ControlApi._status),
+        "nodes": Op(ControlApi._nodes),
         "logs": Op(ControlApi._logs, streaming=True),
         "cancel": Op(ControlApi._cancel),
         "wait": Op(ControlApi._wait, streaming=True),

@@ -66,6 +66,7 @@ from llmd_supervisor.core.lifecycle import (
 )
 from llmd_supervisor.core.paths import check_canonical, check_log_dir
 from llmd_supervisor.core.render import render_sbatch
+from llmd_supervisor.core.retry import Quarantined
 from llmd_supervisor.core.spec import RunSpec, check_daemon_dirs, load_spec
 from llmd_supervisor.errors import (
     IllegalTransition,
@@ -73,7 +74,7 @@ from llmd_supervisor.errors import (
     SpecError,
     SupervisorError,
 )
-from llmd_supervisor.supervision import foreign_jobs, steps
+from llmd_supervisor.supervision import foreign_jobs, retries, steps
 from llmd_supervisor.supervision.attempt import Attempt
 from llmd_supervisor.supervision.cluster import Cluster
 from llmd_supervisor.supervision.poller import QueueView
@@ -111,6 +112,7 @@ class RunHandle:
     tail_bytes: int = 0  # log bytes copied from the nodes since the daemon started
     submitted_at: str | None = None  # an adopted job's SubmitTime (sacct --starttime)
     job_files_known: bool = False  # a foreign job's batch logs are known (foreign_jobs)
+    history: list[dict[str, object]] = field(default_factory=list)  # attempts ended
     job_files_asked: int = 0
 
     def count_bytes(self, n: int) -> None:
@@ -328,6 +330,7 @@ class Supervisor:
     async def resume_all(self) -> int:
         """Start a driver for every run the journal holds as not final; return how many."""
         count = 0
+        histories = await self.journal.events_of_kind(retries.ATTEMPT_EVENT)
         for stored in await self.journal.list_runs():
             run_id = stored.run.run_id
             text = stored.meta.spec_toml
@@ -337,6 +340,7 @@ class Supervisor:
                 log.error("run.resume_failed", run_id=run_id, error=str(exc))
                 continue
             handle = self._handle(StoredRun(stored.run, _slim(stored.meta, stored.run)), spec)
+            handle.history = histories.get(run_id, [])
             if isinstance(spec, ForeignSpec):
                 await foreign_jobs.recall_job_files(self, handle)
             if stored.run.state.is_final:
@@ -362,6 +366,18 @@ class Supervisor:
                 return h
         return None
 
+    async def nodes(self, release: tuple[str, str] | None = None) -> tuple[list[Quarantined], bool]:
+        """Every node with failures counted, after releasing (cluster, node) if given; the
+        runs held for want of nodes look again at once."""
+        released = False
+        if release is not None:
+            released = await self.journal.release_node(*release)
+            log.info("node.released", cluster=release[0], node=release[1], had=released)
+            for h in self.handles.values():
+                if h.run.state is RunState.ACCEPTED:
+                    h.notify()
+        return await self.journal.quarantined(), released
+
     async def cancel(self, handle: RunHandle) -> None:
         """Journal the cancel request (IllegalTransition if the run is already final); the
         run's driver then makes sure the cancel sequence runs, now or after any retry."""
@@ -370,7 +386,7 @@ class Supervisor:
     def _handle(self, stored: StoredRun, spec: RunSpec | ForeignSpec) -> RunHandle:
         watch = spec.watch if isinstance(spec, ForeignSpec) else None
         archive_dir = Path(stored.meta.archive_dir)
-        layout = RunLayout(_log_dir(spec), stored.run.job_name, archive_dir, watch)
+        layout = RunLayout(_log_dir(spec), stored.run.slurm_job_name, archive_dir, watch)
         handle = RunHandle(stored, spec, self.clusters.get(stored.meta.cluster), layout)
         self.handles[stored.run.run_id] = handle
         return handle
@@ -470,6 +486,11 @@ class Supervisor:
             await self.journal.save(after, expected=before.state)
             self.hooks.after_journal(after)
             h.stored = StoredRun(after, _slim(h.meta, after))
+            if after.submission != before.submission:  # a retry: a new job, its own name
+                h.layout = dataclasses.replace(
+                    h.layout, job_name=after.slurm_job_name, batch_paths=()
+                )
+                h.job_files_known, h.job_files_asked = False, 0
             if after.state is not before.state:
                 await self.journal.add_event(
                     after.run_id,

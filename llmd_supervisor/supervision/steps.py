@@ -32,13 +32,15 @@ from llmd_supervisor.core.lifecycle import (
     Verified,
     WatchersStopped,
 )
+from llmd_supervisor.core.render import render_sbatch
 from llmd_supervisor.core.results import GateResult, results_table
 from llmd_supervisor.core.slurm_parse import JobState, parse_scontrol_job
 from llmd_supervisor.core.spec import RunSpec
+from llmd_supervisor.core.usage import split as usage_split
 from llmd_supervisor.core.verdict import Outcome, SlurmQuery, Source
 from llmd_supervisor.errors import FileRefused, SlurmCommandError, SlurmParseError, SupervisorError
 from llmd_supervisor.node.common import RC_CONFIG, expand_hostlist
-from llmd_supervisor.supervision import bench_files, foreign_jobs
+from llmd_supervisor.supervision import bench_files, foreign_jobs, retries
 from llmd_supervisor.supervision.attempt import CopyState
 from llmd_supervisor.supervision.poller import QueueView
 from llmd_supervisor.supervision.verify import VerifyResult, verify_job
@@ -64,14 +66,19 @@ _RUNNING_STATES = frozenset({JobState.RUNNING, JobState.COMPLETING, JobState.SUS
 
 
 async def submit(sup: Supervisor, h: RunHandle) -> None:
-    """Journal `submitting`, then sbatch once; after an sbatch failure, reconcile by name."""
+    """Journal `submitting`, then sbatch once; after an sbatch failure, reconcile by name.
+    A retry first waits its backoff, and a run whose excluded nodes leave too few is held
+    (`retries.before_submit`)."""
+    exclude = await retries.before_submit(sup, h)
+    if exclude is None:
+        return  # waiting: the driver plans again
     await sup.apply(h, Submit())
-    sbatch_error = await _sbatch(sup, h)
+    sbatch_error = await _sbatch(sup, h, exclude)
     if sbatch_error is None:
         return
     lookup = await _lookup(sup, h)
     if lookup.job_id is not None:
-        log.info("run.reconciled", job_name=h.run.job_name, slurm_job_id=lookup.job_id)
+        log.info("run.reconciled", job_name=h.run.slurm_job_name, slurm_job_id=lookup.job_id)
         await sup.apply(h, Submitted(lookup.job_id))
     else:
         await sup.apply(h, SubmitFailed(f"sbatch failed: {sbatch_error}"))
@@ -83,7 +90,7 @@ async def reconcile(sup: Supervisor, h: RunHandle) -> None:
     and sacct both answer that no job has the run's name, after a settle delay so that an
     sbatch left in flight has finished or died with its daemon; with accounting disabled a
     purged job cannot be ruled out, so the run fails instead of risking a second job."""
-    job_name = h.run.job_name
+    job_name = h.run.slurm_job_name
     since = sup.clock() - h.run.transitions[-1].at
     await anyio.sleep(max(0.0, SUBMIT_SETTLE_S - since.total_seconds()))
     lookup = await _lookup(sup, h)
@@ -93,7 +100,7 @@ async def reconcile(sup: Supervisor, h: RunHandle) -> None:
         return
     if lookup.certain:
         log.info("run.resubmitting", job_name=job_name, why="the daemon stopped while submitting")
-        sbatch_error = await _sbatch(sup, h)
+        sbatch_error = await _sbatch(sup, h, await retries.excluded(sup, h))
         if sbatch_error is None:
             return
         lookup = await _lookup(sup, h)
@@ -116,28 +123,37 @@ async def _lookup(sup: Supervisor, h: RunHandle) -> NameLookup:
     the next loop) if Slurm cannot answer at all."""
     for attempt in range(5):
         try:
-            return await h.cluster.client.find_by_name(h.run.job_name, starttime=h.starttime())
+            return await h.cluster.client.find_by_name(
+                h.run.slurm_job_name, starttime=h.starttime()
+            )
         except SlurmCommandError as exc:
-            log.warning("run.lookup_failed", job_name=h.run.job_name, error=str(exc))
+            log.warning("run.lookup_failed", job_name=h.run.slurm_job_name, error=str(exc))
             await anyio.sleep(min(2**attempt, 30))
     raise SupervisorError(
-        f"Could not find out whether job {h.run.job_name} was submitted; "
+        f"Could not find out whether job {h.run.slurm_job_name} was submitted; "
         "left in `submitting` to reconcile again."
     )
 
 
-async def _sbatch(sup: Supervisor, h: RunHandle) -> str | None:
-    """Submit the run's script; None on success (journaled), else the error text."""
-    client, spec = h.cluster.client, h.spec
-    options = spec.sbatch_options(h.run.job_name) if isinstance(spec, ForeignSpec) else []
-    env = spec.env if isinstance(spec, ForeignSpec) else None
+async def _sbatch(sup: Supervisor, h: RunHandle, exclude: tuple[str, ...]) -> str | None:
+    """Submit the run's script (a retry's rendered again with its own job name), keeping
+    `exclude` out; None on success (journaled), else the error text."""
+    client, spec, name = h.cluster.client, h.spec, h.run.slurm_job_name
+    if isinstance(spec, ForeignSpec):
+        script, options, env = spec.script, spec.sbatch_options(name), spec.env
+    else:
+        script, options, env = h.meta.script, [], None
+        if h.run.submission > 1 or not script:
+            script = render_sbatch(spec, job_name=name)
+    if exclude:
+        options.append(f"--exclude={','.join(exclude)}")
     try:
         await client.mkdir(h.meta.log_dir)
-        job_id = await client.sbatch(h.meta.script, *options, env=env)
+        job_id = await client.sbatch(script, *options, env=env)
     except SlurmCommandError as exc:
         log.warning("run.sbatch_failed", error=str(exc))
         return str(exc)
-    log.info("run.submitted", job_name=h.run.job_name, slurm_job_id=job_id)
+    log.info("run.submitted", job_name=name, slurm_job_id=job_id, exclude=list(exclude))
     await sup.apply(h, Submitted(job_id))
     return None
 
@@ -294,8 +310,15 @@ async def verify(sup: Supervisor, h: RunHandle) -> None:
     receipt["cause"] = None if diagnosis is None else diagnosis.as_json()
     if diagnosis is not None:
         reason = receipt["reason"] = f"{reason}; {diagnosis.text}"
-    await sup.journal.add_event(h.run.run_id, RECEIPT_EVENT, {"receipt": receipt}, sup.clock())
+    receipt["attempt"], receipt["slurm_job_name"] = h.run.attempt, h.run.slurm_job_name
+    retried = await retries.after_verdict(sup, h, result, diagnosis, reason, receipt)
     poller.untrack(job_id)
+    if retried:
+        return
+    attempts = await retries.history(sup, h)
+    receipt["attempts"] = attempts
+    receipt["usage_total"] = usage_split(attempts)
+    await sup.journal.add_event(h.run.run_id, RECEIPT_EVENT, {"receipt": receipt}, sup.clock())
     await sup.apply(h, Verified(result.verdict.outcome, reason))
 
 

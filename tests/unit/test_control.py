@@ -197,6 +197,10 @@ GOOD: list[tuple[str, dict[str, object], dict[str, object]]] = [
     ("wait", {"run": "r1"}, {"run": "r1"}),
     ("archive", {"run": "r1"}, {"run": "r1"}),
     ("results", {"run": "r1"}, {"run": "r1"}),
+    ("submit_script", {"spec_json": "{}"}, {"spec_json": "{}", "cluster": None}),
+    ("adopt", {"spec_json": "{}", "cluster": "dev"}, {"spec_json": "{}", "cluster": "dev"}),
+    ("nodes", {}, {"release": None, "cluster": None}),
+    ("nodes", {"release": "node4"}, {"release": "node4", "cluster": None}),
 ]
 
 
@@ -465,8 +469,9 @@ async def test_unknown_op_is_an_error_reply(sock: Path) -> None:
                 await client.call("frobnicate")
             assert info.value.code == "unknown_op"
             assert 'Unknown op "frobnicate"' in str(info.value)
-            assert "archive, cancel, list, logs, ping, results, status, submit, wait" in str(
-                info.value
+            assert (
+                "adopt, archive, cancel, list, logs, nodes, ping, results, status, submit, "
+                "submit_script, wait" in str(info.value)
             )
 
 

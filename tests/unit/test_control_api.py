@@ -21,6 +21,7 @@ from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.foreign import ForeignSpec, Watch
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.lifecycle import Run, RunState, new_run
+from llmd_supervisor.core.retry import Quarantined
 from llmd_supervisor.core.spec import RunSpec, load_spec
 from llmd_supervisor.core.summary import (
     LogChunk,
@@ -65,6 +66,7 @@ class Handle:
     meta: Meta
     health: dict[str, Health] = field(default_factory=dict)
     changed: anyio.Event = field(default_factory=anyio.Event)
+    history: list[dict[str, object]] = field(default_factory=list)
 
     @property
     def layout(self) -> RunLayout:
@@ -81,6 +83,7 @@ class Supervisor:
         self.config = config
         self.handles: dict[str, Handle] = {}
         self.cancelled: list[str] = []
+        self.released: list[tuple[str, str]] = []
 
     def add(
         self,
@@ -123,6 +126,11 @@ class Supervisor:
         if owner_uid != JOB_OWNER and not privileged:
             raise AdoptRefused(spec.job_id, JOB_OWNER, owner_uid)
         return self.add("adopted", JOB_OWNER, RunState.PENDING)
+
+    async def nodes(self, release: tuple[str, str] | None = None) -> tuple[list[Quarantined], bool]:
+        if release is not None:
+            self.released.append(release)
+        return [], release is not None
 
     async def cancel(self, handle: Handle) -> None:
         if handle.run.state.is_final:
@@ -282,6 +290,19 @@ async def test_adopt_of_another_users_job_is_forbidden_and_a_bad_spec_a_bad_requ
     with pytest.raises(ControlError, match="starts with '#!'"):
         script = foreign.dump(ForeignSpec("script", Watch("/shared/runs/a"), script="echo"))
         await a.handle(request("submit_script", spec_json=script), ME, no_stream)
+
+
+@pytest.mark.asyncio
+async def test_only_an_admin_may_release_a_node(sup: Supervisor) -> None:
+    a = ControlApi(sup)
+    with pytest.raises(ControlError, match="admin group may release") as refused:
+        await a.handle(request("nodes", release="node4"), OTHER, no_stream)
+    assert refused.value.code == "forbidden" and sup.released == []
+    listed = await a.handle(request("nodes"), OTHER, no_stream)
+    assert listed == {"nodes": [], "released": False}
+    root = Peer(uid=0, gid=0, pid=3)
+    assert (await a.handle(request("nodes", release="node4"), root, no_stream))["released"]
+    assert sup.released == [(sup.config.clusters[0].name, "node4")]
 
 
 # ---------------------------------------------------------------------- streams

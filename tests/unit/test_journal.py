@@ -18,12 +18,12 @@ import pytest
 import pytest_asyncio
 
 from llmd_supervisor.adapters.journal import (
-    MIGRATIONS,
     SCHEMA_VERSION,
     Journal,
     RunMeta,
     StoredRun,
 )
+from llmd_supervisor.adapters.journal_schema import MIGRATIONS
 from llmd_supervisor.core.lifecycle import (
     Archived,
     CancelRequested,
@@ -409,7 +409,7 @@ async def test_a_version_1_journal_migrates_and_keeps_its_runs(tmp_path: Path) -
         await inserted(journal, "r-new")
         assert [s.run.run_id for s in await journal.list_runs()] == ["r-old", "r-new"]
     with raw(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 2
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         assert "log_offsets" not in tables
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"

@@ -1,0 +1,86 @@
+"""The run journal's SQLite schema, as ordered migrations (`adapters.journal` applies
+them; ``PRAGMA user_version`` says how many have been)."""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["MIGRATIONS"]
+
+# Ordered migrations: MIGRATIONS[i] takes the schema from user_version i to i + 1. Append
+# only; never edit a migration that has shipped. Each is a sequence of single statements
+# (executescript() would commit on its own and break the enclosing transaction).
+MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
+    (
+        """
+        CREATE TABLE runs (
+            run_id           TEXT PRIMARY KEY NOT NULL,
+            job_name         TEXT NOT NULL UNIQUE,
+            state            TEXT NOT NULL,
+            attempt          INTEGER NOT NULL CHECK (attempt >= 1),
+            slurm_job_id     TEXT,
+            nodes            TEXT NOT NULL,  -- JSON array of host names
+            cancel_requested INTEGER NOT NULL CHECK (cancel_requested IN (0, 1)),
+            outcome          TEXT,
+            reason           TEXT NOT NULL,
+            owner_uid        INTEGER NOT NULL,
+            cluster          TEXT NOT NULL,
+            spec_toml        TEXT NOT NULL,
+            script           TEXT NOT NULL,
+            log_dir          TEXT NOT NULL,
+            archive_dir      TEXT NOT NULL,
+            created_at       TEXT NOT NULL,  -- UTC ISO 8601, fixed width
+            updated_at       TEXT NOT NULL
+        )
+        """,
+        "CREATE INDEX runs_by_created ON runs (created_at)",
+        "CREATE INDEX runs_by_owner ON runs (owner_uid, created_at)",
+        """
+        CREATE TABLE transitions (
+            run_id TEXT NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
+            seq    INTEGER NOT NULL CHECK (seq >= 0),
+            state  TEXT NOT NULL,
+            at     TEXT NOT NULL,
+            event  TEXT NOT NULL,
+            PRIMARY KEY (run_id, seq)
+        )
+        """,
+        """
+        CREATE TABLE events (
+            id     INTEGER PRIMARY KEY AUTOINCREMENT,
+            run_id TEXT NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
+            at     TEXT NOT NULL,
+            kind   TEXT NOT NULL,
+            fields TEXT NOT NULL  -- JSON object
+        )
+        """,
+        "CREATE INDEX events_by_run ON events (run_id, id)",
+        """
+        CREATE TABLE log_offsets (
+            run_id      TEXT NOT NULL REFERENCES runs (run_id) ON DELETE CASCADE,
+            name        TEXT NOT NULL,
+            byte_offset INTEGER NOT NULL CHECK (byte_offset >= 0),
+            updated_at  TEXT NOT NULL,
+            PRIMARY KEY (run_id, name)
+        )
+        """,
+    ),
+    # 1 -> 2: the log copies' own sizes are the resume offsets; the table was never read.
+    ("DROP TABLE IF EXISTS log_offsets",),
+    # 2 -> 3: retries (a run's submissions) and node quarantine per cluster (core.retry).
+    (
+        "ALTER TABLE runs ADD COLUMN submission INTEGER NOT NULL DEFAULT 1 CHECK (submission >= 1)",
+        """
+        CREATE TABLE quarantine (
+            cluster  TEXT NOT NULL,
+            node     TEXT NOT NULL,
+            failures INTEGER NOT NULL CHECK (failures >= 1),
+            reason   TEXT NOT NULL,
+            run_id   TEXT NOT NULL,
+            since    TEXT NOT NULL,
+            until    TEXT NOT NULL,
+            PRIMARY KEY (cluster, node)
+        )
+        """,
+    ),
+)

@@ -1,0 +1,138 @@
+"""The CLI's side of jobs the daemon did not render (`core.foreign`): the options of
+`submit --script` and `adopt`, the foreign spec they make (checked before it is sent),
+and the `nodes` table."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Literal
+
+from llmd_supervisor.cli.common import _Exit
+from llmd_supervisor.core import foreign
+from llmd_supervisor.core.summary import NodesView
+from llmd_supervisor.errors import SupervisorError
+
+
+def add_script_options(p: argparse.ArgumentParser) -> None:
+    """`submit --script`'s own options."""
+    p.add_argument(
+        "--script",
+        type=Path,
+        default=None,
+        metavar="JOB.sbatch",
+        help="submit this batch script as it is (no SPEC); sbatch options after --",
+    )
+    p.add_argument("--chdir", default=None, metavar="DIR", help="sbatch's working directory")
+    p.add_argument(
+        "--export-env",
+        action="store_true",
+        help="the job gets this shell's environment (journaled, owner-only, until the run "
+        "is archived)",
+    )
+    p.add_argument(
+        "--job-name-prefix", default=None, metavar="P", help="the job is named P-<run id>"
+    )
+
+
+def add_watch_options(p: argparse.ArgumentParser) -> None:
+    """What to watch in a job the daemon did not render (`submit --script`, `adopt`)."""
+    g = p.add_argument_group("a job of your own launcher (with --script, and adopt)")
+    g.add_argument(
+        "--log-dir",
+        default=None,
+        metavar="DIR",
+        help="the directory its logs, marker and results are under (default: --chdir, "
+        "else the current directory); below the daemon's log_roots",
+    )
+    g.add_argument(
+        "--logs",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="GLOB",
+        help="log files to copy, relative to --log-dir ({job_id}: the job id; wildcards "
+        "in the last part), e.g. 'slurm_job-{job_id}_rank_*.log'",
+    )
+    g.add_argument("--marker", default=None, metavar="PATTERN", help="its completion marker file")
+    g.add_argument(
+        "--marker-format",
+        choices=("json", "int", "none"),
+        default=None,
+        help="json: this project's protocol; int: the rc and a newline (InferenceX); "
+        "none: no marker, Slurm's evidence alone (default: json with --marker, else none)",
+    )
+    g.add_argument(
+        "--results",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="GLOB",
+        help="benchmark result files to archive (vLLM's JSON is also tabulated)",
+    )
+
+
+def foreign_spec_json(
+    args: argparse.Namespace, kind: Literal["script", "adopt"]
+) -> tuple[str, tuple[str, ...]]:
+    """The foreign spec as JSON, checked (SpecError), and the environment variables left
+    out of it; OSError or UnicodeDecodeError when the script cannot be read."""
+    script, name = "", ""
+    if kind == "script":
+        path: Path = args.script
+        with path.open("rb") as f:
+            data = f.read(foreign.SCRIPT_MAX + 1)
+        script, name = data.decode("utf-8"), path.name
+    chdir = getattr(args, "chdir", None)
+    chdir = os.path.abspath(chdir) if chdir else None
+    fmt = args.marker_format or ("json" if args.marker else "none")
+    spec = foreign.ForeignSpec(
+        kind=kind,
+        watch=foreign.Watch(
+            log_dir=os.path.abspath(args.log_dir or chdir or os.getcwd()),
+            logs=tuple(args.logs),
+            marker=args.marker,
+            marker_format=foreign.MarkerFormat(fmt),
+            results=tuple(args.results),
+        ),
+        script=script,
+        script_name=name,
+        chdir=chdir or (os.getcwd() if kind == "script" else None),
+        env=dict(os.environ) if getattr(args, "export_env", False) else None,
+        sbatch_args=tuple(getattr(args, "sbatch_args", ())),
+        job_name_prefix=getattr(args, "job_name_prefix", None),
+        job_id=getattr(args, "job_id", None),
+    )
+    text = foreign.dump(spec)
+    return text, foreign.load(text).env_dropped
+
+
+def nodes_table(view: NodesView) -> list[str]:
+    """`nodes` as text: a line per node with failures counted."""
+    lines = [f"{'CLUSTER':10} {'NODE':12} {'FAILS':>5} {'STATE':11} {'UNTIL':25} RUN / REASON"]
+    for q in view["nodes"]:
+        state = "quarantined" if q["active"] else "counted"
+        lines.append(
+            f"{q['cluster']:10} {q['node']:12} {q['failures']:>5} {state:11} "
+            f"{q['until'][:25]:25} {q['run']} {q['reason']}".rstrip()
+        )
+    return lines
+
+
+def checked_spec(args: argparse.Namespace, kind: Literal["script", "adopt"]) -> str:
+    """The foreign spec JSON the daemon takes, checked here first (exit 2 when bad)."""
+    command = "submit" if kind == "script" else "adopt"
+    try:
+        text, dropped = foreign_spec_json(args, kind)
+    except (OSError, UnicodeDecodeError, SupervisorError) as exc:
+        print(f"llmd-supervisor {command}: {exc}", file=sys.stderr)
+        raise _Exit(2) from None
+    if dropped:
+        print(
+            f"llmd-supervisor {command}: not exported (they would change what sbatch runs or "
+            f"how): {', '.join(dropped)}",
+            file=sys.stderr,
+        )
+    return text
