@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from pytest_asyncio import is_async_test
 
-from tests.daemon_helpers import stop_started
-from tests.devcluster import DevCluster, devcluster
+from tests.daemon_helpers import Daemon, stop_started
+from tests.devcluster import SLURM_VERSIONS, DevCluster, devcluster, with_slurm_bin
 
 # The `stranger` and `root_dir` fixtures (another local user).
 pytest_plugins = ["tests.strangers"]
@@ -57,7 +57,37 @@ def _session_watchdog(config: pytest.Config, limit_s: float) -> None:
     os._exit(3)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--slurm-version",
+        choices=SLURM_VERSIONS,
+        default=None,
+        help="Slurm version of the dev cluster the cluster tests run on (default: "
+        "$LLMD_TEST_SLURM, else 22.05); tests/run.sh runs them on each",
+    )
+
+
+def slurm_version(config: pytest.Config) -> str:
+    """The Slurm version this session's cluster tests run on."""
+    chosen = config.getoption("--slurm-version")
+    if chosen:
+        return str(chosen)
+    return os.environ.get("LLMD_TEST_SLURM") or "22.05"
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    return f"dev cluster: Slurm {slurm_version(config)} (--slurm-version / LLMD_TEST_SLURM)"
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    version = slurm_version(config)
+    if version not in SLURM_VERSIONS:
+        raise pytest.UsageError(
+            f"LLMD_TEST_SLURM={version!r} is not a Slurm version the dev cluster runs; "
+            f"use one of {', '.join(SLURM_VERSIONS)}"
+        )
+    # Every `devcluster up` of the session (the fixture's, a test's restart) takes it.
+    os.environ["DEVCLUSTER_SLURM"] = version
     threading.Thread(
         target=_session_watchdog,
         args=(config, SESSION_LIMIT_S),
@@ -71,9 +101,32 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+def _parametrized_names(metafunc: pytest.Metafunc) -> set[str]:
+    names: set[str] = set()
+    for mark in metafunc.definition.iter_markers(name="parametrize"):
+        argnames = mark.args[0] if mark.args else mark.kwargs.get("argnames", ())
+        if isinstance(argnames, str):
+            argnames = argnames.split(",")
+        names.update(str(n).strip() for n in argnames)
+    return names
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # The version goes into the id of every test that uses the cluster: `test_x[slurm-24.11]`
+    # (not a test whose own parameter is called `cluster`).
+    if "cluster" in metafunc.fixturenames and "cluster" not in _parametrized_names(metafunc):
+        version = slurm_version(metafunc.config)
+        # A test that uses the cluster is a cluster test, marked or not: tests/run.sh runs
+        # `-m cluster` on each Slurm version.
+        param = pytest.param(version, id=f"slurm-{version}", marks=pytest.mark.cluster)
+        metafunc.parametrize("cluster", [param], indirect=True, scope="session")
+
+
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[DevCluster]:
-    """The running dev cluster (accounting on); started here if it is not up."""
+def cluster(request: pytest.FixtureRequest) -> Iterator[DevCluster]:
+    """The running dev cluster (accounting on) of the session's Slurm version; started
+    here if it is not up. Its version is in every cluster test's id (``[slurm-24.11]``)."""
+    version = str(request.param)
     if os.geteuid() != 0:
         pytest.fail("cluster tests need root: the dev cluster creates network namespaces")
     status = devcluster("status", "--quiet", check=False)
@@ -81,13 +134,32 @@ def cluster() -> Iterator[DevCluster]:
     if started:
         if status.returncode == 1:  # partly up: a previous run crashed
             devcluster("down")
-        devcluster("up")
+        devcluster("up", "--slurm", version)
     handle = DevCluster.current()
+    if handle.slurm_version != version:
+        pytest.fail(
+            f"the running dev cluster is Slurm {handle.slurm_version}, this session tests "
+            f"Slurm {version}; run `devcluster down` first (or choose --slurm-version "
+            f"{handle.slurm_version})"
+        )
     if not handle.accounting:
         pytest.fail("the running dev cluster has --no-accounting; run `devcluster down` first")
+    # The daemon and the tests run the cluster's clients by name: its own first on PATH.
+    path = os.environ.get("PATH", "")
+    os.environ["PATH"] = with_slurm_bin(path, handle.slurm_bin)
     yield handle
+    os.environ["PATH"] = path
     if started:
         devcluster("down")
+
+
+@pytest.fixture
+def daemon(cluster: DevCluster, tmp_path: Path) -> Iterator[Daemon]:
+    """A daemon with the default test configuration, stopped after the test."""
+    d = Daemon(cluster, tmp_path)
+    d.start()
+    yield d
+    d.stop()
 
 
 @pytest.fixture(autouse=True)

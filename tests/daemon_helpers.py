@@ -57,14 +57,20 @@ def demo_spec(
     tables: dict[str, dict[str, str]] | None = None,
     port: int = 8300,
     grace_s: int | None = None,
+    retry: dict[str, object] | None = None,
+    decode_nodes: int = 2,
 ) -> str:
-    """deploy/llm-d/demo.toml with its own log directory, port and fault knobs."""
+    """deploy/llm-d/demo.toml with its own log directory, port and fault knobs; `retry`
+    is its [retry] table, and `decode_nodes = 1` makes it a 3-node run (one node of the
+    4-node dev cluster left for a retry that excludes one)."""
     lines = []
     for line in with_ports(DEMO_SPEC.read_text(), port).splitlines():
         if line.startswith("log_dir ="):
             line = f'log_dir = "{log_dir}"'
         elif grace_s is not None and line.startswith("sigterm_grace_s ="):
             line = f"sigterm_grace_s = {grace_s}"
+        elif line.startswith("decode_nodes ="):
+            line = f"decode_nodes = {decode_nodes}"
         lines.append(line)
     assert lines[-2:] != [] and "[env.common]" in DEMO_SPEC.read_text()
     # [env.common] is the demo's last table: extra keys appended here land in it.
@@ -72,6 +78,9 @@ def demo_spec(
     for table, values in (tables or {}).items():
         lines.append(f"[env.{table}]")
         lines += [f'{k} = "{v}"' for k, v in values.items()]
+    if retry is not None:
+        lines.append("[retry]")
+        lines += [f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in retry.items()]
     return "\n".join(lines) + "\n"
 
 

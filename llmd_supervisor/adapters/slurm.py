@@ -233,6 +233,13 @@ class SlurmClient:
         result = await self._run_checked(argv)
         return sorted({n for n in result.stdout.split() if n})
 
+    async def node_states(self, nodes: Sequence[str]) -> dict[str, str]:
+        """Each node's state as `sinfo --Node` prints it (``idle``, ``down*``, ...)."""
+        argv = ["sinfo", "--noheader", "--Node", "--format=%N|%T", f"--nodes={','.join(nodes)}"]
+        result = await self._run_checked(argv)
+        pairs = (line.split("|", 1) for line in result.stdout.splitlines() if "|" in line)
+        return {name.strip(): state.strip() for name, state in pairs}
+
     async def mkdir(self, path: str) -> None:
         """`mkdir -p` where the Slurm commands run (the log directory must exist for sbatch)."""
         await self._run_checked(["mkdir", "-p", "--", path])

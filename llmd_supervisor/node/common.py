@@ -15,6 +15,7 @@ Files of one job, under the run's log directory ``L`` and job id ``J``:
 
 import os
 import re
+import socket
 from typing import List
 
 # Version of the agent's JSON config; the agent refuses any other.
@@ -81,11 +82,17 @@ def status_name(rank: int) -> str:
 
 
 def fault(name: str) -> str:
-    """A stand-in's fault knob from the environment: its value, or "" when unset or when
-    ``LLMD_FAKE_FAULT_RANKS`` is set and does not list this rank (``LLMD_RANK``)."""
-    ranks = os.environ.get("LLMD_FAKE_FAULT_RANKS", "").strip()
-    if ranks and os.environ.get("LLMD_RANK", "") not in [r.strip() for r in ranks.split(",")]:
-        return ""
+    """A stand-in's fault knob from the environment: its value, or "" when unset, when
+    ``LLMD_FAKE_FAULT_RANKS`` is set and does not list this rank (``LLMD_RANK``), or when
+    ``LLMD_FAKE_FAULT_NODES`` is set and does not list this host (a node's fault follows
+    the node into every job, as a bad node's would)."""
+    for knob, mine in (
+        ("LLMD_FAKE_FAULT_RANKS", os.environ.get("LLMD_RANK", "")),
+        ("LLMD_FAKE_FAULT_NODES", socket.gethostname()),
+    ):
+        listed = os.environ.get(knob, "").strip()
+        if listed and mine not in [r.strip() for r in listed.split(",")]:
+            return ""
     return os.environ.get(name, "")
 
 

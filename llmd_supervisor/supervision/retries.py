@@ -91,6 +91,10 @@ async def _exclusion(sup: Supervisor, h: RunHandle, *, with_capacity: bool) -> E
     ]
     limits = sup.config.limits
     quarantined = await sup.journal.quarantined(h.meta.cluster)
+    # A node `nodes release` let in again (its failures forgotten) is not kept out by the
+    # run's own earlier attempts either.
+    counted = {q.node for q in quarantined}
+    implicated = [n for n in implicated if n in counted]
     needed = h.spec.topology.nodes if isinstance(h.spec, RunSpec) else None
     cluster_nodes: list[str] | None = None
     if with_capacity and needed is not None and (implicated or quarantined):

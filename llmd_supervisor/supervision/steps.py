@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import posixpath
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
@@ -59,6 +60,8 @@ REMOTE_DRAINS = 3
 _REQUEUED_STATES = frozenset(
     {JobState.PENDING, JobState.REQUEUED, JobState.REQUEUE_HOLD, JobState.REQUEUE_FED}
 )
+# sinfo's %T of a node Slurm took out: down, drained/draining, fail(ing), not responding (*)
+_NODE_DOWN = re.compile(r"(down|drain|fail)|.*\*$", re.IGNORECASE)
 _RUNNING_STATES = frozenset({JobState.RUNNING, JobState.COMPLETING, JobState.SUSPENDED})
 
 
@@ -343,15 +346,38 @@ async def _diagnosis(sup: Supervisor, h: RunHandle, result: VerifyResult) -> Dia
     gate = result.receipt.get("benchmark")
     marker = result.marker.marker
     belief = result.verdict.belief
+    slurm_state = None if belief is None else belief.record.state.state
+    if slurm_state is JobState.NODE_FAIL and h.run.nodes:
+        unreachable += await _failed_nodes(h)
     return diagnose(
         result.verdict.outcome,
-        slurm_state=None if belief is None else belief.record.state.state,
+        slurm_state=slurm_state,
         cancel_requested=h.run.cancel_requested,
         ranks=ends,
         unreachable=unreachable,
         benchmark_failed=(isinstance(gate, dict) and gate.get("ok") is False)
         or (marker is not None and 0 < marker.rc < RC_CONFIG),
     )
+
+
+async def _failed_nodes(h: RunHandle) -> list[str]:
+    """The allocation's nodes Slurm names as failed: scontrol's FailedNode (24.11 shows it;
+    22.05 does not) and those `sinfo` says are down, failing or not responding now."""
+    failed: list[str] = []
+    snapshot = h.layout.archive_dir / "scontrol-show-job.txt"
+    try:
+        text = await anyio.to_thread.run_sync(snapshot.read_text)
+        node = parse_scontrol_job(text).fields.get("FailedNode", "")
+        failed += expand_hostlist(node) if node and node != "(null)" else []
+    except (OSError, SlurmParseError, ValueError):
+        pass
+    try:
+        states = await h.cluster.client.node_states(h.run.nodes)
+    except SlurmCommandError as exc:
+        log.warning("run.node_states_unknown", error=str(exc))
+        states = {}
+    failed += [n for n, st in states.items() if _NODE_DOWN.match(st)]
+    return sorted(set(failed) & set(h.run.nodes))
 
 
 async def _marker(h: RunHandle) -> bytes | None:

@@ -20,6 +20,7 @@ def _never_healthy(log_dir: Path, port: int, ranks: str) -> str:
         log_dir,
         port=port,
         common={"LLMD_FAKE_ENGINE_NEVER_HEALTHY": "1", "LLMD_FAKE_FAULT_RANKS": ranks},
+        retry={"infrastructure": 0},  # the cause of one attempt (retries: tests/faults)
     )
     return spec.replace("health_timeout_s = 60", "health_timeout_s = 12")
 
@@ -37,3 +38,6 @@ def test_every_prefill_engine_never_healthy_is_the_workloads_fault(
     final = run_to_end(daemon, _never_healthy(shared_tmp, PORT + 10, "0,1"))
     assert final["outcome"] == "failed", final
     assert str(final["reason"]).endswith("; cause=workload"), final["reason"]
+    attempts = final["attempts"]
+    assert isinstance(attempts, list) and len(attempts) == 1, attempts
+    assert attempts[0]["retry"] == "no retry: cause workload", attempts

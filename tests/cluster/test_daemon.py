@@ -68,6 +68,9 @@ def test_failing_bench_point_fails_the_run_naming_rc_and_rank(
     assert result["outcome"] == "failed"
     assert "rc=7" in str(result["reason"])
     assert str(result["reason"]).endswith("; cause=workload"), result["reason"]
+    attempts = result["attempts"]
+    assert isinstance(attempts, list) and len(attempts) == 1, attempts
+    assert attempts[0]["retry"] == "no retry: cause workload", attempts
 
 
 def test_cancel_mid_run_terms_every_rank_and_ends_cancelled(daemon: Daemon, log_dir: Path) -> None:
@@ -96,6 +99,7 @@ def test_worker_crash_ends_the_run_promptly(daemon: Daemon, log_dir: Path) -> No
             "prefill": {"LLMD_FAKE_FAULT_RANKS": "1", "LLMD_FAKE_ENGINE_CRASH_AFTER_S": "3"},
             "bench": {"LLMD_FAKE_BENCH_HANG": "1"},
         },
+        retry={"infrastructure": 0},  # how fast one attempt ends (retries: tests/faults)
     )
     t0 = time.monotonic()
     proc = daemon.submit(spec, "--wait")

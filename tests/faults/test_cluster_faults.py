@@ -67,7 +67,12 @@ def test_slurmctld_restarted_mid_run(daemon: Daemon, shared_tmp: Path) -> None:
 def test_cut_link_reports_unreachable_then_node_failed(
     daemon: Daemon, shared_tmp: Path, cluster: DevCluster
 ) -> None:
-    spec = demo_spec(shared_tmp, port=PORT, common={"LLMD_FAKE_MARKER_DELAY_S": "120"})
+    spec = demo_spec(
+        shared_tmp,
+        port=PORT,
+        common={"LLMD_FAKE_MARKER_DELAY_S": "120"},
+        retry={"infrastructure": 0},  # this attempt's end is the point (retries: test_retries)
+    )
     run = _run(daemon, spec)
     status = daemon.wait_state(run, {"running"})
     node = str(status["nodes"][-1])  # type: ignore[index]
