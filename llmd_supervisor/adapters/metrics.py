@@ -68,6 +68,7 @@ class RunSample:
     outcome: Outcome | None
     transitions: Sequence[Transition]
     tail_bytes: int  # log bytes copied for it since the daemon started
+    attempts: Sequence[Mapping[str, object]] = ()  # its ended attempts (`attempt.ended`)
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,12 @@ class Metrics:
             buckets=_VERIFY_BUCKETS,
             registry=r,
         )
+        self.gpu_hours = Counter(
+            _P + "gpu_hours",
+            "GPU-hours of ended attempts, by outcome and cause (cause none: succeeded).",
+            ["cluster", "outcome", "cause"],
+            registry=r,
+        )
         self.loop_lag = Histogram(
             _P + "loop_lag_seconds",
             "How much later than asked the event loop resumed the watchdog task.",
@@ -125,6 +132,7 @@ class Metrics:
         self.runs: Callable[[], Iterable[RunSample]] = _no_runs
         self.links: Callable[[], LinkCounts] = LinkCounts
         self._verdicts_seen: set[str] = set()
+        self._attempts_seen: set[tuple[str, int]] = set()
         r.register(_StateCollector(self))
 
     def attach(
@@ -134,14 +142,24 @@ class Metrics:
         final are not observed again."""
         self.runs, self.links = runs, links
         self._verdicts_seen = {r.run_id for r in runs() if r.state.is_final}
+        self._attempts_seen = {key for r in runs() for key in _attempt_keys(r)}
 
     def record_lag(self, lag_s: float) -> None:
         self.loop_lag.observe(lag_s)
         self.loop_lag_last.set(lag_s)
 
     def observe_verdicts(self) -> None:
-        """Observe verify durations of runs that reached a final state since the last call."""
+        """Observe verify durations of runs that reached a final state, and the GPU-hours
+        of attempts that ended, since the last call."""
         for run in self.runs():
+            for key, attempt in zip(_attempt_keys(run), run.attempts, strict=True):
+                if key in self._attempts_seen:
+                    continue
+                self._attempts_seen.add(key)
+                hours = attempt.get("gpu_hours")
+                if isinstance(hours, int | float) and not isinstance(hours, bool):
+                    outcome, cause = str(attempt.get("outcome")), attempt.get("cause")
+                    self.gpu_hours.labels(run.cluster, outcome, str(cause or "none")).inc(hours)
             if not run.state.is_final or run.run_id in self._verdicts_seen:
                 continue
             self._verdicts_seen.add(run.run_id)
@@ -154,6 +172,10 @@ class Metrics:
     def exposition(self) -> bytes:
         self.observe_verdicts()
         return generate_latest(self.registry)
+
+
+def _attempt_keys(run: RunSample) -> list[tuple[str, int]]:
+    return [(run.run_id, i) for i in range(len(run.attempts))]
 
 
 def verify_seconds(transitions: Sequence[Transition]) -> float | None:

@@ -175,6 +175,7 @@ def run_samples(handles: Mapping[str, RunHandle]) -> list[RunSample]:
             outcome=h.run.outcome,
             transitions=h.run.transitions,
             tail_bytes=h.tail_bytes,
+            attempts=tuple(h.history),
         )
         for h in list(handles.values())
     ]

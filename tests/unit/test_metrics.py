@@ -137,6 +137,22 @@ def test_runs_and_links_come_from_the_snapshots_the_daemon_attaches() -> None:
     assert s[("llmd_supervisor_verify_duration_seconds_sum", (("outcome", "succeeded"),))] == 2
 
 
+def test_gpu_hours_of_ended_attempts_are_counted_once_by_outcome_and_cause() -> None:
+    failed = {"outcome": "node_failed", "cause": "infrastructure", "gpu_hours": 12.0}
+    done = {"outcome": "succeeded", "cause": None, "gpu_hours": 24.0}
+    runs = [RunSample("a", "dev", RunState.ACCEPTED, None, (), 0, (failed,))]
+    m = Metrics()
+    m.attach(lambda: [], LinkCounts)  # nothing had ended when the daemon started
+    m.runs = lambda: runs
+    m.observe_verdicts()
+    runs[0] = RunSample("a", "dev", RunState.SUCCEEDED, Outcome.SUCCEEDED, (), 0, (failed, done))
+    s = samples(m.exposition().decode())
+    lost = ("cause", "infrastructure"), ("cluster", "dev"), ("outcome", "node_failed")
+    useful = ("cause", "none"), ("cluster", "dev"), ("outcome", "succeeded")
+    assert s[("llmd_supervisor_gpu_hours_total", lost)] == 12.0  # once, though seen twice
+    assert s[("llmd_supervisor_gpu_hours_total", useful)] == 24.0
+
+
 @pytest.mark.asyncio
 async def test_exposition_server_serves_metrics_on_loopback_and_404_elsewhere() -> None:
     m = Metrics()
