@@ -26,7 +26,7 @@ from typing import IO, Any, TypedDict, cast
 
 from llmd_supervisor.core.results import LATENCIES, NUMBER_FIELDS
 from llmd_supervisor.core.summary import PointView as ResultPoint
-from llmd_supervisor.core.summary import ResultsTable, RunResults, read
+from llmd_supervisor.core.summary import ResultsTable, RunResults, UsageView, read
 from llmd_supervisor.errors import SupervisorError
 
 # Not used by any other command (0, 1, 2, 3, 10-15 and 130 are).
@@ -51,7 +51,17 @@ def read_run_results(value: object) -> RunResults:
     The table is checked on its own, so that an error names the field that is wrong."""
     head = read(_RunHead, value)
     table = value.get("results") if isinstance(value, dict) else None
-    return {**head, "results": None if table is None else read(ResultsTable, table)}
+    out: RunResults = {
+        "run": head["run"],
+        "state": head["state"],
+        "outcome": head["outcome"],
+        "reason": head["reason"],
+        "results": None if table is None else read(ResultsTable, table),
+    }
+    usage = value.get("usage") if isinstance(value, dict) else None
+    if usage is not None:
+        out["usage"] = read(UsageView, usage)
+    return out
 
 
 # --- values -------------------------------------------------------------------------------
@@ -138,6 +148,12 @@ def _block(r: RunResults, *, label: str = "") -> str:
     lines = [label + verdict_line(r)]
     if r["reason"]:
         lines += _wrapped(f"reason: {r['reason']}")
+    usage = r.get("usage")
+    if usage and usage["gpu_hours_lost"] + usage["node_hours_lost"] > 0:
+        lines.append(
+            f"  GPU-hours {usage['gpu_hours_useful']:.2f} useful, {usage['gpu_hours_lost']:.2f}"
+            f" lost to failed attempts"
+        )
     table = r["results"]
     if table is None or not table["points"]:
         lines += _wrapped(f"no results: {no_results_reason(r)}")

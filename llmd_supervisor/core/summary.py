@@ -179,15 +179,19 @@ class ResultsTable(TypedDict):
     points: list[PointView]
 
 
-class RunResults(TypedDict):
-    """``results``: a run's verdict and its results table (null before it is archived,
-    or when no job ran)."""
-
+class _RunResults(TypedDict):
     run: str
     state: str
     outcome: str | None
     reason: str
     results: ResultsTable | None
+
+
+class RunResults(_RunResults, total=False):
+    """``results``: a run's verdict and its results table (null before it is archived,
+    or when no job ran), and what its attempts cost (absent from an older daemon)."""
+
+    usage: UsageView
 
 
 class Headline(TypedDict):

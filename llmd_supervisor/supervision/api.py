@@ -57,6 +57,7 @@ from llmd_supervisor.core.summary import (
     RunResults,
     RunSummary,
 )
+from llmd_supervisor.core.usage import split as split_usage
 from llmd_supervisor.errors import (
     AdoptRefused,
     ControlError,
@@ -335,6 +336,7 @@ class ControlApi(Generic[H]):
             "outcome": run.outcome.value if run.outcome else None,
             "reason": run.reason,
             "results": table,
+            "usage": split_usage(handle.history),
         }
 
     async def _wait(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunSummary:
