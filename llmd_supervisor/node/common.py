@@ -15,7 +15,6 @@ Files of one job, under the run's log directory ``L`` and job id ``J``:
 
 import os
 import re
-import socket
 from typing import List
 
 # Version of the agent's JSON config; the agent refuses any other.
@@ -86,6 +85,8 @@ def fault(name: str) -> str:
     ``LLMD_FAKE_FAULT_RANKS`` is set and does not list this rank (``LLMD_RANK``), or when
     ``LLMD_FAKE_FAULT_NODES`` is set and does not list this host (a node's fault follows
     the node into every job, as a bad node's would)."""
+    import socket  # here: the supervisor's pure core imports this module's names
+
     for knob, mine in (
         ("LLMD_FAKE_FAULT_RANKS", os.environ.get("LLMD_RANK", "")),
         ("LLMD_FAKE_FAULT_NODES", socket.gethostname()),

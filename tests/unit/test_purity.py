@@ -16,6 +16,10 @@ PURE_MODULES = [
     "llmd_supervisor.core.health",
     "llmd_supervisor.core.layout",
     "llmd_supervisor.core.summary",
+    "llmd_supervisor.core.foreign",
+    "llmd_supervisor.core.retry",
+    "llmd_supervisor.core.usage",
+    "llmd_supervisor.core.cause",
 ]
 FORBIDDEN = ["anyio", "asyncssh", "sqlite3", "subprocess", "socket", "asyncio", "structlog"]
 
