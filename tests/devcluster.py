@@ -14,6 +14,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEVCLUSTER = REPO / "deploy" / "devcluster" / "devcluster"
+SLURM_VERSIONS = ("22.05", "24.11")
+DEFAULT_SLURM = "22.05"
 TERMINAL = {
     "BOOT_FAIL",
     "CANCELLED",
@@ -42,6 +44,14 @@ def devcluster(
     return proc
 
 
+def with_slurm_bin(path: str, slurm_bin: str) -> str:
+    """`path` with `slurm_bin` first (once); unchanged when `slurm_bin` is empty."""
+    if not slurm_bin:
+        return path
+    rest = [d for d in path.split(":") if d and d != slurm_bin]
+    return ":".join([slurm_bin, *rest])
+
+
 def parse_env(text: str) -> dict[str, str]:
     """Turn `export K='v'` lines into a dict."""
     env: dict[str, str] = {}
@@ -68,8 +78,22 @@ class DevCluster:
         return cls(env=env, nodes=env["DEVCLUSTER_NODES"].split(), addrs=addrs)
 
     @property
+    def slurm_version(self) -> str:
+        """The series the cluster runs (``22.05``, ``24.11``), as `devcluster up --slurm`."""
+        return self.env.get("DEVCLUSTER_SLURM", DEFAULT_SLURM)
+
+    @property
+    def slurm_bin(self) -> str:
+        """The directory of this version's client commands ('' for the host's, 22.05)."""
+        return self.env.get("DEVCLUSTER_SLURM_BIN", "")
+
+    @property
     def slurm_env(self) -> dict[str, str]:
-        return {**os.environ, "SLURM_CONF": self.env["SLURM_CONF"]}
+        """This process's environment for the cluster's client commands: SLURM_CONF, and
+        the cluster's own clients first on PATH (a 22.05 client cannot talk to 24.11)."""
+        env = {**os.environ, "SLURM_CONF": self.env["SLURM_CONF"]}
+        env["PATH"] = with_slurm_bin(env.get("PATH", ""), self.slurm_bin)
+        return env
 
     @property
     def ssh_key(self) -> str:

@@ -39,7 +39,7 @@ from llmd_supervisor.node.common import (
     RC_SERVICE_UNHEALTHY,
 )
 
-__all__ = ["Cause", "Diagnosis", "RankEnd", "diagnose", "rank_end"]
+__all__ = ["Cause", "Diagnosis", "RankEnd", "diagnose", "hang", "rank_end"]
 
 
 class Cause(StrEnum):
@@ -95,6 +95,16 @@ class Diagnosis:
 
     def as_json(self) -> dict[str, object]:
         return {"cause": self.cause.value, "nodes": list(self.nodes), "why": self.why}
+
+
+def hang(stage: str, node: str, rank: int) -> Diagnosis:
+    """The cause of an attempt ended early because a rank's agent was still in `stage`
+    past its deadline: the benchmark's own stages are the workload's; a hang while
+    starting or waiting for engines, sidecars or the router names the node."""
+    why = f"rank {rank} on {node} hung in stage {stage!r} past its deadline"
+    if stage.startswith("benchmark"):
+        return Diagnosis(Cause.WORKLOAD, (), why)
+    return Diagnosis(Cause.INFRASTRUCTURE, (node,), why)
 
 
 def rank_end(status: Mapping[str, object]) -> RankEnd | None:

@@ -74,6 +74,9 @@ class Limits:
     # A node implicated in this many infrastructure failures (each within the TTL of the
     # last) is kept out of every submission on its cluster until the TTL ends.
     quarantine_ttl_s: float = 6 * 3600.0
+    # A rank's agent still in a stage this long after the stage's own deadline is hung:
+    # the attempt is ended early (TERM, grace, scancel) instead of at the time limit.
+    stage_overdue_margin_s: float = 60.0
     quarantine_after_failures: int = 1
 
 

@@ -14,6 +14,7 @@ final state (the agent exited) is never stale.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from datetime import datetime
 
 
 @dataclass(frozen=True)
@@ -103,3 +104,34 @@ def observe(
             health = replace(health, stalled=True)
             events.append(LogStalled(health.node, health.rank, round(quiet, 1)))
     return health, tuple(events)
+
+
+@dataclass(frozen=True)
+class Overdue:
+    """A stage an agent has run past its own deadline (it should have failed it itself:
+    the agent is hung)."""
+
+    stage: str
+    deadline_s: float
+    over_s: float
+
+
+def overdue_stage(stages: object, now: float, margin_s: float) -> Overdue | None:
+    """The running stage of a status file's ``stages`` (a list of objects with ``name``,
+    ``state``, ``deadline_s``, ``started_at``) that is more than `margin_s` past its
+    deadline at `now` (epoch seconds), or None. Anything malformed is no evidence."""
+    if not isinstance(stages, list) or not stages or not isinstance(stages[-1], dict):
+        return None
+    last = stages[-1]
+    name, state = last.get("name"), last.get("state")
+    deadline, started = last.get("deadline_s"), last.get("started_at")
+    if state != "running" or not isinstance(name, str) or not isinstance(started, str):
+        return None
+    if not isinstance(deadline, int | float) or isinstance(deadline, bool) or len(started) > 40:
+        return None
+    try:
+        begun = datetime.fromisoformat(started).timestamp()
+    except ValueError:
+        return None
+    over = now - begun - float(deadline)
+    return Overdue(name[:80], float(deadline), round(over, 1)) if over > margin_s else None

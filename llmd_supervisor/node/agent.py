@@ -629,6 +629,11 @@ class Agent(object):
             )
         self.log("stage.started", stage=name, deadline_s=deadline_s)
         self.write_status()
+        if shared.fault("LLMD_FAKE_AGENT_HANG_STAGE") == name:  # a hung agent (tests)
+            self.log("stage.hanging", stage=name)
+            while True:  # past its deadline: only a TERM ends it (the supervisor's)
+                self.check_term()
+                time.sleep(0.2)
 
     def stage_end(self, failed: Optional[str] = None, diagnose: bool = True) -> None:
         """End the current stage: done, or failed with `failed` (and, with `diagnose`,

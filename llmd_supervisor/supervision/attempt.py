@@ -39,8 +39,10 @@ from llmd_supervisor.core.health import (
     LogStalled,
     NodeHealth,
     NodeUnreachable,
+    Overdue,
     Probe,
     observe,
+    overdue_stage,
 )
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.errors import FileRefused, LogCapped, RemoteError, SupervisorError
@@ -82,11 +84,13 @@ class Attempt:
     on_change: Callable[[], None]  # the run's waiters may want to look again
     on_marker: Callable[[], None]  # the coordinator's marker was seen
     on_bytes: Callable[[int], None]  # log bytes copied
+    on_hang: Callable[[], None] = lambda: None  # a rank's agent is past a stage's deadline
     # The attempt's state: node health, the coordinator's marker copy, copy state.
     health: dict[str, NodeHealth] = field(init=False)
     marker_copy: bytes | None = field(default=None, init=False)
     copies: CopyState = field(default=CopyState.COMPLETE, init=False)
     budget: CopyBudget = field(init=False)  # what the run's log copies may still take
+    hung: tuple[str, int, Overdue] | None = field(default=None, init=False)  # node, rank
     _refused: set[str] = field(default_factory=set, init=False)  # paths reported
     running: bool = field(default=False, init=False)
     _stop: anyio.Event = field(default_factory=anyio.Event, init=False)
@@ -180,6 +184,7 @@ class Attempt:
                     status = await self._files(link.read_file, status_path)
                     if status is not None:
                         state, age = status_state(status, time.time())
+                        await self._check_overdue(link.host, rank, status)
                 if coordinator and self.marker_copy is None and marker_path is not None:
                     data = await self._files(link.read_file, marker_path)
                     if data:
@@ -208,6 +213,25 @@ class Attempt:
                 return
             with anyio.move_on_after(self.limits.heartbeat_interval_s):
                 await self._stop.wait()
+
+    async def _check_overdue(self, node: str, rank: int, status: bytes) -> None:
+        """A rank whose agent runs a stage past its deadline (by more than the margin) is
+        hung: journal it (once per attempt) and tell the run, which ends the attempt."""
+        if self.hung is not None:
+            return
+        try:
+            stages = json.loads(status).get("stages")
+        except (ValueError, AttributeError):
+            return
+        late = overdue_stage(stages, time.time(), self.limits.stage_overdue_margin_s)
+        if late is None:
+            return
+        self.hung = (node, rank, late)
+        fields = {"node": node, "rank": rank, "stage": late.stage, "deadline_s": late.deadline_s,
+                  "over_s": late.over_s, "attempt": self.number}  # fmt: skip
+        log.warning("run.stage_overdue", **fields)
+        await self.record("stage.overdue", fields)
+        self.on_hang()
 
     async def _files(self, op: Callable[[str, str], Awaitable[FileT]], path: str) -> FileT | None:
         """`op(log_dir, path)` on a node; None (and a journal event) if refused."""

@@ -437,6 +437,16 @@ class Supervisor:
             elif loop.cancelling != action.job_id:
                 loop.cancelling = action.job_id
                 loop.tg.start_soon(steps.cancel_sequence, self, h, action.job_id)
+        a = h.attempt
+        if (
+            a is not None
+            and a.hung is not None
+            and h.run.state is RunState.RUNNING
+            and a.number == h.run.attempt
+            and loop.cancelling != a.job_id
+        ):  # a hung agent: end the attempt now, not at the time limit
+            loop.cancelling = a.job_id
+            loop.tg.start_soon(steps.cancel_sequence, self, h, a.job_id)
 
     async def _step(self, h: RunHandle, loop: Loop, action: Action) -> None:
         match action:
@@ -473,6 +483,7 @@ class Supervisor:
             on_change=h.notify,
             on_marker=lambda: h.cluster.poller.expect_end(h.job_id()),
             on_bytes=h.count_bytes,
+            on_hang=h.notify,  # the loop re-plans and ends the attempt (`_background`)
         )
 
     async def apply(self, h: RunHandle, event: Event) -> None:

@@ -29,6 +29,7 @@ from llmd_supervisor.core.lifecycle import Held, Retry
 from llmd_supervisor.core.retry import Exclusion, RetryPolicy, decide, exclusion
 from llmd_supervisor.core.spec import RunSpec
 from llmd_supervisor.core.usage import elapsed_s, usage
+from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import SlurmCommandError
 from llmd_supervisor.supervision.verify import VerifyResult
 
@@ -118,6 +119,7 @@ async def after_verdict(
     h: RunHandle,
     result: VerifyResult,
     diagnosis: Diagnosis | None,
+    outcome: Outcome,
     reason: str,
     receipt: dict[str, object],
 ) -> bool:
@@ -142,7 +144,7 @@ async def after_verdict(
             "slurm_job_id": run.slurm_job_id,
             "job_name": run.slurm_job_name,
             "nodes": list(run.nodes),
-            "outcome": result.verdict.outcome.value,
+            "outcome": outcome.value,
             "reason": reason,
             "cause": None if diagnosis is None else diagnosis.cause.value,
             "implicated": [] if diagnosis is None else list(diagnosis.nodes),

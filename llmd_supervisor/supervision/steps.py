@@ -19,7 +19,7 @@ import structlog
 
 from llmd_supervisor.adapters import archive
 from llmd_supervisor.adapters.slurm import NameLookup
-from llmd_supervisor.core.cause import Diagnosis, diagnose, rank_end
+from llmd_supervisor.core.cause import Diagnosis, diagnose, hang, rank_end
 from llmd_supervisor.core.foreign import ForeignSpec
 from llmd_supervisor.core.lifecycle import (
     Archived,
@@ -308,13 +308,35 @@ async def verify(sup: Supervisor, h: RunHandle) -> None:
         cancel_requested=h.run.cancel_requested,
         clock=sup.clock,
     )
-    diagnosis = await _diagnosis(sup, h, result)
-    reason, receipt = result.verdict.reason, dict(result.receipt)
+    events = await sup.journal.events(h.run.run_id)
+    hung = next(
+        (
+            e
+            for e in events
+            if e.get("kind") == "stage.overdue" and e.get("attempt") == h.run.attempt
+        ),
+        None,
+    )
+    outcome, reason, receipt = result.verdict.outcome, result.verdict.reason, dict(result.receipt)
+    if hung is not None and outcome is not Outcome.SUCCEEDED and not h.run.cancel_requested:
+        # ended by the supervisor because an agent hung: a failure, not a cancel
+        outcome = Outcome.FAILED
+        reason = (
+            f"rank {hung.get('rank')} on {hung.get('node')} hung in stage "
+            f"{hung.get('stage')!r}, {hung.get('over_s')} s past its {hung.get('deadline_s')} s "
+            f"deadline: the attempt was ended early; {reason}"
+        )
+        receipt["outcome"], receipt["hung"] = outcome.value, hung
+        diagnosis: Diagnosis | None = hang(
+            str(hung.get("stage")), str(hung.get("node")), int(str(hung.get("rank")))
+        )
+    else:
+        diagnosis = await _diagnosis(sup, h, result, events)
     receipt["cause"] = None if diagnosis is None else diagnosis.as_json()
     if diagnosis is not None:
         reason = receipt["reason"] = f"{reason}; {diagnosis.text}"
     receipt["attempt"], receipt["slurm_job_name"] = h.run.attempt, h.run.slurm_job_name
-    retried = await retries.after_verdict(sup, h, result, diagnosis, reason, receipt)
+    retried = await retries.after_verdict(sup, h, result, diagnosis, outcome, reason, receipt)
     poller.untrack(job_id)
     if retried:
         return
@@ -322,10 +344,12 @@ async def verify(sup: Supervisor, h: RunHandle) -> None:
     receipt["attempts"] = attempts
     receipt["usage_total"] = usage_split(attempts)
     await sup.journal.add_event(h.run.run_id, RECEIPT_EVENT, {"receipt": receipt}, sup.clock())
-    await sup.apply(h, Verified(result.verdict.outcome, reason))
+    await sup.apply(h, Verified(outcome, reason))
 
 
-async def _diagnosis(sup: Supervisor, h: RunHandle, result: VerifyResult) -> Diagnosis | None:
+async def _diagnosis(
+    sup: Supervisor, h: RunHandle, result: VerifyResult, events: list[dict[str, object]]
+) -> Diagnosis | None:
     """Why the run did not succeed (`core.cause`), from the verdict, the ranks' last status
     files (unreadable ones are left out), the nodes this attempt reported unreachable, and
     the benchmark's gate."""
@@ -340,7 +364,7 @@ async def _diagnosis(sup: Supervisor, h: RunHandle, result: VerifyResult) -> Dia
     ends = [end for status in statuses if (end := rank_end(status)) is not None]
     unreachable = [
         str(e.get("node"))
-        for e in await sup.journal.events(h.run.run_id)
+        for e in events
         if e.get("kind") == "node.unreachable" and e.get("attempt") == h.run.attempt
     ]
     gate = result.receipt.get("benchmark")

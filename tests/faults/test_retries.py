@@ -174,3 +174,33 @@ def test_quarantine_that_leaves_too_few_nodes_holds_the_run_until_released(
     assert got["outcome"] == "succeeded", got["reason"]
     assert len(got["nodes"]) == 4  # type: ignore[arg-type]
     daemon.stop()
+
+
+def test_a_hung_agent_ends_the_attempt_early_and_the_retry_avoids_its_node(
+    cluster: DevCluster, tmp_path: Path, shared_tmp: Path
+) -> None:
+    # The coordinator (rank 2, node3) hangs in its 10 s `engines-healthy` stage instead of
+    # failing it: the supervisor ends the attempt 3 s past the deadline, not at the time
+    # limit (5 min), and retries without node3.
+    daemon = Daemon(cluster, tmp_path, limits={"stage_overdue_margin_s": 3.0})
+    daemon.start()
+    spec = demo_spec(
+        shared_tmp,
+        port=PORT + 40,
+        decode_nodes=1,
+        retry=FAST_RETRY,
+        common={"LLMD_FAKE_AGENT_HANG_STAGE": "engines-healthy", "LLMD_FAKE_FAULT_NODES": "node3"},
+    ).replace("health_timeout_s = 60", "health_timeout_s = 10")
+    got = final(daemon, submitted(daemon, spec))
+    daemon.stop()
+    assert got["outcome"] == "succeeded", got["reason"]
+    attempts = got["attempts"]
+    assert isinstance(attempts, list) and len(attempts) == 2, attempts
+    first, second = attempts
+    assert first["outcome"] == "failed", first
+    assert "rank 2 on node3 hung in stage 'engines-healthy'" in first["reason"], first
+    assert (first["cause"], first["implicated"]) == ("infrastructure", ["node3"])
+    assert "node3" not in second["nodes"]
+    assert isinstance(first["node_hours"], float)
+    assert first["node_hours"] * 3600 / 3 < 90, first  # ended early: well below 5 minutes
+    assert [e["stage"] for e in daemon.events("run.stage_overdue")] == ["engines-healthy"]

@@ -135,3 +135,33 @@ def test_usage_splits_useful_and_lost_hours() -> None:
         "node_hours_lost": 1.5,
     }
     assert usage(None, 3, 8)["gpu_hours"] is None
+
+
+def test_a_stage_past_its_deadline_is_overdue_and_classified_by_where() -> None:
+    from llmd_supervisor.core.cause import hang
+    from llmd_supervisor.core.health import overdue_stage
+
+    started = T0.isoformat()
+    stages = [
+        {"name": "engines-healthy", "state": "running", "deadline_s": 10, "started_at": started}
+    ]
+    now = T0.timestamp()
+    assert overdue_stage(stages, now + 12, 5) is None
+    late = overdue_stage(stages, now + 16, 5)
+    assert late is not None and (late.stage, late.deadline_s, late.over_s) == (
+        "engines-healthy",
+        10,
+        6,
+    )
+    assert overdue_stage([{**stages[0], "state": "done"}], now + 99, 5) is None
+    for bad in (
+        None,
+        [],
+        ["x"],
+        [{**stages[0], "deadline_s": True}],
+        [{**stages[0], "started_at": "x"}],
+    ):
+        assert overdue_stage(bad, now + 99, 5) is None
+    assert hang("engines-healthy", "node3", 2).cause is Cause.INFRASTRUCTURE
+    assert hang("engines-healthy", "node3", 2).nodes == ("node3",)
+    assert hang("benchmark c=4", "node3", 2).cause is Cause.WORKLOAD
