@@ -65,25 +65,17 @@ def assert_copies_of(final: dict[str, object], run_dir: Path) -> list[str]:
     return names
 
 
-def submit_script(daemon: Daemon, run_dir: Path, rc: int = 0) -> subprocess.CompletedProcess[str]:
-    return cli(
-        daemon,
-        "submit",
-        "--script",
-        str(LAUNCHER / "job.slurm"),
-        "--export-env",
-        "--chdir",
-        str(run_dir),
-        "--job-name-prefix",
-        "ixci",
-        *WATCH,
-        "--json",
-        "--socket",
-        str(daemon.socket),
-        "--",
-        "--time=00:04:00",
-        env=launcher_env(rc),
-    )
+def submit_script(
+    daemon: Daemon, run_dir: Path, rc: int = 0, *options: str
+) -> subprocess.CompletedProcess[str]:
+    """The launcher through `submit --script --export-env` from `run_dir`; `options`
+    replace the default watch options (`WATCH`, a job name prefix, sbatch's --time)."""
+    chosen = options or (
+        "--job-name-prefix", "ixci", *WATCH, "--json", "--", "--time=00:04:00"
+    )  # fmt: skip
+    argv = ["submit", "--script", str(LAUNCHER / "job.slurm"), "--export-env",
+            "--chdir", str(run_dir), "--socket", str(daemon.socket), *chosen]  # fmt: skip
+    return cli(daemon, *argv, env=launcher_env(rc))
 
 
 def sbatch_plain(cluster: DevCluster, run_dir: Path, *, lines: int) -> str:

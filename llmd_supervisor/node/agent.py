@@ -629,7 +629,8 @@ class Agent(object):
             )
         self.log("stage.started", stage=name, deadline_s=deadline_s)
         self.write_status()
-        if shared.fault("LLMD_FAKE_AGENT_HANG_STAGE") == name:  # a hung agent (tests)
+        common = {"LLMD_RANK": str(self.rank), **self.cfg.get("env", {}).get("common", {})}
+        if shared.fault("LLMD_FAKE_AGENT_HANG_STAGE", common) == name:  # a hung agent (tests)
             self.log("stage.hanging", stage=name)
             while True:  # past its deadline: only a TERM ends it (the supervisor's)
                 self.check_term()

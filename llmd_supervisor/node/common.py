@@ -15,7 +15,7 @@ Files of one job, under the run's log directory ``L`` and job id ``J``:
 
 import os
 import re
-from typing import List
+from typing import Dict, List, Optional
 
 # Version of the agent's JSON config; the agent refuses any other.
 CONFIG_VERSION = 1
@@ -80,21 +80,24 @@ def status_name(rank: int) -> str:
     return "rank%d%s" % (rank, STATUS_SUFFIX)
 
 
-def fault(name: str) -> str:
-    """A stand-in's fault knob from the environment: its value, or "" when unset, when
+def fault(name: str, extra: Optional[Dict[str, str]] = None) -> str:
+    """A stand-in's fault knob from the environment (over `extra`, e.g. the spec's
+    ``env.common`` as the agent sees it): its value, or "" when unset, when
     ``LLMD_FAKE_FAULT_RANKS`` is set and does not list this rank (``LLMD_RANK``), or when
     ``LLMD_FAKE_FAULT_NODES`` is set and does not list this host (a node's fault follows
     the node into every job, as a bad node's would)."""
     import socket  # here: the supervisor's pure core imports this module's names
 
+    env = dict(extra or {})
+    env.update(os.environ)
     for knob, mine in (
-        ("LLMD_FAKE_FAULT_RANKS", os.environ.get("LLMD_RANK", "")),
+        ("LLMD_FAKE_FAULT_RANKS", env.get("LLMD_RANK", "")),
         ("LLMD_FAKE_FAULT_NODES", socket.gethostname()),
     ):
-        listed = os.environ.get(knob, "").strip()
+        listed = env.get(knob, "").strip()
         if listed and mine not in [r.strip() for r in listed.split(",")]:
             return ""
-    return os.environ.get(name, "")
+    return str(env.get(name, ""))
 
 
 def diag_name(rank: int) -> str:

@@ -17,9 +17,7 @@ from tests.foreign_helpers import (
     LAUNCHER,
     adopt,
     assert_copies_of,
-    cli,
     final,
-    launcher_env,
     sbatch_plain,
     submit_script,
 )
@@ -68,20 +66,7 @@ def test_an_inferencex_style_launcher_runs_as_it_is(
 def test_a_script_without_a_marker_protocol_says_so(daemon: Daemon, shared_tmp: Path) -> None:
     run_dir = shared_tmp / "plain"
     run_dir.mkdir()
-    proc = cli(
-        daemon,
-        "submit",
-        "--script",
-        str(LAUNCHER / "job.slurm"),
-        "--export-env",
-        "--chdir",
-        str(run_dir),
-        "--wait",
-        "--json",
-        "--socket",
-        str(daemon.socket),
-        env=launcher_env(),
-    )
+    proc = submit_script(daemon, run_dir, 0, "--wait", "--json")
     got = json.loads(proc.stdout)
     assert proc.returncode == 0, (proc.stderr, got.get("reason"))
     assert got["outcome"] == "succeeded"
