@@ -9,6 +9,7 @@ restart, so a job purged from slurmctld since is still copied from where it wrot
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 import re
 from typing import TYPE_CHECKING
 
@@ -67,7 +68,9 @@ async def note_job_files(sup: Supervisor, h: RunHandle, job: ScontrolJob) -> Non
     """Journal the job's batch logs and submit time, and use them from now on. A batch
     log outside the run's log directory is not copied (a named event)."""
     log_dir = h.layout.log_dir
-    inside = tuple(p for p in job.batch_logs if p.startswith(log_dir + "/") and ".." not in p)
+    inside = tuple(
+        p for p in job.batch_logs if p.startswith(log_dir + "/") and posixpath.normpath(p) == p
+    )
     submitted = job.fields.get("SubmitTime", "")
     fields: dict[str, object] = {
         "batch_logs": list(inside),
