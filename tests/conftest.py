@@ -144,9 +144,11 @@ def cluster(request: pytest.FixtureRequest) -> Iterator[DevCluster]:
         )
     if not handle.accounting:
         pytest.fail("the running dev cluster has --no-accounting; run `devcluster down` first")
-    # The daemon and the tests run the cluster's clients by name: its own first on PATH.
+    # The daemon and the tests run the cluster's clients by name: its own first on PATH
+    # (and named, for a test that builds a PATH of its own: tests.devcluster.with_slurm_bin).
     path = os.environ.get("PATH", "")
     os.environ["PATH"] = with_slurm_bin(path, handle.slurm_bin)
+    os.environ["DEVCLUSTER_SLURM_BIN"] = handle.slurm_bin
     yield handle
     os.environ["PATH"] = path
     if started:
