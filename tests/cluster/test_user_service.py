@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 
 from tests.daemon_helpers import demo_spec
-from tests.devcluster import REPO, DevCluster
+from tests.devcluster import REPO, DevCluster, with_slurm_bin
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -49,7 +49,10 @@ class User:
             "HOME": str(self.home),
             "USER": self.name,
             "LOGNAME": self.name,
-            "PATH": f"{self.home}/.local/bin:/usr/local/bin:/usr/bin:/bin",
+            "PATH": with_slurm_bin(
+                f"{self.home}/.local/bin:/usr/local/bin:/usr/bin:/bin",
+                os.environ.get("DEVCLUSTER_SLURM_BIN", ""),
+            ),
             "LANG": "C.UTF-8",
             "XDG_RUNTIME_DIR": str(self.base / "run"),
             **extra,

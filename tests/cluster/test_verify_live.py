@@ -84,7 +84,7 @@ CASES = {
         ("-N", "1", "-w", "node4", "--no-requeue"),
         13,
         "node_failed",
-        "State=NODE_FAIL ExitCode=0:0",
+        "State=NODE_FAIL ExitCode=",  # 0:0 on 22.05, 1:0 on 24.11
     ),
     "timeout": Case(
         "srun sleep 300\n", ("-N", "1", "--time=1"), 12, "timed_out", "State=TIMEOUT ExitCode=0:0"
