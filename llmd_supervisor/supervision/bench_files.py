@@ -142,13 +142,25 @@ async def read_all(
     out = BenchFiles()
     for c in concurrencies:
         out.results[c] = got.get(layout.bench_files(job_id, c)[0])
-    for folder, path, _ in wanted:
+    names = {path: f"{folder}/{posixpath.basename(path)}" for folder, path, _ in wanted}
+    await _keep(got, names, refused, out)
+    return out
+
+
+async def _keep(
+    got: Mapping[str, bytes | FileRefused | None],
+    names: Mapping[str, str],
+    refused: Refused,
+    out: BenchFiles,
+) -> None:
+    """What was read of `names` (path -> archive name) into `out.archived`; a refused
+    file is reported instead, a missing one left out."""
+    for path, name in names.items():
         data = got.get(path)
         if isinstance(data, FileRefused):
             await refused(data)
         elif data is not None:
-            out.archived[f"{folder}/{posixpath.basename(path)}"] = data
-    return out
+            out.archived[name] = data
 
 
 async def read_foreign(
@@ -170,15 +182,9 @@ async def read_foreign(
         found += [
             f"{directory}/{n}" for n in names if watch.matching(watch.results, job_id, directory, n)
         ]
-    got = await files.read_many(
-        layout.log_dir, [(p, RESULT_FILE_MAX) for p in found[:RESULT_FILES_MAX]]
-    )
-    for path in found[:RESULT_FILES_MAX]:
-        data = got.get(path)
-        if isinstance(data, FileRefused):
-            await refused(data)
-        elif data is not None:
-            out.archived[f"{RESULTS}/{watch.copy_name(path)}"] = data
+    kept = {p: f"{RESULTS}/{watch.copy_name(p)}" for p in found[:RESULT_FILES_MAX]}
+    got = await files.read_many(layout.log_dir, [(p, RESULT_FILE_MAX) for p in kept])
+    await _keep(got, kept, refused, out)
     return out
 
 

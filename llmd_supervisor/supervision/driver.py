@@ -331,6 +331,7 @@ class Supervisor:
         """Start a driver for every run the journal holds as not final; return how many."""
         count = 0
         histories = await self.journal.events_of_kind(retries.ATTEMPT_EVENT)
+        job_files = await self.journal.events_of_kind(foreign_jobs.JOB_FILES_EVENT)
         for stored in await self.journal.list_runs():
             run_id = stored.run.run_id
             text = stored.meta.spec_toml
@@ -342,7 +343,7 @@ class Supervisor:
             handle = self._handle(StoredRun(stored.run, _slim(stored.meta, stored.run)), spec)
             handle.history = histories.get(run_id, [])
             if isinstance(spec, ForeignSpec):
-                await foreign_jobs.recall_job_files(self, handle)
+                foreign_jobs.recall_job_files(handle, job_files.get(run_id, []))
             if stored.run.state.is_final:
                 continue
             if handle.configured is None:  # listed, but nothing can drive it here

@@ -88,9 +88,8 @@ async def note_job_files(sup: Supervisor, h: RunHandle, job: ScontrolJob) -> Non
     _use(h, fields)
 
 
-async def recall_job_files(sup: Supervisor, h: RunHandle) -> None:
-    """After a restart: the job's files as journaled (if they were)."""
-    noted = [e for e in await sup.journal.events(h.run.run_id) if e.get("kind") == JOB_FILES_EVENT]
+def recall_job_files(h: RunHandle, noted: list[dict[str, object]]) -> None:
+    """After a restart: the job's files as journaled (`noted`: its JOB_FILES_EVENTs)."""
     if noted:
         _use(h, noted[-1])
 

@@ -11,7 +11,8 @@
   the policy says so, `Retry`.
 
 Idempotent after a crash: the history entry is the mark that the attempt's end was
-handled (a re-run verification finds it and neither counts nor archives twice).
+handled (a re-run verification finds it and neither counts nor archives twice). The run
+handle keeps the entries (`RunHandle.history`, read from the journal at start-up).
 """
 
 from __future__ import annotations
@@ -48,13 +49,6 @@ def policy(h: RunHandle) -> RetryPolicy:
     return h.spec.retry if isinstance(h.spec, RunSpec) else NO_RETRY
 
 
-async def history(sup: Supervisor, h: RunHandle) -> list[dict[str, object]]:
-    """Every ended attempt of the run, oldest first (kept on the handle for `status`)."""
-    events = await sup.journal.events(h.run.run_id)
-    h.history = [e for e in events if e.get("kind") == ATTEMPT_EVENT]
-    return h.history
-
-
 async def excluded(sup: Supervisor, h: RunHandle) -> tuple[str, ...]:
     """The nodes a resubmission after a restart keeps out (never held: the run was already
     submitting)."""
@@ -85,10 +79,7 @@ async def before_submit(sup: Supervisor, h: RunHandle) -> tuple[str, ...] | None
 
 async def _exclusion(sup: Supervisor, h: RunHandle, *, with_capacity: bool) -> Exclusion:
     implicated = [
-        str(n)
-        for e in await history(sup, h)
-        if isinstance(nodes := e.get("exclude"), list)
-        for n in nodes
+        str(n) for e in h.history if isinstance(nodes := e.get("exclude"), list) for n in nodes
     ]
     limits = sup.config.limits
     quarantined = await sup.journal.quarantined(h.meta.cluster)
@@ -126,7 +117,7 @@ async def after_verdict(
     """Record the attempt's end (once) and retry it when the policy says so; whether the
     run goes on with a new attempt (`Retry` applied)."""
     run = h.run
-    ended = [e for e in await history(sup, h) if e.get("submission") == run.submission]
+    ended = [e for e in h.history if e.get("submission") == run.submission]
     decision = decide(
         policy(h),
         diagnosis,

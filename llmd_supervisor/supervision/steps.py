@@ -340,7 +340,7 @@ async def verify(sup: Supervisor, h: RunHandle) -> None:
     poller.untrack(job_id)
     if retried:
         return
-    attempts = await retries.history(sup, h)
+    attempts = h.history
     receipt["attempts"] = attempts
     receipt["usage_total"] = usage_split(attempts)
     await sup.journal.add_event(h.run.run_id, RECEIPT_EVENT, {"receipt": receipt}, sup.clock())
