@@ -237,3 +237,27 @@ def test_a_user_installs_the_user_service_and_its_job_runs_as_that_user(
             break
         time.sleep(1)
     assert rows == [f"{user.name}|{ACCOUNT}|COMPLETED"], rows
+
+
+def test_a_job_its_own_user_cancels_reads_cancelled_by_that_uid(
+    cluster: DevCluster, user: User
+) -> None:
+    """`CANCELLED by <uid>` for a non-root `scancel` (the captures hold only root's `by 0`):
+    parsed as CANCELLED on both versions, the uid kept in the reason."""
+    script = user.base / "sleep.sh"
+    script.write_text("#!/bin/bash\nsrun sleep 300\n")
+    script.chmod(0o755)
+    env = user.env(SLURM_CONF=cluster.env["SLURM_CONF"])
+    sbatch = user.run(["sbatch", "--parsable", "-N", "1", "--output=/dev/null", str(script)], env)
+    assert sbatch.returncode == 0, sbatch.stderr
+    job = sbatch.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 30
+    while cluster.slurm(["squeue", "-h", "-j", job, "-o", "%T"]).stdout.strip() != "RUNNING":
+        assert time.monotonic() < deadline, f"job {job} not RUNNING after 30 s"
+        time.sleep(0.2)
+    cancel = user.run(["scancel", job], env)
+    assert cancel.returncode == 0, cancel.stderr
+    cluster.wait_terminal(job)
+    status, receipt = cluster.verify(job, user.base, "--timeout", "15")
+    assert (status, receipt["outcome"]) == (11, "cancelled"), receipt["reason"]
+    assert f"State=CANCELLED by {user.uid} " in str(receipt["reason"]), receipt["reason"]
