@@ -60,11 +60,8 @@ def excluded(got: dict[str, object]) -> str:
     return text.split("ExcNodeList=", 1)[1].split()[0]
 
 
-def sacct_submit_line(cluster: DevCluster, job: str) -> str | None:
-    """The job's sbatch command line as sacct keeps it (`SubmitLine`, Slurm 23.02 and
-    later); None on 22.05, whose sacct has no such field (and no excluded-node list)."""
-    if cluster.slurm_version == "22.05":
-        return None
+def sacct_submit_line(cluster: DevCluster, job: str) -> str:
+    """The job's sbatch command line as sacct keeps it (`SubmitLine`)."""
     argv = ["sacct", "--noheader", "--parsable2", "-X", "--format=SubmitLine", "-j", job]
     return cluster.slurm(argv).stdout.strip()
 
@@ -80,7 +77,7 @@ def assert_retried_without_bad(cluster: DevCluster, got: dict[str, object]) -> N
     assert second["outcome"] == "succeeded" and second["cause"] is None
     assert excluded(got) == BAD
     line = sacct_submit_line(cluster, str(got["slurm_job_id"]))
-    assert line is None or f"--exclude={BAD}" in line.split(), line
+    assert f"--exclude={BAD}" in line.split(), line
     ids = cluster.job_ids_named(f"{got['job_name']}.2")  # the retry's own job name
     assert ids == [str(got["slurm_job_id"])], ids
     usage = got["usage"]
