@@ -15,6 +15,8 @@ Files of one job, under the run's log directory ``L`` and job id ``J``:
 
 import os
 import re
+import sys
+import threading
 from typing import Dict, List, Optional
 
 # Version of the agent's JSON config; the agent refuses any other.
@@ -68,6 +70,18 @@ AGENT_STATES = (
     STATE_EXITED,
 )
 GONE_STATES = (STATE_EXITED, STATE_TERMINATED)
+
+
+_SAY = threading.Lock()
+
+
+def say(line: str) -> None:
+    """Write one whole line to stdout and flush it. ``print`` writes the text and its
+    newline in two calls, so the request threads of a stand-in server could merge two
+    access lines into one under load."""
+    with _SAY:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
 
 
 def marker_name(job_id: str) -> str:

@@ -72,9 +72,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Tuple
 
 if __package__:  # imported from the installed package (the tests)
-    from .common import fault
+    from .common import fault, say
 else:  # run from the job's node directory, where common.py lies beside this file
-    from common import fault  # type: ignore[import-not-found,no-redef]
+    from common import fault, say  # type: ignore[import-not-found,no-redef]
 
 CRASH_RC = 3
 BLOCK_SIZE = 16  # tokens per KV block (vLLM's default block size on CUDA)
@@ -114,7 +114,7 @@ def plant(spec: str) -> None:
                     f.write(b"b" * 65535 + b"\n")
         else:
             raise SystemExit("LLMD_FAKE_PLANT: unknown kind %r" % kind)
-        print("fault: planted %s at %s" % (kind, path), flush=True)
+        say("fault: planted %s at %s" % (kind, path))
 
 
 class Engine(object):
@@ -350,10 +350,7 @@ def make_handler(engine: Engine) -> Any:
             self._log(rid, leg, 200, detail)
 
         def _log(self, rid: str, leg: str, status: int, detail: str) -> None:
-            print(
-                "engine: request_id=%s leg=%s status=%d %s" % (rid, leg, status, detail),
-                flush=True,
-            )
+            say("engine: request_id=%s leg=%s status=%d %s" % (rid, leg, status, detail))
 
         def _answer(
             self,
@@ -463,7 +460,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     if fault("LLMD_FAKE_ENGINE_IGNORE_SIGTERM") == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        print("fault: ignoring SIGTERM", flush=True)
+        say("fault: ignoring SIGTERM")
     else:
         signal.signal(signal.SIGTERM, lambda s, f: sys.exit(0))
     if fault("LLMD_FAKE_PLANT"):
@@ -476,7 +473,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         def crash() -> None:
             time.sleep(float(crash_after))
-            print("fault: crashing with rc %d" % CRASH_RC, flush=True)
+            say("fault: crashing with rc %d" % CRASH_RC)
             os._exit(CRASH_RC)
 
         threading.Thread(target=crash, daemon=True).start()
@@ -489,7 +486,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         side = ThreadingHTTPServer((args.host, engine.side_port), handler)
         side.daemon_threads = True
         threading.Thread(target=side.serve_forever, args=(0.2,), daemon=True).start()
-    print(
+    say(
         "stand-in %s engine serving %s on %s:%d (pid %d, kv_role %s, engine id %s,"
         " kv side channel %s:%d)"
         % (
@@ -502,8 +499,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             engine.engine_id,
             engine.side_host,
             engine.side_port,
-        ),
-        flush=True,
+        )
     )
     try:
         server.serve_forever(poll_interval=0.2)

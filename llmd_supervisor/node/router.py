@@ -72,9 +72,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 if __package__:  # imported from the installed package (the tests)
-    from .common import fault
+    from .common import fault, say
 else:  # run from the job's node directory, where common.py lies beside this file
-    from common import fault  # type: ignore[import-not-found,no-redef]
+    from common import fault, say  # type: ignore[import-not-found,no-redef]
 
 ROLE_LABEL = "llm-d.ai/role"
 PREFILL_ROLES = ("prefill", "encode-prefill", "prefill-decode", "both", "encode-prefill-decode")
@@ -289,7 +289,7 @@ class Router(object):
             st = os.stat(self.args.endpoints)
         except OSError as exc:
             if self.stamp is not None:
-                print("router: endpoints file unreadable (%s); keeping the last" % exc, flush=True)
+                say("router: endpoints file unreadable (%s); keeping the last" % exc)
                 self.stamp = None
             return
         stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
@@ -299,22 +299,21 @@ class Router(object):
         try:
             endpoints, problems = load_endpoints(self.args.endpoints, self.args.pool_namespace)
         except (OSError, ValueError, UnicodeDecodeError) as exc:
-            print("router: failed to load the endpoints file: %s" % exc, flush=True)
+            say("router: failed to load the endpoints file: %s" % exc)
             return
         for p in problems:
-            print("router: skipped %s" % p, flush=True)
+            say("router: skipped %s" % p)
         prefill = [e for e in endpoints if e.role in PREFILL_ROLES]
         decode = [e for e in endpoints if e.role is None or e.role in DECODE_ROLES]
         with self.lock:
             self.prefill, self.decode, self.loaded = prefill, decode, True
-        print(
+        say(
             "router: endpoints loaded from %s: prefill %s; decode %s"
             % (
                 self.args.endpoints,
                 ",".join(e.hostport for e in prefill) or "-",
                 ",".join(e.hostport for e in decode) or "-",
-            ),
-            flush=True,
+            )
         )
 
     def watch(self) -> None:
@@ -389,7 +388,7 @@ def make_handler(router: Router, admin: bool) -> Any:
             rid = self.headers.get("x-request-id") or str(uuid.uuid4())
             decode, prefill = router.pick()
             status = self._forward(method, body, rid, decode, prefill)
-            print(
+            say(
                 "router: request_id=%s method=%s url=%s prefill=%s decode=%s status=%d ms=%.1f"
                 % (
                     rid,
@@ -399,8 +398,7 @@ def make_handler(router: Router, admin: bool) -> Any:
                     decode.hostport if decode else "-",
                     status,
                     (time.monotonic() - start) * 1000,
-                ),
-                flush=True,
+                )
             )
 
         def _forward(
@@ -484,7 +482,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     threading.Thread(target=router.watch, daemon=True).start()
     for s in servers[1:]:
         threading.Thread(target=s.serve_forever, args=(0.2,), daemon=True).start()
-    print(
+    say(
         "stand-in router on %s:%d (admin %s), endpoints %s (pid %d)"
         % (
             args.host,
@@ -492,8 +490,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             "%s:%d" % (args.admin_host, args.admin_port) if args.admin_port else "off",
             args.endpoints,
             os.getpid(),
-        ),
-        flush=True,
+        )
     )
     try:
         servers[0].serve_forever(poll_interval=0.2)

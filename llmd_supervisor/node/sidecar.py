@@ -75,9 +75,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Tuple
 
 if __package__:  # imported from the installed package (the tests)
-    from .common import fault
+    from .common import fault, say
 else:  # run from the job's node directory, where common.py lies beside this file
-    from common import fault  # type: ignore[import-not-found,no-redef]
+    from common import fault, say  # type: ignore[import-not-found,no-redef]
 
 CRASH_RC = 3
 PREFILL_HEADER = "x-prefiller-host-port"
@@ -179,7 +179,7 @@ def make_handler(car: Sidecar) -> Any:
 
         def _log(self, **fields: Any) -> None:
             text = " ".join("%s=%s" % (k, "-" if v is None else v) for k, v in fields.items())
-            print("sidecar: " + text, flush=True)
+            say("sidecar: " + text)
 
         def _send_bytes(self, status: int, body: bytes, ctype: str) -> None:
             self.send_response(status)
@@ -390,7 +390,7 @@ def make_handler(car: Sidecar) -> Any:
                 self._error(500, "prefill %s answered no JSON object" % prefill)
                 return False, None
             if "kv_transfer_params" not in answer:  # upstream warns and goes on with null
-                print("sidecar: warning: no kv_transfer_params in the prefill answer", flush=True)
+                say("sidecar: warning: no kv_transfer_params in the prefill answer")
             return True, answer.get("kv_transfer_params")
 
     return Handler
@@ -454,7 +454,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         def crash() -> None:
             time.sleep(float(crash_after))
-            print("fault: sidecar crashing with rc %d" % CRASH_RC, flush=True)
+            say("fault: sidecar crashing with rc %d" % CRASH_RC)
             os._exit(CRASH_RC)
 
         threading.Thread(target=crash, daemon=True).start()
@@ -467,7 +467,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             os.path.join(args.cert_path, "tls.crt"), os.path.join(args.cert_path, "tls.key")
         )
         server.socket = ctx.wrap_socket(server.socket, server_side=True)
-    print(
+    say(
         "stand-in pd-sidecar on %s:%d -> decode engine %s (kv-connector %s, prefiller"
         " sampling %s, pid %d)"
         % (
@@ -477,8 +477,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             args.kv_connector,
             "on" if car.sampling else "off",
             os.getpid(),
-        ),
-        flush=True,
+        )
     )
     try:
         server.serve_forever(poll_interval=0.2)
