@@ -135,6 +135,15 @@ class DevCluster:
         out = self.slurm(["sbatch", "--parsable", *options, str(script)]).stdout
         return out.strip().split(";")[0]
 
+    def wait_running(self, job_id: str, timeout: float = 30) -> None:
+        """Wait until squeue shows the job RUNNING."""
+        deadline = time.monotonic() + timeout
+        argv = ["squeue", "-h", "-t", "all", "-j", job_id, "-o", "%T"]
+        while self.slurm(argv).stdout.strip() != "RUNNING":
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} not RUNNING after {timeout:g} s")
+            time.sleep(0.2)
+
     def wait_terminal(self, job_id: str, timeout: float = 120) -> str:
         """Wait until sacct (squeue without accounting) shows the job terminal; return its line."""
         deadline = time.monotonic() + timeout

@@ -251,10 +251,7 @@ def test_a_job_its_own_user_cancels_reads_cancelled_by_that_uid(
     sbatch = user.run(["sbatch", "--parsable", "-N", "1", "--output=/dev/null", str(script)], env)
     assert sbatch.returncode == 0, sbatch.stderr
     job = sbatch.stdout.strip().split(";")[0]
-    deadline = time.monotonic() + 30
-    while cluster.slurm(["squeue", "-h", "-j", job, "-o", "%T"]).stdout.strip() != "RUNNING":
-        assert time.monotonic() < deadline, f"job {job} not RUNNING after 30 s"
-        time.sleep(0.2)
+    cluster.wait_running(job)
     cancel = user.run(["scancel", job], env)
     assert cancel.returncode == 0, cancel.stderr
     cluster.wait_terminal(job)

@@ -106,7 +106,7 @@ def ended_jobs(
             script, f"--job-name=verify-{name}", f"--output={log_dir}/%x-%j.out", *case.options
         )
     for name in ("cancelled", "node_fail"):
-        _wait_running(cluster, jobs[name])
+        cluster.wait_running(jobs[name])
     cluster.slurm(["scancel", jobs["cancelled"]])
     devcluster("node", "node4", "down", "--reason=test node_fail")
     try:
@@ -115,18 +115,6 @@ def ended_jobs(
     finally:
         devcluster("node", "node4", "resume")
     yield log_dir, jobs
-
-
-def _wait_running(cluster: DevCluster, job: str) -> None:
-    import time
-
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        out = cluster.slurm(["squeue", "-h", "-t", "all", "-j", job, "-o", "%T"]).stdout.strip()
-        if out == "RUNNING":
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"job {job} not RUNNING after 30 s")
 
 
 @pytest.mark.parametrize("name", list(CASES))
