@@ -11,8 +11,9 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
-from tests.devcluster import REPO, DevCluster
+from tests.devcluster import REPO
 
 DEMO_SPEC = REPO / "deploy" / "llm-d" / "demo.toml"
 # Every daemon process a test started and has not waited for: tests/conftest.py stops them
@@ -84,11 +85,50 @@ def demo_spec(
     return "\n".join(lines) + "\n"
 
 
+class Site(Protocol):
+    """What a test daemon runs against: the real dev cluster (`DevCluster`), a replayed one
+    (`tests.fakes.replay_world.ReplayWorld`), or none (`NoCluster`)."""
+
+    @property
+    def slurm_env(self) -> dict[str, str]:
+        """The environment of the daemon and its CLI (SLURM_CONF, PATH)."""
+        ...
+
+    def daemon_config(self) -> str:
+        """The daemon config's [ssh] table and the head of its one cluster, named "dev"."""
+        ...
+
+
+@dataclass(frozen=True)
+class NoCluster:
+    """No Slurm at all: for tests of the control socket, whose daemon never submits. Node
+    links would go to a closed loopback port."""
+
+    root: Path
+
+    @property
+    def slurm_env(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def daemon_config(self) -> str:
+        known_hosts = self.root / "known_hosts"
+        known_hosts.touch()
+        return f"""
+[ssh]
+known_hosts = "{known_hosts}"
+port = 9
+connect_timeout_s = 0.5
+
+[[clusters]]
+name = "dev"
+"""
+
+
 @dataclass
 class Daemon:
     """One daemon process with its own state directory and socket."""
 
-    cluster: DevCluster
+    cluster: Site
     root: Path
     proc: subprocess.Popen[bytes] | None = None
     starts: int = 0
@@ -98,6 +138,7 @@ class Daemon:
     env: dict[str, str] = field(default_factory=dict)
     crash_after: str | None = None  # STATE[:N]: see tests/faults/crash_daemon.py
     daemon_keys: str = ""  # more [daemon] keys (e.g. socket_group)
+    replay_socket: Path | None = None  # Slurm commands go to a replayed cluster served here
 
     @property
     def socket(self) -> Path:
@@ -112,7 +153,6 @@ class Daemon:
         return self.root / "config.toml"
 
     def write_config(self) -> None:
-        e = self.cluster.env
         values = {"verify_timeout_s": 60.0, "heartbeat_interval_s": 1.0, **self.limits}
         limits = "\n".join(f"{k} = {v}" for k, v in values.items())
         self.config_path.write_text(
@@ -125,17 +165,9 @@ log_roots = ["/tmp", "/var/tmp"]
 log_format = "json"
 {self.daemon_keys}
 
-[ssh]
-user = "root"
-identity_files = ["{e["DEVCLUSTER_SSH_KEY"]}"]
-known_hosts = "{e["DEVCLUSTER_KNOWN_HOSTS"]}"
-
 [limits]
 {limits}
-
-[[clusters]]
-name = "dev"
-slurm_conf = "{e["SLURM_CONF"]}"
+{self.cluster.daemon_config()}
 {self.extra_config}
 """
         )
@@ -147,9 +179,13 @@ slurm_conf = "{e["SLURM_CONF"]}"
         self.starts += 1
         log = open(self.root / f"daemon-{self.starts}.log", "wb")  # noqa: SIM115 - child's
         argv = [sys.executable, "-m", "llmd_supervisor", "daemon"]
-        if self.crash_after is not None:  # the daemon with a crash point (tests/faults)
-            argv = [sys.executable, "-m", "tests.faults.crash_daemon", "--crash-after"]
-            argv.append(self.crash_after)
+        if self.crash_after is not None or self.replay_socket is not None:
+            # the daemon with test seams: a crash point, a replayed cluster (tests/faults)
+            argv = [sys.executable, "-m", "tests.faults.crash_daemon"]
+            if self.crash_after is not None:
+                argv += ["--crash-after", self.crash_after]
+            if self.replay_socket is not None:
+                argv += ["--replay-socket", str(self.replay_socket)]
         self.proc = subprocess.Popen(
             [*argv, "--config", str(self.config_path)],
             stdout=log,

@@ -95,6 +95,19 @@ class DevCluster:
         env["PATH"] = with_slurm_bin(env.get("PATH", ""), self.slurm_bin)
         return env
 
+    def daemon_config(self) -> str:
+        """A test daemon's [ssh] table and cluster head for this cluster (as root)."""
+        return f"""
+[ssh]
+user = "root"
+identity_files = ["{self.ssh_key}"]
+known_hosts = "{self.known_hosts}"
+
+[[clusters]]
+name = "dev"
+slurm_conf = "{self.env["SLURM_CONF"]}"
+"""
+
     @property
     def ssh_key(self) -> str:
         return self.env["DEVCLUSTER_SSH_KEY"]

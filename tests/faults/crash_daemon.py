@@ -1,12 +1,16 @@
-"""The daemon with a crash point: ``python -m tests.faults.crash_daemon --config C
---crash-after STATE[:N]`` SIGKILLs itself right after the journal committed the N-th
-(default first) transition into STATE, before anything acted on it; ``cancel_requested``
-for STATE crashes right after a cancel request was journaled instead. The production
-daemon has no such seam; this injects it through `Hooks`."""
+"""The daemon with test seams: ``python -m tests.faults.crash_daemon --config C
+[--crash-after STATE[:N]] [--replay-socket PATH]``.
+
+``--crash-after`` SIGKILLs the daemon right after the journal committed the N-th (default
+first) transition into STATE, before anything acted on it; ``cancel_requested`` for STATE
+crashes right after a cancel request was journaled instead. ``--replay-socket`` sends every
+Slurm command to the replayed cluster a test serves there (tests/fakes/replay_service.py).
+The production daemon has no such seams; they are injected through `Hooks`."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import signal
@@ -21,6 +25,7 @@ from llmd_supervisor.core.config import read_config
 from llmd_supervisor.core.lifecycle import Run
 from llmd_supervisor.supervision.daemon import serve
 from llmd_supervisor.supervision.driver import Hooks
+from tests.fakes.replay_service import ReplayRunner
 
 CANCEL_REQUESTED = "cancel_requested"
 
@@ -48,13 +53,17 @@ def crash_hook(state: str, nth: int) -> Hooks:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--config", type=Path, required=True)
-    parser.add_argument("--crash-after", required=True, help="STATE or STATE:N")
+    parser.add_argument("--crash-after", help="STATE or STATE:N")
+    parser.add_argument("--replay-socket", type=Path)
     args = parser.parse_args()
-    state, _, nth = args.crash_after.partition(":")
+    hooks = Hooks()
+    if args.crash_after is not None:
+        state, _, nth = args.crash_after.partition(":")
+        hooks = crash_hook(state, int(nth or 1))
+    if args.replay_socket is not None:
+        hooks = dataclasses.replace(hooks, runner=ReplayRunner(args.replay_socket))
     configure(json=True, stream=sys.stdout)
-    serve_ = functools.partial(
-        serve, read_config(args.config), hooks=crash_hook(state, int(nth or 1))
-    )
+    serve_ = functools.partial(serve, read_config(args.config), hooks=hooks)
     anyio.run(serve_)
     return 0
 

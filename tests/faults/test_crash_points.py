@@ -1,17 +1,23 @@
 """SIGKILL the daemon right after each state transition is journaled, restart it, and
-check: no double submission, no lost run, the right outcome, log copies byte-identical."""
+check: no double submission, no lost run, the right outcome, log copies byte-identical.
+
+Every crash point runs against a replayed Slurm cluster and the in-process SSH server
+(tests/fakes/replay_world.py: both outlive the killed daemon, as slurmctld and sshd do);
+two representative ones run on the real dev cluster too: one before sbatch has answered
+(`submitting`) and one in `verifying`."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from llmd_supervisor.core.spec import load_spec
 from tests.daemon_helpers import Daemon, assert_copies_identical, demo_spec
 from tests.devcluster import DevCluster
-
-pytestmark = pytest.mark.cluster
+from tests.fakes.replay_world import ReplayWorld, replay_world
 
 RUNS = 3
 # (state journaled just before the kill, which entry into it)
@@ -25,19 +31,46 @@ CRASH_POINTS = [
     ("archiving", 2),
     ("succeeded", 1),
 ]
+# The real cluster's share: a crash before sbatch answered, and one in verifying.
+ON_THE_CLUSTER = [("submitting", 1), ("verifying", 2)]
+# Crash points reached while the runs are still being submitted: the rest come after,
+# so their jobs are held until every submit was answered (no submit races the crash).
+DURING_SUBMITS = {"submitting", "pending"}
 
 
-@pytest.mark.parametrize(("state", "nth"), CRASH_POINTS, ids=[f"{s}-{n}" for s, n in CRASH_POINTS])
-def test_sigkill_after_transition_then_restart(
-    cluster: DevCluster, tmp_path: Path, shared_tmp: Path, state: str, nth: int
+def _ids(points: list[tuple[str, int]]) -> list[str]:
+    return [f"{s}-{n}" for s, n in points]
+
+
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[ReplayWorld]:
+    benchmark = load_spec(demo_spec(tmp_path)).benchmark
+    with replay_world(tmp_path / "world", benchmark) as w:
+        yield w
+
+
+def crash_then_restart(
+    daemon: Daemon,
+    log_root: Path,
+    state: str,
+    nth: int,
+    job_ids_named: Callable[[str], list[str]],
+    *,
+    hold: Callable[[bool], None] | None = None,
 ) -> None:
-    daemon = Daemon(cluster, tmp_path, crash_after=f"{state}:{nth}")
+    """Submit RUNS runs to a daemon that kills itself at (state, nth), restart it, and check
+    every run: succeeded once, on one Slurm job, with byte-identical log copies."""
     daemon.start()
     accepted = 0
+    if hold is not None:
+        hold(True)
     for i in range(RUNS):
-        spec = demo_spec(shared_tmp / f"r{i}", port=8400 + 10 * i)
+        spec = demo_spec(log_root / f"r{i}", port=8400 + 10 * i)
         # may fail once the daemon has killed itself: that is the point
         accepted += daemon.submit(spec).returncode == 0
+    if hold is not None:
+        assert accepted == RUNS, daemon.log_text()[-2000:]
+        hold(False)
     assert daemon.proc is not None
     daemon.proc.wait(timeout=120)
     assert daemon.proc.returncode == -9, daemon.log_text()[-2000:]
@@ -53,7 +86,7 @@ def test_sigkill_after_transition_then_restart(
         final = json.loads(daemon.cli("wait", str(r["run"]), "--json", check=False).stdout)
         assert final["outcome"] == "succeeded", (r["run"], final["reason"])
         job_id = str(final["slurm_job_id"])
-        ids = cluster.job_ids_named(str(final["job_name"]))
+        ids = job_ids_named(str(final["job_name"]))
         assert ids == [job_id], f"{final['job_name']}: Slurm jobs {ids}"
         assert_copies_identical(final)
         receipt = json.loads((Path(str(final["archive"])) / "receipt.json").read_text())
@@ -61,6 +94,29 @@ def test_sigkill_after_transition_then_restart(
     daemon.stop()
 
 
+@pytest.mark.parametrize(("state", "nth"), CRASH_POINTS, ids=_ids(CRASH_POINTS))
+def test_sigkill_after_transition_then_restart_replayed(
+    world: ReplayWorld, tmp_path: Path, state: str, nth: int
+) -> None:
+    root = tmp_path / "daemon"  # the logs may not lie inside the daemon's directory
+    root.mkdir()
+    daemon = Daemon(world, root, crash_after=f"{state}:{nth}", replay_socket=world.socket)
+    hold = None if state in DURING_SUBMITS else world.pause
+    crash_then_restart(daemon, tmp_path / "logs", state, nth, world.job_ids_named, hold=hold)
+    names = world.sbatch_names()
+    assert len(names) == len(set(names)), f"a job name was submitted twice: {names}"
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize(("state", "nth"), ON_THE_CLUSTER, ids=_ids(ON_THE_CLUSTER))
+def test_sigkill_after_transition_then_restart(
+    cluster: DevCluster, tmp_path: Path, shared_tmp: Path, state: str, nth: int
+) -> None:
+    daemon = Daemon(cluster, tmp_path, crash_after=f"{state}:{nth}")
+    crash_then_restart(daemon, shared_tmp, state, nth, cluster.job_ids_named)
+
+
+@pytest.mark.cluster
 def test_a_copy_left_short_before_a_crash_in_verifying_is_completed_after_the_restart(
     cluster: DevCluster, tmp_path: Path, shared_tmp: Path
 ) -> None:

@@ -60,7 +60,6 @@ class PerfDaemon(Daemon):
     """The daemon with the shipped defaults (no test overrides of [limits] or [poll])."""
 
     def write_config(self) -> None:
-        e = self.cluster.env
         self.config_path.write_text(
             f"""
 [daemon]
@@ -68,16 +67,7 @@ state_dir = "{self.state_dir}"
 socket = "{self.socket}"
 log_format = "json"
 log_roots = ["/var/tmp"]
-
-[ssh]
-user = "root"
-identity_files = ["{e["DEVCLUSTER_SSH_KEY"]}"]
-known_hosts = "{e["DEVCLUSTER_KNOWN_HOSTS"]}"
-
-[[clusters]]
-name = "dev"
-slurm_conf = "{e["SLURM_CONF"]}"
-"""
+{self.cluster.daemon_config()}"""
         )
 
     @property

@@ -1,0 +1,163 @@
+"""A whole replayed site for daemon processes: Slurm (a `ReplayCluster`) and one node (the
+in-process SSH server on 127.0.0.1), in a thread of their own that outlives any daemon.
+
+Jobs run by themselves in real time, the way the demo's do on the dev cluster: PENDING for
+`pending_s`, then RUNNING on 127.0.0.1 (slurmd creates the batch logs), writing batch log
+lines, then the coordinator's results and marker, then COMPLETED 0:0. A daemon started with
+`Daemon(world, ..., replay_socket=world.socket)` reaches them through
+`tests.fakes.replay_service.ReplayRunner` and the SSH server, so it can be SIGKILLed and
+restarted while its jobs go on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+import anyio.abc
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from llmd_supervisor.core.slurm_parse import JobState
+from llmd_supervisor.core.spec import Benchmark
+from tests.fakes.bench_results import finish_job
+from tests.fakes.replay_service import serve_replay
+from tests.fakes.slurm_replay import End, ReplayCluster, ReplayJob, Start, Step
+from tests.fakes.ssh_server import HOST, FakeSshServer
+
+T = TypeVar("T")
+TICK_S = 0.05
+
+
+@dataclass(frozen=True)
+class Work(Step):
+    """The job's batch script at work: batch log lines, then (`finish`) the coordinator's
+    result files and completion marker."""
+
+    benchmark: Benchmark | None = None
+    lines: int = 20
+    finish: bool = False
+
+    def apply(self, job: ReplayJob) -> None:
+        out, *rest = job._output_paths()
+        with open(out, "a") as f:
+            for i in range(self.lines):
+                f.write(f"job {job.job_id} line {i}: {'x' * (i % 50)}\n")
+        for err in rest:
+            with open(err, "a") as f:
+                f.write(f"job {job.job_id}: a line on stderr\n")
+        if self.finish and self.benchmark is not None:
+            finish_job(Path(out).parent, job.job_id, self.benchmark)
+
+
+@dataclass
+class ReplayWorld:
+    """See the module docstring. `call` runs a function in the world's thread (the only
+    thread that may touch `cluster` while the world runs)."""
+
+    root: Path
+    portal: BlockingPortal
+    benchmark: Benchmark
+    cluster: ReplayCluster = field(default_factory=lambda: ReplayCluster(touch_files=True))
+    pending_s: float = 0.5
+    running_s: float = 1.5
+    ssh: FakeSshServer | None = None
+    paused: bool = False  # jobs stay as they are (and the clock stands) while set
+
+    @property
+    def socket(self) -> Path:
+        return self.root / "slurm.sock"
+
+    @property
+    def slurm_env(self) -> dict[str, str]:
+        return dict(os.environ)
+
+    def daemon_config(self) -> str:
+        assert self.ssh is not None
+        return f"""
+[ssh]
+user = "{self.ssh.username}"
+identity_files = ["{self.ssh.client_key}"]
+known_hosts = "{self.ssh.known_hosts}"
+port = {self.ssh.port}
+connect_timeout_s = 2
+
+[[clusters]]
+name = "dev"
+"""
+
+    def call(self, fn: Callable[[], T]) -> T:
+        return self.portal.call(_sync, fn)
+
+    def pause(self, paused: bool = True) -> None:
+        """Hold every job where it is (False: let them go on)."""
+
+        def set_paused() -> None:
+            self.paused = paused
+
+        self.call(set_paused)
+
+    def sbatch_names(self) -> list[str]:
+        """The job name of every sbatch the cluster answered, in order."""
+        return self.call(lambda: [j.name for j in self.cluster.jobs.values()])
+
+    def job_ids_named(self, name: str) -> list[str]:
+        return self.call(lambda: [j.job_id for j in self.cluster.jobs.values() if j.name == name])
+
+    def _script(self, job: ReplayJob) -> None:
+        job.script_steps(
+            Start((HOST,), after=self.pending_s),
+            Work(after=0.2),
+            Work(after=self.running_s, benchmark=self.benchmark, finish=True),
+            End(JobState.COMPLETED, after=0.3),
+        )
+
+    async def _run_jobs(self) -> None:
+        """Move the fake clock with real time; a new job gets the demo's timeline."""
+        scripted: set[str] = set()
+        while True:
+            await anyio.sleep(TICK_S)
+            if self.paused:
+                continue
+            for job in list(self.cluster.jobs.values()):
+                if job.job_id not in scripted:
+                    scripted.add(job.job_id)
+                    if not job.steps_left and job.state is JobState.PENDING:
+                        self._script(job)
+            self.cluster.advance(TICK_S)
+
+
+async def _sync(fn: Callable[[], T]) -> T:
+    return fn()
+
+
+@contextlib.contextmanager
+def replay_world(root: Path, benchmark: Benchmark) -> Iterator[ReplayWorld]:
+    """A running `ReplayWorld` under `root`; its SSH server's processes are ended after."""
+    root.mkdir(parents=True, exist_ok=True)
+    with start_blocking_portal() as portal:
+        world = ReplayWorld(root, portal, benchmark)
+        world.ssh = FakeSshServer(root / "sshd")
+        portal.call(world.ssh.start)
+
+        async def background(*, task_status: anyio.abc.TaskStatus[anyio.CancelScope]) -> None:
+            with anyio.CancelScope() as scope:
+                async with anyio.create_task_group() as tg:
+                    await tg.start(serve_replay, world.cluster, world.socket)
+                    tg.start_soon(world._run_jobs)
+                    task_status.started(scope)
+
+        future, scope = portal.start_task(background)
+        try:
+            yield world
+        finally:
+            portal.call(scope.cancel)
+            future.result(timeout=10)
+            portal.call(world.ssh.aclose)
+
+
+__all__ = ["ReplayWorld", "Work", "replay_world"]
