@@ -1,8 +1,26 @@
 """Session-wide fixtures: the real dev cluster, and the guard against blocking the event loop.
 
+Which pass a test runs in (tests/run.sh), and the rule for `slurm_contract`:
+
+- A test that uses the ``cluster`` fixture (directly or through another fixture, such as
+  ``daemon``) is a cluster test: it is marked ``cluster`` here, by its fixtures, never by
+  hand (a hand-written ``cluster`` mark on a test that does not use the fixture is a
+  collection error). Every other test runs in the first pass, without the cluster, with
+  ``pytest -n 2``; so a test that needs no cluster cannot end up waiting for one.
+- A cluster test runs once, on Slurm 24.11 (the newest version of the run), unless its
+  outcome depends on what Slurm itself says or does: sacct/scontrol/squeue output and
+  states, requeue, NODE_FAIL, TIMEOUT, scancel and signal delivery, accounting down or
+  disabled, ``--exclude``, QOS and limits, StdOut/StdErr of jobs the daemon did not
+  write. Those are marked ``@pytest.mark.slurm_contract`` and run on every version of
+  the run (22.05 and 24.11). Ask: "would this test fail if Slurm changed what it prints
+  or does?" If yes, mark it; if it would only fail because our code changed, do not.
+  ``slurm_contract`` on a test that does not use the cluster is a collection error.
+- With ``LLMD_TEST_NO_SKIP=1`` (tests/run.sh, CI) a skipped test fails: a component that
+  is missing in CI is an error, never a skip.
+
 The cluster is brought up once per session (or reused when already running) and brought
 down at the end only if this session started it. A cluster that cannot come up is an
-error, never a skip: in CI a missing component must fail the run.
+error, never a skip.
 """
 
 from __future__ import annotations
@@ -16,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -99,6 +117,53 @@ def pytest_configure(config: pytest.Config) -> None:
         "blocks_event_loop(reason): the test blocks its event loop on purpose; "
         "the blocking guard of tests/conftest.py leaves it alone",
     )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuse marks that would put a test in the wrong pass (see the module docstring)."""
+    wrong = []
+    for item in items:
+        uses_cluster = "cluster" in getattr(item, "fixturenames", ())
+        if uses_cluster:
+            continue
+        for mark in ("cluster", "slurm_contract"):
+            if item.get_closest_marker(mark) is not None:
+                wrong.append(f"{item.nodeid}: marked {mark} but it does not use the cluster")
+    if wrong:
+        raise pytest.UsageError(
+            "tests/conftest.py: a test's pass comes from its fixtures; remove the mark or "
+            "use the `cluster` fixture:\n  " + "\n  ".join(wrong)
+        )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """With LLMD_TEST_NO_SKIP=1, a skipped test is a failure (CI has every component)."""
+    report = yield
+    if (
+        os.environ.get("LLMD_TEST_NO_SKIP") == "1"
+        and report.skipped
+        and not hasattr(report, "wasxfail")
+    ):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid}: skipped ({report.longrepr!r}), and LLMD_TEST_NO_SKIP=1: in CI "
+            "every component is installed (deploy/install-dev.sh), so a skip is a failure"
+        )
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Append this pass's counts to $LLMD_TEST_COUNTS (tests/run.sh prints them)."""
+    path = os.environ.get("LLMD_TEST_COUNTS")
+    if not path or hasattr(terminalreporter.config, "workerinput"):
+        return
+    stats = terminalreporter.stats
+    counts = {k: len(stats.get(k, [])) for k in ("passed", "failed", "error", "skipped")}
+    with open(path, "a") as f:
+        f.write(" ".join(f"{k}={v}" for k, v in counts.items()) + "\n")
 
 
 def _parametrized_names(metafunc: pytest.Metafunc) -> set[str]:

@@ -4,6 +4,7 @@ the system python3 (the checkout's virtualenv is not its to use)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import pwd
 import secrets
@@ -20,6 +21,7 @@ import pytest
 from tests.devcluster import REPO
 
 PEER = REPO / "tests" / "faults" / "socket_peer.py"
+USERS_LOCK = Path("/run/lock/llmd-tests-users.lock")
 
 __all__ = ["PEER", "Stranger", "root_dir", "stranger"]
 
@@ -67,20 +69,32 @@ class Stranger:
         return reply
 
 
+@contextmanager
+def _users_locked() -> Iterator[None]:
+    """One user change at a time on this machine: useradd and userdel of two test processes
+    (pytest -n 2) at once fail on /etc/passwd's lock instead of waiting for it."""
+    with open(USERS_LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 @pytest.fixture(scope="module")
 def stranger() -> Iterator[Stranger]:
     """A system user (and its group) that exists only for these tests."""
     name = f"llmdx{secrets.token_hex(4)}"
-    subprocess.run(
-        ["useradd", "--system", "--user-group", "--no-create-home", "--shell", "/bin/false", name],
-        check=True,
-    )
+    with _users_locked():
+        subprocess.run(
+            ["useradd", "--system", "--user-group", "--no-create-home", "--shell", "/bin/false"]
+            + [name],
+            check=True,
+        )
     try:
         entry = pwd.getpwnam(name)
         yield Stranger(name, entry.pw_uid, entry.pw_gid)
     finally:
-        subprocess.run(["userdel", name], check=False)
-        subprocess.run(["groupdel", name], check=False, capture_output=True)
+        with _users_locked():
+            subprocess.run(["userdel", name], check=False)
+            subprocess.run(["groupdel", name], check=False, capture_output=True)
 
 
 @pytest.fixture

@@ -6,11 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
-
 from tests.daemon_helpers import Daemon, demo_spec, run_to_end
-
-pytestmark = pytest.mark.cluster
 
 PORT = 9400
 

@@ -18,8 +18,6 @@ import pytest
 from tests.daemon_helpers import Daemon, assert_copies_identical, demo_spec
 from tests.devcluster import DevCluster, devcluster
 
-pytestmark = pytest.mark.cluster
-
 
 @pytest.fixture
 def log_dir(shared_tmp: Path) -> Path:
@@ -73,6 +71,7 @@ def test_failing_bench_point_fails_the_run_naming_rc_and_rank(
     assert attempts[0]["retry"] == "no retry: cause workload", attempts
 
 
+@pytest.mark.slurm_contract
 def test_cancel_mid_run_terms_every_rank_and_ends_cancelled(daemon: Daemon, log_dir: Path) -> None:
     spec = demo_spec(log_dir, grace_s=8, tables={"bench": {"LLMD_FAKE_BENCH_HANG": "1"}})
     proc = daemon.submit(spec)
@@ -92,6 +91,7 @@ def test_cancel_mid_run_terms_every_rank_and_ends_cancelled(daemon: Daemon, log_
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slurm_contract
 def test_worker_crash_ends_the_run_promptly(daemon: Daemon, log_dir: Path) -> None:
     spec = demo_spec(
         log_dir,

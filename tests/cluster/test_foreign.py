@@ -23,10 +23,9 @@ from tests.foreign_helpers import (
 )
 from tests.strangers import Stranger
 
-pytestmark = pytest.mark.cluster
-
 
 @pytest.mark.parametrize("rc", [0, 7])
+@pytest.mark.slurm_contract
 def test_an_inferencex_style_launcher_runs_as_it_is(
     cluster: DevCluster, daemon: Daemon, shared_tmp: Path, rc: int
 ) -> None:
@@ -74,6 +73,7 @@ def test_a_script_without_a_marker_protocol_says_so(daemon: Daemon, shared_tmp: 
     assert "State=COMPLETED ExitCode=0:0 (sacct" in str(got["reason"])
 
 
+@pytest.mark.slurm_contract
 def test_adopt_a_running_job_and_a_finished_one_but_not_another_users(
     cluster: DevCluster, root_dir: Path, shared_tmp: Path, stranger: Stranger
 ) -> None:

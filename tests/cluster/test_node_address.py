@@ -8,12 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from tests.daemon_helpers import Daemon, demo_spec, node_addresses
 from tests.devcluster import DevCluster
-
-pytestmark = pytest.mark.cluster
 
 # The engines dump their environment before exec'ing the stand-in.
 DUMP_ENV = """'env > "$LLMD_JOB_DIR/env.rank$LLMD_RANK"; exec "$0" "$@"'"""

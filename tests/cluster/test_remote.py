@@ -23,8 +23,6 @@ from llmd_supervisor.errors import FileRefused, RemoteError, TailConflict
 from tests.devcluster import DevCluster, devcluster
 from tests.fakes.log_writer import Writer, size_of
 
-pytestmark = pytest.mark.cluster
-
 
 @pytest.fixture
 def settings(cluster: DevCluster) -> SshSettings:

@@ -12,8 +12,6 @@ import pytest
 
 from tests.daemon_helpers import Daemon, demo_spec, run_to_end
 
-pytestmark = pytest.mark.cluster
-
 PORT = 8900
 DEMO_POINTS = {1: 4, 2: 8, 4: 16}  # concurrency -> prompts (prompts_multiplier = 4)
 

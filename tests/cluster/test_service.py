@@ -33,8 +33,6 @@ from llmd_supervisor.supervision.cluster import ThroughLoginHost
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.devcluster import DevCluster
 
-pytestmark = pytest.mark.cluster
-
 
 @dataclass
 class FakeSystemd:

@@ -14,12 +14,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from tests.daemon_helpers import Daemon, assert_copies_identical, demo_spec
 from tests.devcluster import DevCluster, devcluster
-
-pytestmark = pytest.mark.cluster
 
 PORT = 9200
 SHARED_FS = 'access = "shared-fs"'

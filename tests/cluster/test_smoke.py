@@ -11,9 +11,8 @@ import pytest
 
 from tests.devcluster import DevCluster, devcluster
 
-pytestmark = pytest.mark.cluster
 
-
+@pytest.mark.slurm_contract
 def test_four_node_job_runs_on_every_node_and_sacct_says_completed(
     cluster: DevCluster, shared_tmp: Path
 ) -> None:
@@ -62,6 +61,7 @@ async def test_asyncssh_reaches_every_node_and_reads_a_file_a_job_wrote(
         assert result.stdout == f"{node}\n{node}\n"
 
 
+@pytest.mark.slurm_contract
 def test_down_leaves_nothing_behind_and_up_is_idempotent(cluster: DevCluster) -> None:
     """Bring the shared cluster down and up again; nothing may be left in between."""
     rig = Path(cluster.env["DEVCLUSTER_RIG"])

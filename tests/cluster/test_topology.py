@@ -8,11 +8,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
-
 from tests.daemon_helpers import Daemon, demo_spec, node_addresses, run_to_end
-
-pytestmark = pytest.mark.cluster
 
 PORT = 9100
 PROMPTS = 4 + 8 + 16  # the demo's three points (concurrency x prompts_multiplier 4)

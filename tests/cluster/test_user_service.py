@@ -30,7 +30,7 @@ import pytest
 from tests.daemon_helpers import demo_spec
 from tests.devcluster import REPO, DevCluster, with_slurm_bin
 
-pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+pytestmark = pytest.mark.slow
 
 PORT = 9300
 ACCOUNT = "llmdusers"
@@ -239,6 +239,7 @@ def test_a_user_installs_the_user_service_and_its_job_runs_as_that_user(
     assert rows == [f"{user.name}|{ACCOUNT}|COMPLETED"], rows
 
 
+@pytest.mark.slurm_contract
 def test_a_job_its_own_user_cancels_reads_cancelled_by_that_uid(
     cluster: DevCluster, user: User
 ) -> None:

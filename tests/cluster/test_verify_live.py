@@ -15,8 +15,6 @@ import pytest
 
 from tests.devcluster import DevCluster, devcluster
 
-pytestmark = pytest.mark.cluster
-
 # A batch-script line publishing the marker the way the node agent does (temp + rename).
 MARKER = (
     'printf \'{{"rc": {rc}, "job_id": "%s", "rank": 1, "reason": "test", "finished_at": "%s"}}\' '
@@ -118,6 +116,7 @@ def ended_jobs(
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slurm_contract
 def test_verify_reports_each_real_end(
     cluster: DevCluster, ended_jobs: tuple[Path, dict[str, str]], name: str
 ) -> None:
@@ -146,6 +145,7 @@ def test_verify_writes_the_receipt_atomically(
     assert [p.name for p in tmp_path.iterdir()] == ["receipt.json"]
 
 
+@pytest.mark.slurm_contract
 def test_verify_uses_scontrol_while_slurmdbd_is_down(cluster: DevCluster, shared_tmp: Path) -> None:
     devcluster("slurmdbd", "stop")
     try:
@@ -162,6 +162,7 @@ def test_verify_uses_scontrol_while_slurmdbd_is_down(cluster: DevCluster, shared
         devcluster("slurmdbd", "start")
 
 
+@pytest.mark.slurm_contract
 def test_verify_says_unverified_when_slurm_never_knew_the_job(
     cluster: DevCluster, shared_tmp: Path
 ) -> None:

@@ -10,8 +10,6 @@ import pytest
 from tests.cluster.test_verify_live import MARKER
 from tests.devcluster import DevCluster, devcluster
 
-pytestmark = pytest.mark.cluster
-
 
 @pytest.fixture(scope="module")
 def no_accounting(cluster: DevCluster) -> Iterator[DevCluster]:
@@ -25,6 +23,7 @@ def no_accounting(cluster: DevCluster) -> Iterator[DevCluster]:
         devcluster("up")
 
 
+@pytest.mark.slurm_contract
 def test_sacct_reports_accounting_disabled(no_accounting: DevCluster) -> None:
     proc = no_accounting.slurm(["sacct", "-j", "1"], check=False)
     assert proc.returncode == 1
@@ -38,6 +37,7 @@ def test_sacct_reports_accounting_disabled(no_accounting: DevCluster) -> None:
         ("srun true\n" + MARKER.format(rc=0) + "exit 3\n", 10, "failed", "ExitCode=3:0"),
     ],
 )
+@pytest.mark.slurm_contract
 def test_verify_decides_from_scontrol_alone(
     no_accounting: DevCluster, shared_tmp: Path, body: str, status: int, outcome: str, reason: str
 ) -> None:
@@ -52,6 +52,7 @@ def test_verify_decides_from_scontrol_alone(
     assert receipt["accounting_disabled"] is True
 
 
+@pytest.mark.slurm_contract
 def test_verify_gives_up_at_once_when_scontrol_forgot_the_job(
     no_accounting: DevCluster, shared_tmp: Path
 ) -> None:

@@ -8,12 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.devcluster import DevCluster
-
-pytestmark = pytest.mark.cluster
 
 
 def test_cancel_journaled_then_crash_still_cancels_the_job(

@@ -14,8 +14,6 @@ import pytest
 from tests.daemon_helpers import Daemon, assert_copies_identical, demo_spec
 from tests.devcluster import DevCluster, devcluster
 
-pytestmark = pytest.mark.cluster
-
 PORT = 8500
 
 
@@ -39,6 +37,7 @@ def _final(daemon: Daemon, run: str) -> dict[str, object]:
     return result
 
 
+@pytest.mark.slurm_contract
 def test_slurmdbd_down_at_the_end_verifies_through_scontrol(
     daemon: Daemon, shared_tmp: Path
 ) -> None:
@@ -55,6 +54,7 @@ def test_slurmdbd_down_at_the_end_verifies_through_scontrol(
     assert any(q["source"] == "sacct" and q["outcome"] == "error" for q in receipt["queries"])
 
 
+@pytest.mark.slurm_contract
 def test_slurmctld_restarted_mid_run(daemon: Daemon, shared_tmp: Path) -> None:
     run = _run(daemon, demo_spec(shared_tmp, port=PORT, common={"LLMD_FAKE_MARKER_DELAY_S": "8"}))
     daemon.wait_state(run, {"running"})
@@ -64,6 +64,7 @@ def test_slurmctld_restarted_mid_run(daemon: Daemon, shared_tmp: Path) -> None:
     assert_copies_identical(final)
 
 
+@pytest.mark.slurm_contract
 def test_cut_link_reports_unreachable_then_node_failed(
     daemon: Daemon, shared_tmp: Path, cluster: DevCluster
 ) -> None:

@@ -107,7 +107,6 @@ def test_sigkill_after_transition_then_restart_replayed(
     assert len(names) == len(set(names)), f"a job name was submitted twice: {names}"
 
 
-@pytest.mark.cluster
 @pytest.mark.parametrize(("state", "nth"), ON_THE_CLUSTER, ids=_ids(ON_THE_CLUSTER))
 def test_sigkill_after_transition_then_restart(
     cluster: DevCluster, tmp_path: Path, shared_tmp: Path, state: str, nth: int
@@ -116,7 +115,6 @@ def test_sigkill_after_transition_then_restart(
     crash_then_restart(daemon, shared_tmp, state, nth, cluster.job_ids_named)
 
 
-@pytest.mark.cluster
 def test_a_copy_left_short_before_a_crash_in_verifying_is_completed_after_the_restart(
     cluster: DevCluster, tmp_path: Path, shared_tmp: Path
 ) -> None:

@@ -14,8 +14,6 @@ from tests.daemon_helpers import Daemon
 from tests.devcluster import DevCluster
 from tests.foreign_helpers import adopt, assert_copies_of, final, sbatch_plain, submit_script
 
-pytestmark = pytest.mark.cluster
-
 # (how the run came, the state journaled just before the kill)
 CRASH_POINTS = [
     ("script", "submitting"),

@@ -20,8 +20,6 @@ import pytest
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.devcluster import DevCluster
 
-pytestmark = pytest.mark.cluster
-
 PORT = 8700
 STOP_TIMEOUT_S = 15.0  # the unit's TimeoutStopSec is larger; the daemon must beat it
 

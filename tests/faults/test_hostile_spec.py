@@ -20,12 +20,8 @@ import time
 import uuid
 from pathlib import Path
 
-import pytest
-
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.devcluster import DevCluster
-
-pytestmark = pytest.mark.cluster
 
 PORT = 8860
 CANARY_NAME = "LLMD_TEST_DAEMON_SECRET"

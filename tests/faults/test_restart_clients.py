@@ -12,12 +12,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import pytest
-
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.devcluster import DevCluster
-
-pytestmark = pytest.mark.cluster
 
 PORT = 8740
 # The demo's running phase is a few seconds; the marker delay keeps the job running long

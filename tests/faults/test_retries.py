@@ -24,8 +24,6 @@ from llmd_supervisor.adapters.journal import Journal
 from tests.daemon_helpers import Daemon, assert_copies_identical, demo_spec
 from tests.devcluster import DevCluster, devcluster
 
-pytestmark = pytest.mark.cluster
-
 PORT = 9600
 BAD = "node2"
 FAST_RETRY: dict[str, object] = {"infrastructure": 1, "backoff_s": 1}
@@ -96,6 +94,7 @@ def quarantined(daemon: Daemon) -> list[dict[str, object]]:
     return nodes
 
 
+@pytest.mark.slurm_contract
 def test_one_bad_nodes_engine_is_retried_without_that_node(
     cluster: DevCluster, daemon: Daemon, shared_tmp: Path
 ) -> None:
@@ -107,6 +106,7 @@ def test_one_bad_nodes_engine_is_retried_without_that_node(
     assert quarantined(daemon) == []
 
 
+@pytest.mark.slurm_contract
 def test_a_killed_node_is_excluded_from_the_retry(
     cluster: DevCluster, daemon: Daemon, shared_tmp: Path
 ) -> None:

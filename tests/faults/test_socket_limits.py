@@ -22,19 +22,15 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import anyio
-import pytest
 
 from llmd_supervisor.adapters.journal import Journal
 from llmd_supervisor.adapters.journal_rows import RunMeta
 from llmd_supervisor.core.lifecycle import Run, RunState, Transition
 from llmd_supervisor.core.summary import LogChunk, chunk_bytes, read
 from llmd_supervisor.core.verdict import Outcome
-from tests.daemon_helpers import Daemon, demo_spec
+from tests.daemon_helpers import Daemon, NoCluster, Site, demo_spec
 from tests.devcluster import REPO, DevCluster
 from tests.strangers import Stranger
-
-pytestmark = pytest.mark.cluster
-
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 
@@ -76,10 +72,13 @@ class SocketDaemon(Daemon):
 
 
 def daemon_for(
-    cluster: DevCluster, root: Path, stranger: Stranger, keys: str = "", **kw: object
+    root: Path, stranger: Stranger, keys: str = "", site: Site | None = None, **kw: object
 ) -> SocketDaemon:
+    """A daemon whose socket the stranger may use; with no `site`, a daemon with no cluster
+    behind it (the control socket's limits do not depend on one)."""
     keys = f'socket_group = "{stranger.name}"\n{keys}'
-    return SocketDaemon(cluster, root, daemon_keys=keys, **kw)  # type: ignore[arg-type]
+    site = site or NoCluster(root)
+    return SocketDaemon(site, root, daemon_keys=keys, **kw)  # type: ignore[arg-type]
 
 
 def measured(line: str) -> None:
@@ -142,10 +141,10 @@ def journal_runs(d: Daemon, runs: list[tuple[Run, RunMeta]]) -> None:
 
 
 def test_an_idle_flood_of_1100_connections_is_capped_and_another_uid_is_served(
-    cluster: DevCluster, root_dir: Path, stranger: Stranger
+    root_dir: Path, stranger: Stranger
 ) -> None:
     # The daemon gets systemd's default 1024 open files, fewer than the flood.
-    d = daemon_for(cluster, root_dir, stranger, "first_byte_timeout_s = 4", nofile=1024)
+    d = daemon_for(root_dir, stranger, "first_byte_timeout_s = 4", nofile=1024)
     d.start()
     spec = root_dir / "dry.toml"
     # (beside the daemon's root: a log directory inside the socket's is refused)
@@ -181,11 +180,9 @@ def test_an_idle_flood_of_1100_connections_is_capped_and_another_uid_is_served(
     )
 
 
-def test_the_global_cap_refuses_the_flood_and_says_so(
-    cluster: DevCluster, root_dir: Path, stranger: Stranger
-) -> None:
+def test_the_global_cap_refuses_the_flood_and_says_so(root_dir: Path, stranger: Stranger) -> None:
     keys = "max_connections = 300\nmax_connections_per_uid = 2000\nfirst_byte_timeout_s = 30"
-    d = daemon_for(cluster, root_dir, stranger, keys, nofile=1024)
+    d = daemon_for(root_dir, stranger, keys, nofile=1024)
     d.start()
     try:
         with stranger.process("flood", str(d.socket), "1100", "2") as flood:
@@ -204,11 +201,11 @@ def test_the_global_cap_refuses_the_flood_and_says_so(
 
 
 def test_500_half_sent_1mib_lines_keep_the_daemon_small_and_answering(
-    cluster: DevCluster, root_dir: Path, stranger: Stranger
+    root_dir: Path, stranger: Stranger
 ) -> None:
     # All 500 admitted (a cap high enough), so the partial-line budget is what bounds memory.
     keys = "max_connections_per_uid = 600\nrequest_timeout_s = 6"
-    d = daemon_for(cluster, root_dir, stranger, keys)
+    d = daemon_for(root_dir, stranger, keys)
     d.start()
     base = d.rss_kib()
     peak = base
@@ -243,11 +240,9 @@ def test_500_half_sent_1mib_lines_keep_the_daemon_small_and_answering(
     assert rc == 0 and stopped_in < 10
 
 
-def test_400_unread_streams_are_capped_and_cost_no_cpu(
-    cluster: DevCluster, root_dir: Path, stranger: Stranger
-) -> None:
+def test_400_unread_streams_are_capped_and_cost_no_cpu(root_dir: Path, stranger: Stranger) -> None:
     keys = "max_connections_per_uid = 500\nwrite_timeout_s = 5"
-    d = daemon_for(cluster, root_dir, stranger, keys)
+    d = daemon_for(root_dir, stranger, keys)
     archive, logs = d.state_dir / "archive", root_dir / "logs"
     journal_runs(d, [finished_run("theirs", "88", logs, archive, owner=stranger.uid)])
     copies = archive / "theirs" / "logs" / "attempt1"
@@ -280,9 +275,9 @@ def test_400_unread_streams_are_capped_and_cost_no_cpu(
 
 
 def test_a_strangers_run_is_not_found_and_an_ambiguous_job_id_names_its_runs(
-    cluster: DevCluster, root_dir: Path, stranger: Stranger
+    root_dir: Path, stranger: Stranger
 ) -> None:
-    d = daemon_for(cluster, root_dir, stranger)
+    d = daemon_for(root_dir, stranger)
     archive = d.state_dir / "archive"
     logs = root_dir / "logs"
     journal_runs(
@@ -325,10 +320,8 @@ def test_a_strangers_run_is_not_found_and_an_ambiguous_job_id_names_its_runs(
     assert picked["run"] == "westrun"
 
 
-def test_list_pages_through_1200_finished_runs(
-    cluster: DevCluster, root_dir: Path, stranger: Stranger
-) -> None:
-    d = daemon_for(cluster, root_dir, stranger)
+def test_list_pages_through_1200_finished_runs(root_dir: Path, stranger: Stranger) -> None:
+    d = daemon_for(root_dir, stranger)
     archive, logs = d.state_dir / "archive", root_dir / "logs"
     hostile = "\u0007" * 10_000  # evidence a job could influence: cut in list briefs
     journal_runs(
@@ -382,9 +375,9 @@ anyio.run(go)
 
 
 def test_a_3mb_log_and_invalid_utf8_stream_byte_exact_through_logs_follow(
-    cluster: DevCluster, root_dir: Path, stranger: Stranger
+    root_dir: Path, stranger: Stranger
 ) -> None:
-    d = daemon_for(cluster, root_dir, stranger)
+    d = daemon_for(root_dir, stranger)
     archive, logs = d.state_dir / "archive", root_dir / "logs"
     journal_runs(d, [finished_run("big", "77", logs, archive)])
     copies = archive / "big" / "logs" / "attempt1"
@@ -440,9 +433,9 @@ def _interleaved(err: bytes, out: bytes) -> bytes:
 
 
 def test_stopping_the_daemon_with_a_flood_open_takes_seconds(
-    cluster: DevCluster, root_dir: Path, stranger: Stranger
+    root_dir: Path, stranger: Stranger
 ) -> None:
-    d = daemon_for(cluster, root_dir, stranger, "first_byte_timeout_s = 60")
+    d = daemon_for(root_dir, stranger, "first_byte_timeout_s = 60")
     d.start()
     with stranger.process("flood", str(d.socket), "64", "30") as flood:
         assert flood.stdout is not None
@@ -483,7 +476,7 @@ def test_a_live_3mb_rank_log_with_invalid_utf8_follows_byte_exact(
     )
     command = json.dumps(["sh", "-c", f"python3 {gen}; {engine}"])
     spec = spec[:start] + f"prefill_command = {command}\n" + spec[end:]
-    d = daemon_for(cluster, root_dir, stranger)
+    d = daemon_for(root_dir, stranger, site=cluster)
     (root_dir / "live.toml").write_text(spec)
     d.start()
     err = root_dir / "submit.err"
