@@ -22,6 +22,7 @@ from tests.devcluster import REPO
 
 PEER = REPO / "tests" / "faults" / "socket_peer.py"
 USERS_LOCK = Path("/run/lock/llmd-tests-users.lock")
+USERADD = ("useradd", "--system", "--user-group", "--no-create-home", "--shell", "/bin/false")
 
 __all__ = ["PEER", "Stranger", "root_dir", "stranger"]
 
@@ -84,8 +85,7 @@ def stranger() -> Iterator[Stranger]:
     name = f"llmdx{secrets.token_hex(4)}"
     with _users_locked():
         subprocess.run(
-            ["useradd", "--system", "--user-group", "--no-create-home", "--shell", "/bin/false"]
-            + [name],
+            [*USERADD, name],
             check=True,
         )
     try:

@@ -33,14 +33,16 @@ T = TypeVar("T")
 TICK_S = 0.05
 
 
+JobAction = Callable[[ReplayJob, Path], None]  # (the job, its log directory)
+
+
 @dataclass(frozen=True)
 class Work(Step):
-    """The job's batch script at work: batch log lines, then (`finish`) the coordinator's
-    result files and completion marker."""
+    """The job's batch script at work: batch log lines, then `action` (the coordinator's
+    result files and marker, say)."""
 
-    benchmark: Benchmark | None = None
+    action: JobAction | None = None
     lines: int = 20
-    finish: bool = False
 
     def apply(self, job: ReplayJob) -> None:
         out, *rest = job._output_paths()
@@ -50,8 +52,8 @@ class Work(Step):
         for err in rest:
             with open(err, "a") as f:
                 f.write(f"job {job.job_id}: a line on stderr\n")
-        if self.finish and self.benchmark is not None:
-            finish_job(Path(out).parent, job.job_id, self.benchmark)
+        if self.action is not None:
+            self.action(job, Path(out).parent)
 
 
 @dataclass
@@ -66,6 +68,10 @@ class ReplayWorld:
     pending_s: float = 0.5
     running_s: float = 1.5
     ssh: FakeSshServer | None = None
+    # What each job does once it runs (a hostile job plants files here), and at its end
+    # (default: every point's result file, then the marker, as the demo's coordinator).
+    plant: JobAction | None = None
+    finish: JobAction | None = None
     paused: bool = False  # jobs stay as they are (and the clock stands) while set
 
     @property
@@ -111,10 +117,13 @@ name = "dev"
     def _script(self, job: ReplayJob) -> None:
         job.script_steps(
             Start((HOST,), after=self.pending_s),
-            Work(after=0.2),
-            Work(after=self.running_s, benchmark=self.benchmark, finish=True),
+            Work(self.plant, after=0.2),
+            Work(self.finish or self._finish, after=self.running_s),
             End(JobState.COMPLETED, after=0.3),
         )
+
+    def _finish(self, job: ReplayJob, log_dir: Path) -> None:
+        finish_job(log_dir, job.job_id, self.benchmark)
 
     async def _run_jobs(self) -> None:
         """Move the fake clock with real time; a new job gets the demo's timeline."""
@@ -136,11 +145,17 @@ async def _sync(fn: Callable[[], T]) -> T:
 
 
 @contextlib.contextmanager
-def replay_world(root: Path, benchmark: Benchmark) -> Iterator[ReplayWorld]:
+def replay_world(
+    root: Path,
+    benchmark: Benchmark,
+    *,
+    plant: JobAction | None = None,
+    finish: JobAction | None = None,
+) -> Iterator[ReplayWorld]:
     """A running `ReplayWorld` under `root`; its SSH server's processes are ended after."""
     root.mkdir(parents=True, exist_ok=True)
     with start_blocking_portal() as portal:
-        world = ReplayWorld(root, portal, benchmark)
+        world = ReplayWorld(root, portal, benchmark, plant=plant, finish=finish)
         world.ssh = FakeSshServer(root / "sshd")
         portal.call(world.ssh.start)
 
@@ -160,4 +175,4 @@ def replay_world(root: Path, benchmark: Benchmark) -> Iterator[ReplayWorld]:
             portal.call(world.ssh.aclose)
 
 
-__all__ = ["ReplayWorld", "Work", "replay_world"]
+__all__ = ["JobAction", "ReplayWorld", "Work", "replay_world"]

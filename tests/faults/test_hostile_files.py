@@ -1,7 +1,12 @@
-"""A hostile job on the real cluster: what it plants in its own log directory (links to
-secrets, FIFOs, devices, directories, huge files) is never read, copied or streamed; the
-daemon answers and stops in time whatever the directory holds; and log directories that
-lead elsewhere are refused at submission (issue 2.2)."""
+"""A hostile job: what it plants in its own log directory (links to secrets, FIFOs,
+devices, directories, huge files) is never read, copied or streamed; the daemon answers and
+stops in time whatever the directory holds; and log directories that lead elsewhere are
+refused at submission (issue 2.2).
+
+The planted links, FIFOs and devices run end to end on the real cluster (its stand-in
+agents plant them); the directory at the marker path and the copy cap run against a
+replayed cluster and the in-process SSH server (tests/fakes/replay_world.py), and the
+refused log directories against a daemon with no cluster (nothing reaches Slurm)."""
 
 from __future__ import annotations
 
@@ -17,8 +22,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon_helpers import Daemon, demo_spec
+from llmd_supervisor.core.spec import load_spec
+from tests.daemon_helpers import Daemon, NoCluster, demo_spec
 from tests.devcluster import DevCluster
+from tests.fakes.replay_world import JobAction, replay_world
+from tests.fakes.slurm_replay import ReplayJob
 
 PORT = 8700
 STOP_TIMEOUT_S = 15.0  # the unit's TimeoutStopSec is larger; the daemon must beat it
@@ -111,20 +119,12 @@ def test_planted_links_fifos_and_devices_are_refused_and_the_run_still_succeeds(
 
 
 def test_a_directory_at_the_marker_path_fails_the_run_once_with_its_reason(
-    cluster: DevCluster, tmp_path: Path, shared_tmp: Path
+    tmp_path: Path,
 ) -> None:
-    d = Daemon(cluster, tmp_path, limits={"verify_timeout_s": 30.0})
-    d.start()
-    try:
-        spec = demo_spec(
-            shared_tmp,
-            port=PORT + 10,
-            common={"LLMD_FAKE_PLANT": "dir:.bench_done.%j", "LLMD_FAKE_FAULT_RANKS": "0"},
-        )
-        run = _submit(d, spec)
-        final = json.loads(d.cli("wait", run, "--json", check=False, timeout=300).stdout)
-    finally:
-        d.stop()
+    def plant_dir(job: ReplayJob, log_dir: Path) -> None:
+        (log_dir / f".bench_done.{job.job_id}").mkdir()
+
+    final, d = _replayed_run(tmp_path, finish=plant_dir, limits={"verify_timeout_s": 30.0})
     assert final["outcome"] == "failed", final
     assert "is a directory" in str(final["reason"]), final["reason"]
     assert len(d.events("run.finished")) == 1
@@ -162,28 +162,42 @@ def test_verify_refuses_a_marker_linked_to_dev_zero_at_once(
 
 
 def test_a_log_copy_stops_at_the_run_cap_with_an_event_and_the_outcome_stands(
-    cluster: DevCluster, tmp_path: Path, shared_tmp: Path
+    tmp_path: Path,
 ) -> None:
     cap = 1 << 20
-    d = Daemon(cluster, tmp_path, limits={"log_copy_max_bytes_per_run": cap})
-    d.start()
-    try:
-        spec = demo_spec(
-            shared_tmp,
-            port=PORT + 30,
-            common={
-                "LLMD_FAKE_PLANT": "big:%j/rank0.big.log=3000000",
-                "LLMD_FAKE_FAULT_RANKS": "0",
-            },
-        )
-        run = _submit(d, spec)
-        final = json.loads(d.cli("wait", run, "--json", check=False, timeout=300).stdout)
-    finally:
-        d.stop()
+
+    def plant_big(job: ReplayJob, log_dir: Path) -> None:
+        (log_dir / job.job_id).mkdir(exist_ok=True)
+        (log_dir / job.job_id / "rank0.big.log").write_bytes(b"x" * 3_000_000)
+
+    final, _ = _replayed_run(tmp_path, plant=plant_big, limits={"log_copy_max_bytes_per_run": cap})
     assert final["outcome"] == "succeeded", final
     copies = Path(str(final["archive"])) / "logs"
     assert sum(p.stat().st_size for p in copies.rglob("*") if p.is_file()) == cap
     assert _archive_events(final, "log.capped"), "no log.capped event"
+
+
+def _replayed_run(
+    tmp_path: Path,
+    *,
+    plant: JobAction | None = None,
+    finish: JobAction | None = None,
+    limits: dict[str, float] | None = None,
+) -> tuple[dict[str, object], Daemon]:
+    """One demo run of a hostile job on a replayed cluster, to its end."""
+    log_dir = tmp_path / "logs"
+    benchmark = load_spec(demo_spec(log_dir)).benchmark
+    root = tmp_path / "daemon"
+    root.mkdir()
+    with replay_world(tmp_path / "world", benchmark, plant=plant, finish=finish) as world:
+        d = Daemon(world, root, limits=limits or {}, replay_socket=world.socket)
+        d.start()
+        try:
+            run = _submit(d, demo_spec(log_dir))
+            final = json.loads(d.cli("wait", run, "--json", check=False, timeout=120).stdout)
+        finally:
+            d.stop()
+    return final, d
 
 
 @pytest.mark.parametrize(
@@ -196,15 +210,17 @@ def test_a_log_copy_stops_at_the_run_cap_with_an_event_and_the_outcome_stands(
     ],
 )
 def test_a_log_directory_that_leads_elsewhere_is_refused_at_submission(
-    cluster: DevCluster, tmp_path: Path, shared_tmp: Path, log_dir: str, why: str
+    tmp_path: Path, log_dir: str, why: str
 ) -> None:
-    link = shared_tmp / "to-etc"
+    link = tmp_path / "to-etc"
     link.symlink_to("/etc")
-    d = Daemon(cluster, tmp_path)
+    root = tmp_path / "daemon"
+    root.mkdir()
+    d = Daemon(NoCluster(root), root)
     d.start()
     try:
         chosen = log_dir.format(state=d.state_dir, link=link)
-        proc = d.submit(demo_spec(Path(chosen), port=PORT + 40))
+        proc = d.submit(demo_spec(Path(chosen), port=PORT))
         listed = json.loads(d.cli("list", "--all", "--json").stdout)["runs"]
     finally:
         d.stop()
