@@ -86,7 +86,12 @@ def test_two_daemons_have_separate_registries() -> None:
     assert samples(b.exposition().decode())[("llmd_supervisor_loop_lag_last_seconds", ())] == 0
     s = samples(b.exposition().decode())
     assert s[("llmd_supervisor_runs", (("state", "running"),))] == 0  # every state, even empty
-    assert s[("llmd_supervisor_ssh_connections_open", ())] >= 0
+    assert s[("llmd_supervisor_ssh_connections_open", ())] == 0  # no links attached yet
+    b.attach(list, lambda: LinkCounts(open=3, connects=5))
+    s = samples(b.exposition().decode())
+    assert s[("llmd_supervisor_ssh_connections_open", ())] == 3
+    assert s[("llmd_supervisor_ssh_connects_total", ())] == 5
+    assert samples(a.exposition().decode())[("llmd_supervisor_ssh_connections_open", ())] == 0
 
 
 def test_verify_duration_is_verifying_to_the_next_transition() -> None:
