@@ -48,6 +48,7 @@ from tests.perf.common import (
     LineReader,
     RpcWindow,
     code_under_test,
+    hold_reservation,
     machine,
     measure_rpcs,
     proc_cpu_s,
@@ -114,6 +115,9 @@ class Mode:
 
 
 QUICK = Mode(True, 24, (10, 100, 500), 1, 3, 1, 40, 16, 1, 300, 15, 100)
+# Every bench once at its smallest (a few runs, second-long windows): proves the harness
+# works (tests/cluster/test_perf_smoke.py); its numbers mean nothing.
+SMOKE = Mode(True, 2, (1,), 1, 1, 1, 5, 1, 1, 2, 2, 3)
 FULL = Mode(False, 60, (10, 100, 500), 4, 3, 3, 200, 64, 3, 1000, 60, 100)
 
 
@@ -1061,6 +1065,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tests/perf/run.sh", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="short windows (~5 min)")
     parser.add_argument(
+        "--smoke", action="store_true", help="every bench once at its smallest (harness check)"
+    )
+    parser.add_argument(
         "--out",
         type=Path,
         default=REPO / "tests" / "perf" / "report",
@@ -1083,7 +1090,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(only) - set(MEASUREMENTS)
     if unknown:
         parser.error(f"unknown measurements: {', '.join(sorted(unknown))}")
-    mode = QUICK if args.quick else FULL
+    mode = SMOKE if args.smoke else QUICK if args.quick else FULL
     snap = Path(os.environ[SNAPSHOT_ENV])
     if devcluster("status", "--quiet", check=False).returncode != 0:
         sys.stderr.write(
@@ -1098,7 +1105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ctx = Ctx(cluster, mode, work)
     report: dict[str, Any] = {
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "mode": "quick" if mode.quick else "full",
+        "mode": "smoke" if args.smoke else "quick" if mode.quick else "full",
         "machine": machine(),
         "code": code_under_test(snap / "llmd_supervisor"),
         "measurements": {},
@@ -1125,14 +1132,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "footprint" in only:
         steps.append(("footprint", lambda: bench_footprint(ctx)))
     try:
-        for name, fn in steps:
-            t0 = time.monotonic()
-            try:
-                report["measurements"][name] = fn()
-            except Exception as exc:
-                report["errors"][name] = f"{type(exc).__name__}: {exc}"
-                sys.stderr.write(f"[{name}] HARNESS ERROR\n{traceback.format_exc()}" + "\n")
-            say(f"[{name}] {time.monotonic() - t0:.0f} s")
+        with hold_reservation(cluster):
+            for name, fn in steps:
+                t0 = time.monotonic()
+                try:
+                    report["measurements"][name] = fn()
+                except Exception as exc:
+                    report["errors"][name] = f"{type(exc).__name__}: {exc}"
+                    sys.stderr.write(f"[{name}] HARNESS ERROR\n{traceback.format_exc()}" + "\n")
+                say(f"[{name}] {time.monotonic() - t0:.0f} s")
     finally:
         for d in ctx.daemons:
             try:

@@ -13,8 +13,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
@@ -222,10 +223,40 @@ def submit_held(cluster: DevCluster, count: int, prefix: str) -> list[str]:
 
 
 def scancel(cluster: DevCluster, job_ids: Iterable[str]) -> None:
-    """Cancel these jobs by id (chunks of 200); errors for already-gone jobs are ignored."""
+    """Cancel these jobs by id; errors for already-gone jobs are ignored.
+
+    Chunks of 50 with two minutes each: scancel asks slurmctld once per id, and 200 ids
+    of running jobs took longer than the 30 s the harness gave them (measured, 24.11)."""
     ids = list(job_ids)
-    for i in range(0, len(ids), 200):
-        cluster.slurm(["scancel", *ids[i : i + 200]], check=False)
+    for i in range(0, len(ids), 50):
+        cluster.slurm(["scancel", "--quiet", *ids[i : i + 50]], check=False, timeout=120)
+
+
+# Runs that must stay PENDING ask for this reservation, which starts in a week: Slurm keeps
+# them waiting for it (`--hold` is not among the sbatch options a run spec may pass).
+HOLD_RESERVATION = "llmd-perf-hold"
+
+
+@contextmanager
+def hold_reservation(cluster: DevCluster) -> Iterator[str]:
+    """The reservation that keeps `held_spec` runs pending, for the harness's lifetime."""
+    cluster.slurm(["scontrol", "delete", f"ReservationName={HOLD_RESERVATION}"], check=False)
+    cluster.slurm(
+        [
+            "scontrol",
+            "create",
+            "reservation",
+            f"ReservationName={HOLD_RESERVATION}",
+            "StartTime=now+7days",
+            "Duration=60",
+            "Users=root",
+            "Nodes=ALL",
+        ]
+    )
+    try:
+        yield HOLD_RESERVATION
+    finally:
+        cluster.slurm(["scontrol", "delete", f"ReservationName={HOLD_RESERVATION}"], check=False)
 
 
 # --- processes -------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import anyio
 
 from llmd_supervisor.adapters.control_client import ControlClient, list_all
 from tests.daemon_helpers import Daemon, demo_spec
+from tests.perf.common import HOLD_RESERVATION
 
 # Engine ports reserved for the benchmarks (other sessions use 8200-8699).
 PORT_LO, PORT_HI = 8700, 8799
@@ -44,9 +45,11 @@ def hang_spec(log_dir: Path, port: int, grace_s: int = 5) -> str:
 
 
 def held_spec(log_dir: Path, port: int) -> str:
-    """The demo run submitted with `--hold`: PENDING until released or cancelled."""
+    """The demo run in the reservation that starts in a week (`common.hold_reservation`):
+    PENDING until cancelled."""
     text = demo_spec(log_dir, port=port)
-    return _replace_once(text, "requeue = false", 'requeue = false\nextra_args = ["--hold"]')
+    held = f'requeue = false\nextra_args = ["--reservation={HOLD_RESERVATION}"]'
+    return _replace_once(text, "requeue = false", held)
 
 
 def _replace_once(text: str, old: str, new: str) -> str:
