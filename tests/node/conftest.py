@@ -79,14 +79,30 @@ time_limit = "10"
 """
 
 
+# Ports for the node tests' services: below Linux's ephemeral range (32768-60999 by default,
+# where every outgoing connection's local port comes from, so a port picked there can be
+# taken by a client before the service binds it), a range of its own per pytest-xdist
+# worker, handed out round robin within the process.
+_PORTS_LO, _PORTS_PER_WORKER = 20000, 3000
+_next_port: dict[str, int] = {}
+
+
+def _worker_range() -> tuple[int, int]:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    lo = _PORTS_LO + (index % 4) * _PORTS_PER_WORKER
+    return lo, lo + _PORTS_PER_WORKER
+
+
 def free_port_block(n: int) -> int:
-    """A base port such that base .. base+n-1 are all free on 127.0.0.1 right now."""
+    """A base port such that base .. base+n-1 are all free on 127.0.0.1 right now (and not
+    handed out before by this process)."""
+    lo, hi = _worker_range()
     for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + n >= 65535:
-            continue
+        base = _next_port.get("next", lo)
+        if base + n >= hi:
+            base = lo
+        _next_port["next"] = base + n
         socks: list[socket.socket] = []
         try:
             for i in range(n):
