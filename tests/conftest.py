@@ -43,8 +43,9 @@ from pytest_asyncio import is_async_test
 from tests.daemon_helpers import Daemon, stop_started
 from tests.devcluster import SLURM_VERSIONS, DevCluster, devcluster, with_slurm_bin
 
-# The `stranger` and `root_dir` fixtures (another local user).
-pytest_plugins = ["tests.strangers"]
+# The `stranger` and `root_dir` fixtures (another local user); `world` (a replayed Slurm
+# cluster and node that daemon processes use, tests/fakes/replay_world.py).
+pytest_plugins = ["tests.strangers", "tests.fakes.replay_world"]
 
 # An async test fails when one callback (one step of a task) held the event loop this long.
 # Well above what a 2-core machine shared with other test runs adds to a callback that

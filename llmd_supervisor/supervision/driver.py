@@ -113,6 +113,9 @@ class RunHandle:
     submitted_at: str | None = None  # an adopted job's SubmitTime (sacct --starttime)
     job_files_known: bool = False  # a foreign job's batch logs are known (foreign_jobs)
     history: list[dict[str, object]] = field(default_factory=list)  # attempts ended
+    # The last `scontrol show job` record (taken in finishing); the archive writes it too,
+    # so a snapshot a full disk refused is not lost.
+    scontrol_snapshot: str | None = None
     job_files_asked: int = 0
 
     def count_bytes(self, n: int) -> None:

@@ -260,8 +260,12 @@ async def finish(sup: Supervisor, h: RunHandle) -> None:
         result = await h.cluster.client.scontrol_job(job_id)
         if result.ok and result.stdout.strip():
             snapshot.append(result.stdout)
+            h.scontrol_snapshot = result.stdout
             path = h.layout.archive_dir / "scontrol-show-job.txt"
-            await anyio.to_thread.run_sync(path.write_text, result.stdout)
+            try:
+                await anyio.to_thread.run_sync(path.write_text, result.stdout)
+            except OSError as exc:  # a full disk: the archive writes it once it can
+                log.warning("run.snapshot_unsaved", path=str(path), error=str(exc))
 
     attempt = h.attempt
     if attempt is not None and attempt.number == h.run.attempt:
@@ -390,7 +394,9 @@ async def _failed_nodes(h: RunHandle) -> list[str]:
     failed: list[str] = []
     snapshot = h.layout.archive_dir / "scontrol-show-job.txt"
     try:
-        text = await anyio.to_thread.run_sync(snapshot.read_text)
+        text = h.scontrol_snapshot
+        if text is None:
+            text = await anyio.to_thread.run_sync(snapshot.read_text)
         node = parse_scontrol_job(text).fields.get("FailedNode", "")
         failed += expand_hostlist(node) if node and node != "(null)" else []
     except (OSError, SlurmParseError, ValueError):
@@ -450,7 +456,7 @@ async def write_archive(sup: Supervisor, h: RunHandle) -> None:
             else {"outcome": h.run.outcome, "reason": h.run.reason},
             events=events,
             marker=marker,
-            scontrol_snapshot=None,
+            scontrol_snapshot=h.scontrol_snapshot,
             files=evidence,
         )
         try:

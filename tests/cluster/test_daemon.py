@@ -17,6 +17,7 @@ import pytest
 
 from tests.daemon_helpers import Daemon, assert_copies_identical, demo_spec
 from tests.devcluster import DevCluster, devcluster
+from tests.fakes.replay_world import ReplayWorld
 
 
 @pytest.fixture
@@ -190,10 +191,10 @@ def test_ssh_drop_mid_tail_loses_and_duplicates_nothing(
     assert daemon.events("ssh.reconnect"), "the link was never re-established"
 
 
-def test_twenty_concurrent_runs_all_verified(daemon: Daemon, shared_tmp: Path) -> None:
+def _all_verified(daemon: Daemon, log_root: Path, n: int) -> None:
     runs = []
-    for i in range(20):
-        spec = demo_spec(shared_tmp / f"r{i}", port=8300 + 10 * i)
+    for i in range(n):
+        spec = demo_spec(log_root / f"r{i}", port=8300 + 10 * i)
         proc = daemon.submit(spec)
         assert proc.returncode == 0, proc.stderr
         runs.append(str(_result(proc.stdout)["run"]))
@@ -202,7 +203,24 @@ def test_twenty_concurrent_runs_all_verified(daemon: Daemon, shared_tmp: Path) -
         final = _result(daemon.cli("wait", run, "--json", check=False, timeout=600).stdout)
         outcomes[run] = (final["outcome"], final["reason"])
     assert {o for o, _ in outcomes.values()} == {"succeeded"}, outcomes
-    assert len(daemon.events("run.finished")) == 20
+    assert len(daemon.events("run.finished")) == n
+
+
+def test_eight_queued_runs_all_verified(daemon: Daemon, shared_tmp: Path) -> None:
+    # Each demo run takes the dev cluster's 4 nodes: Slurm queues them one after another.
+    _all_verified(daemon, shared_tmp, 8)
+
+
+def test_twenty_concurrent_runs_all_verified_replayed(world: ReplayWorld, tmp_path: Path) -> None:
+    # Twenty at once on a replayed cluster (its jobs share one node, so none waits).
+    root = tmp_path / "daemon"
+    root.mkdir()
+    d = Daemon(world, root, replay_socket=world.socket)
+    d.start()
+    try:
+        _all_verified(d, tmp_path / "logs", 20)
+    finally:
+        d.stop()
 
 
 def test_logs_follow_prints_the_batch_log(daemon: Daemon, log_dir: Path) -> None:

@@ -20,10 +20,12 @@ from typing import TypeVar
 
 import anyio
 import anyio.abc
+import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from llmd_supervisor.core.slurm_parse import JobState
-from llmd_supervisor.core.spec import Benchmark
+from llmd_supervisor.core.spec import Benchmark, load_spec
+from tests.devcluster import REPO
 from tests.fakes.bench_results import finish_job
 from tests.fakes.replay_service import serve_replay
 from tests.fakes.slurm_replay import End, ReplayCluster, ReplayJob, Start, Step
@@ -175,4 +177,13 @@ def replay_world(
             portal.call(world.ssh.aclose)
 
 
-__all__ = ["JobAction", "ReplayWorld", "Work", "replay_world"]
+@pytest.fixture
+def world(tmp_path: Path) -> Iterator[ReplayWorld]:
+    """A running `ReplayWorld` whose jobs run the demo spec's benchmark (its log dirs are
+    the test's own); the daemon's root must lie outside them (`tmp_path / "daemon"`)."""
+    benchmark = load_spec((REPO / "deploy" / "llm-d" / "demo.toml").read_text()).benchmark
+    with replay_world(tmp_path / "world", benchmark) as w:
+        yield w
+
+
+__all__ = ["JobAction", "ReplayWorld", "Work", "replay_world", "world"]

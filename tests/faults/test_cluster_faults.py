@@ -13,6 +13,7 @@ import pytest
 
 from tests.daemon_helpers import Daemon, assert_copies_identical, demo_spec
 from tests.devcluster import DevCluster, devcluster
+from tests.fakes.replay_world import ReplayWorld
 
 PORT = 8500
 
@@ -96,17 +97,19 @@ def test_cut_link_reports_unreachable_then_node_failed(
 
 
 def test_full_archive_disk_delays_the_outcome_until_space_returns(
-    cluster: DevCluster, tmp_path: Path, shared_tmp: Path
+    world: ReplayWorld, tmp_path: Path
 ) -> None:
+    """The disk is the daemon's, not the cluster's: a replayed cluster runs the job."""
     archive = tmp_path / "archive"
     archive.mkdir()
+    root = tmp_path / "daemon"
+    root.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(archive)], check=True)
     try:
-        d = Daemon(cluster, tmp_path, archive_dir=archive)
+        d = Daemon(world, root, archive_dir=archive, replay_socket=world.socket)
         d.start()
         try:
-            spec = demo_spec(shared_tmp, port=PORT, common={"LLMD_FAKE_MARKER_DELAY_S": "3"})
-            run = _run(d, spec)
+            run = _run(d, demo_spec(tmp_path / "logs"))
             d.wait_state(run, {"running"})
             filler = archive / "filler"
             with contextlib.suppress(OSError):

@@ -9,15 +9,14 @@ two representative ones run on the real dev cluster too: one before sbatch has a
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core.spec import load_spec
 from tests.daemon_helpers import Daemon, assert_copies_identical, demo_spec
 from tests.devcluster import DevCluster
-from tests.fakes.replay_world import ReplayWorld, replay_world
+from tests.fakes.replay_world import ReplayWorld
 
 RUNS = 3
 # (state journaled just before the kill, which entry into it)
@@ -40,13 +39,6 @@ DURING_SUBMITS = {"submitting", "pending"}
 
 def _ids(points: list[tuple[str, int]]) -> list[str]:
     return [f"{s}-{n}" for s, n in points]
-
-
-@pytest.fixture
-def world(tmp_path: Path) -> Iterator[ReplayWorld]:
-    benchmark = load_spec(demo_spec(tmp_path)).benchmark
-    with replay_world(tmp_path / "world", benchmark) as w:
-        yield w
 
 
 def crash_then_restart(
