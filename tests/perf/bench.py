@@ -60,6 +60,7 @@ from tests.perf.common import (
     wait_until,
 )
 from tests.perf.daemons import (
+    HANG_RANKS,
     PerfDaemon,
     Ports,
     hang_spec,
@@ -477,12 +478,13 @@ _FINAL = _ANY - {
 
 def _sigterm_times(log_dir: Path, job_id: str) -> list[float] | None:
     run = Run(log_dir, job_id)
-    times = [e[0] for r in range(4) if (e := run.agent_log(r).first("sigterm")) is not None]
-    return times if len(times) == 4 else None
+    ranks = range(HANG_RANKS)
+    times = [e[0] for r in ranks if (e := run.agent_log(r).first("sigterm")) is not None]
+    return times if len(times) == HANG_RANKS else None
 
 
 def _wait_sigterms(log_dir: Path, job_id: str, timeout: float = 60) -> list[float]:
-    """Wait until all 4 ranks' agents logged SIGTERM; their times."""
+    """Wait until every rank's agent (of a `hang_spec` job) logged SIGTERM; their times."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         times = _sigterm_times(log_dir, job_id)
@@ -699,7 +701,7 @@ def bench_cancel_and_logs(ctx: Ctx, d: PerfDaemon) -> dict[str, Any]:
     tp_ratio = _ratio(tp["median"], tb["median"])
     rows = [
         _row(
-            "cancel issued -> SIGTERM on all 4 nodes, median",
+            "cancel issued -> SIGTERM on every node, median",
             c["median"],
             cb["median"],
             "s",
@@ -830,7 +832,7 @@ def bench_resume(ctx: Ctx) -> dict[str, Any]:
         probe.write_bytes(b"RESUMEPROBE start\n")
         probes.append(probe)
         _wait_nonempty(_local_copy(d, s, probe.name), "probe tailed")
-    # the baseline: naive loops for the same 100 jobs, following the probe logs
+    # the baseline: naive loops for the same jobs, following the probe logs
     naive = NaiveLauncher(ctx.work / "naive-resume", ctx.cluster.slurm_env, period_s=10)
     naive2 = NaiveLauncher(ctx.work / "naive-resume2", ctx.cluster.slurm_env, period_s=10)
     writer = _Writer(probes)
@@ -841,7 +843,7 @@ def bench_resume(ctx: Ctx) -> dict[str, Any]:
             naive.track(job_ids[run], str(probes[idx]) if idx is not None else "/nonexistent")
         time.sleep(3)
         # project: SIGKILL, restart at once
-        say("[resume] SIGKILL the daemon with 100 runs in flight; restart")
+        say(f"[resume] SIGKILL the daemon with {len(runs)} runs in flight; restart")
         t_kill = time.time()
         d.stop(signal.SIGKILL)
         t_spawn = time.time()

@@ -20,14 +20,15 @@ PORT_LO, PORT_HI = 8700, 8799
 
 
 class Ports:
-    """Hands out engine ports from 8700-8799, round robin."""
+    """Hands out engine ports from 8700-8799, 10 apart, round robin: a demo job uses its
+    port and the next three (sidecar, router, router admin), and jobs share nodes."""
 
     def __init__(self) -> None:
         self._next = PORT_LO
 
     def take(self) -> int:
         port = self._next
-        self._next = PORT_LO + (self._next + 1 - PORT_LO) % (PORT_HI - PORT_LO + 1)
+        self._next = PORT_LO + (self._next + 10 - PORT_LO) % (PORT_HI - PORT_LO + 1)
         return port
 
 
@@ -37,11 +38,22 @@ def short_spec(log_dir: Path, port: int) -> str:
     return _replace_once(text, "concurrencies = [1, 2, 4]", "concurrencies = [1]")
 
 
+HANG_RANKS = 2  # a hang_spec job's nodes
+
+
 def hang_spec(log_dir: Path, port: int, grace_s: int = 5) -> str:
-    """The demo run whose benchmark hangs: RUNNING until cancelled (or its 5 min limit)."""
-    return demo_spec(
-        log_dir, port=port, grace_s=grace_s, tables={"bench": {"LLMD_FAKE_BENCH_HANG": "1"}}
+    """The demo run whose benchmark hangs: RUNNING until cancelled (or its 5 min limit).
+    One prefill and one decode node, so that two of them run at once on the 4-node dev
+    cluster (the cancel bench runs the project's and the baseline's side by side)."""
+    text = demo_spec(
+        log_dir,
+        port=port,
+        grace_s=grace_s,
+        decode_nodes=1,
+        tables={"bench": {"LLMD_FAKE_BENCH_HANG": "1"}},
     )
+    text = _replace_once(text, "prefill_nodes = 2", "prefill_nodes = 1")
+    return _replace_once(text, "prefill_workers = 2", "prefill_workers = 1")
 
 
 def held_spec(log_dir: Path, port: int) -> str:
