@@ -43,11 +43,14 @@ def test_a_router_that_never_gets_ready_fails_within_its_deadline_naming_the_sta
     daemon: Daemon, shared_tmp: Path
 ) -> None:
     spec = demo_spec(shared_tmp, port=PORT + 10, common={"LLMD_FAKE_ROUTER_NEVER_HEALTHY": "1"})
+    router_timeout = 'health_path = "/ready"\nstartup_timeout_s = 30'
+    assert spec.count(router_timeout) == 1
+    spec = spec.replace(router_timeout, 'health_path = "/ready"\nstartup_timeout_s = 8')
     final = run_to_end(daemon, spec)
     assert final["outcome"] == "failed", final
     reason = str(final["reason"])
     assert "stage router-healthy: router of rank 2" in reason, reason
-    assert "after 30s" in reason and "marker rc=76" in reason
+    assert "after 8s" in reason and "marker rc=76" in reason
     assert reason.endswith("; cause=unknown"), reason  # one router per job: nothing to compare
     archive = Path(str(final["archive"]))
     assert any(p.name == "rank2.net.txt" for p in archive.rglob("*")), "no network diagnostics"
