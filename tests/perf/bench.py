@@ -994,7 +994,8 @@ def bench_footprint(ctx: Ctx) -> dict[str, Any]:
     results = d.submit_many([held_spec(log_dir, 8700 + i % 100) for i in range(n)])
     submit_s = time.monotonic() - t0
     runs = [str(r["run"]) for r in results]
-    d.wait_runs(runs, {"pending"}, 300)
+    # The daemon submits them one sbatch at a time: ~1 s each on 24.11 under this load.
+    d.wait_runs(runs, {"pending"}, max(300, 3 * n))
     ids = d.job_ids()
     ctx.jobs.update(ids)
     say(f"[footprint] {n} runs pending after {submit_s:.0f} s; measuring")

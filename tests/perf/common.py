@@ -119,7 +119,7 @@ class Sdiag:
 
 def sdiag_counts(cluster: DevCluster) -> Sdiag:
     """Parse sdiag's RPC sections (sdiag's own REQUEST_STATS_INFO left out of by_type)."""
-    out = cluster.slurm(["sdiag"]).stdout
+    out = _sdiag(cluster).stdout
     found = Sdiag({}, {})
     section: dict[str, int] | None = None
     for line in out.splitlines():
@@ -142,7 +142,18 @@ def sdiag_counts(cluster: DevCluster) -> Sdiag:
 
 
 def sdiag_reset(cluster: DevCluster) -> None:
-    cluster.slurm(["sdiag", "--reset"])
+    _sdiag(cluster, "--reset")
+
+
+def _sdiag(cluster: DevCluster, *args: str) -> subprocess.CompletedProcess[str]:
+    """sdiag, asked up to three times: a slurmctld busy with hundreds of held jobs can let
+    one call time out (seen on 24.11 in quick mode: "Socket timed out on send/recv")."""
+    for _ in range(2):
+        proc = cluster.slurm(["sdiag", *args], check=False, timeout=60)
+        if proc.returncode == 0:
+            return proc
+        time.sleep(5)
+    return cluster.slurm(["sdiag", *args], timeout=60)
 
 
 @dataclass
