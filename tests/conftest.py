@@ -306,11 +306,12 @@ def _event_loop_never_blocks(request: pytest.FixtureRequest) -> Iterator[None]:
     pytest-asyncio runs every async test's loop in asyncio debug mode (``asyncio_debug =
     true`` in pyproject.toml), in which the loop logs each callback that ran longer than
     `loop.slow_callback_duration` (0.1 s). This guard fails the test (as an error at
-    teardown, listing the callbacks) when one ran for LOOP_BLOCK_LIMIT_S (0.3 s; 0.6 s under -n 2) or more:
-    high enough not to flake on a busy 2-core machine, low enough to catch any real
-    blocking call. It watches from before the test's loop starts until after it closed,
-    so async fixtures' setup and teardown count too. Sync tests are not watched, nor tests
-    marked ``@pytest.mark.blocks_event_loop(reason)`` (the blocked loop is what they test).
+    teardown, listing the callbacks) when one ran for LOOP_BLOCK_LIMIT_S (0.3 s; 0.6 s
+    under -n 2) or more: high enough not to flake on a busy 2-core machine, low enough to
+    catch any real blocking call. It watches from before the test's loop starts until
+    after it closed, so async fixtures' setup and teardown count too. Sync tests are not
+    watched, nor tests marked ``@pytest.mark.blocks_event_loop(reason)`` (the blocked
+    loop is what they test).
     """
     node = request.node
     if not is_async_test(node) or node.get_closest_marker("blocks_event_loop") is not None:
