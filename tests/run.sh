@@ -3,7 +3,8 @@
 # (deploy/install-dev.sh; a no-op when .ci/run has just run it), checks lint and types,
 # then runs three kinds of pass:
 #
-#   1. the tests that need no cluster, once, two at a time (pytest -n 2);
+#   1. the tests that need no cluster, once, two at a time (pytest -n 2), beside the
+#      first cluster pass (its tests mostly wait for Slurm; its output is printed after);
 #   2. the `slurm_contract` tests (what Slurm itself says or does) on every Slurm version
 #      of LLMD_TEST_SLURM_VERSIONS but the last (default "22.05 24.11": on 22.05);
 #   3. every cluster test on the last version (24.11 by default), once.
@@ -31,21 +32,26 @@ last=${versions[${#versions[@]}-1]}
 status=0
 ran=0
 summary=()
-counts=$(mktemp)
-trap 'rm -f "$counts"' EXIT
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 export LLMD_TEST_NO_SKIP=1 # a skip in CI is a missing component: a failure
-pass() { # NAME PYTEST-ARGS...
-    local name=$1 rc start=$SECONDS took line
+run_pass() { # NAME PYTEST-ARGS... : runs one pass, leaves "<summary>" and its rc in $work
+    local name=$1 start=$SECONDS rc took line counts="$work/$1.counts"
     shift
-    echo "tests/run.sh: $name" >&2
-    : >"$counts"
     set +e
-    LLMD_TEST_COUNTS=$counts .venv/bin/python -m pytest "$@"
+    LLMD_TEST_COUNTS=$counts .venv/bin/python -m pytest --durations=15 "$@"
     rc=$?
     set -e
     took=$((SECONDS - start))
-    line=$(tail -n 1 "$counts")
-    summary+=("$name: ${line:-no tests ran}; $((took / 60)) min $((took % 60)) s; pytest exit $rc")
+    line=$(tail -n 1 "$counts" 2>/dev/null || true)
+    echo "$name: ${line:-no tests ran}; $((took / 60)) min $((took % 60)) s; pytest exit $rc" \
+        >"$work/$name.summary"
+    echo "$rc" >"$work/$name.rc"
+}
+record() { # NAME: add a finished pass to the summary and the exit status
+    local rc
+    rc=$(cat "$work/$1.rc")
+    summary+=("$(cat "$work/$1.summary")")
     case $rc in
         0) ran=1 ;;
         5) ;; # nothing selected in this pass (extra arguments chose other tests)
@@ -55,16 +61,31 @@ pass() { # NAME PYTEST-ARGS...
 # Each pass's own limit (tests/conftest.py prints every stack and stops at it), so that
 # all of them fit CI's 90 minutes. LLMD_TEST_SESSION_LIMIT_S set by the caller applies to each.
 limit() { echo "${LLMD_TEST_SESSION_LIMIT_S:-$1}"; }
-LLMD_TEST_SESSION_LIMIT_S=$(limit 900) \
-    pass "tests without the cluster" -m "not cluster and not faults_full" -n 2 "$@"
+fast="tests without the cluster"
+echo "tests/run.sh: $fast (beside the first cluster pass; output below when it ends)" >&2
+LLMD_TEST_SESSION_LIMIT_S=$(limit 1200) \
+    run_pass "$fast" -m "not cluster and not faults_full" -n 2 --basetemp=/tmp/llmd-tests-fast \
+    "$@" >"$work/fast.log" 2>&1 &
+fast_pid=$!
 for v in "${versions[@]}"; do
     if [ "$v" = "$last" ]; then
-        LLMD_TEST_SESSION_LIMIT_S=$(limit 1800) \
-            pass "cluster tests on Slurm $v" -m "cluster and not faults_full" --slurm-version "$v" "$@"
+        name="cluster tests on Slurm $v"
+        select=(-m "cluster and not faults_full")
+        secs=1800
     else
-        LLMD_TEST_SESSION_LIMIT_S=$(limit 900) \
-            pass "slurm_contract tests on Slurm $v" -m "cluster and slurm_contract and not faults_full" \
-            --slurm-version "$v" "$@"
+        name="slurm_contract tests on Slurm $v"
+        select=(-m "cluster and slurm_contract and not faults_full")
+        secs=900
+    fi
+    echo "tests/run.sh: $name" >&2
+    LLMD_TEST_SESSION_LIMIT_S=$(limit $secs) run_pass "$name" "${select[@]}" --slurm-version "$v" "$@"
+    record "$name"
+    if [ -n "$fast_pid" ]; then
+        wait "$fast_pid" || true
+        fast_pid=
+        echo "tests/run.sh: $fast" >&2
+        cat "$work/fast.log"
+        record "$fast"
     fi
 done
 printf 'tests/run.sh: %s\n' "${summary[@]}" >&2

@@ -182,6 +182,7 @@ def _submit_hanging(
     cluster: DevCluster, shared_tmp: Path, name: str, env: dict[str, dict[str, str]], **ov: object
 ) -> Run:
     """Submit a run whose sweep hangs; return once it is benchmarking, workers ready."""
+    # (it may first queue behind the previous test's job, still completing on its nodes)
     log_dir = make_log_dir(shared_tmp, name)
     env = {**env, "bench": {"LLMD_FAKE_BENCH_HANG": "1"}}
     text = spec_text(log_dir, overrides={"port": next(_PORTS), **ov}, env=env)
@@ -193,7 +194,7 @@ def _submit_hanging(
         states = [(run.status(r) or {}).get("state") for r in RANKS]
         return states[COORDINATOR] == "benchmarking" and all(states[r] == "ready" for r in WORKERS)
 
-    wait_for(ready, 60, f"job {job} benchmarking with every worker ready")
+    wait_for(ready, 150, f"job {job} benchmarking with every worker ready")
     return run
 
 
