@@ -524,7 +524,7 @@ async def test_list_pages_ten_thousand_runs_each_page_within_the_bound(sup: Supe
     for i in range(10_000):
         h = sup.add(f"r{i:05d}", state=RunState.SUCCEEDED, created=T0 + timedelta(seconds=i))
         h.update(reason="\u0001" * 5000)  # hostile evidence: briefs cut it
-        if i % 500 == 0:
+        if i % 50 == 0:
             await anyio.lowlevel.checkpoint()  # setup is not what the loop guard is about
     sup.add("theirs", owner=OTHER.uid, state=RunState.SUCCEEDED)
     a = ControlApi(sup)
