@@ -44,7 +44,6 @@ def _ids(points: list[tuple[str, int]]) -> list[str]:
 def crash_then_restart(
     daemon: Daemon,
     log_root: Path,
-    state: str,
     nth: int,
     job_ids_named: Callable[[str], list[str]],
     *,
@@ -94,7 +93,7 @@ def test_sigkill_after_transition_then_restart_replayed(
     root.mkdir()
     daemon = Daemon(world, root, crash_after=f"{state}:{nth}", replay_socket=world.socket)
     hold = None if state in DURING_SUBMITS else world.pause
-    crash_then_restart(daemon, tmp_path / "logs", state, nth, world.job_ids_named, hold=hold)
+    crash_then_restart(daemon, tmp_path / "logs", nth, world.job_ids_named, hold=hold)
     names = world.sbatch_names()
     assert len(names) == len(set(names)), f"a job name was submitted twice: {names}"
 
@@ -104,7 +103,7 @@ def test_sigkill_after_transition_then_restart(
     cluster: DevCluster, tmp_path: Path, shared_tmp: Path, state: str, nth: int
 ) -> None:
     daemon = Daemon(cluster, tmp_path, crash_after=f"{state}:{nth}")
-    crash_then_restart(daemon, shared_tmp, state, nth, cluster.job_ids_named)
+    crash_then_restart(daemon, shared_tmp, nth, cluster.job_ids_named)
 
 
 def test_a_copy_left_short_before_a_crash_in_verifying_is_completed_after_the_restart(
