@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tests.daemon_helpers import Daemon
 from tests.devcluster import REPO, DevCluster
+from tests.fakes.replay_world import ReplayWorld
+from tests.fakes.slurm_replay import ReplayJob
 
 LAUNCHER = REPO / "tests" / "cluster" / "launcher"
 WATCH = [
@@ -92,6 +94,29 @@ def sbatch_plain(cluster: DevCluster, run_dir: Path, *, lines: int) -> str:
         extra_env=launcher_env(lines=lines),
     ).stdout
     return out.strip().split(";")[0]  # fmt: skip
+
+
+def launcher_finish(job: ReplayJob, run_dir: Path) -> None:
+    """What the launcher's ranks leave at the end of a replayed job (tests/cluster/launcher/
+    server.sh, rc 0): a log per rank, the coordinator's result files, then the int marker."""
+    for rank in (0, 1):
+        lines = "".join(f"rank {rank}: engine step {i}\n" for i in range(1, 21))
+        (run_dir / f"slurm_job-{job.job_id}_rank_{rank}.log").write_text(lines)
+    sample = (LAUNCHER / "result.json").read_text()
+    (run_dir / "results").mkdir(exist_ok=True)
+    for c in (4, 8):
+        doc = sample.replace('"max_concurrency": 4', f'"max_concurrency": {c}')
+        (run_dir / "results" / f"ix_c{c}.json").write_text(doc)
+    (run_dir / f".bench_done.{job.job_id}").write_text("0\n")
+
+
+def sbatch_plain_replayed(world: ReplayWorld, run_dir: Path) -> str:
+    """`sbatch_plain` on a replayed cluster: the launcher's job, submitted without the daemon."""
+    run_dir.mkdir()
+    argv = ["sbatch", "--parsable", f"--chdir={run_dir}", "--job-name=plain-sbatch"]
+    script = (LAUNCHER / "job.slurm").read_bytes()
+    out = world.portal.call(lambda: world.cluster.run(argv, time_limit=10, stdin=script))
+    return out.stdout.strip().split(";")[0]
 
 
 def adopt(daemon: Daemon, job_id: str, run_dir: Path) -> subprocess.CompletedProcess[str]:

@@ -690,13 +690,17 @@ class ReplayJob:
         return None
 
     def _output_paths(self) -> list[str]:
-        """--output and --error from the sbatch options or the script, %x and %j expanded."""
+        """--output and --error from the sbatch options or the script, %x and %j expanded;
+        a relative one is under --chdir, as slurmd opens it (absolute in scontrol's StdOut)."""
         found: dict[str, str] = {}
         lines = [f"#SBATCH {o}" for o in self.options] + self.script.splitlines()
         for line in lines:
             m = re.match(r"#SBATCH\s+--(output|error)=(\S+)", line)
             if m and m.group(1) not in found:
                 found[m.group(1)] = m.group(2).replace("%x", self.name).replace("%j", self.job_id)
+        workdir = self._sbatch_option("chdir")
+        if workdir is not None:
+            found = {k: os.path.join(workdir, v) for k, v in found.items()}
         return [found[k] for k in ("output", "error") if k in found]
 
 

@@ -113,12 +113,15 @@ class Mode:
     footprint_runs: int
     footprint_window_s: float
     resume_runs: int
+    # The baseline's loops start within this many seconds of each other, and a window is
+    # measured once they all have (their real rhythm is 10 s; the smoke only needs them to run).
+    naive_settle_s: float = 10.0
 
 
 QUICK = Mode(True, 24, (10, 100, 500), 1, 3, 1, 40, 16, 1, 300, 15, 100)
 # Every bench once at its smallest (a few runs, second-long windows): proves the harness
 # works (tests/cluster/test_perf_smoke.py); its numbers mean nothing.
-SMOKE = Mode(True, 2, (1,), 1, 1, 1, 5, 1, 1, 2, 2, 3)
+SMOKE = Mode(True, 2, (1,), 1, 1, 1, 5, 1, 1, 2, 2, 3, naive_settle_s=1.0)
 FULL = Mode(False, 60, (10, 100, 500), 4, 3, 3, 200, 64, 3, 1000, 60, 100)
 
 
@@ -249,8 +252,10 @@ def _naive_window(ctx: Ctx, ids: list[str], seconds: float) -> tuple[RpcWindow, 
     )
     try:
         for job_id in ids:
-            launcher.track(job_id, str(ctx.work / f"no-log-{job_id}.out"), stagger_s=10)
-        time.sleep(10.5)  # every loop has started and is in its 10 s rhythm
+            launcher.track(
+                job_id, str(ctx.work / f"no-log-{job_id}.out"), stagger_s=ctx.mode.naive_settle_s
+            )
+        time.sleep(ctx.mode.naive_settle_s + 0.5)  # every loop has started, in its rhythm
         calls0 = launcher.calls()
         window = measure_rpcs(ctx.cluster, seconds)
         return window, launcher.calls() - calls0
@@ -1012,8 +1017,10 @@ def bench_footprint(ctx: Ctx) -> dict[str, Any]:
     launcher = NaiveLauncher(ctx.work / "naive-footprint", ctx.cluster.slurm_env)
     try:
         for job_id in ids:
-            launcher.track(job_id, str(ctx.work / f"no-log-{job_id}.out"), stagger_s=10)
-        time.sleep(11)
+            launcher.track(
+                job_id, str(ctx.work / f"no-log-{job_id}.out"), stagger_s=m.naive_settle_s
+            )
+        time.sleep(m.naive_settle_s + 1)
         f0 = launcher.footprint()
         t0 = time.monotonic()
         time.sleep(m.footprint_window_s)
