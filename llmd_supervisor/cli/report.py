@@ -7,6 +7,12 @@ extra). Every plotted point is its own SVG group carrying ``class="point"``,
 chart shows can be checked from the file. The charts: total throughput per GPU against
 interactivity (1000 / median TPOT in ms, the chart InferenceX publishes), and median TTFT
 and TPOT against concurrency, one line per run.
+
+What a job wrote reaches the report through its results (file names, numbers), so the
+report takes nothing as given: text is made printable (a name that is not UTF-8, or holds
+control characters, is shown with backslash escapes) and a chart places only a
+concurrency from 1 to `MAX_CONCURRENCY` and values from 0 to `MAX_VALUE`. What it leaves
+out is named in a note beside the chart; the evidence tables still show every point.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import datetime
 import html
 import io
 import math
+import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,6 +44,13 @@ INSTALL_HINT = (
     "the package's report extra: pip install 'llmd-supervisor[report]' "
     "(from a checkout: pip install -e '.[report]')."
 )
+
+# What a chart places. No benchmark runs a million requests at once or measures 10**12
+# tokens/s or ms; beyond these matplotlib fails (float(10**400) overflows, and an axis up
+# to 1.7e308 overflows while it picks its ticks).
+MAX_CONCURRENCY = 2**20
+MAX_VALUE = 1e12
+NOTES_SHOWN = 20  # notes per chart; the rest are counted
 
 # matplotlib's tab10, fixed here so that a run has one colour in every chart.
 PALETTE = (
@@ -74,11 +88,77 @@ class Chart:
     left_out: tuple[str, ...] = ()  # one sentence per run not plotted
 
 
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def _escaped(char: str) -> str:
+    code = ord(char)
+    if 0xDC80 <= code <= 0xDCFF:  # the byte `surrogateescape` decoded it from
+        return f"\\x{code - 0xDC00:02x}"
+    return f"\\u{code:04x}" if code > 0xFF else f"\\x{code:02x}"
+
+
+def printable(text: str) -> str:
+    """`text` as UTF-8 can hold it and a page shows it, escaped as ``backslashreplace``
+    would: a name's undecodable byte (its ``surrogateescape``) as ``\\xff``, another lone
+    surrogate as ``\\ud800``, a control character as ``\\x1b``."""
+    return _UNPRINTABLE.sub(lambda m: _escaped(m[0]), text)
+
+
+def _printable_run(r: RunResults) -> RunResults:
+    """`r` with every text field `printable` (numbers are bounded where they are plotted)."""
+    out = r.copy()
+    out["run"], out["state"], out["reason"] = (printable(r[k]) for k in ("run", "state", "reason"))
+    out["outcome"] = None if r["outcome"] is None else printable(r["outcome"])
+    table = r["results"]
+    if table is not None:
+        points = []
+        for p in table["points"]:
+            q = p.copy()
+            q["file"] = printable(p["file"])
+            q["problem"] = None if p["problem"] is None else printable(p["problem"])
+            points.append(q)
+        out["results"] = {
+            "format": printable(table["format"]),
+            "gpus": table["gpus"],
+            "points": points,
+        }
+    return out
+
+
+def _int_text(value: int) -> str:
+    """`value` in digits, or as ``1.000e+400`` when it has more than 15."""
+    digits = str(abs(value))
+    if len(digits) <= 15:
+        return str(value)
+    return f"{'-' if value < 0 else ''}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
+
+
+def _placeable(p: ResultPoint) -> bool:
+    return p["valid"] and 1 <= p["concurrency"] <= MAX_CONCURRENCY
+
+
 def _valid_points(r: RunResults) -> list[ResultPoint]:
+    """`r`'s valid points that a chart can place, in concurrency order."""
     table = r["results"]
     if table is None:
         return []
-    return sorted((p for p in table["points"] if p["valid"]), key=lambda p: p["concurrency"])
+    return sorted((p for p in table["points"] if _placeable(p)), key=lambda p: p["concurrency"])
+
+
+def left_out_of_every_chart(runs: Sequence[RunResults]) -> list[str]:
+    """One sentence per valid point whose concurrency no chart can place."""
+    out = []
+    for r in runs:
+        table = r["results"]
+        for p in table["points"] if table else ():
+            if p["valid"] and not _placeable(p):
+                out.append(
+                    f"run {r['run']}, the point of concurrency {_int_text(p['concurrency'])} "
+                    f"({p['file']}): a chart places a concurrency from 1 to "
+                    f"{MAX_CONCURRENCY:,}; the run's table shows the point"
+                )
+    return out
 
 
 def _series(
@@ -92,8 +172,16 @@ def _series(
         pts = []
         for p in _valid_points(r):
             xv, yv = x(r, p), y(r, p)
-            if xv is not None and yv is not None and math.isfinite(xv) and math.isfinite(yv):
-                pts.append((xv, yv, p["concurrency"]))
+            if xv is None or yv is None:
+                continue  # not measured
+            beyond = [v for v in (xv, yv) if not (math.isfinite(v) and 0 <= v <= MAX_VALUE)]
+            if beyond:
+                left_out.append(
+                    f"run {r['run']} c={p['concurrency']}: {beyond[0]:.4g} is beyond what a "
+                    f"chart can place (0 to {MAX_VALUE:g}); the run's table shows it"
+                )
+                continue
+            pts.append((xv, yv, p["concurrency"]))
         if pts:
             series.append(Series(r["run"], label(r), PALETTE[i % len(PALETTE)], tuple(pts)))
         elif r["results"] is None or not r["results"]["points"]:
@@ -242,7 +330,11 @@ def _num(value: object) -> str:
     if value is None:
         return "-"
     if isinstance(value, float):
+        if not abs(value) < 1e15:  # also inf and nan
+            return f"{value:.4g}"
         return f"{value:,.2f}" if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return _int_text(value)
     return html.escape(str(value))
 
 
@@ -294,6 +386,7 @@ def render_report(
     runs: Sequence[RunResults], *, generated_at: str, svg: Callable[[Chart], str] = chart_svg
 ) -> str:
     """The whole HTML document for `runs`."""
+    runs = [_printable_run(r) for r in runs]
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
@@ -311,16 +404,23 @@ def render_report(
             f"{html.escape(r['reason'])}</li>"
         )
     parts.append("</ul><h2>Charts</h2>")
+    parts += _notes("Left out of every chart", left_out_of_every_chart(runs))
     for chart in build_charts(runs):
         if chart.series:
             parts.append(f'<div class="chart" id="{chart.chart_id}">{svg(chart)}</div>')
         else:
             parts.append(f'<p class="note">{html.escape(chart.title)}: nothing to plot.</p>')
-        for why in chart.left_out:
-            parts.append(f'<p class="note">Not plotted: {html.escape(why)}.</p>')
+        parts += _notes("Not plotted", chart.left_out)
     parts.extend(_run_section(r) for r in runs)
     parts.append("</body></html>\n")
     return "\n".join(parts)
+
+
+def _notes(head: str, notes: Sequence[str]) -> list[str]:
+    shown = [f'<p class="note">{head}: {html.escape(why)}.</p>' for why in notes[:NOTES_SHOWN]]
+    if len(notes) > NOTES_SHOWN:
+        shown.append(f'<p class="note">{head}: {len(notes) - NOTES_SHOWN} more like these.</p>')
+    return shown
 
 
 # --- the command --------------------------------------------------------------------------
@@ -363,7 +463,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     text = render_report(runs, generated_at=now)
     output: Path = args.output
     try:
-        write_atomic(output, text.encode("utf-8"))
+        write_atomic(output, text.encode("utf-8", "backslashreplace"))
     except OSError as exc:
         print(f"llmd-supervisor report: could not write {output}: {exc}.", file=sys.stderr)
         return 2

@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import math
 import types
 import typing
 from typing import Literal, NotRequired, TypedDict, TypeVar, Union
@@ -383,7 +384,10 @@ def _check(tp: object, value: object, kind: str, where: str) -> object:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise SummaryError(kind, where, f"is {_kind(value)}, not a number")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer beyond a float: infinite, as json reads 1e400
+            return math.inf if value > 0 else -math.inf
     if tp is str:
         if not isinstance(value, str):
             raise SummaryError(kind, where, f"is {_kind(value)}, not a string")
