@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from datetime import datetime
 
+from llmd_supervisor.core.jobtext import job_text
+
 
 @dataclass(frozen=True)
 class HealthLimits:
@@ -119,7 +121,8 @@ class Overdue:
 def overdue_stage(stages: object, now: float, margin_s: float) -> Overdue | None:
     """The running stage of a status file's ``stages`` (a list of objects with ``name``,
     ``state``, ``deadline_s``, ``started_at``) that is more than `margin_s` past its
-    deadline at `now` (epoch seconds), or None. Anything malformed is no evidence."""
+    deadline at `now` (epoch seconds), or None. Anything malformed is no evidence; the
+    stage's name (the job wrote it) is escaped and bounded (`core.jobtext`)."""
     if not isinstance(stages, list) or not stages or not isinstance(stages[-1], dict):
         return None
     last = stages[-1]
@@ -134,4 +137,4 @@ def overdue_stage(stages: object, now: float, margin_s: float) -> Overdue | None
     except ValueError:
         return None
     over = now - begun - float(deadline)
-    return Overdue(name[:80], float(deadline), round(over, 1)) if over > margin_s else None
+    return Overdue(job_text(name, 80), float(deadline), round(over, 1)) if over > margin_s else None

@@ -5,7 +5,8 @@ The coordinator publishes JSON ``{"rc": int, "job_id": str, "rank": int, "reason
 the rc alone as a plain integer and a newline (``7\n``), also accepted (format ``int``: no
 rank, no reason; digits without the newline are a torn write). This module only
 interprets bytes the caller has read (or None when the file does not exist); it never
-raises.
+raises. The job wrote the file: its reason and text are escaped and bounded here
+(`core.jobtext`), so neither can stop the journal or reach a terminal as they are.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from enum import StrEnum
 from typing import Literal
 
 from llmd_supervisor.core.foreign import MarkerFormat
+from llmd_supervisor.core.jobtext import job_repr, job_text
 from llmd_supervisor.node import common as shared
 
 __all__ = [
@@ -44,6 +46,9 @@ def marker_filename(job_id: str) -> str:
 
 # How much of a failed marker's own reason a verdict's one-line reason shows.
 REASON_SHOWN = 300
+# Characters of the marker file's text a reading keeps for the receipt (escaped: see
+# `core.jobtext`); a marker the coordinator writes is about 150 bytes.
+MARKER_TEXT_MAX = 8192
 
 
 class MarkerStatus(StrEnum):
@@ -77,7 +82,7 @@ class Marker:
     rc: int
     job_id: str
     rank: int | None  # None in a plain-integer marker
-    reason: str
+    reason: str  # escaped and bounded (`core.jobtext`): the job wrote it
     finished_at: datetime | None  # None in a plain-integer marker
     format: Literal["json", "int"] = "json"
 
@@ -89,7 +94,9 @@ class MarkerReading:
     status: MarkerStatus
     expected_job_id: str
     detail: str  # one phrase naming what was wrong, "" when OK
-    raw_text: str | None  # the file's text (undecodable bytes replaced); None when missing
+    # The file's text (undecodable bytes replaced, then escaped and bounded as
+    # `core.jobtext` does); None when missing.
+    raw_text: str | None
     marker: Marker | None = None  # set exactly when status is OK
     name: str = ""  # the marker's file name ("": the rendered runs' .bench_done.<jobid>)
 
@@ -156,21 +163,22 @@ def _read(data: bytes | None, expected_job_id: str) -> MarkerReading:
 
     if data is None:
         return MarkerReading(MarkerStatus.MISSING, expected_job_id, "no such file", None)
-    text = data.decode("utf-8", errors="replace")
-    body = text.strip()
+    decoded = data.decode("utf-8", errors="replace")
+    text = job_text(decoded, MARKER_TEXT_MAX)
+    body = decoded.strip()
     if not body:
         return bad(MarkerStatus.EMPTY, f"{len(data)} bytes, no content")
     # InferenceX's launcher writes the rc alone: "7\n" (no job id, rank or reason).
-    if _INT_MARKER.fullmatch(text):
+    if _INT_MARKER.fullmatch(decoded):
         return MarkerReading(
             MarkerStatus.OK,
             expected_job_id,
             "",
             text,
-            Marker(int(text), expected_job_id, None, "", None, "int"),
+            Marker(int(decoded), expected_job_id, None, "", None, "int"),
         )
-    if _TORN_INT.fullmatch(text):
-        return bad(MarkerStatus.TRUNCATED, f"plain integer {text!r} without its newline")
+    if _TORN_INT.fullmatch(decoded):
+        return bad(MarkerStatus.TRUNCATED, f"plain integer {decoded!r} without its newline")
     try:
         value: object = json.loads(data.decode("utf-8"))
     except UnicodeDecodeError:
@@ -189,20 +197,25 @@ def _read(data: bytes | None, expected_job_id: str) -> MarkerReading:
     job_id, rc, rank = value["job_id"], value["rc"], value["rank"]
     reason, finished = value["reason"], value["finished_at"]
     if not isinstance(job_id, str):
-        return bad(MarkerStatus.BAD_FIELD, f"job_id {job_id!r} is not a string")
+        return bad(MarkerStatus.BAD_FIELD, f"job_id {job_repr(job_id)} is not a string")
     if job_id != expected_job_id:
-        return bad(MarkerStatus.WRONG_JOB_ID, f"for job {job_id!r}, not {expected_job_id!r}")
+        return bad(
+            MarkerStatus.WRONG_JOB_ID, f"for job {job_repr(job_id)}, not {expected_job_id!r}"
+        )
     if type(rc) is not int:  # bool is a subclass of int and must not pass as rc 0/1
-        return bad(MarkerStatus.RC_NOT_INTEGER, f"rc {rc!r} is not an integer")
+        return bad(MarkerStatus.RC_NOT_INTEGER, f"rc {job_repr(rc)} is not an integer")
     if type(rank) is not int or rank < 0:
-        return bad(MarkerStatus.BAD_FIELD, f"rank {rank!r} is not an integer >= 0")
+        return bad(MarkerStatus.BAD_FIELD, f"rank {job_repr(rank)} is not an integer >= 0")
     if not isinstance(reason, str):
-        return bad(MarkerStatus.BAD_FIELD, f"reason {reason!r} is not a string")
+        return bad(MarkerStatus.BAD_FIELD, f"reason {job_repr(reason)} is not a string")
     if not isinstance(finished, str):
-        return bad(MarkerStatus.BAD_FINISHED_AT, f"finished_at {finished!r} is not a string")
+        why = f"finished_at {job_repr(finished)} is not a string"
+        return bad(MarkerStatus.BAD_FINISHED_AT, why)
     try:
         finished_at = datetime.fromisoformat(finished)
     except ValueError:
-        return bad(MarkerStatus.BAD_FINISHED_AT, f"finished_at {finished!r} is not ISO 8601")
-    marker = Marker(rc, job_id, rank, reason, finished_at)
+        why = f"finished_at {job_repr(finished)} is not ISO 8601"
+        return bad(MarkerStatus.BAD_FINISHED_AT, why)
+    # The reason reaches the journal, the log and terminals: escaped and bounded here, once.
+    marker = Marker(rc, job_id, rank, job_text(reason), finished_at)
     return MarkerReading(MarkerStatus.OK, expected_job_id, "", text, marker)

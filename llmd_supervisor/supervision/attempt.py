@@ -44,6 +44,7 @@ from llmd_supervisor.core.health import (
     observe,
     overdue_stage,
 )
+from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.errors import FileRefused, LogCapped, RemoteError, SupervisorError
 from llmd_supervisor.node.common import (
@@ -221,7 +222,7 @@ class Attempt:
             return
         try:
             stages = json.loads(status).get("stages")
-        except (ValueError, AttributeError):
+        except (ValueError, AttributeError, RecursionError):
             return
         late = overdue_stage(stages, time.time(), self.limits.stage_overdue_margin_s)
         if late is None:
@@ -306,15 +307,16 @@ def _size(path: Path) -> int:
 
 
 def status_state(data: bytes, now: float) -> tuple[str, float | None]:
-    """The agent's state, with the point it is at while benchmarking (bounded), and the
-    seconds since it last rewrote the file (None: final state, or no usable time)."""
+    """The agent's state, with the point it is at while benchmarking, and the seconds since
+    it last rewrote the file (None: final state, or no usable time). The job writes the
+    file: what is kept of it is escaped and bounded (`core.jobtext`)."""
     try:
         value = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return "unreadable", None
     if not isinstance(value, dict):
         return "unreadable", None
-    state = str(value.get("state", ""))[:40]
+    state = job_text(str(value.get("state", ""))[:40], 40)
     age = None
     updated = value.get("updated_at")
     if state not in FINAL_AGENT_STATES and isinstance(updated, str) and len(updated) <= 40:
@@ -324,5 +326,5 @@ def status_state(data: bytes, now: float) -> tuple[str, float | None]:
             age = None
     reason = value.get("reason")
     if state == STATE_BENCHMARKING and isinstance(reason, str) and reason:
-        return f"{state}: {reason[:80]}", age
+        return f"{state}: {job_text(reason, 80)}", age
     return state, age

@@ -15,6 +15,7 @@ import anyio
 import anyio.lowlevel
 
 from llmd_supervisor.adapters.control_protocol import DEFAULT_MAX_MESSAGE
+from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.lifecycle import Run
 from llmd_supervisor.core.summary import (
@@ -83,6 +84,8 @@ class HandleView(Protocol):
     def layout(self) -> RunLayout: ...
     @property
     def history(self) -> Sequence[Mapping[str, object]]: ...
+    @property
+    def held_until(self) -> datetime | None: ...
 
 
 # --------------------------------------------------------------------------- summaries
@@ -111,6 +114,7 @@ def run_summary(h: HandleView, now: datetime) -> RunSummary:
         "headline": _headline(h.layout.results_table) if run.state.is_final else None,
         "attempts": [_attempt(e) for e in h.history[-ATTEMPTS_SHOWN:]],
         "usage": split_usage(h.history),
+        "held_until": h.held_until.isoformat() if h.held_until is not None else None,
     }
 
 
@@ -204,7 +208,8 @@ def cut(text: str) -> str:
 
 
 def _last_line(path: Path | None) -> str:
-    """The last non-empty line of a (local, small-read) log copy, or ""."""
+    """The last non-empty line of a (local, small-read) log copy, or "": the job wrote it,
+    so it is escaped and bounded (`core.jobtext`)."""
     if path is None:
         return ""
     try:
@@ -213,4 +218,4 @@ def _last_line(path: Path | None) -> str:
             lines = f.read().decode("utf-8", "replace").splitlines()
     except OSError:
         return ""
-    return cut(next((line for line in reversed(lines) if line.strip()), ""))
+    return job_text(next((line for line in reversed(lines) if line.strip()), ""), SHOWN_LINE_MAX)

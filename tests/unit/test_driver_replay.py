@@ -111,18 +111,25 @@ async def replayed(tmp_path: Path) -> AsyncIterator[Rig]:
         await journal.aclose()
 
 
+async def run_job(
+    rig: Rig, h: RunHandle, publish: Callable[[RunHandle], None] = publish_marker
+) -> RunHandle:
+    """Take a submitted run's job through its start, the coordinator's `publish` (results
+    and marker) and its end, COMPLETED 0:0; return the run once final."""
+    rig.replay.expect(h.run.job_name, Start(NODES), End(JobState.COMPLETED))
+    # Without the marker, COMPLETED 0:0 is no success (test_verdict has that case).
+    await rig.until(h, lambda h: h.run.state is RunState.PENDING)
+    rig.replay.step()
+    await rig.until(h, lambda h: h.attempt is not None and h.attempt.running)
+    publish(h)
+    rig.replay.step()
+    return await rig.final(h)
+
+
 @pytest.mark.asyncio
 async def test_a_run_is_submitted_once_and_followed_to_its_verified_end(tmp_path: Path) -> None:
     async with replayed(tmp_path) as rig:
-        h = await rig.sup.submit(_spec(rig.tmp / "logs"), owner_uid=0)
-        rig.replay.expect(h.run.job_name, Start(NODES), End(JobState.COMPLETED))
-        # Without the marker, COMPLETED 0:0 is no success (test_verdict has that case).
-        await rig.until(h, lambda h: h.run.state is RunState.PENDING)
-        rig.replay.step()
-        await rig.until(h, lambda h: h.attempt is not None and h.attempt.running)
-        publish_marker(h)
-        rig.replay.step()
-        await rig.final(h)
+        h = await run_job(rig, await rig.sup.submit(_spec(rig.tmp / "logs"), owner_uid=0))
         assert h.run.state is RunState.SUCCEEDED, h.run.reason
         assert rig.replay.count("sbatch") == 1
         assert (Path(h.meta.archive_dir) / "receipt.json").exists()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -132,8 +132,32 @@ def test_no_status_age_is_no_staleness() -> None:
         (b'{"state": "ready", "updated_at": "2026-12-01T10:00:31+00:00"}', "ready", 0.0),
         (b"[1]", "unreadable", None),
         (b"{", "unreadable", None),
+        (b"[" * 65536, "unreadable", None),  # nested past the parser's recursion limit
+        # The job writes the file: its words are escaped and bounded (issue 3.2 item 6).
+        (
+            b'{"state": "ready\\u001b[2K\\u001b[1Gsucceeded"}',
+            "ready\\x1b[2K\\x1b[1Gsucceeded",
+            None,
+        ),
+        (b'{"state": "\\ud800\\u0007"}', "\\ud800\\x07", None),
+        (b'{"state": "' + b"\\u001b" * 50 + b'"}', "\\x1b" * 9 + "...", None),
+        (
+            b'{"state": "benchmarking", "reason": "c=8 \\u001b]52;c;eA==\\u0007"}',
+            "benchmarking: c=8 \\x1b]52;c;eA==\\x07",
+            None,
+        ),
     ],
 )
 def test_status_state_and_age(status: bytes, state: str, age: float | None) -> None:
     now = datetime(2026, 12, 1, 10, 0, 30, tzinfo=UTC).timestamp()
     assert status_state(status, now) == (state, age)
+
+
+def test_an_overdue_stage_is_named_escaped_and_bounded() -> None:
+    now = datetime(2026, 12, 1, 10, 0, 30, tzinfo=UTC)
+    started = (now - timedelta(seconds=100)).isoformat()
+    stage = {"state": "running", "deadline_s": 10, "started_at": started}
+    late = nh.overdue_stage([{**stage, "name": "engines\x1b]0;x\x07"}], now.timestamp(), 5)
+    assert late is not None and late.stage == "engines\\x1b]0;x\\x07"
+    late = nh.overdue_stage([{**stage, "name": "\ud800" * 100}], now.timestamp(), 5)
+    assert late is not None and len(late.stage) <= 80 and late.stage.isprintable()

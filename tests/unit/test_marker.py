@@ -7,7 +7,13 @@ from datetime import UTC, datetime
 
 import pytest
 
-from llmd_supervisor.core.marker import MarkerStatus, marker_filename, read_marker
+from llmd_supervisor.core.jobtext import JOB_TEXT_MAX
+from llmd_supervisor.core.marker import (
+    MARKER_TEXT_MAX,
+    MarkerStatus,
+    marker_filename,
+    read_marker,
+)
 
 JOB = "42"
 
@@ -44,9 +50,9 @@ def test_ok() -> None:
 def test_a_failed_marker_tells_its_own_reason_on_one_bounded_line() -> None:
     said = "rank 1 (prefill, node2:8330) failed:\n engine exited with rc 3 before the marker"
     reading = read_marker(body(rc=73, reason=said), JOB)
-    assert reading.describe() == (
-        "marker rc=73 from rank 2: rank 1 (prefill, node2:8330) failed: engine exited with"
-        " rc 3 before the marker"
+    assert reading.describe() == (  # the newline shows as its escape: still one line
+        "marker rc=73 from rank 2: rank 1 (prefill, node2:8330) failed:\\n engine exited"
+        " with rc 3 before the marker"
     )
     long = read_marker(body(rc=1, reason="x" * 5000), JOB).describe()
     assert len(long) < 400 and long.endswith("...")
@@ -143,3 +149,57 @@ def test_the_plain_integer_marker_of_inferencex(
         assert reading.marker is not None
         assert (reading.marker.rc, reading.marker.format, reading.marker.rank) == (rc, "int", None)
         assert reading.describe() == f"marker rc={rc} (plain integer)"
+
+
+# A marker's reason is valid JSON whatever it holds; what the daemon keeps of it is escaped
+# and bounded once, here, so that it can be journaled and shown (issue 3.2 items 5 and 6).
+HOSTILE_REASONS = [
+    ("boom \ud800", "boom \\ud800"),
+    ("\u001b[2K\u001b[1Goutcome succeeded", "\\x1b[2K\\x1b[1Goutcome succeeded"),
+    ("\u001b]52;c;cm0gLXJmIH4=\u0007", "\\x1b]52;c;cm0gLXJmIH4=\\x07"),
+    ("\u001b]0;title\u0007 bell", "\\x1b]0;title\\x07 bell"),
+    ("cr\rover", "cr\\rover"),
+    ("del\u007f c1\u009b2J", "del\\x7f c1\\x9b2J"),
+    ("rtl \u202e", "rtl \\u202e"),
+]
+
+
+@pytest.mark.parametrize(("reason", "kept"), HOSTILE_REASONS)
+def test_a_hostile_reason_is_kept_escaped(reason: str, kept: str) -> None:
+    data = body(rc=1, reason=reason)  # json.dumps writes them as \u escapes
+    assert data.isascii()
+    reading = read_marker(data, JOB)
+    assert reading.marker is not None, reading.detail
+    assert reading.marker.reason == kept
+    assert reading.describe() == f"marker rc=1 from rank 2: {kept}"
+    for text in (reading.marker.reason, reading.describe(), reading.raw_text or ""):
+        assert text.isprintable()
+        text.encode("utf-8")
+
+
+def test_a_huge_reason_and_text_are_bounded() -> None:
+    reading = read_marker(body(rc=1, reason="\x1b[2K" * 10_000), JOB)
+    assert reading.marker is not None
+    assert len(reading.marker.reason) <= JOB_TEXT_MAX
+    assert len(reading.describe()) < 400
+    assert reading.raw_text is not None and len(reading.raw_text) <= MARKER_TEXT_MAX
+    assert reading.raw_text.isprintable()
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("job_id", "4\x1b[2K" * 1000),
+        ("job_id", ["\x07"] * 1000),
+        ("rc", "\ud800" * 1000),
+        ("rank", {"\x1b": "\x9b"}),
+        ("reason", ["\x1b]52;c;eA==\x07"]),
+        ("finished_at", "\x1b[1G" * 1000),
+        ("finished_at", ["\x1b"]),
+    ],
+)
+def test_a_bad_field_is_named_escaped_and_bounded(field: str, value: object) -> None:
+    reading = read_marker(body(**{field: value}), JOB)
+    assert reading.marker is None
+    described = reading.describe()
+    assert described.isprintable() and len(described) < 300, described
