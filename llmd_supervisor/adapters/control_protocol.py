@@ -106,7 +106,7 @@ ERROR_CODES: Final = frozenset(
         "not_found",  # no such run (or rank), or one the peer may not see (supervision.access)
         "ambiguous",  # the run ref names several runs; the message names them and how to pick
         "conflict",  # the run is in a state that does not allow the op
-        "forbidden",  # the peer may not do this (adopt another user's job)
+        "forbidden",  # the peer may not do this (release a node without being an admin)
         "busy",  # a connection or stream cap is reached; the message names it
         "timeout",  # the request did not arrive in time, or a reply was not taken; closed
         "internal",  # the daemon failed; details are in its log

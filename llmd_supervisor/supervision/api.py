@@ -219,7 +219,15 @@ class ControlApi(Generic[H]):
         except SpecError as exc:
             raise ControlError("bad_request", str(exc)) from exc
         except AdoptRefused as exc:
-            raise ControlError("forbidden", str(exc)) from exc
+            # Whose job it is, and that another user's run may hold it, is not the peer's
+            # to learn: one answer for every job it may not adopt, as for a run it may
+            # not see.
+            log.info("control.adopt_refused", job_id=exc.job_id, peer_uid=peer.uid, why=str(exc))
+            raise ControlError(
+                "not_found",
+                f"No job {exc.job_id} that you may adopt is known to this daemon: a job is "
+                "adopted by its Slurm owner or by the daemon's admin group.",
+            ) from None
         return run_summary(handle, self.clock())
 
     def _cluster(self, args: Mapping[str, object]) -> str | None:

@@ -109,15 +109,17 @@ def test_adopt_a_running_job_and_a_finished_one_but_not_another_users(
         assert (archive / "results" / "results" / "ix_c8.json").is_file()
         assert not (archive / "job.sbatch").exists()  # not submitted by the daemon
 
-    # A job of root's, adopted by another user: refused, and no run is made.
+    # A job of root's, adopted by another user: not found (whose it is does not show), and
+    # no run is made.
     other = sbatch_plain(cluster, shared_tmp / "other", lines=1)
     spec = json.dumps(
         {"foreign": {"kind": "adopt", "job_id": other, "log_dir": str(shared_tmp / "other")}}
     )
     reply = stranger.ask(daemon.socket, "adopt", spec_json=spec)
     error = reply["error"]
-    assert isinstance(error, dict) and error["code"] == "forbidden", reply
-    assert f"Job {other} belongs to uid 0, not to uid {stranger.uid}" in str(error["message"])
+    assert isinstance(error, dict) and error["code"] == "not_found", reply
+    assert str(error["message"]).startswith(f"No job {other} that you may adopt"), reply
+    assert "uid" not in str(error["message"]), reply
     listed = json.loads(daemon.cli("list", "--all", "--json").stdout)["runs"]
     assert other not in {r["slurm_job_id"] for r in listed}
     cluster.wait_terminal(other)
