@@ -9,8 +9,9 @@ interactivity (1000 / median TPOT in ms, the chart InferenceX publishes), and me
 and TPOT against concurrency, one line per run.
 
 What a job wrote reaches the report through its results (file names, numbers), so the
-report takes nothing as given: text is made printable (a name that is not UTF-8, or holds
-control characters, is shown with backslash escapes) and a chart places only a
+report takes nothing as given: text is escaped as the daemon escapes what a job writes
+(`core.jobtext`: a name that is not UTF-8, or holds control characters, shows them as
+backslash escapes) and a chart places only a
 concurrency from 1 to `MAX_CONCURRENCY` and values from 0 to `MAX_VALUE`. What it leaves
 out is named in a note beside the chart; the evidence tables still show every point.
 """
@@ -23,7 +24,6 @@ import datetime
 import html
 import io
 import math
-import re
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -35,6 +35,7 @@ from llmd_supervisor.cli.results import (
     no_results_reason,
     per_gpu_total,
 )
+from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.core.results import LATENCIES
 from llmd_supervisor.core.summary import PointView as ResultPoint
 from llmd_supervisor.core.summary import RunResults
@@ -88,38 +89,22 @@ class Chart:
     left_out: tuple[str, ...] = ()  # one sentence per run not plotted
 
 
-_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
-
-
-def _escaped(char: str) -> str:
-    code = ord(char)
-    if 0xDC80 <= code <= 0xDCFF:  # the byte `surrogateescape` decoded it from
-        return f"\\x{code - 0xDC00:02x}"
-    return f"\\u{code:04x}" if code > 0xFF else f"\\x{code:02x}"
-
-
-def printable(text: str) -> str:
-    """`text` as UTF-8 can hold it and a page shows it, escaped as ``backslashreplace``
-    would: a name's undecodable byte (its ``surrogateescape``) as ``\\xff``, another lone
-    surrogate as ``\\ud800``, a control character as ``\\x1b``."""
-    return _UNPRINTABLE.sub(lambda m: _escaped(m[0]), text)
-
-
-def _printable_run(r: RunResults) -> RunResults:
-    """`r` with every text field `printable` (numbers are bounded where they are plotted)."""
+def _escaped_run(r: RunResults) -> RunResults:
+    """`r` with every text field escaped as `job_text` does (numbers are bounded where they
+    are plotted)."""
     out = r.copy()
-    out["run"], out["state"], out["reason"] = (printable(r[k]) for k in ("run", "state", "reason"))
-    out["outcome"] = None if r["outcome"] is None else printable(r["outcome"])
+    out["run"], out["state"], out["reason"] = (job_text(r[k]) for k in ("run", "state", "reason"))
+    out["outcome"] = None if r["outcome"] is None else job_text(r["outcome"])
     table = r["results"]
     if table is not None:
         points = []
         for p in table["points"]:
             q = p.copy()
-            q["file"] = printable(p["file"])
-            q["problem"] = None if p["problem"] is None else printable(p["problem"])
+            q["file"] = job_text(p["file"])
+            q["problem"] = None if p["problem"] is None else job_text(p["problem"])
             points.append(q)
         out["results"] = {
-            "format": printable(table["format"]),
+            "format": job_text(table["format"]),
             "gpus": table["gpus"],
             "points": points,
         }
@@ -386,7 +371,7 @@ def render_report(
     runs: Sequence[RunResults], *, generated_at: str, svg: Callable[[Chart], str] = chart_svg
 ) -> str:
     """The whole HTML document for `runs`."""
-    runs = [_printable_run(r) for r in runs]
+    runs = [_escaped_run(r) for r in runs]
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',

@@ -57,7 +57,7 @@ def test_a_file_name_that_is_not_utf8_is_written_with_backslash_escapes(
         _point(r, 1)["valid"] = False
 
     text = _write(tmp_path, monkeypatch, [_hostile(mutate)])
-    assert "results/c\\xff\\x1b[2J.json" in text
+    assert "results/c\\udcff\\x1b[2J.json" in text
     assert "lone \\ud800 surrogate" in text
     assert "\x1b" not in text
 
