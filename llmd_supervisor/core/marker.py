@@ -37,6 +37,7 @@ _FIELDS = ("rc", "job_id", "rank", "reason", "finished_at")
 # A plain-integer marker is complete only with its newline; digits alone may be torn.
 _INT_MARKER = re.compile(r"(0|-?[1-9][0-9]{0,9})\n")
 _TORN_INT = re.compile(r"-?[0-9]{1,10}")
+_NO_EXIT_STATUS = "is not an exit status (an integer from 0 to 255)"
 
 
 def marker_filename(job_id: str) -> str:
@@ -61,7 +62,7 @@ class MarkerStatus(StrEnum):
     NOT_OBJECT = "not_object"  # valid JSON, but not an object
     MISSING_FIELDS = "missing_fields"  # one or more of rc/job_id/rank/reason/finished_at absent
     WRONG_JOB_ID = "wrong_job_id"  # job_id is not the job being verified
-    RC_NOT_INTEGER = "rc_not_integer"  # rc is not an int (bools, floats, strings refused)
+    RC_NOT_INTEGER = "rc_not_integer"  # rc is no exit status: an int from 0 to 255, no bool
     BAD_FIELD = "bad_field"  # job_id/reason not a string, or rank not an int >= 0
     BAD_FINISHED_AT = "bad_finished_at"  # finished_at is not an ISO 8601 timestamp
     REFUSED = "refused"  # not a plain file of the job (a link, FIFO, device, directory, huge)
@@ -142,7 +143,8 @@ def read_marker(
     `fmt` is the format the run declared: ``json`` or ``int`` accept only that format
     (the other is WRONG_FORMAT), ``any`` both, ``none`` reads nothing (NOT_USED).
     Every defect is its own status. Extra keys are allowed (forward compatibility).
-    ``rc`` must be a JSON integer, not a bool; ``job_id`` must be the string
+    ``rc`` must be an exit status (`node.common.marker_rc`, as the node agent reads it: a
+    JSON integer from 0 to 255, not a bool); ``job_id`` must be the string
     ``expected_job_id``; ``finished_at`` must parse with ``datetime.fromisoformat``.
     `name` is the file's name in messages (default: ``.bench_done.<job id>``).
     """
@@ -170,12 +172,15 @@ def _read(data: bytes | None, expected_job_id: str) -> MarkerReading:
         return bad(MarkerStatus.EMPTY, f"{len(data)} bytes, no content")
     # InferenceX's launcher writes the rc alone: "7\n" (no job id, rank or reason).
     if _INT_MARKER.fullmatch(decoded):
+        rc = shared.marker_rc(int(decoded))
+        if rc is None:
+            return bad(MarkerStatus.RC_NOT_INTEGER, f"rc {decoded.strip()} {_NO_EXIT_STATUS}")
         return MarkerReading(
             MarkerStatus.OK,
             expected_job_id,
             "",
             text,
-            Marker(int(decoded), expected_job_id, None, "", None, "int"),
+            Marker(rc, expected_job_id, None, "", None, "int"),
         )
     if _TORN_INT.fullmatch(decoded):
         return bad(MarkerStatus.TRUNCATED, f"plain integer {decoded!r} without its newline")
@@ -202,8 +207,8 @@ def _read(data: bytes | None, expected_job_id: str) -> MarkerReading:
         return bad(
             MarkerStatus.WRONG_JOB_ID, f"for job {job_repr(job_id)}, not {expected_job_id!r}"
         )
-    if type(rc) is not int:  # bool is a subclass of int and must not pass as rc 0/1
-        return bad(MarkerStatus.RC_NOT_INTEGER, f"rc {job_repr(rc)} is not an integer")
+    if shared.marker_rc(rc) is None:  # neither a bool (rc 0/1) nor 256 (exit status 0)
+        return bad(MarkerStatus.RC_NOT_INTEGER, f"rc {job_repr(rc)} {_NO_EXIT_STATUS}")
     if type(rank) is not int or rank < 0:
         return bad(MarkerStatus.BAD_FIELD, f"rank {job_repr(rank)} is not an integer >= 0")
     if not isinstance(reason, str):

@@ -46,6 +46,8 @@ Exit codes:
     the grace;
   * ``74``   -- (coordinator) a remote engine did not become healthy before the deadline;
   * ``75``   -- (worker) the coordinator went silent and no marker appeared;
+  * ``78``   -- (worker) the marker's rc is no exit status (not an integer from 0 to 255,
+    or a boolean): ``marker.invalid`` in the agent log names the value;
   * ``143``  -- SIGTERM (the coordinator also publishes a marker with rc 143, reason
     ``sigterm``). After stopping its engine and writing its diagnostic a rank waits
     (within the grace) until the other ranks have finished theirs, so that srun's
@@ -379,11 +381,9 @@ def read_marker(log_dir: str, job_id: str, min_age_s: float = 0.0) -> Optional[D
         marker = json.loads(raw.decode("utf-8"))
     except ValueError:
         return None
-    if not isinstance(marker, dict) or not isinstance(marker.get("rc"), int):
+    if not isinstance(marker, dict) or str(marker.get("job_id")) != job_id:
         return None
-    if str(marker.get("job_id")) != job_id:
-        return None
-    return marker
+    return marker  # whatever its rc: `Agent.marker_exit` decides what that stands for
 
 
 def read_json(path: str) -> Optional[Dict[str, Any]]:
@@ -1414,15 +1414,28 @@ class Agent(object):
                 return marker
             time.sleep(POLL_S)
 
+    def marker_exit(self, marker: Dict[str, Any]) -> Tuple[int, str]:
+        """The exit status `marker` stands for, and a phrase saying so: its rc, or
+        RC_BAD_MARKER when that is no exit status (``false``, 256, -1: what ``int`` and
+        ``exit`` would turn into 0), logged as ``marker.invalid`` with the value."""
+        rc = shared.marker_rc(marker.get("rc"))
+        rank = _shown(marker.get("rank"))
+        if rc is not None:
+            return rc, "marker rc=%d from rank %s" % (rc, rank)
+        value = _shown(marker["rc"]) if "rc" in marker else "missing"
+        self.log("marker.invalid", rc=value, from_rank=rank, exit=shared.RC_BAD_MARKER)
+        return shared.RC_BAD_MARKER, (
+            "marker rc %s from rank %s is not an exit status (an integer from 0 to 255)"
+            % (value, rank)
+        )
+
     def finish_from_marker(self, marker: Dict[str, Any]) -> int:
-        rc = int(marker["rc"])
+        rc, why = self.marker_exit(marker)
         self.final_rc = rc
         self.log(
             "marker.seen", rc=rc, from_rank=marker.get("rank"), reason=marker.get("reason", "")
         )
-        self.set_state(
-            shared.STATE_STOPPING, "marker rc=%d from rank %s" % (rc, marker.get("rank"))
-        )
+        self.set_state(shared.STATE_STOPPING, why)
         self.stop_group(self.engine, "engine")
         return rc
 
@@ -1462,7 +1475,7 @@ class Agent(object):
             # rc) 143 instead of the marker's rc.
             marker = read_marker(self.log_dir, self.job_id, self.knob("LLMD_FAKE_MARKER_LAG_S"))
             if marker is not None:
-                rc = int(marker["rc"])
+                rc, why = self.marker_exit(marker)
                 self.log(
                     "sigterm.marker",
                     rc=rc,
@@ -1470,10 +1483,7 @@ class Agent(object):
                     reason=marker.get("reason", ""),
                 )
                 with self._lock:
-                    self.reason = "sigterm after marker rc=%d from rank %s" % (
-                        rc,
-                        marker.get("rank"),
-                    )
+                    self.reason = "sigterm after " + why
         self.final_rc = rc
         self.write_diag(state_at_term, engine_procs + bench_procs, killed)
         if rc == shared.RC_SIGTERM:
@@ -1662,6 +1672,12 @@ def _rc_text(rc: Optional[int]) -> str:
         except ValueError:
             return "signal %d" % -rc
     return "rc %d" % rc
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    """A value the job wrote, as JSON text of at most `limit` characters."""
+    text = json.dumps(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _float_or_zero(value: Any) -> float:

@@ -39,6 +39,7 @@ RC_REMOTE_UNHEALTHY = 74
 RC_COORDINATOR_SILENT = 75
 RC_SERVICE_UNHEALTHY = 76  # a router or sidecar process not healthy within its deadline
 RC_SERVICE_DIED = 77  # a router or sidecar process exited
+RC_BAD_MARKER = 78  # (worker) the job's marker holds an rc that is no exit status
 RC_SIGTERM = 143
 LOCAL_FAILURE_RCS = (RC_ENGINE_START, RC_ENGINE_UNHEALTHY, RC_ENGINE_DIED)
 
@@ -87,6 +88,16 @@ def say(line: str) -> None:
 def marker_name(job_id: str) -> str:
     """The completion marker's file name in the run's log directory."""
     return MARKER_PREFIX + job_id
+
+
+def marker_rc(value: object) -> Optional[int]:
+    """A marker's ``rc`` as the exit status it stands for: an ``int`` (a ``bool`` is not
+    one) from 0 to 255, else None. ``exit(256)`` and ``exit(False)`` both exit 0, so any
+    other value would pass a failure off as a success. The daemon's marker reader
+    (`core.marker`) and the node agent read rc through this one function."""
+    if type(value) is not int or not 0 <= value <= 255:
+        return None
+    return value
 
 
 def status_name(rank: int) -> str:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import pytest
 
+from llmd_supervisor.node import common
 from tests.node.conftest import LocalRun
 
 pytestmark = [pytest.mark.timeout(60)]
@@ -205,6 +206,26 @@ def test_engine_death_rereads_marker_that_appears_late(local_run: MakeRun) -> No
     assert rcs == dict.fromkeys(ALL, 0), run.describe()
     assert run.status(3)["engine_rc"] == 3
     assert "marker rc=0" in str(run.status(3)["reason"])
+
+
+@pytest.mark.parametrize("rc", [False, 256], ids=["false", "256"])
+def test_a_marker_rc_that_is_no_exit_status_ends_a_worker_with_its_own_status(
+    local_run: MakeRun, rc: object
+) -> None:
+    # The job writes the marker itself, with an rc that int() and exit() would turn into
+    # 0: the worker exits RC_BAD_MARKER instead and its log names the value.
+    run = local_run(prefill=1, decode=1, config_overrides={"coordinator_silence_s": 30.0})
+    run.start([0])  # the prefill worker; no coordinator
+    run.wait_for(lambda: run.status(0).get("state") == "ready", 20, "rank 0 ready")
+    marker = {"rc": rc, "job_id": "4242", "rank": 1, "reason": "x", "finished_at": "now"}
+    run.marker_path.write_text(json.dumps(marker))
+    rcs = run.wait(15)
+
+    assert rcs == {0: common.RC_BAD_MARKER}, run.describe()
+    log = (run.job_dir / "rank0.agent.log").read_text()
+    assert f"marker.invalid rc={json.dumps(json.dumps(rc))}" in log, log[-2000:]
+    assert "is not an exit status" in str(run.status(0)["reason"])
+    assert run.live_children() == []
 
 
 def test_blackholed_health_endpoint_hits_the_deadline(local_run: MakeRun) -> None:

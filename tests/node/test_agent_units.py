@@ -121,6 +121,38 @@ def test_read_marker_ignores_foreign_or_broken(tmp_path: Path) -> None:
     assert agent.read_marker(str(tmp_path), "9") is None
 
 
+@pytest.mark.parametrize(
+    ("value", "rc"),
+    [
+        (0, 0),
+        (7, 7),
+        (143, 143),
+        (255, 255),
+        (256, None),  # exit(256) is exit 0
+        (-256, None),
+        (-1, None),
+        (2**32, None),
+        (False, None),  # a bool is an int to Python: exit(False) is exit 0
+        (True, None),
+        (0.0, None),
+        ("0", None),
+        (None, None),
+        ([0], None),
+    ],
+)
+def test_a_marker_rc_is_an_exit_status_or_nothing(value: object, rc: int | None) -> None:
+    assert common.marker_rc(value) == rc
+
+
+def test_read_marker_returns_a_marker_for_the_job_whatever_its_rc(tmp_path: Path) -> None:
+    # The job's own marker, however wrong its rc: the agent must not wait on as if there
+    # were none (it ends with RC_BAD_MARKER; see test_agent_local).
+    (tmp_path / ".bench_done.9").write_text('{"rc": false, "job_id": "9"}')
+    assert agent.read_marker(str(tmp_path), "9") == {"rc": False, "job_id": "9"}
+    (tmp_path / ".bench_done.9").write_text('{"job_id": "9"}')
+    assert agent.read_marker(str(tmp_path), "9") == {"job_id": "9"}
+
+
 def test_marker_reader_never_sees_a_partial_file(tmp_path: Path) -> None:
     path = tmp_path / ".bench_done.5"
     bad: list[bytes] = []

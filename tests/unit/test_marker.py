@@ -91,6 +91,11 @@ def test_as_the_node_agent_writes_it() -> None:
         (body(rc=0.0), MarkerStatus.RC_NOT_INTEGER),
         (body(rc="0"), MarkerStatus.RC_NOT_INTEGER),
         (body(rc=None), MarkerStatus.RC_NOT_INTEGER),
+        # No exit status: srun and Slurm's ExitCode would say 0 (the node agent's rule too).
+        (body(rc=256), MarkerStatus.RC_NOT_INTEGER),
+        (body(rc=-256), MarkerStatus.RC_NOT_INTEGER),
+        (body(rc=-1), MarkerStatus.RC_NOT_INTEGER),
+        (body(rc=2**32), MarkerStatus.RC_NOT_INTEGER),
         (b'{"rc": NaN, "job_id": "42", "rank": 0, "reason": "", "finished_at": "x"}',
          MarkerStatus.RC_NOT_INTEGER),
         (body(rank=-1), MarkerStatus.BAD_FIELD),
@@ -127,7 +132,10 @@ def test_describe_names_missing_file() -> None:
     [
         (b"0\n", MarkerStatus.OK, 0),
         (b"7\n", MarkerStatus.OK, 7),
-        (b"-1\n", MarkerStatus.OK, -1),
+        (b"255\n", MarkerStatus.OK, 255),
+        (b"-1\n", MarkerStatus.RC_NOT_INTEGER, None),  # no exit status
+        (b"256\n", MarkerStatus.RC_NOT_INTEGER, None),
+        (b"4294967296\n", MarkerStatus.RC_NOT_INTEGER, None),
         (b"", MarkerStatus.EMPTY, None),
         (b"\n", MarkerStatus.EMPTY, None),
         (b"0", MarkerStatus.TRUNCATED, None),  # torn: the newline is not there yet
