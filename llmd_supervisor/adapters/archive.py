@@ -13,10 +13,10 @@ Layout of `<archive_root>/<run_id>/`:
   events.jsonl                 the run's journal events
   receipt.json                 the verdict's receipt (written last)
 
-Modes follow the daemon's umask (the unit sets ``UMask=0027``: the service's group may
-read, others nothing). `write_archive` fsyncs every file and directory it writes before
-returning; an OSError (disk full, permissions) propagates and the caller must not declare
-the outcome.
+Modes follow the daemon's umask, which it sets to 077 when it starts
+(`supervision.daemon.serve`): the daemon's account alone may read an archive.
+`write_archive` fsyncs every file and directory it writes before returning; an OSError
+(disk full, permissions) propagates and the caller must not declare the outcome.
 """
 
 from __future__ import annotations

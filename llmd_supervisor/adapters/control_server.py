@@ -381,7 +381,7 @@ class ControlServer:
         path: Path,
         handler: Handler,
         *,
-        mode: int = 0o660,
+        mode: int = 0o600,
         group: str | int | None = None,
         max_message: int = DEFAULT_MAX_MESSAGE,
         limits: SocketLimits | None = None,

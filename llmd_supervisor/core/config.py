@@ -100,7 +100,7 @@ class Config:
     state_dir: Path = Path("/var/lib/llmd-supervisor")
     archive_dir: Path | None = None  # default: <state_dir>/archive
     socket_path: Path = Path("/run/llmd-supervisor/control.sock")
-    socket_mode: int = 0o660
+    socket_mode: int = 0o600  # default: 0660 with a socket_group, else 0600 (only us)
     socket_group: str | None = None  # who may connect (submit, see their own runs)
     admin_group: str | None = None  # who may also see and cancel everyone's runs
     log_format: str = "auto"  # auto | json | console
@@ -212,7 +212,10 @@ def parse_config(data: Mapping[str, object]) -> Config:
     log_format = _str(d, "daemon.log_format", "auto")
     if log_format not in ("auto", "json", "console"):
         raise ConfigError("daemon.log_format", log_format, "use auto, json or console")
-    mode_text = _str(d, "daemon.socket_mode", "0660")
+    # Without a group the socket is the daemon's user's alone: group rights would go to
+    # the primary group of whoever started it.
+    group = _opt_str(d, "daemon.socket_group")
+    mode_text = _str(d, "daemon.socket_mode", "0600" if group is None else "0660")
     try:
         mode = int(mode_text, 8)
     except ValueError:
@@ -326,7 +329,7 @@ def parse_config(data: Mapping[str, object]) -> Config:
         archive_dir=Path(archive) if archive else None,
         socket_path=Path(_str(d, "daemon.socket", "/run/llmd-supervisor/control.sock")),
         socket_mode=mode,
-        socket_group=_opt_str(d, "daemon.socket_group"),
+        socket_group=group,
         admin_group=_opt_str(d, "daemon.admin_group"),
         log_format=log_format,
         ssh=ssh,

@@ -82,7 +82,12 @@ async def serve(
     metrics endpoint, if configured) listens; ``STATUS=`` whenever the run counts change;
     ``STOPPING=1`` on SIGTERM/SIGINT; ``WATCHDOG=1`` every `watchdog_s`/2 from the event
     loop when `watchdog_s` is set. `hooks` are the supervisor's test seams.
+
+    It sets the process's umask to 077 first: what the daemon writes (journal, archives,
+    log copies) is its user's alone, whatever umask the shell or unit that started it
+    had; what others may read they read through the control socket.
     """
+    os.umask(0o077)
     lock_fd = lock_state_dir(config.state_dir)
     try:
         await _serve(config, notify, watchdog_s, hooks)
@@ -114,6 +119,15 @@ async def _serve(
             metrics.attach(lambda: run_samples(supervisor.handles), link_counts)
             if config.metrics_listen is not None:
                 await tg.start(serve_metrics, metrics, config.metrics_listen)
+            if config.socket_group is None and config.socket_mode & 0o070:
+                log.warning(  # group rights for the primary group of whoever started us
+                    "control.socket_group_implicit",
+                    socket=str(config.socket_path),
+                    mode=f"{config.socket_mode:04o}",
+                    gid=os.getgid(),
+                    hint="name the group that may connect (daemon.socket_group) or drop "
+                    "daemon.socket_mode (0600 without a group)",
+                )
             server = ControlServer(
                 config.socket_path,
                 ControlApi(supervisor),

@@ -70,6 +70,20 @@ def test_show_output_is_a_config_that_loads_back_to_the_same_values(text: str) -
     assert again.poll == config.poll and again.limits == config.limits
 
 
+@pytest.mark.parametrize(
+    ("daemon", "mode"),
+    [
+        ("", 0o600),  # a per-user daemon started by hand: only its user
+        ('socket_group = "llmd-users"', 0o660),  # the group the config names may connect
+        ('socket_mode = "0660"', 0o660),  # as written (the daemon warns: no group named)
+        ('socket_mode = "0640"\nsocket_group = "g"', 0o640),
+    ],
+)
+def test_the_socket_is_private_unless_a_group_is_named(daemon: str, mode: int) -> None:
+    assert load_config(f"[daemon]\n{daemon}\n").socket_mode == mode
+    assert Config().socket_mode == 0o600
+
+
 def test_defaults_verify_host_keys_against_the_users_known_hosts() -> None:
     assert Config().ssh.known_hosts.endswith("/.ssh/known_hosts")
     assert load_config("").ssh.known_hosts == Config().ssh.known_hosts
