@@ -85,14 +85,18 @@ async def serve(
 
     It sets the process's umask to 077 first: what the daemon writes (journal, archives,
     log copies) is its user's alone, whatever umask the shell or unit that started it
-    had; what others may read they read through the control socket.
+    had; what others may read they read through the control socket. The umask it found is
+    restored when it returns (for a caller that goes on: a test).
     """
-    os.umask(0o077)
-    lock_fd = lock_state_dir(config.state_dir)
+    found = os.umask(0o077)
     try:
-        await _serve(config, notify, watchdog_s, hooks)
+        lock_fd = lock_state_dir(config.state_dir)
+        try:
+            await _serve(config, notify, watchdog_s, hooks)
+        finally:
+            os.close(lock_fd)
     finally:
-        os.close(lock_fd)
+        os.umask(found)
 
 
 async def _serve(
