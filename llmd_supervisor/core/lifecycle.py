@@ -45,6 +45,7 @@ __all__ = [
     "Submit",
     "SubmitFailed",
     "Submitted",
+    "SupervisionFailed",
     "Transition",
     "Verified",
     "WatchersStopped",
@@ -161,6 +162,15 @@ class Held:
 
 
 @dataclass(frozen=True)
+class SupervisionFailed:
+    """The driver's step kept failing the same way (`failures.SAME_FAILURES_MAX` times in a
+    row): the run ends `unverified` with the error as its reason, instead of being retried
+    forever. Never while submitting: sbatch may be in flight, so a job may exist."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Retry:
     """The attempt failed because of the cluster and the retry policy tries again: a new
     job (a new submission and attempt), submitted from `accepted` as the first one was."""
@@ -180,6 +190,7 @@ Event = (
     | Archived
     | CancelRequested
     | Held
+    | SupervisionFailed
     | Retry
 )
 
@@ -345,6 +356,8 @@ def step(run: Run, event: Event, now: datetime) -> tuple[Run, tuple[Action, ...]
     and attempt; never with a cancel requested). pending -LeftQueue-> finishing too (a job can
     end before it is seen running); submitting -SubmitFailed-> archiving (failed).
     Requeued (pending, running, finishing, verifying) -> pending with attempt + 1.
+    SupervisionFailed in any non-final state but submitting -> archiving (unverified, the
+    error as the reason); from archiving (the archive is what fails) -> unverified at once.
     CancelRequested in any non-final state sets cancel_requested: from accepted the run
     ends cancelled at once; with a job still queued the plan includes the cancel sequence
     (while sbatch is in flight, from Submitted on). Repeating it changes nothing and
@@ -405,6 +418,11 @@ def _apply(run: Run, event: Event, now: datetime) -> Run:
             return _to(run, RunState.VERIFYING, now, name)
         case Held(reason) if run.state is RunState.ACCEPTED:
             return run if reason == run.reason else replace(run, reason=reason)
+        case SupervisionFailed(reason) if run.state is RunState.ARCHIVING:
+            gave_up = _to(run, RunState.UNVERIFIED, now, name)
+            return replace(gave_up, outcome=Outcome.UNVERIFIED, reason=reason)
+        case SupervisionFailed(reason) if run.state is not RunState.SUBMITTING:
+            return _archive(run, Outcome.UNVERIFIED, reason, now, name)
         case Retry(reason) if run.state is RunState.VERIFYING and not run.cancel_requested:
             return replace(
                 _to(run, RunState.ACCEPTED, now, name),

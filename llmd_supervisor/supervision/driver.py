@@ -74,7 +74,7 @@ from llmd_supervisor.errors import (
     SpecError,
     SupervisorError,
 )
-from llmd_supervisor.supervision import foreign_jobs, retries, steps
+from llmd_supervisor.supervision import cancel, failures, foreign_jobs, retries, steps
 from llmd_supervisor.supervision.attempt import Attempt
 from llmd_supervisor.supervision.cluster import Cluster
 from llmd_supervisor.supervision.poller import QueueView
@@ -82,6 +82,8 @@ from llmd_supervisor.supervision.verify import utcnow
 
 log = structlog.get_logger("llmd_supervisor.runs")
 
+# The backoff after a failed step: doubling from the first delay up to the cap.
+RETRY_FIRST_S = 1.0
 RETRY_CAP_S = 60.0
 
 
@@ -401,8 +403,11 @@ class Supervisor:
         """Drive the run to a final state. An unexpected error (a bug, the journal briefly
         failing) is logged and the loop re-entered after a backoff, from the journaled
         record: a run is never dropped, a requested cancel never lost, and its job is never
-        touched because of the error."""
-        delay = 1.0
+        touched because of the error. A step that keeps failing the same way
+        (`failures.SAME_FAILURES_MAX` times in a row) ends the run `unverified` with the error as
+        its reason (`failures`)."""
+        delay = RETRY_FIRST_S
+        same = failures.SameFailures()
         with structlog.contextvars.bound_contextvars(
             run_id=h.run.run_id, slurm_job_id=h.run.slurm_job_id
         ):
@@ -415,16 +420,26 @@ class Supervisor:
                             actions = plan(h.run)
                             await self._background(h, loop, actions)
                             await self._step(h, loop, actions[0])
-                            delay = 1.0
+                            delay = RETRY_FIRST_S
+                            same.clear()
                         tg.cancel_scope.cancel()  # a cancel sequence still sleeping its grace
-                except Exception as exc:
+                except Exception as group:
+                    exc = failures.first_leaf(group)
+                    state = h.run.state
+                    count = same.add(state, exc)
                     log.error(
                         "run.supervision_failed",
                         error=str(exc),
-                        state=h.run.state.value,
+                        error_type=type(exc).__name__,
+                        state=state.value,
+                        failures=count,
                         retry_in_s=delay,
                         exc_info=not isinstance(exc, SupervisorError),
                     )
+                    if failures.gives_up(state, exc, count) and await failures.give_up(
+                        self, h, exc, count
+                    ):
+                        continue
                     await anyio.sleep(delay)
                     delay = min(delay * 2, RETRY_CAP_S)
 
@@ -440,7 +455,7 @@ class Supervisor:
                     await loop.tg.start(h.attempt.run)
             elif loop.cancelling != action.job_id:
                 loop.cancelling = action.job_id
-                loop.tg.start_soon(steps.cancel_sequence, self, h, action.job_id)
+                loop.tg.start_soon(cancel.cancel_sequence, self, h, action.job_id)
         a = h.attempt
         if (
             a is not None
@@ -450,7 +465,7 @@ class Supervisor:
             and loop.cancelling != a.job_id
         ):  # a hung agent: end the attempt now, not at the time limit
             loop.cancelling = a.job_id
-            loop.tg.start_soon(steps.cancel_sequence, self, h, a.job_id)
+            loop.tg.start_soon(cancel.cancel_sequence, self, h, a.job_id)
 
     async def _step(self, h: RunHandle, loop: Loop, action: Action) -> None:
         match action:

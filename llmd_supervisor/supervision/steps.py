@@ -10,7 +10,6 @@ import functools
 import json
 import posixpath
 import re
-import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -21,6 +20,7 @@ from llmd_supervisor.adapters import archive
 from llmd_supervisor.adapters.slurm import NameLookup
 from llmd_supervisor.core.cause import Diagnosis, diagnose, hang, rank_end
 from llmd_supervisor.core.foreign import ForeignSpec
+from llmd_supervisor.core.jobtext import job_fields
 from llmd_supervisor.core.lifecycle import (
     Archived,
     LeftQueue,
@@ -41,7 +41,7 @@ from llmd_supervisor.core.usage import split as usage_split
 from llmd_supervisor.core.verdict import Outcome, SlurmQuery, Source
 from llmd_supervisor.errors import FileRefused, SlurmCommandError, SlurmParseError, SupervisorError
 from llmd_supervisor.node.common import RC_CONFIG, expand_hostlist
-from llmd_supervisor.supervision import bench_files, foreign_jobs, retries
+from llmd_supervisor.supervision import bench_files, cancel, foreign_jobs, retries
 from llmd_supervisor.supervision.attempt import CopyState
 from llmd_supervisor.supervision.poller import QueueView
 from llmd_supervisor.supervision.verify import VerifyResult, verify_job
@@ -217,36 +217,6 @@ async def _next_view_or_change(
     return result[0] if result else None
 
 
-async def cancel_sequence(sup: Supervisor, h: RunHandle, job_id: str) -> None:
-    """TERM every step's tasks, wait the run's grace, then plain scancel if still queued.
-
-    On cancellation (daemon stopping, supervision retry) the sequence just stops: the
-    cancel request is journaled, so the next loop runs the sequence again while the job is
-    queued, and the outcome will still say `cancelled`.
-    """
-    client = h.cluster.client
-    grace = h.spec.sigterm_grace_s
-    log.info("run.cancel_term", slurm_job_id=job_id, grace_s=grace)
-    try:
-        await client.scancel(job_id, signal="TERM")
-    except SlurmCommandError as exc:
-        log.warning("run.cancel_failed", step="term", error=str(exc))
-    await sup.journal.add_event(
-        h.run.run_id, "cancel.term_sent", {"slurm_job_id": job_id, "grace_s": grace}, sup.clock()
-    )
-    deadline = time.monotonic() + grace + 5
-    while time.monotonic() < deadline:
-        view = h.cluster.poller.latest(job_id)
-        if view is not None and view.left_queue:
-            return
-        await anyio.sleep(0.5)
-    log.info("run.cancel_kill", slurm_job_id=job_id)
-    try:
-        await client.scancel(job_id)
-    except SlurmCommandError as exc:
-        log.warning("run.cancel_failed", step="kill", error=str(exc))
-
-
 # --- end of run --------------------------------------------------------------------------------
 
 
@@ -300,6 +270,9 @@ async def verify(sup: Supervisor, h: RunHandle) -> None:
         return bench_files.judge(spec, raw)
 
     marker_path = h.layout.marker(job_id)
+    events = await sup.journal.events(h.run.run_id)
+    # A cancel counts only if it reached the job before it ended (not asked for after).
+    cancelled = cancel.reached(h.run, events, job_id)
     result = await verify_job(
         _Evidence(),
         job_id,
@@ -309,10 +282,9 @@ async def verify(sup: Supervisor, h: RunHandle) -> None:
         benchmark=benchmark if isinstance(spec, RunSpec) else None,
         evidence_timeout=sup.config.limits.verify_timeout_s,
         interval=sup.config.poll.min_interval_s,
-        cancel_requested=h.run.cancel_requested,
+        cancel_requested=cancelled,
         clock=sup.clock,
     )
-    events = await sup.journal.events(h.run.run_id)
     hung = next(
         (
             e
@@ -322,7 +294,7 @@ async def verify(sup: Supervisor, h: RunHandle) -> None:
         None,
     )
     outcome, reason, receipt = result.verdict.outcome, result.verdict.reason, dict(result.receipt)
-    if hung is not None and outcome is not Outcome.SUCCEEDED and not h.run.cancel_requested:
+    if hung is not None and outcome is not Outcome.SUCCEEDED and not cancelled:
         # ended by the supervisor because an agent hung: a failure, not a cancel
         outcome = Outcome.FAILED
         reason = (
@@ -339,6 +311,9 @@ async def verify(sup: Supervisor, h: RunHandle) -> None:
     receipt["cause"] = None if diagnosis is None else diagnosis.as_json()
     if diagnosis is not None:
         reason = receipt["reason"] = f"{reason}; {diagnosis.text}"
+    if h.run.cancel_requested and not cancelled:
+        reason = receipt["reason"] = f"{reason}; the cancel did not reach the job before it ended"
+    receipt["cancel_reached"] = cancelled
     receipt["attempt"], receipt["slurm_job_name"] = h.run.attempt, h.run.slurm_job_name
     retried = await retries.after_verdict(sup, h, result, diagnosis, outcome, reason, receipt)
     poller.untrack(job_id)
@@ -365,7 +340,8 @@ async def _diagnosis(
     except (SupervisorError, OSError, TimeoutError) as exc:
         log.warning("run.status_unreadable", run_id=h.run.run_id, error=str(exc))
         statuses = []
-    ends = [end for status in statuses if (end := rank_end(status)) is not None]
+    # The job wrote them: what they name reaches the reason and terminals escaped.
+    ends = [e for status in statuses if (e := rank_end(job_fields(status)))]
     unreachable = [
         str(e.get("node"))
         for e in events
@@ -380,7 +356,7 @@ async def _diagnosis(
     return diagnose(
         result.verdict.outcome,
         slurm_state=slurm_state,
-        cancel_requested=h.run.cancel_requested,
+        cancel_requested=cancel.reached(h.run, events, h.job_id()),
         ranks=ends,
         unreachable=unreachable,
         benchmark_failed=(isinstance(gate, dict) and gate.get("ok") is False)

@@ -5,17 +5,21 @@ the job's end does not change its outcome."""
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import UTC, datetime
 from pathlib import Path
 
+import anyio
 import pytest
 
 from llmd_supervisor.core.lifecycle import RunState
 from llmd_supervisor.core.spec import RunSpec
-from llmd_supervisor.supervision.driver import RunHandle
+from llmd_supervisor.errors import SlurmCommandError
+from llmd_supervisor.supervision import driver, failures, steps
+from llmd_supervisor.supervision.driver import RunHandle, Supervisor
 from tests.fakes.bench_results import finish_job
-from tests.unit.test_driver_replay import _spec, replayed, run_job
+from tests.unit.test_driver_replay import _journal_submitting, _spec, replayed, run_job
 
 HOSTILE_REASON = "boom \ud800 \x1b[2K\x1b[1Goutcome succeeded\x1b]52;c;aGk=\x07"
 
@@ -49,3 +53,129 @@ async def test_a_marker_reason_with_a_lone_surrogate_and_escapes_still_ends_the_
         assert "boom \\ud800 \\x1b[2K\\x1b[1Goutcome succeeded" in reason
         stored = {s.run.run_id: s.run for s in await rig.journal.list_runs()}[h.run.run_id]
         assert stored.reason == reason
+
+
+@pytest.fixture
+def fast_retries(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver's backoff after a failed step in milliseconds, not 1 s doubling to 60 s."""
+    monkeypatch.setattr(driver, "RETRY_FIRST_S", 0.001)
+    monkeypatch.setattr(driver, "RETRY_CAP_S", 0.01)
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("fast_retries")
+async def test_a_step_that_keeps_failing_the_same_way_ends_the_run_unverified(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    async def broken(sup: Supervisor, h: RunHandle) -> None:
+        calls.append(1)
+        raise UnicodeEncodeError(
+            "utf-8", "boom \ud800", 5, 6, f"surrogates not allowed ({len(calls)})"
+        )
+
+    monkeypatch.setattr(steps, "verify", broken)
+    async with replayed(tmp_path) as rig:
+        h = await run_job(rig, await rig.sup.submit(_spec(rig.tmp / "logs"), owner_uid=0))
+        assert h.run.state is RunState.UNVERIFIED, h.run.reason
+        assert len(calls) == failures.SAME_FAILURES_MAX
+        assert h.run.reason.startswith(
+            f"supervision failed {failures.SAME_FAILURES_MAX} times in a row in state verifying: "
+            "UnicodeEncodeError: 'utf-8' codec can't encode character '\\ud800' in position 5"
+        ), h.run.reason
+        receipt = json.loads((Path(h.meta.archive_dir) / "receipt.json").read_text())
+        assert receipt["outcome"] == "unverified"
+        assert receipt["supervision_failed"]["failures"] == failures.SAME_FAILURES_MAX
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("fast_retries")
+async def test_failures_that_differ_or_say_slurm_is_away_are_retried_until_they_clear(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    verify = steps.verify
+    errors = [RuntimeError("a"), KeyError("b")] * failures.SAME_FAILURES_MAX
+    away = SlurmCommandError(["sacct"], 1, "slurmdbd is down")
+    errors += [away] * 3 * failures.SAME_FAILURES_MAX
+
+    async def flaky(sup: Supervisor, h: RunHandle) -> None:
+        if errors:
+            raise errors.pop(0)
+        await verify(sup, h)
+
+    monkeypatch.setattr(steps, "verify", flaky)
+    async with replayed(tmp_path) as rig:
+        h = await run_job(rig, await rig.sup.submit(_spec(rig.tmp / "logs"), owner_uid=0))
+        assert h.run.state is RunState.SUCCEEDED, h.run.reason
+        assert not errors
+
+
+@pytest.mark.asyncio
+@pytest.mark.usefixtures("fast_retries")
+async def test_a_run_whose_sbatch_may_be_in_flight_is_never_given_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    reconcile = steps.reconcile
+
+    async def broken(sup: Supervisor, h: RunHandle) -> None:
+        calls.append(1)
+        if len(calls) <= 3 * failures.SAME_FAILURES_MAX:
+            raise ValueError("the same bug every time")
+        await reconcile(sup, h)
+
+    monkeypatch.setattr(steps, "reconcile", broken)
+    monkeypatch.setattr(steps, "SUBMIT_SETTLE_S", 0.0)
+    async with replayed(tmp_path) as rig:
+        run_id, _ = await _journal_submitting(rig)
+        await rig.sup.resume_all()
+        h = rig.sup.handles[run_id]
+        await rig.until(h, lambda h: h.run.state is RunState.PENDING)
+        assert len(calls) == 3 * failures.SAME_FAILURES_MAX + 1
+
+
+@pytest.mark.asyncio
+async def test_a_cancel_that_comes_after_the_job_ended_does_not_change_its_outcome(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    verify = steps.verify
+    cancelled = anyio.Event()
+
+    async def after_the_cancel(sup: Supervisor, h: RunHandle) -> None:
+        await cancelled.wait()  # the job ended (COMPLETED, marker rc 1); then the cancel
+        await verify(sup, h)
+
+    monkeypatch.setattr(steps, "verify", after_the_cancel)
+    async with replayed(tmp_path) as rig:
+        h = await rig.sup.submit(_spec(rig.tmp / "logs"), owner_uid=0)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(run_job, rig, h, functools.partial(publish_hostile_marker, reason="x"))
+            await rig.until(h, lambda h: h.run.state is RunState.VERIFYING)
+            await rig.sup.cancel(h)
+            cancelled.set()
+        assert h.run.state is RunState.FAILED, h.run.reason
+        assert h.run.reason.startswith("marker rc=1 from rank 2: x; "), h.run.reason
+        assert "cancel requested by the supervisor" not in h.run.reason
+        assert h.run.reason.endswith("; the cancel did not reach the job before it ended")
+        assert rig.replay.argvs("scancel") == []
+        receipt = json.loads((Path(h.meta.archive_dir) / "receipt.json").read_text())
+        assert receipt["outcome"] == "failed"
+        assert receipt["cause"]["cause"] != "cancelled"
+
+
+@pytest.mark.asyncio
+async def test_a_cancel_racing_the_jobs_end_does_not_change_its_outcome(tmp_path: Path) -> None:
+    async with replayed(tmp_path) as rig:
+        h = await rig.sup.submit(_spec(rig.tmp / "logs"), owner_uid=0)
+
+        def end_then_cancel(h: RunHandle) -> None:
+            publish_hostile_marker(h, reason="x")
+            rig.replay.step()  # the job ends now, before the poller or the driver know it
+            rig.replay.expect(h.run.job_name)  # run_job's own step finds nothing left to do
+            rig.sup.tg.start_soon(rig.sup.cancel, h)
+
+        await run_job(rig, h, end_then_cancel)
+        assert h.run.state is RunState.FAILED, h.run.reason
+        assert "cancel requested by the supervisor" not in h.run.reason
+        assert rig.replay.job(h.run.job_name).signals in ([], ["TERM"])  # TERM: refused

@@ -28,6 +28,7 @@ from llmd_supervisor.core.lifecycle import (
     Submit,
     SubmitFailed,
     Submitted,
+    SupervisionFailed,
     Verified,
     WatchersStopped,
     WriteArchive,
@@ -216,16 +217,17 @@ ALL_EVENTS: list[Event] = [
     Verified(Outcome.FAILED, "x"),
     Archived(),
     CancelRequested(),
+    SupervisionFailed("x"),
 ]
 
 LEGAL: dict[RunState, set[str]] = {
-    RunState.ACCEPTED: {"Submit", "CancelRequested"},
+    RunState.ACCEPTED: {"Submit", "CancelRequested", "SupervisionFailed"},
     RunState.SUBMITTING: {"Submitted", "SubmitFailed", "CancelRequested"},
-    RunState.PENDING: {"Started", "Requeued", "LeftQueue", "CancelRequested"},
-    RunState.RUNNING: {"Requeued", "LeftQueue", "CancelRequested"},
-    RunState.FINISHING: {"WatchersStopped", "Requeued", "CancelRequested"},
-    RunState.VERIFYING: {"Verified", "Requeued", "CancelRequested"},
-    RunState.ARCHIVING: {"Archived", "CancelRequested"},
+    RunState.PENDING: {"Started", "Requeued", "LeftQueue", "CancelRequested", "SupervisionFailed"},
+    RunState.RUNNING: {"Requeued", "LeftQueue", "CancelRequested", "SupervisionFailed"},
+    RunState.FINISHING: {"WatchersStopped", "Requeued", "CancelRequested", "SupervisionFailed"},
+    RunState.VERIFYING: {"Verified", "Requeued", "CancelRequested", "SupervisionFailed"},
+    RunState.ARCHIVING: {"Archived", "CancelRequested", "SupervisionFailed"},
 }
 
 REACH: dict[RunState, list[Event]] = {
@@ -282,3 +284,24 @@ def test_a_cancel_flag_keeps_asking_for_the_cancel_sequence_while_the_job_is_que
     assert plan(requeued) == (FollowQueue("42"), SendCancel("42"))
     left, _ = step(run, LeftQueue(), T0)
     assert plan(left) == (StopWatchers("42"),)
+
+
+@pytest.mark.parametrize(
+    "state", [s for s in REACH if not s.is_final and s is not RunState.SUBMITTING]
+)
+def test_supervision_that_keeps_failing_ends_the_run_unverified(state: RunState) -> None:
+    run, _ = drive(REACH[state])
+    run, actions = step(run, SupervisionFailed("supervision failed 8 times: E: x"), T0)
+    if state is RunState.ARCHIVING:  # the archive is what fails: declared at once
+        assert run.state is RunState.UNVERIFIED
+        assert actions == (Declare(Outcome.UNVERIFIED, "supervision failed 8 times: E: x"),)
+    else:
+        assert run.state is RunState.ARCHIVING
+        assert actions == (WriteArchive(Outcome.UNVERIFIED, "supervision failed 8 times: E: x"),)
+    assert run.outcome is Outcome.UNVERIFIED
+
+
+def test_supervision_failing_while_sbatch_may_be_in_flight_is_never_given_up() -> None:
+    run, _ = drive(REACH[RunState.SUBMITTING])
+    with pytest.raises(IllegalTransition):
+        step(run, SupervisionFailed("x"), T0)
