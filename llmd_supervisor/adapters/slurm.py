@@ -22,6 +22,7 @@ looks, so they are dropped too.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 from collections.abc import Mapping, Sequence
@@ -159,12 +160,31 @@ class NameLookup:
     certain: bool  # both squeue and sacct answered: a None job_id means "never submitted"
 
 
+# What `id -un` may print for the account to be usable in `--user=`: one name, no list.
+_ACCOUNT_RE = re.compile(r"[^\s,]{1,256}")
+
+
 class SlurmClient:
     """The Slurm commands the supervisor uses, each built as an argv list."""
 
     def __init__(self, runner: CommandRunner, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
         self.runner = runner
         self.timeout = timeout
+        self._account: str | None = None
+
+    async def account(self) -> str:
+        """The account the commands run as, so the one sbatch submits as: the daemon's own
+        (the system service's account, or the user of a per-user service), or the SSH
+        user on a login host. Asked once (``id -un`` through the runner), then kept.
+        Raises SlurmCommandError if it cannot be asked, or prints no single user name."""
+        if self._account is None:
+            result = await self._run_checked(["id", "-un"])
+            name = result.stdout.strip()
+            if not _ACCOUNT_RE.fullmatch(name):
+                why = f"printed {name[:80]!r}, which is not one user name for --user="
+                raise SlurmCommandError(result.argv, result.returncode, why)
+            self._account = name
+        return self._account
 
     async def _run(
         self,
@@ -195,14 +215,18 @@ class SlurmClient:
         return parse_sbatch_parsable(result.stdout).job_id
 
     async def find_by_name(self, job_name: str, *, starttime: str) -> NameLookup:
-        """Look for the job named `job_name` in squeue, then in sacct.
+        """Look for the job named `job_name` that this client's account submitted
+        (`account`: another user's job of that name is never the run's), in squeue,
+        then in sacct.
 
         `certain` is True only when both answered (a job purged from slurmctld after
         MinJobAge is only in sacct): then "not found" is a fact. Raises SlurmCommandError
-        when squeue fails, or when it does not know the job and sacct fails.
+        when the account cannot be learnt, when squeue fails, or when it does not know
+        the job and sacct fails.
         """
+        user = f"--user={await self.account()}"
         queue = await self._run_checked(
-            ["squeue", "--noheader", "--states=all", f"--name={job_name}", "--format=%i"]
+            ["squeue", "--noheader", "--states=all", user, f"--name={job_name}", "--format=%i"]
         )
         ids = queue.stdout.split()
         if ids:
@@ -213,6 +237,7 @@ class SlurmClient:
                 "--noheader",
                 "--parsable2",
                 "--allocations",
+                user,
                 f"--name={job_name}",
                 f"--starttime={starttime}",
                 "--format=JobIDRaw",

@@ -4,6 +4,11 @@ Nothing here runs a command or touches a file: every function takes the text a c
 printed and returns typed data. Malformed text raises :class:`SlurmParseError` (or its
 subclass :class:`SlurmJobNotFound`); a job state that is not in the table parses as
 ``JobState.UNKNOWN`` with the raw text kept. No other exception escapes these parsers.
+
+Batched squeue and sacct answers (``parse_squeue_batch``, ``parse_sacct_batch``) keep a
+record that does not parse to its own job (`core.slurm_records`), and the formats the
+client asks for hold no job or step name: a name is the job's own text, and one holding
+a newline broke every job's poll (and could forge another job's row).
 """
 
 from __future__ import annotations
@@ -14,14 +19,17 @@ from dataclasses import dataclass
 from enum import StrEnum
 from types import MappingProxyType
 
+from llmd_supervisor.core.slurm_records import Batch, Rejected, parse_batch
 from llmd_supervisor.errors import SlurmJobNotFound, SlurmParseError
 
 __all__ = [
     "SACCT_FIELDS",
     "SQUEUE_FORMAT",
+    "Batch",
     "ExitCode",
     "JobState",
     "ParsedState",
+    "Rejected",
     "SacctRow",
     "SbatchResult",
     "ScontrolConfig",
@@ -33,10 +41,12 @@ __all__ = [
     "job_rows",
     "parse_exit_code",
     "parse_sacct",
+    "parse_sacct_batch",
     "parse_sbatch_parsable",
     "parse_scontrol_config",
     "parse_scontrol_job",
     "parse_squeue",
+    "parse_squeue_batch",
     "parse_state",
 ]
 
@@ -189,40 +199,61 @@ def parse_sbatch_parsable(text: str) -> SbatchResult:
 
 # --- squeue --------------------------------------------------------------------------------
 
-SQUEUE_FORMAT = "%i|%T|%r|%N|%j"
-"""Use as ``squeue --noheader --format=SQUEUE_FORMAT``: id, long state, reason, nodes, name."""
+SQUEUE_FORMAT = "%i|%T|%N|%r"
+"""Use as ``squeue --noheader --format=SQUEUE_FORMAT``: id, long state, nodes, reason (last:
+slurmctld's free text; a '|' in it stays in it). No name: that is the job's own text."""
 
 _SQUEUE_JOB_ID_RE = re.compile(r"[0-9]{1,18}(?:[_+]\S*)?", re.ASCII)
+_SQUEUE_TOKENS = frozenset({"%i", "%T", "%r", "%N", "%j"})
 
 
 @dataclass(frozen=True)
 class SqueueRow:
-    """One ``squeue`` line in :data:`SQUEUE_FORMAT`."""
+    """One ``squeue`` line in :data:`SQUEUE_FORMAT` (or another format of its tokens)."""
 
     job_id: str
     state: ParsedState
     reason: str
     node_list: str
-    name: str
     raw: str
+    name: str = ""  # only when the format has %j (the captures')
 
 
-def parse_squeue(text: str) -> list[SqueueRow]:
-    """Parse ``squeue --noheader --format=SQUEUE_FORMAT`` output; blank lines are skipped.
+def _squeue_tokens(fmt: str) -> tuple[str, ...]:
+    tokens = tuple(fmt.split("|"))
+    known = set(tokens) <= _SQUEUE_TOKENS and len(set(tokens)) == len(tokens)
+    if not known or tokens[0] != "%i" or "%T" not in tokens:
+        raise ValueError(f"squeue format {fmt!r}: %i first, %T, any of %r %N %j, '|' between")
+    return tokens
 
-    The job name is the last column, so a ``|`` inside it stays part of the name.
-    """
-    rows: list[SqueueRow] = []
-    for line in _lines(text):
-        cells = line.split("|", 4)
-        if len(cells) != 5:
-            why = f"expected 5 '|'-separated cells, got {len(cells)}"
+
+def parse_squeue_batch(text: str, fmt: str = SQUEUE_FORMAT) -> Batch[SqueueRow]:
+    """Parse ``squeue --noheader --format=<fmt>`` output, a bad record kept to its job.
+
+    The last column takes any further '|'. `fmt` is :data:`SQUEUE_FORMAT` or another
+    '|'-separated list of %i (first), %T, %r, %N, %j (ValueError otherwise)."""
+    tokens = _squeue_tokens(fmt)
+
+    def row(line: str) -> SqueueRow:
+        cells = line.split("|", len(tokens) - 1)
+        if len(cells) != len(tokens):
+            why = f"expected {len(tokens)} '|'-separated cells, got {len(cells)}"
             raise SlurmParseError("squeue", line, why)
-        job_id, state, reason, node_list, name = cells
-        if not _SQUEUE_JOB_ID_RE.fullmatch(job_id):
-            raise SlurmParseError("squeue", line, f"job id {job_id!r} is not a Slurm job id")
-        rows.append(SqueueRow(job_id, parse_state(state), reason, node_list, name, line))
-    return rows
+        by = dict(zip(tokens, cells, strict=True))
+        if not _SQUEUE_JOB_ID_RE.fullmatch(by["%i"]):
+            raise SlurmParseError("squeue", line, f"job id {by['%i']!r} is not a Slurm job id")
+        return SqueueRow(
+            by["%i"], parse_state(by["%T"]), by.get("%r", ""), by.get("%N", ""), line,
+            by.get("%j", ""),
+        )  # fmt: skip
+
+    return parse_batch(text, "squeue", row)
+
+
+def parse_squeue(text: str, fmt: str = SQUEUE_FORMAT) -> list[SqueueRow]:
+    """Like :func:`parse_squeue_batch`, but any bad record rejects the whole text
+    (SlurmParseError); blank lines are skipped."""
+    return parse_squeue_batch(text, fmt).strict()
 
 
 # --- sacct ---------------------------------------------------------------------------------
@@ -239,9 +270,9 @@ SACCT_FIELDS = (
     "Start",
     "End",
     "Elapsed",
-    "JobName",
 )
-"""Use as ``sacct --parsable2 --noheader --format=`` + ``",".join(SACCT_FIELDS)``."""
+"""Use as ``sacct --parsable2 --noheader --format=`` + ``",".join(SACCT_FIELDS)``. No field
+holds text a job chose: JobName (the job's and its steps' names) is left out."""
 
 _SACCT_JOB_ID_RAW_RE = re.compile(r"[0-9]{1,18}(?:\.[A-Za-z0-9_+-]+)?", re.ASCII)
 
@@ -261,7 +292,7 @@ class SacctRow:
     start: str
     end: str
     elapsed: str
-    job_name: str
+    job_name: str  # "" unless the text had JobName last (the captures, receipts before 3.2)
     raw: str
 
     @property
@@ -270,43 +301,47 @@ class SacctRow:
         return "." in self.job_id_raw
 
 
-def parse_sacct(text: str) -> list[SacctRow]:
-    """Parse ``sacct --parsable2 --noheader --format=<SACCT_FIELDS>`` output.
-
-    Blank lines are skipped; every other line must have all fields (JobName last, so a
-    ``|`` inside a job name stays part of it) and well-formed (or empty) exit codes, or
-    the whole output is rejected with SlurmParseError: a half-understood answer is not
-    evidence.
-    """
-    rows: list[SacctRow] = []
+def _sacct_row(line: str) -> SacctRow:
     n = len(SACCT_FIELDS)
-    for line in _lines(text):
-        cells = line.split("|", n - 1)
-        if len(cells) != n:
-            why = f"expected {n} '|'-separated cells, got {len(cells)}"
-            raise SlurmParseError("sacct", line, why)
-        raw_id, job_id, state, exit_code, derived, reason, nodes = cells[:7]
-        submit, start, end, elapsed, name = cells[7:]
-        if not _SACCT_JOB_ID_RAW_RE.fullmatch(raw_id):
-            raise SlurmParseError("sacct", line, f"JobIDRaw {raw_id!r} is not a Slurm job id")
-        rows.append(
-            SacctRow(
-                job_id_raw=raw_id,
-                job_id=job_id,
-                state=parse_state(state),
-                exit_code=_optional_exit_code(exit_code),
-                derived_exit_code=_optional_exit_code(derived),
-                reason=reason,
-                node_list=nodes,
-                submit=submit,
-                start=start,
-                end=end,
-                elapsed=elapsed,
-                job_name=name,
-                raw=line,
-            )
-        )
-    return rows
+    cells = line.split("|", n)
+    if len(cells) < n:
+        why = f"expected {n} '|'-separated cells ({n + 1} with JobName), got {len(cells)}"
+        raise SlurmParseError("sacct", line, why)
+    raw_id, job_id, state, exit_code, derived, reason, nodes, submit, start, end = cells[:10]
+    if not _SACCT_JOB_ID_RAW_RE.fullmatch(raw_id):
+        raise SlurmParseError("sacct", line, f"JobIDRaw {raw_id!r} is not a Slurm job id")
+    return SacctRow(
+        job_id_raw=raw_id,
+        job_id=job_id,
+        state=parse_state(state),
+        exit_code=_optional_exit_code(exit_code),
+        derived_exit_code=_optional_exit_code(derived),
+        reason=reason,
+        node_list=nodes,
+        submit=submit,
+        start=start,
+        end=end,
+        elapsed=cells[10],
+        job_name=cells[11] if len(cells) > n else "",
+        raw=line,
+    )
+
+
+def parse_sacct_batch(text: str) -> Batch[SacctRow]:
+    """Parse ``sacct --parsable2 --noheader --format=<SACCT_FIELDS>`` output, a record that
+    does not parse (a missing field, a malformed exit code, a line break) kept to its job.
+
+    A row may hold one more field, JobName, last (the captures; receipts written before
+    3.2): a ``|`` inside it stays part of it.
+    """
+    return parse_batch(text, "sacct", _sacct_row)
+
+
+def parse_sacct(text: str) -> list[SacctRow]:
+    """Like :func:`parse_sacct_batch`, but one record that does not parse rejects the
+    whole text with SlurmParseError: for one job's rows, a half-understood answer is not
+    evidence. Blank lines are skipped."""
+    return parse_sacct_batch(text).strict()
 
 
 def allocation_row(rows: Iterable[SacctRow], job_id: str) -> SacctRow | None:

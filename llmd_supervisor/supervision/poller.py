@@ -17,7 +17,9 @@ for a tick now; once a job's completion marker is seen (`expect_end`: by a node 
 or by a file check each tick where the log directory is visible here) its end is looked
 for every ENDING_INTERVAL_S, with sacct alone. A failed or empty answer changes
 nothing: the previous view of every job stands, and a job missing from sacct (which
-lags sbatch by a second) is not taken as gone.
+lags sbatch by a second) is not taken as gone. A record of one job that does not parse
+changes nothing for that job and nothing else (each job's evidence is its own rows only),
+so no job can hold up another's end by what it prints.
 """
 
 from __future__ import annotations
@@ -43,10 +45,11 @@ from llmd_supervisor.core.slurm_parse import (
     accounting_disabled,
     allocation_row,
     invalid_job_id,
-    parse_sacct,
+    parse_sacct_batch,
     parse_scontrol_config,
-    parse_squeue,
+    parse_squeue_batch,
 )
+from llmd_supervisor.core.slurm_records import Rejected
 from llmd_supervisor.core.verdict import (
     SlurmQuery,
     Source,
@@ -125,6 +128,7 @@ class Poller:
         self._last_squeue = -math.inf
         self.ticks = 0
         self.calls: Counter[str] = Counter()
+        self._rejected: set[tuple[str, str | None]] = set()  # (command, job id) logged
 
     # --- what runs ask for -------------------------------------------------------------
 
@@ -138,6 +142,7 @@ class Poller:
     def untrack(self, job_id: str) -> None:
         self._tracked.pop(job_id, None)
         self._end_files.pop(job_id, None)
+        self._rejected -= {("squeue", job_id), ("sacct", job_id)}
 
     def latest(self, job_id: str) -> QueueView | None:
         tracked = self._tracked.get(job_id)
@@ -336,13 +341,17 @@ class Poller:
             )
             await self._backoff()
             return False
-        try:
-            rows = {row.job_id: row for row in parse_squeue(result.stdout)}
-        except SlurmParseError as exc:
-            log.warning("slurm.squeue_unparsable", cluster=self.cluster, error=str(exc))
+        batch = parse_squeue_batch(result.stdout)
+        if batch.stray:  # text before any job's record: the answer was not understood
+            error = str(batch.stray[0].error)
+            log.warning("slurm.squeue_unparsable", cluster=self.cluster, error=error)
             return False
+        self._log_rejected("squeue", batch.rejected)
+        rows = {row.job_id: row for row in batch.rows}
         changed = False
         for job_id in job_ids:
+            if job_id in batch.rejected_jobs:
+                continue  # its record did not parse: nothing is known of it (not "gone")
             row = rows.get(job_id)
             view = QueueView(
                 job_id=job_id,
@@ -383,12 +392,16 @@ class Poller:
                 r.result = failed_query(Source.SACCT, r.job_id, taken_at=taken_at, error=str(exc))
             await self._backoff()
             return False, False
+        batch = parse_sacct_batch(result.stdout)
         for r in requests:
+            # Each job's evidence is its own records (never another user's rows); text
+            # that belongs to no job makes the answer an error for all, as it is.
+            own = result.stdout if batch.stray or not result.ok else batch.text_of(r.job_id)
             r.result = sacct_query(
                 r.job_id,
                 taken_at=result.started_at,
                 returncode=result.returncode,
-                stdout=result.stdout,
+                stdout=own,
                 stderr=result.stderr,
             )
         if accounting_disabled(result.stderr):
@@ -400,14 +413,16 @@ class Poller:
                 "slurm.sacct_failed", cluster=self.cluster, stderr=result.stderr.strip()[-300:]
             )
             return False, False
-        try:
-            rows = parse_sacct(result.stdout)
-        except SlurmParseError as exc:
-            log.warning("slurm.sacct_unparsable", cluster=self.cluster, error=str(exc))
+        if batch.stray:
+            error = str(batch.stray[0].error)
+            log.warning("slurm.sacct_unparsable", cluster=self.cluster, error=error)
             return False, False
+        self._log_rejected("sacct", batch.rejected)
         changed = False
         for job_id in ids:
-            row = allocation_row(rows, job_id)
+            if job_id in batch.rejected_jobs:
+                continue  # a record of it did not parse: its previous view stands
+            row = allocation_row(batch.rows, job_id)
             if row is None or job_id not in self._tracked:
                 continue  # sacct lags sbatch: absence here means nothing
             previous = self._tracked[job_id].latest
@@ -427,6 +442,20 @@ class Poller:
                     self._last_squeue = -math.inf  # learn the nodes now
 
         return True, changed
+
+    def _log_rejected(self, command: str, rejected: tuple[Rejected, ...]) -> None:
+        """Log each job's unparsable records once while it is tracked (not every tick)."""
+        for r in rejected:
+            if (command, r.job_id) in self._rejected:
+                continue
+            self._rejected.add((command, r.job_id))
+            log.warning(
+                f"slurm.{command}_record_unparsable",
+                cluster=self.cluster,
+                slurm_job_id=r.job_id,
+                error=r.error.why,
+                record=repr(r.text[:300]),  # control characters escaped
+            )
 
     def _answer_without_accounting(self, requests: list[_EvidenceRequest]) -> None:
         taken_at = datetime.now(UTC)

@@ -10,11 +10,20 @@ accounting lag), and `squeue`, `sacct`, `scontrol` and `scancel` answer from tha
 Answers are rendered from the captures in ``tests/data/slurm`` (real Slurm 22.05 output,
 see its INDEX.md): every sacct row, scontrol record and squeue line is a captured line with
 the job's id, name, nodes, times and state put in, and error answers are the captured
-texts. The formats the captures were taken with are read from INDEX.md and must match
-`SQUEUE_FORMAT` / `SACCT_FIELDS` of `core/slurm_parse.py` and the ``--format`` of every
-call; a mismatch raises `ReplayError` ("re-capture"), so format drift cannot pass unseen.
-Answers not in the captures (accounting disabled, slurmctld unreachable, scancel of a
-finished job) are written from SLURM-FACTS.md or Slurm's source and marked as such.
+texts. The formats the captures were taken with are read from INDEX.md and must hold every
+column of `SQUEUE_FORMAT` / `SACCT_FIELDS` of `core/slurm_parse.py` and of the ``--format``
+of every call (they may hold more: the job name, which the client no longer asks for); a
+column the captures lack raises `ReplayError` ("re-capture"), so format drift cannot pass
+unseen. Answers not in the captures (accounting disabled, slurmctld unreachable, scancel
+of a finished job) are written from SLURM-FACTS.md or Slurm's source and marked as such.
+
+Jobs have owners: the commands run as `ReplayCluster.user` (``id -un`` answers it; sbatch
+submits as it), a job added with ``user=`` belongs to someone else, and ``--user=`` of
+squeue and sacct selects by owner (sacct without it and without ``--jobs`` shows a
+non-root caller only its own jobs, as its man page says). A job or step name is printed
+as it is, a newline or a ``|`` included, as Slurm's ``print_fields_str`` and squeue's
+``_print_str`` do (``printf("%s")``, no escaping; to be confirmed by the capture of
+``hostile_names``).
 
 Every argv is recorded (`calls`, `argvs(program)`, `count(program)`, `wait_calls`).
 Typical use::
@@ -126,14 +135,16 @@ class Captures:
             raise ReplayError(f"{directory}/INDEX.md no longer names the capture formats")
         self.squeue_format = squeue.group(1)
         self.sacct_fields = tuple(sacct.group(1).split(","))
-        if self.squeue_format != SQUEUE_FORMAT or self.sacct_fields != SACCT_FIELDS:
+        self.squeue_tokens = tuple(self.squeue_format.split("|"))
+        lacking = [t for t in SQUEUE_FORMAT.split("|") if t not in self.squeue_tokens]
+        lacking += [f for f in SACCT_FIELDS if f not in self.sacct_fields]
+        if lacking:
             raise ReplayError(
-                "format drift: tests/data/slurm was captured with squeue "
-                f"{self.squeue_format!r} and sacct {','.join(self.sacct_fields)!r}, "
-                f"core/slurm_parse.py uses {SQUEUE_FORMAT!r} and {','.join(SACCT_FIELDS)!r}; "
+                f"format drift: {directory} was captured with squeue {self.squeue_format!r} "
+                f"and sacct {','.join(self.sacct_fields)!r}, without {lacking} that "
+                f"core/slurm_parse.py asks for ({SQUEUE_FORMAT!r}, {','.join(SACCT_FIELDS)!r}); "
                 "re-run deploy/devcluster/capture-slurm-outputs"
             )
-        self.squeue_tokens = tuple(self.squeue_format.split("|"))
 
     @staticmethod
     def load() -> Captures:
@@ -169,6 +180,16 @@ class Captures:
                 raise ReplayError(f"{name}: {line!r} does not have the {n} sacct fields")
             rows.append(dict(zip(self.sacct_fields, cells, strict=True)))
         return rows
+
+    def squeue_text(self, name: str, fmt: str = SQUEUE_FORMAT) -> str:
+        """A captured squeue file as `fmt` prints it (the captures may hold more columns)."""
+        tokens = fmt.split("|")
+        rows = [dict(zip(self.squeue_tokens, c, strict=True)) for c in self.squeue_cells(name)]
+        return "".join("|".join(row[t] for t in tokens) + "\n" for row in rows)
+
+    def sacct_text(self, name: str, fields: Sequence[str] = SACCT_FIELDS) -> str:
+        """A captured sacct file as `fields` print it (the captures may hold more fields)."""
+        return "".join("|".join(row[f] for f in fields) + "\n" for row in self.sacct_rows(name))
 
     def scontrol_record(self, name: str) -> str:
         (line,) = self.lines(name)
@@ -398,10 +419,13 @@ class ReplayJob:
         options: Sequence[str] = (),
         steps: Iterable[Step] = (),
         lag_accounting: bool = False,
+        user: str | None = None,
     ) -> None:
         self.cluster = cluster
         self.job_id = job_id
-        self.name = name
+        self.name = name  # printed as it is: a newline or a '|' in it too
+        self.user = user or cluster.user  # who submitted it (squeue/sacct --user)
+        self.step_name: str | None = None  # the srun steps' name (srun --job-name); None: captured
         self.script = script  # the batch script sbatch read from stdin
         self.options = tuple(options)  # sbatch's argv options
         self.signals: list[str] = []  # every scancel, in order: "TERM", ..., "KILL"
@@ -621,6 +645,8 @@ class ReplayJob:
                     row["ExitCode"] = facts.batch_exit
             elif suffix:
                 row["NodeList"] = hostlist(facts.nodes) or "None assigned"
+                if self.step_name is not None and suffix[1:].isdigit():
+                    row["JobName"] = self.step_name
             else:
                 row["NodeList"] = hostlist(facts.nodes) or "None assigned"
                 row["JobName"] = self.name
@@ -771,8 +797,10 @@ class ReplayCluster:
         lag_accounting_on_submit: bool = False,
         touch_files: bool = False,
         captures: Captures | None = None,
+        user: str = "root",
     ) -> None:
         self.captures = captures or Captures.load()
+        self.user = user  # the account the commands run as (and sbatch submits as)
         self.clock = clock or FakeClock()
         self.accounting = accounting  # "down": sacct fails as with slurmdbd stopped
         self.min_job_age_s = min_job_age_s
@@ -802,15 +830,17 @@ class ReplayCluster:
         *steps: Step,
         job_id: str | None = None,
         lag_accounting: bool = False,
+        user: str | None = None,
     ) -> ReplayJob:
         """A job that is already there (submitted by someone else, or by a daemon that
-        crashed before it saw sbatch's answer)."""
+        crashed before it saw sbatch's answer); `user`: its owner (default: `self.user`)."""
         job = ReplayJob(
             self,
             job_id or self._new_id(),
             name,
             steps=steps,
             lag_accounting=lag_accounting,
+            user=user,
         )
         self.jobs[job.job_id] = job
         return job
@@ -942,6 +972,10 @@ class ReplayCluster:
             return self._scontrol(args)
         if program == "scancel":
             return self._scancel(args)
+        if program == "id":
+            if args != ("-un",):
+                raise ReplayError(f"id {args} is not modelled")
+            return Reply(stdout=self.user + "\n")
         if program == "mkdir":
             if args[:2] != ("-p", "--") or len(args) != 3:
                 raise ReplayError(f"mkdir {args} is not modelled")
@@ -978,7 +1012,7 @@ class ReplayCluster:
         return Reply(0, template.replace(captured_id, job.job_id), "")
 
     def _squeue(self, args: tuple[str, ...]) -> Reply:
-        opts, _ = _options("squeue", args, {"noheader", "format", "states", "jobs", "name"})
+        opts, _ = _options("squeue", args, {"noheader", "format", "states", "jobs", "name", "user"})
         if "noheader" not in opts:
             raise ReplayError("squeue without --noheader: its header was not captured")
         tokens = opts.get("format", self.captures.squeue_format).split("|")
@@ -997,6 +1031,8 @@ class ReplayCluster:
                 return INVALID_JOB_ID
         if "name" in opts:
             known = [j for j in known if j.name in opts["name"].split(",")]
+        if "user" in opts:
+            known = [j for j in known if j.user in opts["user"].split(",")]
         if not all_states:
             known = [j for j in known if not j.state.is_terminal]
         lines = []
@@ -1007,6 +1043,7 @@ class ReplayCluster:
 
     def _sacct(self, args: tuple[str, ...]) -> Reply:
         allowed = {"parsable2", "noheader", "format", "jobs", "starttime", "allocations", "name"}
+        allowed.add("user")
         opts, _ = _options("sacct", args, allowed | {"duplicates"})
         if self.accounting == "disabled":
             return ACCOUNTING_DISABLED
@@ -1027,6 +1064,10 @@ class ReplayCluster:
             jobs = [j for j in jobs if j.job_id in wanted]
         if "name" in opts:
             jobs = [j for j in jobs if j.name in opts["name"].split(",")]
+        if "user" in opts:
+            jobs = [j for j in jobs if j.user in opts["user"].split(",")]
+        elif "jobs" not in opts and self.user != "root":
+            jobs = [j for j in jobs if j.user == self.user]  # sacct(1): a user's own by default
         if "starttime" in opts:
             since = _parse_slurm_time(opts["starttime"])
             jobs = [j for j in jobs if j._acct and (j._acct.end or self.clock.now()) >= since]

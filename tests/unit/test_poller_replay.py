@@ -8,7 +8,7 @@ and "accounting storage is disabled" switches the poller to squeue and scontrol 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import anyio
@@ -68,6 +68,21 @@ def jobs(cluster: ReplayCluster, n: int, *steps: Start | End) -> Iterator[Replay
         yield job
 
 
+async def sacct_evidence(p: Poller, jobs_: Iterable[ReplayJob]) -> dict[str, SlurmQuery]:
+    """One sacct evidence request per job, all answered in one tick."""
+    answers: dict[str, SlurmQuery] = {}
+
+    async def ask(job: ReplayJob) -> None:
+        answers[job.job_id] = await p.evidence(Source.SACCT, job.job_id, None)
+
+    async with anyio.create_task_group() as tg:
+        for job in jobs_:
+            tg.start_soon(ask, job)
+        await anyio.wait_all_tasks_blocked()
+        await tick(p)
+    return answers
+
+
 # --- one query per tick, whatever the number of jobs --------------------------------------------
 
 
@@ -118,16 +133,7 @@ async def test_evidence_for_many_jobs_rides_on_the_same_sacct() -> None:
     done = list(jobs(cluster, 10, Start(("node1",)), End("COMPLETED")))
     p = poller(cluster, squeue_interval_s=RARELY)
     p.track(done[0].job_id)
-    answers: dict[str, SlurmQuery] = {}
-
-    async def ask(job: ReplayJob) -> None:
-        answers[job.job_id] = await p.evidence(Source.SACCT, job.job_id, None)
-
-    async with anyio.create_task_group() as tg:
-        for job in done:
-            tg.start_soon(ask, job)
-        await anyio.wait_all_tasks_blocked()
-        await tick(p)
+    answers = await sacct_evidence(p, done)
     assert cluster.count("sacct") == 1
     assert {a.outcome for a in answers.values()} == {QueryOutcome.RECORD}
     assert {a.record.state.state for a in answers.values() if a.record} == {JobState.COMPLETED}
@@ -284,6 +290,88 @@ async def test_a_job_sacct_does_not_list_yet_is_not_gone() -> None:
     job.start(("node4",))
     await tick(p)
     assert seen(p, job)[:1] == (JobState.RUNNING,)
+
+
+# --- a job's name is its own text (issue 3.2, item 4) ----------------------------------------
+
+
+def _hostile_jobs(cluster: ReplayCluster) -> dict[str, ReplayJob]:
+    """Ordinary jobs batched with jobs whose names a user chose: a job renamed to hold a
+    newline, one whose srun steps are named with a newline and a whole forged sacct row
+    (claiming the ordinary job failed), and one with '|' in its name."""
+    normal = cluster.add_job("llmd-r1", Start(("node2",)), End("COMPLETED"))
+    newline = cluster.add_job("x\ny", Start(("node1",)), End("COMPLETED"))
+    forged = f"{normal.job_id}|{normal.job_id}|FAILED|1:0|0:0|None|node2|a|b|c|00:00:01|x"
+    stepper = cluster.add_job("llmd-r2", Start(("node3",)), End("FAILED", "7:0"))
+    stepper.step_name = f"step\n{forged}\n{normal.job_id}|RUNNING|node9|None|x"
+    pipe = cluster.add_job("a|b|COMPLETED|0:0", Start(("node4",)))
+    cluster.step()
+    cluster.step()
+    return {"normal": normal, "newline": newline, "stepper": stepper, "pipe": pipe}
+
+
+@pytest.mark.asyncio
+async def test_a_job_name_cannot_break_or_forge_the_batch_of_everyone() -> None:
+    cluster = ReplayCluster()
+    hostile = _hostile_jobs(cluster)
+    p = poller(cluster, squeue_interval_s=EVERY_TICK)
+    for job in hostile.values():
+        p.track(job.job_id)
+    answers = await sacct_evidence(p, hostile.values())
+    assert cluster.counts() == {"squeue": 1, "sacct": 1}  # still one batch each
+    assert {k: (view(p, j).state, view(p, j).nodes) for k, j in hostile.items()} == {
+        "normal": (JobState.COMPLETED, ("node2",)),
+        "newline": (JobState.COMPLETED, ("node1",)),
+        "stepper": (JobState.FAILED, ("node3",)),
+        "pipe": (JobState.RUNNING, ("node4",)),
+    }
+    records = {k: answers[j.job_id].record for k, j in hostile.items()}
+    got = {k: (r.state.state, str(r.exit_code)) for k, r in records.items() if r is not None}
+    assert got == {
+        "normal": (JobState.COMPLETED, "0:0"),
+        "newline": (JobState.COMPLETED, "0:0"),
+        "stepper": (JobState.FAILED, "7:0"),
+        "pipe": (JobState.RUNNING, "0:0"),
+    }
+    # Each job's evidence holds its own rows only (never another user's job).
+    for job in hostile.values():
+        lines = answers[job.job_id].raw.splitlines()
+        assert lines and all(line.split("|")[0].split(".")[0] == job.job_id for line in lines)
+
+
+@pytest.mark.asyncio
+async def test_a_malformed_record_is_its_own_jobs_error_only() -> None:
+    """Whatever breaks one job's rows (here a line break and a bad ExitCode put into real
+    rows) is an error for that job; the others' states and evidence come through."""
+    cluster = ReplayCluster()
+    good, broken, bad_exit = jobs(cluster, 3, Start(("node1",)), End("COMPLETED"))
+    client = SlurmClient(cluster)
+    ids = [good.job_id, broken.job_id, bad_exit.job_id]
+    sacct_text = (await client.sacct(ids)).stdout.replace(
+        f"\n{broken.job_id}.batch|", f"\n{broken.job_id}.batch|x\ny|"
+    )
+    row = f"{bad_exit.job_id}|{bad_exit.job_id}|COMPLETED|"
+    sacct_text = sacct_text.replace(f"{row}0:0|", f"{row}0:zero|")
+    squeue_text = "".join(
+        line + ("\nbroken" if line.startswith(f"{broken.job_id}|") else "") + "\n"
+        for line in (await client.squeue(ids)).stdout.splitlines()
+    )
+    p = poller(cluster, squeue_interval_s=EVERY_TICK)
+    for job_id in ids:
+        p.track(job_id)
+    cluster.fail("sacct", Reply(0, sacct_text, ""))
+    cluster.fail("squeue", Reply(0, squeue_text, ""))
+    answers = await sacct_evidence(p, (good, broken, bad_exit))
+    assert {j: a.outcome for j, a in answers.items()} == {
+        good.job_id: QueryOutcome.RECORD,
+        broken.job_id: QueryOutcome.ERROR,
+        bad_exit.job_id: QueryOutcome.ERROR,
+    }
+    assert "line break" in answers[broken.job_id].error
+    assert "ExitCode" in answers[bad_exit.job_id].error
+    assert view(p, good).state is JobState.COMPLETED
+    assert p.latest(broken.job_id) is None  # squeue's row for it was broken too: no view
+    assert view(p, bad_exit).state is JobState.COMPLETED  # squeue's row was fine
 
 
 # --- no accounting -------------------------------------------------------------------------------

@@ -82,10 +82,10 @@ async def replay_case(case: str) -> tuple[ReplayCluster, str]:
     cluster = ReplayCluster(clock=clock, first_job_id=int(alloc["JobIDRaw"]))
     client = SlurmClient(cluster)
     if (DATA / f"{case}.sbatch.txt").exists():
-        job_id = await client.sbatch(SCRIPT.format(name=alloc["JobName"]))
+        job_id = await client.sbatch(SCRIPT.format(name=record.job_name))
         job = cluster.job(job_id)
     else:
-        job = cluster.add_job(alloc["JobName"], job_id=alloc["JobIDRaw"])
+        job = cluster.add_job(record.job_name, job_id=alloc["JobIDRaw"])
     for i, attempt in enumerate(attempts):
         clock.set(local(attempt["Start"]))
         job.start(expand_hostlist(attempt["NodeList"]))
@@ -104,12 +104,13 @@ async def replay_case(case: str) -> tuple[ReplayCluster, str]:
 async def test_a_replayed_case_prints_exactly_what_was_captured(case: str) -> None:
     cluster, job_id = await replay_case(case)
     client = SlurmClient(cluster)
-    assert (await client.sacct([job_id])).stdout == CAPS.text(f"{case}.sacct.txt")
+    # In the client's formats (the captures may hold more columns: the job name).
+    assert (await client.sacct([job_id])).stdout == CAPS.sacct_text(f"{case}.sacct.txt")
     if (DATA / f"{case}.sacct_x.txt").exists():
         result = await client.sacct([job_id], allocations_only=True)
-        assert result.stdout == CAPS.text(f"{case}.sacct_x.txt")
+        assert result.stdout == CAPS.sacct_text(f"{case}.sacct_x.txt")
     if (DATA / f"{case}.squeue.txt").exists():
-        assert (await client.squeue([job_id])).stdout == CAPS.text(f"{case}.squeue.txt")
+        assert (await client.squeue([job_id])).stdout == CAPS.squeue_text(f"{case}.squeue.txt")
     if (DATA / f"{case}.sbatch.txt").exists():
         assert cluster.argvs("sbatch") == [("sbatch", "--parsable")]
     scontrol = await client.scontrol_job(job_id)
@@ -122,17 +123,20 @@ async def test_a_replayed_case_prints_exactly_what_was_captured(case: str) -> No
 
 @pytest.mark.asyncio
 async def test_running_and_requeued_pending_replay_the_captured_lines() -> None:
-    lines = CAPS.squeue_cells("running.squeue.txt")
+    lines = [
+        dict(zip(CAPS.squeue_tokens, cells, strict=True))
+        for cells in CAPS.squeue_cells("running.squeue.txt")
+    ]
     submit = local(CAPS.sacct_rows("running.sacct.txt")[0]["Submit"])
     cluster = ReplayCluster(clock=FakeClock(submit))
-    for job_id, _, _, _, name in lines:
-        cluster.add_job(name, job_id=job_id)
+    for line in lines:
+        cluster.add_job(line.get("%j", "capture"), job_id=line["%i"])
     cluster.clock.advance(1)
-    for job_id, _, _, nodes, _ in lines:
-        cluster.job(job_id).start(expand_hostlist(nodes))
+    for line in lines:
+        cluster.job(line["%i"]).start(expand_hostlist(line["%N"]))
     client = SlurmClient(cluster)
-    ids = [cells[0] for cells in lines]
-    assert (await client.squeue(ids)).stdout == CAPS.text("running.squeue.txt")
+    ids = [line["%i"] for line in lines]
+    assert (await client.squeue(ids)).stdout == CAPS.squeue_text("running.squeue.txt")
     # The running scontrol record was taken 1 s into the `timeout` job (TimeLimit 1 min).
     cluster.clock.advance(1)
     running = parse_scontrol_job(CAPS.text("running.scontrol.txt"))
@@ -141,10 +145,11 @@ async def test_running_and_requeued_pending_replay_the_captured_lines() -> None:
 
     # Requeued: PENDING again without nodes; scontrol's StartTime of a pending job is
     # Slurm's estimate, which the replay does not make up.
-    requeued = cluster.job("28")
+    requeued = cluster.job(CAPS.squeue_cells("requeued_pending.squeue.txt")[0][0])
     requeued.requeue()
-    assert (await client.squeue(["28"])).stdout == CAPS.text("requeued_pending.squeue.txt")
-    pending = parse_scontrol_job((await client.scontrol_job("28")).stdout)
+    got = (await client.squeue([requeued.job_id])).stdout
+    assert got == CAPS.squeue_text("requeued_pending.squeue.txt")
+    pending = parse_scontrol_job((await client.scontrol_job(requeued.job_id)).stdout)
     captured = parse_scontrol_job(CAPS.text("requeued_pending.scontrol.txt"))
     assert (pending.state.state, pending.restarts, pending.node_list) == (
         JobState.PENDING,
@@ -168,7 +173,7 @@ def test_hostlist_compresses_as_slurm_prints() -> None:
 def test_captures_taken_with_other_formats_are_refused(tmp_path: Path) -> None:
     shutil.copytree(DATA, tmp_path / "slurm")
     index = tmp_path / "slurm" / "INDEX.md"
-    index.write_text(index.read_text().replace("%i|%T|%r|%N|%j", "%i|%T|%r|%N|%j|%M"))
+    index.write_text(index.read_text().replace("%i|%T|%r|%N|%j", "%i|%T|%r|%j"))  # no %N
     with pytest.raises(ReplayError, match="format drift"):
         Captures(tmp_path / "slurm")
 
@@ -182,7 +187,7 @@ async def test_a_client_format_outside_the_captures_is_refused() -> None:
         argv = ["sacct", "--parsable2", "--noheader", "--format=JobIDRaw,MaxRSS"]
         await cluster.run(argv, time_limit=5)
     with pytest.raises(ReplayError, match="not modelled"):
-        await cluster.run(["squeue", "--noheader", "--user=root"], time_limit=5)
+        await cluster.run(["squeue", "--noheader", "--partition=gpu"], time_limit=5)
 
 
 # --- submit ---------------------------------------------------------------------------------
@@ -234,7 +239,7 @@ async def test_find_by_name_in_squeue_needs_no_sacct() -> None:
     lookup = await SlurmClient(cluster).find_by_name("llmd-r1", starttime=STARTTIME)
     assert (lookup.job_id, lookup.certain) == (job.job_id, True)
     assert cluster.argvs("squeue") == [
-        ("squeue", "--noheader", "--states=all", "--name=llmd-r1", "--format=%i")
+        ("squeue", "--noheader", "--states=all", "--user=root", "--name=llmd-r1", "--format=%i")
     ]
     assert cluster.count("sacct") == 0
 
@@ -258,7 +263,7 @@ async def test_find_by_name_found_nowhere_is_certain() -> None:
     cluster.add_job("llmd-other")
     lookup = await SlurmClient(cluster).find_by_name("llmd-r1", starttime=STARTTIME)
     assert (lookup.job_id, lookup.certain) == (None, True)
-    assert cluster.counts() == {"squeue": 1, "sacct": 1}
+    assert cluster.counts() == {"id": 1, "squeue": 1, "sacct": 1}
 
 
 @pytest.mark.asyncio
@@ -272,6 +277,39 @@ async def test_find_by_name_ignores_jobs_that_ended_before_starttime() -> None:
     since = cluster.clock.now().astimezone().strftime(SLURM_TIME)
     lookup = await SlurmClient(cluster).find_by_name("llmd-r1", starttime=since)
     assert (lookup.job_id, lookup.certain) == (None, True)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("account", ["llmd", "root"])
+async def test_find_by_name_never_takes_another_users_job(account: str) -> None:
+    """Issue 3.2 item 11: after a crash, a job another user named like the run's retry is
+    not the run's job, whether slurmctld still holds it or only accounting does; the
+    lookup is for the account the commands (and so sbatch) run as."""
+    cluster = ReplayCluster(user=account)
+    cluster.add_job("llmd-r1.2", Start(("node1",)), user="mallory")
+    cluster.add_job("llmd-r1.3", Start(("node1",)), End("COMPLETED"), Purge(), user="mallory")
+    for _ in range(3):
+        cluster.step()
+    client = SlurmClient(cluster)
+    for name in ("llmd-r1.2", "llmd-r1.3"):
+        lookup = await client.find_by_name(name, starttime=STARTTIME)
+        assert (lookup.job_id, lookup.certain) == (None, True), name
+    mine = cluster.add_job("llmd-r1.2", Start(("node2",)), End("COMPLETED"), Purge())
+    for _ in range(3):
+        cluster.step()
+    lookup = await client.find_by_name("llmd-r1.2", starttime=STARTTIME)
+    assert (lookup.job_id, lookup.certain) == (mine.job_id, True)
+    lookups = [a for a in cluster.calls if a[0] in ("squeue", "sacct")]
+    assert len(lookups) == 6 and all(f"--user={account}" in argv for argv in lookups)
+    assert cluster.count("id") == 1  # the account is asked once
+
+
+@pytest.mark.asyncio
+async def test_an_account_that_is_no_user_name_is_an_error() -> None:
+    cluster = ReplayCluster(user="a,b")
+    with pytest.raises(SlurmCommandError, match="not one user name"):
+        await SlurmClient(cluster).find_by_name("llmd-r1", starttime=STARTTIME)
+    assert cluster.count("squeue") == cluster.count("sacct") == 0
 
 
 @pytest.mark.asyncio

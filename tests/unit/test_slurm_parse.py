@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from llmd_supervisor.core.slurm_parse import (
@@ -15,10 +17,12 @@ from llmd_supervisor.core.slurm_parse import (
     job_rows,
     parse_exit_code,
     parse_sacct,
+    parse_sacct_batch,
     parse_sbatch_parsable,
     parse_scontrol_config,
     parse_scontrol_job,
     parse_squeue,
+    parse_squeue_batch,
     parse_state,
 )
 from llmd_supervisor.errors import SlurmJobNotFound, SlurmParseError
@@ -164,14 +168,15 @@ def test_bad_sbatch(text: str) -> None:
 
 
 def test_squeue_format_is_the_parsed_one() -> None:
-    assert SQUEUE_FORMAT == "%i|%T|%r|%N|%j"
+    # No job name (the job's own text), and the one free-text column, the reason, last.
+    assert SQUEUE_FORMAT == "%i|%T|%N|%r"
 
 
 def test_parse_squeue() -> None:
     text = (
-        "18|RUNNING|None|node1|capture-cancelled\n"
-        "21|PENDING|BeginTime||capture-requeued_completed\n"
-        "22_3|COMPLETING|None|node[2-3]|name|with|pipes\n"
+        "18|RUNNING|node1|None\n"
+        "21|PENDING||BeginTime\n"
+        "22_3|COMPLETING|node[2-3]|a reason|with|pipes\n"
         "\n"
     )
     rows = parse_squeue(text)
@@ -183,8 +188,54 @@ def test_parse_squeue() -> None:
     ]
     assert rows[1].reason == "BeginTime"
     assert rows[1].node_list == ""
+    assert rows[2].reason == "a reason|with|pipes"
+    assert rows[0].raw == "18|RUNNING|node1|None"
+    assert {r.name for r in rows} == {""}  # not asked for
+
+
+def test_parse_squeue_in_the_captures_format() -> None:
+    """The captures (and SQUEUE_FORMAT before 3.2) printed the name last."""
+    text = (
+        "18|RUNNING|None|node1|capture-cancelled\n"
+        "21|PENDING|BeginTime||capture-requeued_completed\n"
+        "22_3|COMPLETING|None|node[2-3]|name|with|pipes\n"
+    )
+    rows = parse_squeue(text, fmt="%i|%T|%r|%N|%j")
+    assert [(r.job_id, r.reason, r.node_list) for r in rows] == [
+        ("18", "None", "node1"),
+        ("21", "BeginTime", ""),
+        ("22_3", "None", "node[2-3]"),
+    ]
     assert rows[2].name == "name|with|pipes"
     assert rows[0].raw == "18|RUNNING|None|node1|capture-cancelled"
+
+
+@pytest.mark.parametrize("fmt", ["%T|%i", "%i|%T|%N|%N", "%i|%N", "%i|%T|%M", "%i %T"])
+def test_squeue_formats_the_parser_cannot_read(fmt: str) -> None:
+    with pytest.raises(ValueError, match="squeue format"):
+        parse_squeue("", fmt=fmt)
+
+
+@pytest.mark.parametrize(
+    ("text", "rows", "rejected"),
+    [
+        # a line break in the last column (the reason): that job's record only
+        ("1|RUNNING|n1|None\n2|PENDING||two\nlines\n3|RUNNING|n3|None\n", ["1", "3"], ["2"]),
+        # a record with a cell too few, a bad job id after a good one
+        ("1|RUNNING|n1\n3|RUNNING|n3|None\n", ["3"], ["1"]),
+        ("3|RUNNING|n3|None\n4x|RUNNING|n3|None\n", [], ["3"]),
+        # text before any record belongs to no job
+        ("squeue: warning\n3|RUNNING|n3|None\n", ["3"], [None]),
+    ],
+)
+def test_squeue_batch_isolates_a_bad_record(
+    text: str, rows: list[str], rejected: list[str | None]
+) -> None:
+    batch = parse_squeue_batch(text)
+    assert [r.job_id for r in batch.rows] == rows
+    assert [r.job_id for r in batch.rejected] == rejected
+    with pytest.raises(SlurmParseError, match="squeue"):
+        parse_squeue(text)  # the strict form refuses the whole text
 
 
 def test_parse_squeue_empty() -> None:
@@ -215,10 +266,21 @@ SACCT_TEXT = (
 
 
 def test_sacct_fields() -> None:
+    # No JobName: a job's and its steps' names are the job's own text.
     assert ",".join(SACCT_FIELDS) == (
-        "JobIDRaw,JobID,State,ExitCode,DerivedExitCode,Reason,NodeList,"
-        "Submit,Start,End,Elapsed,JobName"
+        "JobIDRaw,JobID,State,ExitCode,DerivedExitCode,Reason,NodeList,Submit,Start,End,Elapsed"
     )
+
+
+def test_parse_sacct_rows_without_names() -> None:
+    """SACCT_TEXT as the client asks for it now: the same rows, no names."""
+    text = "".join(line.rsplit("|", 1)[0] + "\n" for line in SACCT_TEXT.splitlines()[:4])
+    rows = parse_sacct(text)
+    named = parse_sacct(SACCT_TEXT)[:4]
+    assert [r.job_name for r in rows] == ["", "", "", ""]
+    for row, with_name in zip(rows, named, strict=True):
+        assert row.raw == with_name.raw.rsplit("|", 1)[0]
+        assert replace(row, job_name="", raw="") == replace(with_name, job_name="", raw="")
 
 
 def test_parse_sacct_rows() -> None:
@@ -301,6 +363,69 @@ def test_bad_sacct(text: str) -> None:
 def test_parse_sacct_empty() -> None:
     assert parse_sacct("") == []
     assert parse_sacct("\n\n") == []
+
+
+TIMES = "2026-11-30T22:05:33|2026-11-30T22:05:33|2026-11-30T22:05:34|00:00:01"
+
+
+def _row(job: str, state: str = "COMPLETED", exit_code: str = "0:0", name: str = "") -> str:
+    """One sacct row; with `name`, in the captures' format (JobName last)."""
+    derived = "" if "." in job else "0:0"
+    row = f"{job}|{job}|{state}|{exit_code}|{derived}|None|node1|{TIMES}"
+    return row + (f"|{name}" if name else "") + "\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "allocations", "rejected"),
+    [
+        # names with a newline (captures' format): the record is that job's error alone
+        (_row("7") + _row("8", name="x\ny") + _row("9"), ["7", "9"], ["8"]),
+        (_row("7") + _row("8") + _row("8.0", name="step\nname") + _row("9"), ["7", "8", "9"],
+         ["8"]),
+        # '|' in a name: part of the name (it is the last column)
+        (_row("7", name="a|b|c") + _row("8"), ["7", "8"], []),
+        # a bad ExitCode, a missing cell: that job's record only
+        (_row("7", exit_code="x") + _row("8"), ["8"], ["7"]),
+        (_row("7").replace("|None|", "|") + _row("8"), ["8"], ["7"]),
+        # text before any record
+        ("sacct: warning\n" + _row("8"), ["8"], [None]),
+    ],
+)  # fmt: skip
+def test_sacct_batch_isolates_a_bad_record(
+    text: str, allocations: list[str], rejected: list[str | None]
+) -> None:
+    batch = parse_sacct_batch(text)
+    assert [r.job_id_raw for r in batch.rows if not r.is_step] == allocations
+    assert [r.job_id for r in batch.rejected] == rejected
+    if not rejected:
+        assert parse_sacct(text) == list(batch.rows)
+        return
+    with pytest.raises(SlurmParseError, match=r"sacct|ExitCode"):
+        parse_sacct(text)  # the strict form refuses the whole text
+
+
+def test_a_name_could_forge_a_row_so_the_client_asks_for_no_names() -> None:
+    """In the captures' format a name holding a newline and a whole row reads as another
+    job's record; that is why SACCT_FIELDS and SQUEUE_FORMAT leave the name out."""
+    forged = _row("7", "FAILED", "1:0").strip()
+    rows = parse_sacct(_row("8", name="x\n" + forged) + _row("7"))
+    assert [(r.job_id_raw, r.state.state) for r in rows] == [
+        ("8", JobState.COMPLETED),
+        ("7", JobState.FAILED),  # forged
+        ("7", JobState.COMPLETED),
+    ]
+    assert "JobName" not in SACCT_FIELDS and "%j" not in SQUEUE_FORMAT
+
+
+def test_a_jobs_own_text_in_a_batch() -> None:
+    text = _row("7") + _row("7.batch") + _row("8", name="x\ny") + _row("77") + _row("7.0")
+    batch = parse_sacct_batch(text)
+    assert batch.text_of("7") == _row("7") + _row("7.batch") + _row("7.0")
+    assert batch.text_of("8") == _row("8", name="x\ny")  # both lines, as printed
+    assert batch.text_of("77") == _row("77")
+    assert batch.text_of("6") == ""
+    assert batch.rejected_jobs == frozenset({"8"})
+    assert "line break" in str(batch.rejected[0].error)
 
 
 def test_accounting_disabled() -> None:
