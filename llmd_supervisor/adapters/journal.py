@@ -26,7 +26,7 @@ import os
 import sqlite3
 import stat
 from collections.abc import Callable, Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Final, TypeVar
@@ -50,7 +50,7 @@ from llmd_supervisor.adapters.journal_rows import (
 )
 from llmd_supervisor.adapters.journal_schema import MIGRATIONS
 from llmd_supervisor.core.lifecycle import Run, RunState
-from llmd_supervisor.core.retry import Quarantined, count_failure
+from llmd_supervisor.core.retry import Evidence, NodeFailure
 from llmd_supervisor.errors import JournalConflict, JournalError
 
 __all__ = ["SCHEMA_VERSION", "Journal", "RunMeta", "StoredRun"]
@@ -66,19 +66,26 @@ _RESERVED_EVENT_KEYS: Final = frozenset({"at", "kind"})
 SCHEMA_VERSION: Final = len(MIGRATIONS)
 
 _FINAL_STATES: Final = tuple(s.value for s in RunState if s.is_final)
-_Q_COLUMNS: Final = "cluster, node, failures, reason, run_id, since, until"
+_F_COLUMNS: Final = "cluster, node, owner_uid, run_id, attempt, evidence, reason, at"
 
 
-def _quarantined(row: tuple[object, ...], path: Path, operation: str) -> Quarantined:
-    cluster, node, failures, reason, run_id, since, until = row
-    return Quarantined(
+def _failure(row: tuple[object, ...], path: Path, operation: str) -> NodeFailure:
+    cluster, node, owner_uid, run_id, attempt, evidence, reason, when = row
+    try:
+        kind = Evidence(str(evidence))
+    except ValueError:
+        raise JournalError(
+            str(path), operation, f"a node failure has evidence {evidence!r}"
+        ) from None
+    return NodeFailure(
         str(cluster),
         str(node),
-        int(str(failures)),
-        str(reason),
+        int(str(owner_uid)),
         str(run_id),
-        parse_time(str(since), path, operation),
-        parse_time(str(until), path, operation),
+        int(str(attempt)),
+        kind,
+        str(reason),
+        parse_time(str(when), path, operation),
     )
 
 
@@ -352,58 +359,52 @@ class Journal:
 
     # --- node quarantine (core.retry) -------------------------------------------------------
 
-    async def count_node_failure(
-        self, cluster: str, node: str, *, run_id: str, reason: str, at: datetime, ttl: timedelta
-    ) -> Quarantined:
-        """One more infrastructure failure of `node` on `cluster` (one transaction)."""
-        operation = f"count a failure of node {node} on cluster {cluster}"
+    async def count_node_failure(self, failure: NodeFailure, *, forget_before: datetime) -> None:
+        """Count one node's failure in one attempt (once: counting the same attempt's
+        failure of the node again changes nothing), and forget every failure older than
+        `forget_before` (one transaction)."""
+        f = failure
+        operation = f"count a failure of node {f.node} on cluster {f.cluster}"
 
-        def work(conn: sqlite3.Connection) -> Quarantined:
-            row = conn.execute(
-                f"SELECT {_Q_COLUMNS} FROM quarantine WHERE cluster = ? AND node = ?",
-                (cluster, node),
-            ).fetchone()
-            before = None if row is None else _quarantined(row, self._path, operation)
-            after = count_failure(
-                before, cluster=cluster, node=node, run_id=run_id, reason=reason, now=at, ttl=ttl
+        def work(conn: sqlite3.Connection) -> None:
+            conn.execute(
+                "DELETE FROM node_failures WHERE at < ?",
+                (iso(forget_before, self._path, operation),),
             )
             conn.execute(
-                f"INSERT OR REPLACE INTO quarantine ({_Q_COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT OR IGNORE INTO node_failures ({_F_COLUMNS}) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
                 (
-                    cluster,
-                    node,
-                    after.failures,
-                    after.reason[:500],
-                    after.run_id,
-                    iso(after.since, self._path, operation),
-                    iso(after.until, self._path, operation),
+                    *(f.cluster, f.node, f.owner_uid, f.run_id, f.attempt, f.evidence.value),
+                    f.reason[:500],
+                    iso(f.at, self._path, operation),
                 ),
             )
-            return after
 
-        return await self._call(operation, _write(work))
+        await self._call(operation, _write(work))
 
-    async def quarantined(self, cluster: str | None = None) -> list[Quarantined]:
-        """The nodes with failures counted (expired ones included), by cluster and node."""
-        operation = "read the node quarantine"
+    async def node_failures(self, cluster: str | None = None) -> list[NodeFailure]:
+        """The node failures counted (old ones too, until the next count forgets them),
+        oldest first."""
+        operation = "read the node failures"
         where, params = ("cluster = ?", (cluster,)) if cluster is not None else ("1", ())
 
-        def work(conn: sqlite3.Connection) -> list[Quarantined]:
+        def work(conn: sqlite3.Connection) -> list[NodeFailure]:
             rows = conn.execute(
-                f"SELECT {_Q_COLUMNS} FROM quarantine WHERE {where} ORDER BY cluster, node",
+                f"SELECT {_F_COLUMNS} FROM node_failures WHERE {where} ORDER BY at, id",
                 params,
             ).fetchall()
-            return [_quarantined(row, self._path, operation) for row in rows]
+            return [_failure(row, self._path, operation) for row in rows]
 
         return await self._call(operation, _read(work))
 
     async def release_node(self, cluster: str, node: str) -> bool:
-        """Forget `node`'s failures on `cluster`; whether it had any."""
+        """Forget every failure of `node` on `cluster`; whether it had any."""
         operation = f"release node {node} on cluster {cluster}"
 
         def work(conn: sqlite3.Connection) -> bool:
             cur = conn.execute(
-                "DELETE FROM quarantine WHERE cluster = ? AND node = ?", (cluster, node)
+                "DELETE FROM node_failures WHERE cluster = ? AND node = ?", (cluster, node)
             )
             return cur.rowcount > 0
 

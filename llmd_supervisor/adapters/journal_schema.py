@@ -83,4 +83,32 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         )
         """,
     ),
+    # 3 -> 4: node failures one row each, with their owner and evidence (core.retry counts
+    # them per owner; a job's own word never keeps a node from everyone). A counted record
+    # of version 3 becomes one failure its run's owner's job told of (what it was cannot
+    # be told apart any more).
+    (
+        """
+        CREATE TABLE node_failures (
+            id        INTEGER PRIMARY KEY AUTOINCREMENT,
+            cluster   TEXT NOT NULL,
+            node      TEXT NOT NULL,
+            owner_uid INTEGER NOT NULL,
+            run_id    TEXT NOT NULL,
+            attempt   INTEGER NOT NULL CHECK (attempt >= 1),
+            evidence  TEXT NOT NULL CHECK (evidence IN ('observed', 'inferred')),
+            reason    TEXT NOT NULL,
+            at        TEXT NOT NULL,  -- UTC ISO 8601, fixed width
+            UNIQUE (cluster, node, run_id, attempt)
+        )
+        """,
+        "CREATE INDEX node_failures_by_at ON node_failures (cluster, at)",
+        """
+        INSERT INTO node_failures (cluster, node, owner_uid, run_id, attempt, evidence, reason, at)
+        SELECT q.cluster, q.node, COALESCE(r.owner_uid, -1), q.run_id, 1, 'inferred', q.reason,
+               q.since
+        FROM quarantine AS q LEFT JOIN runs AS r ON r.run_id = q.run_id
+        """,
+        "DROP TABLE quarantine",
+    ),
 )

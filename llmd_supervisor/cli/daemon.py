@@ -299,6 +299,8 @@ def _print_summary(r: RunSummary, out: IO[str] | None = None) -> None:
     )
     if benchmarking and not r["outcome"]:
         print(f"  {'; '.join(benchmarking)}", file=out)  # e.g. concurrency 4 (2 of 3)
+    if r.get("held_until") and not r["outcome"]:
+        print(f"  held until {r.get('held_until')}: {r['reason']}", file=out)
     if r["outcome"]:
         print(f"  outcome {r['outcome']}: {r['reason']}", file=out)
     best = r.get("headline")
@@ -576,9 +578,11 @@ def _wait(args: argparse.Namespace, run: str, *, follow: bool) -> int:
 
 
 def _status_line(item: RunSummary) -> None:
+    held = item.get("held_until")
+    last = f"held until {held} (too few nodes)" if held else item["last_log_line"][:60]
     line = (
         f"{item['state']:<10} nodes {item['nodes_healthy']}/{len(item['nodes'])}  "
-        f"{item['elapsed_s']:7.0f}s  {item['last_log_line'][:60]}"
+        f"{item['elapsed_s']:7.0f}s  {last}"
     )
     sys.stderr.write("\r\x1b[K" + line)
     sys.stderr.flush()

@@ -111,12 +111,16 @@ def foreign_spec_json(
 
 def nodes_table(view: NodesView) -> list[str]:
     """`nodes` as text: a line per node with failures counted."""
-    lines = [f"{'CLUSTER':10} {'NODE':12} {'FAILS':>5} {'STATE':11} {'UNTIL':25} RUN / REASON"]
+    lines = [
+        f"{'CLUSTER':10} {'NODE':12} {'FOR':9} {'FAILS':>5} {'STATE':11} {'UNTIL':25} RUN / REASON"
+    ]
     for q in view["nodes"]:
         state = "quarantined" if q["active"] else "counted"
+        owner = q.get("owner_uid")
+        scope = "everyone" if owner is None else f"uid {owner}"
         lines.append(
-            f"{q['cluster']:10} {q['node']:12} {q['failures']:>5} {state:11} "
-            f"{q['until'][:25]:25} {q['run']} {q['reason']}".rstrip()
+            f"{q['cluster']:10} {q['node']:12} {scope:9} {q['failures']:>5} {state:11} "
+            f"{q['until'][:25]:25} {q['run'] or '-'} {q['reason']}".rstrip()
         )
     return lines
 

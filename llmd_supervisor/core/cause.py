@@ -4,6 +4,14 @@ Pure: decided from evidence the verdict and the stages already have (Slurm's bel
 state, the marker, each rank's last status file, the nodes reported unreachable, the
 benchmark's validity gate). A retry policy may only act on ``infrastructure``.
 
+A node is only ever named from the attempt's allocation (the run's node list from Slurm,
+by rank): a status file's own words (its ``"host"``) are never a node name, and a rank
+outside the allocation names nothing. The implicated nodes the daemon saw fail itself
+(Slurm names them failed or down, or they did not take an SSH connection) are the
+diagnosis's `observed` ones; the others are inferred from what the job wrote (its status
+files: a failed component, a hang, a status file gone stale), which the quarantine counts
+only against the job's owner (`core.retry`).
+
 * ``infrastructure`` — Slurm says NODE_FAIL, BOOT_FAIL or PREEMPTED; or some node was
   unreachable (or its status file silent) while others were not; or one node's engine or
   sidecar failed (to start, to get healthy, to answer the coordinator, by dying) while
@@ -23,7 +31,8 @@ benchmark's validity gate). A retry policy may only act on ``infrastructure``.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import re
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Final
@@ -39,7 +48,15 @@ from llmd_supervisor.node.common import (
     RC_SERVICE_UNHEALTHY,
 )
 
-__all__ = ["Cause", "Diagnosis", "RankEnd", "diagnose", "hang", "rank_end"]
+__all__ = [
+    "Cause",
+    "Diagnosis",
+    "RankEnd",
+    "diagnose",
+    "hang",
+    "rank_end",
+    "valid_node_name",
+]
 
 
 class Cause(StrEnum):
@@ -64,6 +81,14 @@ NODE_RCS: Final = frozenset(
 COMPARABLE: Final = frozenset({"engine", "sidecar"})
 _INFRA_STATES: Final = frozenset({JobState.NODE_FAIL, JobState.BOOT_FAIL, JobState.PREEMPTED})
 _WORKLOAD_STATES: Final = frozenset({JobState.OUT_OF_MEMORY, JobState.TIMEOUT, JobState.DEADLINE})
+# A Slurm node name as it may reach `sbatch --exclude=`: one name, no hostlist syntax
+# (`[`, `,`), no path (`/`), no space or option.
+_NODE_NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+def valid_node_name(name: object) -> bool:
+    """Whether `name` is one plain node name (letters, digits, ``.``, ``_``, ``-``)."""
+    return isinstance(name, str) and _NODE_NAME.fullmatch(name) is not None
 
 
 @dataclass(frozen=True)
@@ -86,6 +111,9 @@ class Diagnosis:
     cause: Cause
     nodes: tuple[str, ...]  # the implicated nodes (infrastructure), sorted
     why: str  # one phrase naming the evidence
+    # Those of `nodes` the daemon saw fail itself (Slurm, SSH), sorted; the others are
+    # inferred from the job's own files.
+    observed: tuple[str, ...] = ()
 
     @property
     def text(self) -> str:
@@ -94,31 +122,40 @@ class Diagnosis:
         return f"cause={self.cause.value}{nodes}"
 
     def as_json(self) -> dict[str, object]:
-        return {"cause": self.cause.value, "nodes": list(self.nodes), "why": self.why}
+        return {
+            "cause": self.cause.value,
+            "nodes": list(self.nodes),
+            "observed": list(self.observed),
+            "why": self.why,
+        }
 
 
-def hang(stage: str, node: str, rank: int) -> Diagnosis:
-    """The cause of an attempt ended early because a rank's agent was still in `stage`
-    past its deadline: the benchmark's own stages are the workload's; a hang while
-    starting or waiting for engines, sidecars or the router names the node."""
-    why = f"rank {rank} on {node} hung in stage {stage!r} past its deadline"
+def hang(stage: str, rank: int, allocation: Sequence[str]) -> Diagnosis:
+    """The cause of an attempt ended early because rank `rank`'s agent was still in
+    `stage` past its deadline: the benchmark's own stages are the workload's; a hang while
+    starting or waiting for engines, sidecars or the router names the rank's node in the
+    attempt's `allocation` (inferred: the stages are the job's status file's)."""
+    node = allocation[rank] if 0 <= rank < len(allocation) else ""
+    why = f"rank {rank} on {node or '?'} hung in stage {stage!r} past its deadline"
     if stage.startswith("benchmark"):
         return Diagnosis(Cause.WORKLOAD, (), why)
+    if not valid_node_name(node):
+        return Diagnosis(Cause.UNKNOWN, (), why)
     return Diagnosis(Cause.INFRASTRUCTURE, (node,), why)
 
 
-def rank_end(status: Mapping[str, object]) -> RankEnd | None:
-    """A rank's end from its status file's JSON object (None when it is not one)."""
-    rank, node, role, component = (
-        status.get(k) for k in ("rank", "host", "role", "failed_component")
-    )
+def rank_end(status: Mapping[str, object], allocation: Sequence[str]) -> RankEnd | None:
+    """A rank's end from its status file's JSON object, on the rank's node in the
+    attempt's `allocation` (by rank); None when it is not one, or its rank is not one of
+    the allocation's. The status file's ``"host"`` is the job's word and is not read."""
+    rank, role, component = (status.get(k) for k in ("rank", "role", "failed_component"))
     rank = _int(rank)
-    if rank is None or not isinstance(node, str):
+    if rank is None or not 0 <= rank < len(allocation):
         return None
     healthy = status.get("healthy")
     return RankEnd(
         rank,
-        node[:255],
+        allocation[rank],
         role[:40] if isinstance(role, str) else "",
         _int(status.get("failed_rc")) or _int(status.get("local_rc")),
         component[:64] if isinstance(component, str) else None,
@@ -138,29 +175,45 @@ def diagnose(
     *,
     slurm_state: JobState | None,
     cancel_requested: bool,
+    allocation: Sequence[str],
     ranks: Sequence[RankEnd],
     unreachable: Sequence[str],
+    observed: Collection[str] = (),
     benchmark_failed: bool,
 ) -> Diagnosis | None:
-    """The cause of an outcome other than success (None for a success)."""
+    """The cause of an outcome other than success (None for a success).
+
+    `allocation` is the attempt's nodes by rank (from Slurm): no other node is ever
+    named. `unreachable` are the nodes reported unreachable or silent; `observed` those
+    the daemon saw fail itself (Slurm names them failed or down, or they did not take an
+    SSH connection)."""
     if outcome is Outcome.SUCCEEDED:
         return None
     if cancel_requested or outcome is Outcome.CANCELLED:
         return Diagnosis(Cause.CANCELLED, (), "the run was cancelled")
+    allocated = {n for n in allocation if valid_node_name(n)}
+    ranks = [r for r in ranks if r.node in allocated]
+    silent = set(unreachable) & allocated
+    seen = set(observed) & allocated
     if slurm_state in _INFRA_STATES:
         assert slurm_state is not None
-        nodes = tuple(sorted(set(unreachable)))
-        return Diagnosis(Cause.INFRASTRUCTURE, nodes, f"Slurm says {slurm_state.value}")
+        nodes = tuple(sorted(silent))
+        return Diagnosis(
+            Cause.INFRASTRUCTURE,
+            nodes,
+            f"Slurm says {slurm_state.value}",
+            tuple(sorted(silent & seen)),
+        )
     if slurm_state in _WORKLOAD_STATES:
         assert slurm_state is not None
         return Diagnosis(Cause.WORKLOAD, (), f"Slurm says {slurm_state.value}")
     nodes_seen = {r.node for r in ranks}
-    silent = set(unreachable)
     if silent and nodes_seen - silent:
         return Diagnosis(
             Cause.INFRASTRUCTURE,
             tuple(sorted(silent)),
             "unreachable or silent while the other nodes were not",
+            tuple(sorted(silent & seen)),
         )
     culprits = _culprits(ranks)
     if culprits:

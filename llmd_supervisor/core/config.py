@@ -71,13 +71,20 @@ class Limits:
     # Log copies stop here (a named event, never an outcome): per file, and per run.
     log_copy_max_bytes_per_file: int = 10 << 30
     log_copy_max_bytes_per_run: int = 20 << 30
-    # A node implicated in this many infrastructure failures (each within the TTL of the
-    # last) is kept out of every submission on its cluster until the TTL ends.
+    # Node quarantine (core.retry): the window failures count in, and how long they keep
+    # a node out. Kept out of everyone's runs after `quarantine_after_failures` failures
+    # the daemon saw itself (Slurm, SSH), or failures from `quarantine_after_inferred`
+    # different runs of two or more owners; of one owner's runs after that owner's
+    # failures from `quarantine_after_inferred` different runs.
     quarantine_ttl_s: float = 6 * 3600.0
     # A rank's agent still in a stage this long after the stage's own deadline is hung:
     # the attempt is ended early (TERM, grace, scancel) instead of at the time limit.
     stage_overdue_margin_s: float = 60.0
     quarantine_after_failures: int = 1
+    quarantine_after_inferred: int = 2
+    # A run held for want of nodes that are not excluded fails after this long (a spec's
+    # `retry.hold_timeout_s` overrides it).
+    hold_timeout_s: float = 1800.0
 
 
 @dataclass(frozen=True)
@@ -272,7 +279,7 @@ def parse_config(data: Mapping[str, object]) -> Config:
     _keys("limits", lim, names)
     defaults = Limits()
     sizes = ("log_copy_max_bytes_per_file", "log_copy_max_bytes_per_run")
-    counts = ("quarantine_after_failures",)
+    counts = ("quarantine_after_failures", "quarantine_after_inferred")
     values: dict[str, Any] = {
         n: _num(lim, f"limits.{n}", float(getattr(defaults, n)), 0.1, 86400)
         for n in names

@@ -32,6 +32,7 @@ __all__ = [
     "Event",
     "FollowQueue",
     "Held",
+    "HoldExpired",
     "LeftQueue",
     "Reconcile",
     "Requeued",
@@ -171,6 +172,13 @@ class SupervisionFailed:
 
 
 @dataclass(frozen=True)
+class HoldExpired:
+    """A held run waited past its hold deadline: it fails, never submitted again."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
 class Retry:
     """The attempt failed because of the cluster and the retry policy tries again: a new
     job (a new submission and attempt), submitted from `accepted` as the first one was."""
@@ -190,6 +198,7 @@ Event = (
     | Archived
     | CancelRequested
     | Held
+    | HoldExpired
     | SupervisionFailed
     | Retry
 )
@@ -354,7 +363,8 @@ def step(run: Run, event: Event, now: datetime) -> tuple[Run, tuple[Action, ...]
     -LeftQueue-> finishing -WatchersStopped-> verifying -Verified-> archiving
     -Archived-> the outcome's final state. verifying -Retry-> accepted (a new submission
     and attempt; never with a cancel requested). pending -LeftQueue-> finishing too (a job can
-    end before it is seen running); submitting -SubmitFailed-> archiving (failed).
+    end before it is seen running); submitting -SubmitFailed-> archiving (failed);
+    accepted -HoldExpired-> archiving (failed: held for want of nodes past its deadline).
     Requeued (pending, running, finishing, verifying) -> pending with attempt + 1.
     SupervisionFailed in any non-final state but submitting -> archiving (unverified, the
     error as the reason); from archiving (the archive is what fails) -> unverified at once.
@@ -418,6 +428,8 @@ def _apply(run: Run, event: Event, now: datetime) -> Run:
             return _to(run, RunState.VERIFYING, now, name)
         case Held(reason) if run.state is RunState.ACCEPTED:
             return run if reason == run.reason else replace(run, reason=reason)
+        case HoldExpired(reason) if run.state is RunState.ACCEPTED:
+            return _archive(run, Outcome.FAILED, reason, now, name)
         case SupervisionFailed(reason) if run.state is RunState.ARCHIVING:
             gave_up = _to(run, RunState.UNVERIFIED, now, name)
             return replace(gave_up, outcome=Outcome.UNVERIFIED, reason=reason)

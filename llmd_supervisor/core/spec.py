@@ -21,7 +21,8 @@ Layout (see ``deploy/llm-d/demo.toml``)::
     [benchmark.validity]  min_completed_fraction, min_output_tokens, max_failed
                  (see :mod:`llmd_supervisor.core.spec_bench`)
     [slurm]      partition, account, time_limit, extra_args, requeue
-    [retry]      infrastructure, exclude_nodes, backoff_s (see :mod:`llmd_supervisor.core.retry`)
+    [retry]      infrastructure, exclude_nodes, backoff_s, hold_timeout_s (see
+                 :mod:`llmd_supervisor.core.retry`)
     [env.common] [env.prefill] [env.decode] [env.bench]   NAME = "value"
 """
 

@@ -83,17 +83,22 @@ class _RunSummary(TypedDict):
     last_log_line: str  # the last non-empty line of the batch log copy, or ""
 
 
-class QuarantineView(TypedDict):
-    """One node's counted infrastructure failures on a cluster (`nodes`)."""
-
+class _QuarantineView(TypedDict):
     cluster: str
     node: str
     failures: int
     active: bool  # kept out of submissions now
     reason: str
-    run: str  # the run whose failure was counted last
+    run: str  # the run whose failure was counted last ("": another user's)
     since: str  # ISO 8601, UTC
     until: str
+
+
+class QuarantineView(_QuarantineView, total=False):
+    """One node's counted infrastructure failures on a cluster (`nodes`), for everyone's
+    runs (`owner_uid` null, or absent from an older daemon) or for one owner's."""
+
+    owner_uid: int | None
 
 
 class NodesView(TypedDict):
@@ -132,11 +137,13 @@ class RunSummary(_RunSummary, total=False):
     """A run as ``status``, ``cancel``, ``submit`` and ``wait`` show it. `headline` is
     its best valid benchmark point once archived (null before; absent from an older
     daemon). `attempts` lists its ended attempts (at most the last 20) and `usage` what
-    they cost."""
+    they cost. `held_until` is set while the run is held for want of nodes (its
+    reason says why): it fails then (ISO 8601, UTC)."""
 
     headline: Headline | None
     attempts: list[AttemptView]
     usage: UsageView
+    held_until: str | None
 
 
 class LatencyView(TypedDict):

@@ -68,7 +68,9 @@ spec):
     shared-filesystem lag);
   * ``LLMD_FAKE_MARKER_SLOW_WRITE_S`` -- the coordinator writes the temp file slowly;
   * ``LLMD_FAKE_NODE_IP`` -- this node's address for ``{host_ip}`` (tests that run every
-    rank on one machine set 127.0.0.1).
+    rank on one machine set 127.0.0.1);
+  * ``LLMD_FAKE_STATUS_HOSTS`` -- a host name per rank (comma-separated) that the rank's
+    status file claims instead of its own (a hostile job's words).
 """
 
 from __future__ import annotations
@@ -692,7 +694,7 @@ class Agent(object):
                 "role": self.role.name,
                 "rank": self.rank,
                 "job_id": self.job_id,
-                "host": self.host_of(self.rank),
+                "host": self.claimed_host(),
                 "hostname": socket.gethostname(),
                 "port": self.port_of(self.rank),
                 "pid": os.getpid(),
@@ -721,6 +723,15 @@ class Agent(object):
         while not self._stop_heartbeat.wait(self.heartbeat_s):
             self.poll_engine()
             self.write_status()
+
+    def claimed_host(self) -> str:
+        """The host this rank's status file names: its own, or (fault knob
+        ``LLMD_FAKE_STATUS_HOSTS``, a hostile job's claim) the rank's name in that list."""
+        common = self.cfg.get("env", {}).get("common", {})
+        knob = os.environ.get("LLMD_FAKE_STATUS_HOSTS") or common.get("LLMD_FAKE_STATUS_HOSTS")
+        claims = str(knob or "").split(",")
+        claim = claims[self.rank].strip() if self.rank < len(claims) else ""
+        return claim or self.host_of(self.rank)
 
     def knob(self, name: str) -> float:
         """A numeric fault knob from the agent's environment or the spec's ``env.common``."""

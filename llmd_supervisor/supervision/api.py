@@ -52,6 +52,7 @@ from llmd_supervisor.core.summary import (
     LogsDone,
     NodesView,
     Pong,
+    QuarantineView,
     RunBrief,
     RunList,
     RunResults,
@@ -287,35 +288,40 @@ class ControlApi(Generic[H]):
         return {"runs": runs, "next": f"{last[0]}|{last[1]}" if more else None}
 
     async def _nodes(self, args: Mapping[str, object], peer: Peer, send: Send) -> NodesView:
-        """The nodes with infrastructure failures counted; `release` one (admins only)."""
+        """The nodes with infrastructure failures counted, kept out of everyone's runs or
+        of one owner's; `release` one (admins only). A peer that is not an admin sees the
+        entries for everyone and its own, and the run and reason of a failure only when
+        the run is its own."""
         node = args["release"]
+        admin = sees_all(peer, self.sup.config.admin_group)
         release = None
         if node is not None:
-            if not sees_all(peer, self.sup.config.admin_group):
+            if not admin:
                 raise ControlError(
                     "forbidden",
                     "Only root or a member of the daemon's admin group may release a node.",
                 )
             release = (self.sup.config.cluster(self._cluster(args)).name, str(node))
         found, released = await self.sup.nodes(release)
-        now = self.clock()
-        after = self.sup.config.limits.quarantine_after_failures
-        return {
-            "nodes": [
+        shown: list[QuarantineView] = []
+        for q in found:
+            if not (admin or q.owner_uid is None or q.owner_uid == peer.uid):
+                continue  # another owner's own quarantine
+            own = admin or q.run_owner == peer.uid
+            shown.append(
                 {
                     "cluster": q.cluster,
                     "node": q.node,
                     "failures": q.failures,
-                    "active": q.active(now, after),
-                    "reason": cut(q.reason),
-                    "run": q.run_id,
+                    "active": q.active,
+                    "reason": cut(q.reason) if own else "(another user's run)",
+                    "run": q.run_id if own else "",
                     "since": q.since.isoformat(),
                     "until": q.until.isoformat(),
+                    "owner_uid": q.owner_uid,
                 }
-                for q in found
-            ],
-            "released": released,
-        }
+            )
+        return {"nodes": shown, "released": released}
 
     async def _status(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunSummary:
         return run_summary(self._visible(args, peer), self.clock())

@@ -66,7 +66,7 @@ from llmd_supervisor.core.lifecycle import (
 )
 from llmd_supervisor.core.paths import check_canonical, check_log_dir
 from llmd_supervisor.core.render import render_sbatch
-from llmd_supervisor.core.retry import Quarantined
+from llmd_supervisor.core.retry import Quarantined, quarantine
 from llmd_supervisor.core.spec import RunSpec, check_daemon_dirs, load_spec
 from llmd_supervisor.errors import (
     IllegalTransition,
@@ -119,6 +119,7 @@ class RunHandle:
     # so a snapshot a full disk refused is not lost.
     scontrol_snapshot: str | None = None
     job_files_asked: int = 0
+    held_until: datetime | None = None  # held for want of nodes until then (`retries`)
 
     def count_bytes(self, n: int) -> None:
         self.tail_bytes += n
@@ -382,7 +383,9 @@ class Supervisor:
             for h in self.handles.values():
                 if h.run.state is RunState.ACCEPTED:
                     h.notify()
-        return await self.journal.quarantined(), released
+        counted = await self.journal.node_failures()
+        rules = retries.rules(self.config.limits)
+        return quarantine(counted, now=self.clock(), rules=rules), released
 
     async def cancel(self, handle: RunHandle) -> None:
         """Journal the cancel request (IllegalTransition if the run is already final); the

@@ -23,6 +23,7 @@ from llmd_supervisor.core.foreign import ForeignSpec
 from llmd_supervisor.core.jobtext import job_fields
 from llmd_supervisor.core.lifecycle import (
     Archived,
+    HoldExpired,
     LeftQueue,
     Requeued,
     RunState,
@@ -39,7 +40,13 @@ from llmd_supervisor.core.slurm_parse import JobState, parse_scontrol_job
 from llmd_supervisor.core.spec import RunSpec
 from llmd_supervisor.core.usage import split as usage_split
 from llmd_supervisor.core.verdict import Outcome, SlurmQuery, Source
-from llmd_supervisor.errors import FileRefused, SlurmCommandError, SlurmParseError, SupervisorError
+from llmd_supervisor.errors import (
+    FileRefused,
+    RemoteError,
+    SlurmCommandError,
+    SlurmParseError,
+    SupervisorError,
+)
 from llmd_supervisor.node.common import RC_CONFIG, expand_hostlist
 from llmd_supervisor.supervision import bench_files, cancel, foreign_jobs, retries
 from llmd_supervisor.supervision.attempt import CopyState
@@ -63,6 +70,7 @@ _REQUEUED_STATES = frozenset(
 # sinfo's %T of a node Slurm took out: down, drained/draining, fail(ing), not responding (*)
 _NODE_DOWN = re.compile(r"(down|drain|fail)|.*\*$", re.IGNORECASE)
 _RUNNING_STATES = frozenset({JobState.RUNNING, JobState.COMPLETING, JobState.SUSPENDED})
+_CONNECTING = "connecting"  # the action of a link's `RemoteError` when SSH itself failed
 
 
 # --- submitting ----------------------------------------------------------------------------
@@ -73,6 +81,9 @@ async def submit(sup: Supervisor, h: RunHandle) -> None:
     A retry first waits its backoff, and a run whose excluded nodes leave too few is held
     (`retries.before_submit`)."""
     exclude = await retries.before_submit(sup, h)
+    if isinstance(exclude, HoldExpired):
+        await _hold_expired(sup, h, exclude)
+        return
     if exclude is None:
         return  # waiting: the driver plans again
     await sup.apply(h, Submit())
@@ -85,6 +96,25 @@ async def submit(sup: Supervisor, h: RunHandle) -> None:
         await sup.apply(h, Submitted(lookup.job_id))
     else:
         await sup.apply(h, SubmitFailed(f"sbatch failed: {sbatch_error}"))
+
+
+async def _hold_expired(sup: Supervisor, h: RunHandle, expired: HoldExpired) -> None:
+    """A run held past its deadline fails: its receipt (the hold, and every attempt it
+    had) is journaled first, then `HoldExpired` applied; the archive is written as for
+    any verdict."""
+    attempts = h.history
+    receipt: dict[str, object] = {
+        "outcome": Outcome.FAILED.value,
+        "reason": expired.reason,
+        "attempt": h.run.attempt,
+        "slurm_job_name": h.run.slurm_job_name,
+        "held": {"submission": h.run.submission, "reason": h.run.reason},
+        "attempts": attempts,
+        "usage_total": usage_split(attempts),
+    }
+    await sup.journal.add_event(h.run.run_id, RECEIPT_EVENT, {"receipt": receipt}, sup.clock())
+    h.held_until = None
+    await sup.apply(h, expired)
 
 
 async def reconcile(sup: Supervisor, h: RunHandle) -> None:
@@ -303,8 +333,11 @@ async def verify(sup: Supervisor, h: RunHandle) -> None:
             f"deadline: the attempt was ended early; {reason}"
         )
         receipt["outcome"], receipt["hung"] = outcome.value, hung
+        rank = hung.get("rank")
         diagnosis: Diagnosis | None = hang(
-            str(hung.get("stage")), str(hung.get("node")), int(str(hung.get("rank")))
+            str(hung.get("stage")),
+            rank if isinstance(rank, int) and not isinstance(rank, bool) else -1,
+            _allocation(h),
         )
     else:
         diagnosis = await _diagnosis(sup, h, result, events)
@@ -315,10 +348,12 @@ async def verify(sup: Supervisor, h: RunHandle) -> None:
         reason = receipt["reason"] = f"{reason}; the cancel did not reach the job before it ended"
     receipt["cancel_reached"] = cancelled
     receipt["attempt"], receipt["slurm_job_name"] = h.run.attempt, h.run.slurm_job_name
-    retried = await retries.after_verdict(sup, h, result, diagnosis, outcome, reason, receipt)
+    decision = await retries.after_verdict(sup, h, result, diagnosis, outcome, reason, receipt)
     poller.untrack(job_id)
-    if retried:
+    if decision.retry:
         return
+    if decision.unplaced:  # an infrastructure failure the retry could not get away from
+        reason = receipt["reason"] = f"{reason}; {decision.why}"
     attempts = h.history
     receipt["attempts"] = attempts
     receipt["usage_total"] = usage_split(attempts)
@@ -331,40 +366,70 @@ async def _diagnosis(
 ) -> Diagnosis | None:
     """Why the run did not succeed (`core.cause`), from the verdict, the ranks' last status
     files (unreadable ones are left out), the nodes this attempt reported unreachable, and
-    the benchmark's gate."""
+    the benchmark's gate. Only the attempt's allocation names nodes (a status file's rank,
+    never its ``host``); the nodes the daemon saw fail itself are Slurm's and those that did
+    not take an SSH connection."""
     if result.verdict.outcome is Outcome.SUCCEEDED:
         return None
-    count = len(h.run.nodes) or (h.spec.topology.nodes if isinstance(h.spec, RunSpec) else 1)
+    allocation = _allocation(h)
+    count = len(allocation) or (h.spec.topology.nodes if isinstance(h.spec, RunSpec) else 1)
     try:
         statuses = await bench_files.read_statuses(h.cluster.files, h.layout, h.job_id(), count)
     except (SupervisorError, OSError, TimeoutError) as exc:
         log.warning("run.status_unreadable", run_id=h.run.run_id, error=str(exc))
         statuses = []
     # The job wrote them: what they name reaches the reason and terminals escaped.
-    ends = [e for status in statuses if (e := rank_end(job_fields(status)))]
-    unreachable = [
-        str(e.get("node"))
+    ends = [e for status in statuses if (e := rank_end(job_fields(status), allocation))]
+    reports = [
+        e
         for e in events
         if e.get("kind") == "node.unreachable" and e.get("attempt") == h.run.attempt
     ]
+    unreachable = [str(e.get("node")) for e in reports]
+    observed = [str(e.get("node")) for e in reports if _no_ssh(e.get("node"), e.get("error"))]
     gate = result.receipt.get("benchmark")
     marker = result.marker.marker
     belief = result.verdict.belief
     slurm_state = None if belief is None else belief.record.state.state
-    if slurm_state is JobState.NODE_FAIL and h.run.nodes:
-        unreachable += await _failed_nodes(h)
+    if slurm_state is JobState.NODE_FAIL and allocation:
+        failed = await _failed_nodes(h, allocation)
+        unreachable += failed
+        observed += failed
     return diagnose(
         result.verdict.outcome,
         slurm_state=slurm_state,
         cancel_requested=cancel.reached(h.run, events, h.job_id()),
+        allocation=allocation,
         ranks=ends,
         unreachable=unreachable,
+        observed=observed,
         benchmark_failed=(isinstance(gate, dict) and gate.get("ok") is False)
         or (marker is not None and 0 < marker.rc < RC_CONFIG),
     )
 
 
-async def _failed_nodes(h: RunHandle) -> list[str]:
+def _allocation(h: RunHandle) -> tuple[str, ...]:
+    """The attempt's nodes by rank, from Slurm: as the run saw it start, else as the job's
+    `scontrol show job` record says (a job that ended before it was seen running, or a
+    restart since)."""
+    if h.run.nodes:
+        return h.run.nodes
+    attempt = h.attempt
+    if attempt is not None and attempt.number == h.run.attempt and attempt.nodes:
+        return tuple(attempt.nodes)
+    return _scontrol_nodes(h.scontrol_snapshot) if h.scontrol_snapshot else ()
+
+
+def _no_ssh(node: object, error: object) -> bool:
+    """Whether a `node.unreachable` report says the node did not take an SSH connection
+    (the daemon's own evidence): its error is the link's `RemoteError` while connecting,
+    worded by the daemon. A read of the job's files that failed or hung, or a status file
+    gone stale (which the job can cause), is not."""
+    prefix = str(RemoteError(str(node), _CONNECTING, "")).removesuffix(": .")
+    return isinstance(error, str) and error.startswith(f"{prefix}: ")
+
+
+async def _failed_nodes(h: RunHandle, allocation: tuple[str, ...]) -> list[str]:
     """The allocation's nodes Slurm names as failed: scontrol's FailedNode (24.11 shows it;
     22.05 does not) and those `sinfo` says are down, failing or not responding now."""
     failed: list[str] = []
@@ -378,12 +443,12 @@ async def _failed_nodes(h: RunHandle) -> list[str]:
     except (OSError, SlurmParseError, ValueError):
         pass
     try:
-        states = await h.cluster.client.node_states(h.run.nodes)
+        states = await h.cluster.client.node_states(allocation)
     except SlurmCommandError as exc:
         log.warning("run.node_states_unknown", error=str(exc))
         states = {}
     failed += [n for n, st in states.items() if _NODE_DOWN.match(st)]
-    return sorted(set(failed) & set(h.run.nodes))
+    return sorted(set(failed) & set(allocation))
 
 
 async def _marker(h: RunHandle) -> bytes | None:

@@ -1,8 +1,8 @@
 """Infrastructure failures on the real cluster (issue 2.7): retried as a new job without
-the node the failure implicated, which stays quarantined until released; a failure of
-the workload is never retried; a crash between an attempt's verdict and its retry's
-sbatch submits the retry once; a run that quarantine leaves too few nodes waits, saying
-so, until `nodes release`.
+the node the failure implicated (counted; quarantined for everyone only when the daemon saw
+it fail itself, e.g. NODE_FAIL: issue 3.2); a failure of the workload is never retried; a
+crash between an attempt's verdict and its retry's sbatch submits the retry once; a run
+that quarantine leaves too few nodes waits, saying so, until `nodes release`.
 
 The runs here use 3 of the dev cluster's 4 nodes (2 prefill + 1 decode), so a retry that
 excludes one still fits. On the idle cluster Slurm gives node1..node3 in order: rank 1
@@ -21,6 +21,7 @@ import anyio
 import pytest
 
 from llmd_supervisor.adapters.journal import Journal
+from llmd_supervisor.core.retry import Evidence, NodeFailure
 from tests.daemon_helpers import Daemon, assert_copies_identical, demo_spec
 from tests.devcluster import DevCluster, devcluster
 
@@ -100,8 +101,10 @@ def test_one_bad_nodes_engine_is_retried_without_that_node(
 ) -> None:
     got = final(daemon, submitted(daemon, bad_node_spec(shared_tmp, PORT)))
     assert_retried_without_bad(cluster, got)
+    # One failure read from the job's own status files keeps the node from no other run
+    # (issue 3.2): it is counted, and only this run's retry kept it out.
     (entry,) = quarantined(daemon)
-    assert (entry["node"], entry["active"], entry["run"]) == (BAD, True, got["run"])
+    assert (entry["node"], entry["active"], entry["run"]) == (BAD, False, got["run"])
     daemon.cli("nodes", "release", BAD)
     assert quarantined(daemon) == []
 
@@ -156,15 +159,10 @@ def test_quarantine_that_leaves_too_few_nodes_holds_the_run_until_released(
     daemon.write_config()
 
     async def quarantine_node4() -> None:
+        now = datetime.now(UTC)
+        seen = NodeFailure("dev", "node4", 0, "earlier", 1, Evidence.OBSERVED, "no SSH", now)
         async with await Journal.open(daemon.state_dir / "journal.sqlite3") as journal:
-            await journal.count_node_failure(
-                "dev",
-                "node4",
-                run_id="earlier",
-                reason="unreachable",
-                at=datetime.now(UTC),
-                ttl=timedelta(hours=6),
-            )
+            await journal.count_node_failure(seen, forget_before=now - timedelta(hours=6))
 
     anyio.run(quarantine_node4)
     daemon.start()

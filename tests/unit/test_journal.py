@@ -40,6 +40,7 @@ from llmd_supervisor.core.lifecycle import (
     new_run,
     step,
 )
+from llmd_supervisor.core.retry import Evidence, NodeFailure
 from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import JournalConflict, JournalError
 
@@ -409,7 +410,7 @@ async def test_a_version_1_journal_migrates_and_keeps_its_runs(tmp_path: Path) -
         await inserted(journal, "r-new")
         assert [s.run.run_id for s in await journal.list_runs()] == ["r-old", "r-new"]
     with raw(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         assert "log_offsets" not in tables
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
@@ -418,6 +419,95 @@ async def test_a_version_1_journal_migrates_and_keeps_its_runs(tmp_path: Path) -
         again = await journal.get("r-old")
         assert again is not None
         assert again.run == left
+
+
+# --- node failures (core.retry's quarantine) -------------------------------------------------
+
+
+def _failure(node: str, run_id: str, minutes: float, **changes: object) -> NodeFailure:
+    f = NodeFailure("dev", node, 1000, run_id, 1, Evidence.INFERRED, "its engine died", at(minutes))
+    return replace(f, **changes)  # type: ignore[arg-type]  # test values
+
+
+@pytest.mark.asyncio
+async def test_node_failures_are_counted_once_per_attempt_and_forgotten_when_old(
+    journal: Journal,
+) -> None:
+    first = _failure("node5", "r1", 0)
+    await journal.count_node_failure(first, forget_before=at(-60))
+    again = replace(first, at=at(1), reason="counted again after a crash")
+    await journal.count_node_failure(again, forget_before=at(-60))  # the same attempt
+    other = _failure("node5", "r2", 2, owner_uid=1001, evidence=Evidence.OBSERVED)
+    await journal.count_node_failure(other, forget_before=at(-60))
+    await journal.count_node_failure(
+        _failure("node6", "r1", 3, cluster="c2"), forget_before=at(-60)
+    )
+    assert await journal.node_failures("dev") == [first, other]
+    assert [f.cluster for f in await journal.node_failures()] == ["dev", "dev", "c2"]
+    retry = _failure("node5", "r1", 4, attempt=2)
+    await journal.count_node_failure(retry, forget_before=at(1))  # r1's first is forgotten
+    assert await journal.node_failures("dev") == [other, retry]
+    assert await journal.release_node("dev", "node5")
+    assert await journal.node_failures("dev") == []
+    assert not await journal.release_node("dev", "node5")
+    assert [f.node for f in await journal.node_failures()] == ["node6"]
+
+
+def _version_3_database(path: Path) -> None:
+    """A journal as version 3 left it: a run and the quarantine record its failure made."""
+    _version_1_database(path)
+    with raw(path) as conn:
+        conn.execute("BEGIN")
+        for statements in MIGRATIONS[1:3]:
+            for statement in statements:
+                conn.execute(statement)
+        conn.execute(
+            "INSERT INTO quarantine VALUES ('dev', 'node5', 3, 'its engine died', 'r-old', ?, ?)",
+            (_stamp(0), _stamp(360)),
+        )
+        conn.execute(
+            "INSERT INTO quarantine VALUES ('dev', 'node6', 1, 'x', 'gone', ?, ?)",
+            (_stamp(1), _stamp(361)),
+        )
+        conn.execute("PRAGMA user_version = 3")
+        conn.execute("COMMIT")
+
+
+@pytest.mark.asyncio
+async def test_a_version_3_quarantine_becomes_one_inferred_failure_of_its_runs_owner(
+    tmp_path: Path,
+) -> None:
+    """What counted a version-3 record cannot be told apart any more: it keeps the node
+    from nobody alone (issue 3.2: a job's word never quarantines a node for everyone)."""
+    path = tmp_path / "journal.db"
+    _version_3_database(path)
+    async with await Journal.open(path) as journal:
+        assert await journal.node_failures() == [
+            NodeFailure(
+                "dev", "node5", 1000, "r-old", 1, Evidence.INFERRED, "its engine died", at(0)
+            ),
+            NodeFailure("dev", "node6", -1, "gone", 1, Evidence.INFERRED, "x", at(1)),
+        ]
+    with raw(path) as conn:
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    assert "quarantine" not in tables and "node_failures" in tables
+
+
+@pytest.mark.asyncio
+async def test_a_node_failure_with_unknown_evidence_is_a_journal_error(journal: Journal) -> None:
+    await journal.count_node_failure(_failure("node5", "r1", 0), forget_before=at(-60))
+    with raw(journal.path) as conn:
+        conn.execute("DROP TABLE node_failures")
+        conn.execute(
+            "CREATE TABLE node_failures (cluster, node, owner_uid, run_id, attempt, evidence, "
+            "reason, at, id)"
+        )
+        conn.execute(
+            "INSERT INTO node_failures VALUES ('dev', 'n', 1, 'r', 1, 'rumour', 'x', ?, 1)",
+            (_stamp(0),),
+        )
+    with pytest.raises(JournalError, match="evidence 'rumour'"):
+        await journal.node_failures()
 
 
 @pytest.mark.asyncio
