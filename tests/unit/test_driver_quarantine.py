@@ -15,8 +15,9 @@ import pytest
 from llmd_supervisor.core.lifecycle import RunState
 from llmd_supervisor.core.retry import Evidence, NodeFailure, quarantine
 from llmd_supervisor.core.slurm_parse import JobState
+from llmd_supervisor.errors import RemoteError
 from llmd_supervisor.node import common
-from llmd_supervisor.supervision import retries
+from llmd_supervisor.supervision import retries, steps
 from llmd_supervisor.supervision.driver import RunHandle
 from llmd_supervisor.supervision.views import run_summary
 from tests.fakes.slurm_replay import End, Start
@@ -135,3 +136,21 @@ async def test_a_held_run_shows_its_deadline_and_fails_at_it(
         assert receipt["held"]["submission"] == 1
         held = [e for e in await rig.journal.events(h.run.run_id) if e["kind"] == "run.held"]
         assert [(e["submission"], e["until"]) for e in held] == [(1, until)]
+
+
+@pytest.mark.parametrize(
+    ("node", "error", "seen"),
+    [
+        ("node3", str(RemoteError("node3", "connecting", "Connection refused")), True),
+        ("node3", str(RemoteError("node3", "connecting", "no connection within 10 s")), True),
+        # the job can cause these: a read of its files that hangs, a status file gone stale
+        ("node3", str(RemoteError("node3", "reading /x/rank0.status.json", "no answer")), False),
+        ("node3", "rank 2's status file was last updated 75 s ago", False),
+        ("node3", str(RemoteError("node4", "connecting", "refused")), False),  # another node
+        ("node3", None, False),
+    ],
+)
+def test_only_a_refused_ssh_connection_is_the_daemons_own_evidence(
+    node: str, error: object, seen: bool
+) -> None:
+    assert steps._no_ssh(node, error) is seen
