@@ -31,10 +31,12 @@ def hostile_spec(log_dir: Path, port: int) -> str:
         port=port,
         decode_nodes=1,  # 3 nodes: ranks 0-1 prefill, rank 2 the coordinator
         retry={"infrastructure": 0},
-        common={
-            "LLMD_FAKE_ENGINE_CRASH_AFTER_S": "3",
-            "LLMD_FAKE_FAULT_RANKS": "0",
-            "LLMD_FAKE_STATUS_HOSTS": ",".join([LIE] * 3),
+        common={"LLMD_FAKE_STATUS_HOSTS": ",".join([LIE] * 3)},
+        tables={
+            # rank 0's engine dies once rank 1's has passed its health check; the benchmark
+            # hangs meanwhile, so the run cannot succeed first
+            "prefill": {"LLMD_FAKE_FAULT_RANKS": "0", "LLMD_FAKE_ENGINE_CRASH_AFTER_S": "5"},
+            "bench": {"LLMD_FAKE_BENCH_HANG": "1"},
         },
     )
 
