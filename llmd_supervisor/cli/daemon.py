@@ -6,7 +6,9 @@ $LLMD_SUPERVISOR_SOCKET, else your own service's socket when it exists, else the
 service's). `submit --wait` and `wait` exit 0 only for `succeeded` (the other outcomes
 use `verify`'s exit codes). A
 client that gets SIGINT/SIGTERM while waiting forwards a cancel for its run unless
-`--detach` was given; a second signal stops waiting at once.
+`--detach` was given, and waits for the run's end: a second signal, or no end within the
+run's grace plus `--cancel-margin-s`, stops waiting at once with exit status 5
+(`cli.signals`).
 
 Clients that wait (`wait`, `submit --wait`, `logs --follow`) survive a daemon restart: when
 the connection drops or nothing listens yet they reconnect with backoff and resume (a
@@ -21,7 +23,6 @@ import argparse
 import functools
 import json
 import os
-import signal
 import sys
 from collections.abc import Callable
 from contextlib import aclosing
@@ -48,6 +49,7 @@ from llmd_supervisor.cli.common import (
     _run,
     _write,
 )
+from llmd_supervisor.cli.signals import DEFAULT_CANCEL_MARGIN_S, WAIT_EXIT_STATUS, Interrupts
 from llmd_supervisor.core.summary import (
     ArchiveInfo,
     DryRun,
@@ -130,6 +132,19 @@ def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
             f"(default {DEFAULT_RECONNECT_S:g}; 0: give up at once)",
         )
 
+    def stop_waiting(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--cancel-margin-s",
+            type=_seconds,
+            default=DEFAULT_CANCEL_MARGIN_S,
+            metavar="S",
+            help="after the first Ctrl-C/SIGTERM asked for the run's cancel, stop waiting "
+            "(exit 5) if it has not ended within its grace plus this long "
+            f"(default {DEFAULT_CANCEL_MARGIN_S:g})",
+        )
+        p.epilog = WAIT_EXIT_STATUS
+        p.formatter_class = argparse.RawDescriptionHelpFormatter
+
     def waiting(p: argparse.ArgumentParser) -> None:
         p.add_argument("--wait", action="store_true", help="wait for the verified outcome")
         p.add_argument(
@@ -142,6 +157,7 @@ def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
             "--cluster", default=None, help="the configured cluster to run on (default: the first)"
         )
         reconnect(p)
+        stop_waiting(p)
 
     p = client("submit", "submit a run spec, or your own batch script, to the daemon", run=False)
     p.add_argument("spec", metavar="SPEC", type=Path, nargs="?", help="run spec TOML")
@@ -180,6 +196,7 @@ def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
     p = client("wait", "wait for a run's verified outcome")
     p.add_argument("--detach", action="store_true", help="on Ctrl-C stop waiting, keep the run")
     reconnect(p)
+    stop_waiting(p)
     p.set_defaults(handler=cmd_wait)
 
 
@@ -511,34 +528,14 @@ def _wait(args: argparse.Namespace, run: str, *, follow: bool) -> int:
     policy = _reconnect(args)
     tty = sys.stderr.isatty() and not args.json
     final: list[RunSummary] = []
-    cancel_sent = False
-
-    async def send_cancel() -> None:
-        try:
-            await call_retrying(socket_path, "cancel", {"run": run}, reconnect=policy, resend=True)
-        except SupervisorError as exc:
-            print(f"llmd-supervisor: {exc}", file=sys.stderr)
-
-    async def forward_signals(tg: anyio.abc.TaskGroup) -> None:
-        nonlocal cancel_sent
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
-            async for _ in signals:
-                if args.detach or cancel_sent:
-                    tg.cancel_scope.cancel()
-                    return
-                cancel_sent = True
-                print(
-                    f"\nllmd-supervisor: cancelling run {run} (again: stop waiting)",
-                    file=sys.stderr,
-                )
-                tg.start_soon(send_cancel)  # retried across a daemon restart
+    interrupts = Interrupts(run, socket_path, policy, args.detach, args.cancel_margin_s)
 
     def show_log(chunk: LogChunk) -> None:
         _write(_bytes(chunk))
 
     async def go() -> None:
         async with anyio.create_task_group() as tg:
-            tg.start_soon(forward_signals, tg)
+            tg.start_soon(interrupts.watch, tg)
             logs_done = anyio.Event()
 
             async def follow_logs() -> None:
@@ -554,6 +551,7 @@ def _wait(args: argparse.Namespace, run: str, *, follow: bool) -> int:
             )
             async with aclosing(stream) as items:
                 async for item in items:
+                    interrupts.saw(item.get("final", item))
                     if "final" in item:
                         final.append(_read("wait", RunSummary, item["final"]))
                     elif tty:
@@ -565,9 +563,9 @@ def _wait(args: argparse.Namespace, run: str, *, follow: bool) -> int:
 
     _run("wait", go)
     if not final:
-        what = "its cancel was asked for" if cancel_sent else "it goes on"
-        print(f"llmd-supervisor: stopped waiting for run {run}; {what}", file=sys.stderr)
-        return 0
+        status, line = interrupts.ended()
+        print(line, file=sys.stderr)
+        return status
     out = sys.stderr if follow else sys.stdout
     if args.json:
         print(json.dumps(final[0], indent=2, sort_keys=True), file=out)

@@ -143,6 +143,9 @@ class RunSummary(_RunSummary, total=False):
     headline: Headline | None
     attempts: list[AttemptView]
     usage: UsageView
+    # The run's SIGTERM grace: a waiting client stops waiting for the end of a cancel after
+    # it plus a margin (`cli.signals`).
+    sigterm_grace_s: int
     held_until: str | None
 
 

@@ -157,6 +157,11 @@ class RunHandle:
         return self.run.slurm_job_id
 
     @property
+    def sigterm_grace_s(self) -> int:
+        """The run's grace between TERM and the kill (its spec's)."""
+        return self.spec.sigterm_grace_s
+
+    @property
     def coordinator_rank(self) -> int:
         """The rank that writes the marker (a foreign job's: the first node's view)."""
         return self.spec.topology.coordinator_rank if isinstance(self.spec, RunSpec) else 0

@@ -85,6 +85,8 @@ class HandleView(Protocol):
     @property
     def history(self) -> Sequence[Mapping[str, object]]: ...
     @property
+    def sigterm_grace_s(self) -> int: ...
+    @property
     def held_until(self) -> datetime | None: ...
 
 
@@ -114,6 +116,7 @@ def run_summary(h: HandleView, now: datetime) -> RunSummary:
         "headline": _headline(h.layout.results_table) if run.state.is_final else None,
         "attempts": [_attempt(e) for e in h.history[-ATTEMPTS_SHOWN:]],
         "usage": split_usage(h.history),
+        "sigterm_grace_s": h.sigterm_grace_s,
         "held_until": h.held_until.isoformat() if h.held_until is not None else None,
     }
 

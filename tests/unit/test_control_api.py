@@ -68,6 +68,7 @@ class Handle:
     health: dict[str, Health] = field(default_factory=dict)
     changed: anyio.Event = field(default_factory=anyio.Event)
     history: list[dict[str, object]] = field(default_factory=list)
+    sigterm_grace_s: int = 30
     held_until: datetime | None = None
 
     @property
