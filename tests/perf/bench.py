@@ -47,6 +47,7 @@ from tests.perf.common import (
     RPC_USER,
     LineReader,
     RpcWindow,
+    SlurmctldSwamped,
     code_under_test,
     hold_reservation,
     machine,
@@ -118,7 +119,9 @@ class Mode:
     naive_settle_s: float = 10.0
 
 
-QUICK = Mode(True, 24, (10, 100, 500), 1, 3, 1, 40, 16, 1, 300, 15, 100)
+# Not N=500 here: its naive baseline (500 squeue loops) swamps slurmctld on a 2-core machine
+# for minutes (sdiag unanswered, the next bench's sbatches queued behind it); FULL keeps it.
+QUICK = Mode(True, 24, (10, 100), 1, 3, 1, 40, 16, 1, 300, 15, 100)
 # Every bench once at its smallest (a few runs, second-long windows): proves the harness
 # works (tests/cluster/test_perf_smoke.py); its numbers mean nothing.
 SMOKE = Mode(True, 2, (1,), 1, 1, 1, 5, 1, 1, 2, 2, 3, naive_settle_s=1.0)
@@ -246,7 +249,9 @@ def _poller_window(ctx: Ctx, ids: list[str], seconds: float) -> tuple[RpcWindow,
     return anyio.run(go), out
 
 
-def _naive_window(ctx: Ctx, ids: list[str], seconds: float) -> tuple[RpcWindow, int]:
+def _naive_window(ctx: Ctx, ids: list[str], seconds: float) -> tuple[RpcWindow | None, int]:
+    """The naive loops' window; None when they swamped slurmctld so that sdiag could not
+    count them (500 loops on this 2-core machine: what the baseline costs, noted)."""
     launcher = NaiveLauncher(
         ctx.work / f"naive-rpc-{len(ids)}", ctx.cluster.slurm_env, argv_prefix=AS_RPC_USER
     )
@@ -257,7 +262,11 @@ def _naive_window(ctx: Ctx, ids: list[str], seconds: float) -> tuple[RpcWindow, 
             )
         time.sleep(ctx.mode.naive_settle_s + 0.5)  # every loop has started, in its rhythm
         calls0 = launcher.calls()
-        window = measure_rpcs(ctx.cluster, seconds)
+        try:
+            window: RpcWindow | None = measure_rpcs(ctx.cluster, seconds)
+        except SlurmctldSwamped as e:
+            ctx.note(f"baseline with {len(ids)} naive loops: slurmctld swamped, not counted ({e})")
+            window = None
         return window, launcher.calls() - calls0
     finally:
         launcher.stop()
@@ -284,6 +293,9 @@ def bench_rpc(ctx: Ctx) -> dict[str, Any]:
                 ("project", proj, {"client_calls": info}),
                 ("baseline", base, {"squeue_calls": base_calls}),
             ):
+                if w is None:
+                    windows.append({"n": n, "kind": name, "slurmctld_swamped": True, **extra})
+                    continue
                 windows.append(
                     {
                         "n": n,
@@ -300,7 +312,8 @@ def bench_rpc(ctx: Ctx) -> dict[str, Any]:
                 )
             ratio_target = {100: 100.0, 500: 500.0}.get(n)
             target = "<= 15/min" + (f"; >= {ratio_target:g}x fewer" if ratio_target else "")
-            ratio = _ratio(base.per_min, proj.per_min) if proj.mine > 0 else None
+            base_rate = None if base is None else base.per_min
+            ratio = _ratio(base_rate, proj.per_min) if proj.mine > 0 else None
             met = _met(proj.per_min, 15)
             if ratio_target is not None and met is not None:
                 met = met and (ratio is None or ratio >= ratio_target)
@@ -309,17 +322,18 @@ def bench_rpc(ctx: Ctx) -> dict[str, Any]:
                 _row(
                     f"slurmctld RPCs/min, N={n}",
                     round(proj.per_min, 1),
-                    round(base.per_min, 1),
+                    None if base_rate is None else round(base_rate, 1),
                     "RPC/min",
                     target,
                     met,
                     ratio=ratio,
                     detail=(
-                        f"{proj.mine} vs {base.mine} RPCs in {proj.seconds:.0f} s windows; "
-                        f"project client calls: {calls} ({info['ticks']} ticks); baseline "
-                        f"squeue calls {base_calls}; sub-window median "
-                        f"{_fmt_opt(summary(proj.step_rates)['median'])} vs "
-                        f"{_fmt_opt(summary(base.step_rates)['median'])}/min"
+                        f"{proj.mine} vs "
+                        f"{'(slurmctld swamped)' if base is None else base.mine} RPCs in "
+                        f"{proj.seconds:.0f} s windows; project client calls: {calls} "
+                        f"({info['ticks']} ticks); baseline squeue calls {base_calls}; "
+                        f"sub-window median {_fmt_opt(summary(proj.step_rates)['median'])} vs "
+                        f"{_fmt_opt(summary(base.step_rates if base else [])['median'])}/min"
                     ),
                 )
             )
