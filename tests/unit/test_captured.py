@@ -7,6 +7,7 @@ Job ids are read from the captures themselves, so a re-capture with new ids stil
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -16,6 +17,8 @@ import pytest
 from llmd_supervisor.core.marker import MarkerReading, read_marker
 from llmd_supervisor.core.slurm_parse import (
     _KNOWN_JOB_KEYS,
+    SACCT_FIELDS,
+    SQUEUE_FORMAT,
     ExitCode,
     JobState,
     accounting_disabled,
@@ -23,10 +26,12 @@ from llmd_supervisor.core.slurm_parse import (
     invalid_job_id,
     job_rows,
     parse_sacct,
+    parse_sacct_batch,
     parse_sbatch_parsable,
     parse_scontrol_config,
     parse_scontrol_job,
     parse_squeue,
+    parse_squeue_batch,
 )
 from llmd_supervisor.core.verdict import (
     Outcome,
@@ -38,6 +43,7 @@ from llmd_supervisor.core.verdict import (
     scontrol_query,
 )
 from llmd_supervisor.errors import SlurmJobNotFound
+from tests.fakes.slurm_replay import Captures
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "slurm"
 # Every Slurm version captured, and where (22.05's were the first, at the top).
@@ -47,6 +53,16 @@ T0 = datetime(2026, 11, 30, 22, 0, 0, tzinfo=UTC)
 
 def text(version: str, name: str) -> str:
     return (VERSIONS[version] / name).read_text(encoding="utf-8")
+
+
+def squeue_format(version: str) -> str:
+    """The squeue format a version was captured with (INDEX.md): before issue 3.2 the
+    captures had the name last, after it they are in the client's SQUEUE_FORMAT."""
+    found = re.search(
+        r"squeue format: `squeue --noheader --format=([^`]+)`", text(version, "INDEX.md")
+    )
+    assert found is not None
+    return found.group(1)
 
 
 @dataclass(frozen=True)
@@ -177,7 +193,9 @@ CAPTURED = [c for c in ENDED if c.has_sbatch]
 @pytest.mark.parametrize("case", CAPTURED, ids=case_id)
 def test_squeue_capture(case: Ended) -> None:
     """``squeue -t all`` right after the end, before the MinJobAge purge."""
-    (row,) = parse_squeue(text(case.version, f"{case.case}.squeue.txt"))
+    (row,) = parse_squeue(
+        text(case.version, f"{case.case}.squeue.txt"), squeue_format(case.version)
+    )
     assert row.job_id == job_id_of(case)
     assert row.state.state is case.state
 
@@ -237,14 +255,14 @@ def test_requeued_pending_capture(version: str) -> None:
     assert job.state.state is JobState.PENDING
     assert job.restarts == 1
     assert job.node_list == ""
-    (row,) = parse_squeue(text(version, "requeued_pending.squeue.txt"))
+    (row,) = parse_squeue(text(version, "requeued_pending.squeue.txt"), squeue_format(version))
     assert row.state.state is JobState.PENDING
     assert row.job_id == job.job_id
 
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_running_captures(version: str) -> None:
-    rows = parse_squeue(text(version, "running.squeue.txt"))
+    rows = parse_squeue(text(version, "running.squeue.txt"), squeue_format(version))
     assert rows and all(r.state.state is JobState.RUNNING for r in rows)
     job = parse_scontrol_job(text(version, "running.scontrol.txt"))
     assert job.state.state is JobState.RUNNING
@@ -281,7 +299,7 @@ def test_invalid_job_captures(version: str) -> None:
 def test_squeue_finished_empty_capture(version: str) -> None:
     result = command(version, "squeue_finished_empty.txt")
     assert result.returncode == 0
-    assert parse_squeue(result.stdout) == []
+    assert parse_squeue(result.stdout, squeue_format(version)) == []
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -318,3 +336,86 @@ def test_scancel_signal_term_reaches_the_tasks_not_the_batch_shell(version: str)
     full = text(version, "signal_term_full.out.txt")
     assert "batch shell: got TERM" in full and "task 0 on node1: got TERM" not in full
     assert full.count(": Killed") == 2 and "batch shell: srun exited with rc 137" in full
+
+
+# --- names a job chose (issue 3.2, item 4) ----------------------------------------------------
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_every_capture_holds_the_clients_formats(version: str) -> None:
+    """The client asks for a subset of what was captured (or for exactly it)."""
+    caps = Captures(VERSIONS[version])
+    assert set(SQUEUE_FORMAT.split("|")) <= set(caps.squeue_tokens)
+    assert set(SACCT_FIELDS) <= set(caps.sacct_fields)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_names_beside_captured_jobs_spoil_their_own_record_only(version: str) -> None:
+    """Every ended case's captured rows in one batch, as the poller asks for them. Printed
+    with names (as the formats before issue 3.2 asked), one job named with a newline and
+    one with '|' spoil only the newline job's records; printed in the client's formats
+    (no names) nothing is rejected. Every other job reads as it was captured."""
+    caps = Captures(VERSIONS[version])
+    cases = [c for c in CAPTURED if c.version == version]
+    hostile = {cases[0].case: "x\ny", cases[1].case: "a|b|COMPLETED|0:0"}
+    spoiled = job_id_of(cases[0])
+    sacct_named, sacct_plain, squeue_named, squeue_plain = "", "", "", ""
+    for case in cases:
+        name = hostile.get(case.case, "capture")
+        for row in caps.sacct_rows(f"{case.case}.sacct.txt"):
+            sacct_plain += "|".join(row[f] for f in SACCT_FIELDS) + "\n"
+            sacct_named += "|".join([*(row[f] for f in SACCT_FIELDS), name]) + "\n"
+        for cells in caps.squeue_cells(f"{case.case}.squeue.txt"):
+            line = dict(zip(caps.squeue_tokens, cells, strict=True))
+            squeue_plain += "|".join(line[t] for t in SQUEUE_FORMAT.split("|")) + "\n"
+            squeue_named += "|".join([line["%i"], line["%T"], line["%N"], line["%r"], name])
+            squeue_named += "\n"
+    for sacct, squeue, rejected in (
+        (sacct_plain, parse_squeue_batch(squeue_plain), frozenset[str]()),
+        (
+            sacct_named,
+            parse_squeue_batch(squeue_named, SQUEUE_FORMAT + "|%j"),
+            frozenset({spoiled}),
+        ),
+    ):
+        batch = parse_sacct_batch(sacct)
+        assert (batch.rejected_jobs, squeue.rejected_jobs) == (rejected, rejected)
+        assert not batch.stray and not squeue.stray
+        squeue_rows = {r.job_id: r for r in squeue.rows}
+        for case in cases:
+            job_id = job_id_of(case)
+            if job_id in rejected:
+                continue
+            alloc = allocation_row(batch.rows, job_id)
+            assert alloc is not None, (case.case, sacct)
+            assert (alloc.state.state, alloc.exit_code) == (case.state, case.sacct_exit)
+            assert squeue_rows[job_id].state.state is case.state
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_hostile_names_capture(version: str) -> None:
+    """What Slurm printed for a job and a step named with a newline and with '|' beside an
+    ordinary job (deploy/devcluster/capture-slurm-outputs, `hostile_names`): in the
+    client's formats every job's record parses; printed with names, only the newline
+    job's records may be spoiled, and the ordinary job reads COMPLETED all the same."""
+    directory = VERSIONS[version]
+    if not (directory / "hostile_names.jobs.json").exists():
+        # Captured before issue 3.2: the capture script has the case since (to be re-run).
+        assert "hostile_names" not in text(version, "INDEX.md")
+        return
+    jobs = json.loads(text(version, "hostile_names.jobs.json"))["jobs"]
+    sacct = parse_sacct_batch(text(version, "hostile_names.sacct.txt"))
+    squeue = parse_squeue_batch(text(version, "hostile_names.squeue.txt"), squeue_format(version))
+    assert not sacct.rejected and not squeue.rejected
+    assert {r.job_id for r in squeue.rows} == set(jobs.values())
+    for job_id in jobs.values():
+        row = allocation_row(sacct.rows, job_id)
+        assert row is not None and row.state.state.is_terminal, job_id
+    named = parse_sacct_batch(text(version, "hostile_names.sacct_named.txt"))
+    squeue_named = parse_squeue_batch(
+        text(version, "hostile_names.squeue_named.txt"), squeue_format(version) + "|%j"
+    )
+    assert named.rejected_jobs <= {jobs["newline"]} and not named.stray
+    assert squeue_named.rejected_jobs <= {jobs["newline"]} and not squeue_named.stray
+    normal = allocation_row(named.rows, jobs["normal"])
+    assert normal is not None and normal.state.state is JobState.COMPLETED
