@@ -109,13 +109,15 @@ class Attempt:
         )
 
     async def refused(self, exc: FileRefused | LogCapped) -> None:
-        """Journal (once per path) that a job's file is not copied, or no further."""
+        """Journal (once per path) that a job's file is not copied, or no further. The job
+        named the file: its name (and the reader's answer) is escaped (`core.jobtext`)."""
         fields: dict[str, object]
         if isinstance(exc, FileRefused):
-            key, event, fields = exc.path, "log.refused", {"path": exc.path, "reason": exc.why}
+            key, event = exc.path, "log.refused"
+            fields = {"path": job_text(exc.path), "reason": job_text(exc.why)}
         else:
             key, event = exc.local_path, "log.capped"
-            fields = {"copy": exc.local_path, "size": exc.size}
+            fields = {"copy": job_text(exc.local_path), "size": exc.size}
         if key in self._refused:
             return
         self._refused.add(key)

@@ -17,6 +17,7 @@ import structlog
 
 from llmd_supervisor.adapters.slurm import SlurmClient
 from llmd_supervisor.core.foreign import ForeignSpec
+from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.core.slurm_parse import ScontrolJob, parse_scontrol_job
 from llmd_supervisor.errors import (
     AdoptRefused,
@@ -81,10 +82,9 @@ async def note_job_files(sup: Supervisor, h: RunHandle, job: ScontrolJob) -> Non
     for path in job.batch_logs:
         if path not in inside:
             why = f"it is outside the run's log directory {log_dir} (give --log-dir)"
-            log.warning("run.log_refused", path=path, reason=why)
-            await sup.journal.add_event(
-                h.run.run_id, "log.refused", {"path": path, "reason": why}, sup.clock()
-            )
+            refused = {"path": job_text(path), "reason": why}  # the job chose its name
+            log.warning("run.log_refused", **refused)
+            await sup.journal.add_event(h.run.run_id, "log.refused", refused, sup.clock())
     _use(h, fields)
 
 

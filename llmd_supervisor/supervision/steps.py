@@ -295,8 +295,8 @@ async def verify(sup: Supervisor, h: RunHandle) -> None:
 
     async def benchmark() -> GateResult:
         assert isinstance(spec, RunSpec)
-        concurrencies = spec.benchmark.concurrencies
-        raw = await bench_files.read_results(h.cluster.files, h.layout, job_id, concurrencies)
+        limits = sup.config.limits
+        raw = await bench_files.read_results(h.cluster.files, h.layout, job_id, spec, limits)
         return bench_files.judge(spec, raw)
 
     marker_path = h.layout.marker(job_id)
@@ -536,18 +536,12 @@ async def _bench_evidence(sup: Supervisor, h: RunHandle) -> dict[str, bytes]:
         fields = {"path": exc.path, "reason": exc.why}
         await sup.journal.add_event(h.run.run_id, "log.refused", fields, sup.clock())
 
+    files, limits = h.cluster.files, sup.config.limits
     if isinstance(spec, ForeignSpec):
-        got = await bench_files.read_foreign(h.cluster.files, h.layout, job_id, refused)
-        table = bench_files.foreign_table(got.archived)
+        got = await bench_files.read_foreign(files, h.layout, job_id, refused, limits)
+        table = bench_files.foreign_table(got)
         return {**got.archived, "results.json": (json.dumps(table, indent=1) + "\n").encode()}
-    got = await bench_files.read_all(
-        h.cluster.files,
-        h.layout,
-        job_id,
-        spec.benchmark.concurrencies,
-        spec.topology.nodes,
-        refused,
-    )
+    got = await bench_files.read_all(files, h.layout, job_id, spec, refused, limits)
     gpus = spec.topology.gpus_per_node * spec.topology.nodes
     table = results_table(bench_files.judge(spec, got.results), gpus)
     return {**got.archived, "results.json": (json.dumps(table, indent=1) + "\n").encode()}

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -19,7 +20,13 @@ from llmd_supervisor.errors import SlurmCommandError
 from llmd_supervisor.supervision import driver, failures, steps
 from llmd_supervisor.supervision.driver import RunHandle, Supervisor
 from tests.fakes.bench_results import finish_job
-from tests.unit.test_driver_replay import _journal_submitting, _spec, replayed, run_job
+from tests.unit.test_driver_replay import (
+    _journal_submitting,
+    _spec,
+    publish_marker,
+    replayed,
+    run_job,
+)
 
 HOSTILE_REASON = "boom \ud800 \x1b[2K\x1b[1Goutcome succeeded\x1b]52;c;aGk=\x07"
 
@@ -179,3 +186,23 @@ async def test_a_cancel_racing_the_jobs_end_does_not_change_its_outcome(tmp_path
         assert h.run.state is RunState.FAILED, h.run.reason
         assert "cancel requested by the supervisor" not in h.run.reason
         assert rig.replay.job(h.run.job_name).signals in ([], ["TERM"])  # TERM: refused
+
+
+@pytest.mark.asyncio
+async def test_a_refused_file_named_with_escapes_and_undecodable_bytes_is_journaled_escaped(
+    tmp_path: Path,
+) -> None:
+    def plant_then_publish(h: RunHandle) -> None:
+        job_dir = Path(h.layout.log_dir) / h.job_id()
+        job_dir.mkdir(parents=True, exist_ok=True)
+        name = b"rank0.\xff\x1b]0;pwned\x07.log"  # not UTF-8, with an OSC sequence
+        os.symlink(b"/etc/passwd", os.path.join(os.fsencode(job_dir), name))
+        publish_marker(h)
+
+    async with replayed(tmp_path) as rig:
+        h = await rig.sup.submit(_spec(rig.tmp / "logs"), owner_uid=0)
+        await run_job(rig, h, plant_then_publish)
+        assert h.run.state is RunState.SUCCEEDED, h.run.reason
+        refused = [e for e in await rig.journal.events(h.run.run_id) if e["kind"] == "log.refused"]
+        assert len(refused) == 1, refused
+        assert str(refused[0]["path"]).endswith("/rank0.\\udcff\\x1b]0;pwned\\x07.log")
