@@ -8,6 +8,7 @@ drift from real Slurm output, nor the client's formats from the captures). The r
 
 from __future__ import annotations
 
+import re
 import shutil
 from datetime import UTC, datetime
 from pathlib import Path
@@ -129,8 +130,11 @@ async def test_running_and_requeued_pending_replay_the_captured_lines() -> None:
     ]
     submit = local(CAPS.sacct_rows("running.sacct.txt")[0]["Submit"])
     cluster = ReplayCluster(clock=FakeClock(submit))
+    # Their names are in their scontrol records (the client does not ask squeue for names).
+    records = [parse_scontrol_job(p.read_text()) for p in DATA.glob("*.scontrol.txt")]
+    names = {r.job_id: r.job_name for r in records}
     for line in lines:
-        cluster.add_job(line.get("%j", "capture"), job_id=line["%i"])
+        cluster.add_job(names.get(line["%i"], "capture"), job_id=line["%i"])
     cluster.clock.advance(1)
     for line in lines:
         cluster.job(line["%i"]).start(expand_hostlist(line["%N"]))
@@ -173,7 +177,10 @@ def test_hostlist_compresses_as_slurm_prints() -> None:
 def test_captures_taken_with_other_formats_are_refused(tmp_path: Path) -> None:
     shutil.copytree(DATA, tmp_path / "slurm")
     index = tmp_path / "slurm" / "INDEX.md"
-    index.write_text(index.read_text().replace("%i|%T|%r|%N|%j", "%i|%T|%r|%j"))  # no %N
+    # a squeue format without %N, which the client asks for
+    index.write_text(
+        re.sub(r"(squeue --noheader --format=)[^`]+", r"\1%i|%T|%r", index.read_text())
+    )
     with pytest.raises(ReplayError, match="format drift"):
         Captures(tmp_path / "slurm")
 
