@@ -25,6 +25,7 @@ from typing import Final
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
@@ -40,6 +41,8 @@ SMALL_FILE_MAX: Final = 64 << 10
 RESULT_FILE_MAX: Final = 32 << 20
 # Entry names read from one job directory per listing.
 LIST_MAX: Final = 4096
+# What one reader process of `read_many_local` may answer in all (held here at once).
+BATCH_MAX: Final = 64 << 20
 
 _CHUNK = 1 << 20
 _STDERR_KEEP = 4096
@@ -98,9 +101,14 @@ def answer(path: str, status: int | str, data: bytes, limit: int = SMALL_FILE_MA
     if status in (MISSING, "missing"):
         return None
     if status in (TOO_LARGE, "too_large"):
-        raise FileRefused(path, f"it is larger than {limit} bytes")
+        raise FileRefused(path, too_large(limit))
     reason = data.decode("utf-8", "replace").strip().removeprefix("refused: ")
     raise FileRefused(path, reason or f"the reader failed with status {status}")
+
+
+def too_large(limit: int) -> str:
+    """Why a file larger than the `limit` it was read with is refused."""
+    return f"it is larger than {limit} bytes"
 
 
 def listing(path: str, status: str, data: bytes) -> list[str]:
@@ -129,25 +137,60 @@ async def read_local(
 async def read_many_local(
     log_dir: str, paths: Sequence[tuple[str, int]], *, time_limit: float
 ) -> dict[str, bytes | FileRefused | None]:
-    """Several files of a job here, each (path, limit), through one reader process:
-    path -> its bytes, None when missing, or the `FileRefused` that says why not."""
+    """Several files of a job here, each (path, limit): path -> its bytes, None when
+    missing, or the `FileRefused` that says why not. The requests go to reader processes
+    in batches whose limits add up to at most BATCH_MAX (a larger file alone), each batch
+    within `time_limit` (`TimeoutError` otherwise: the reader is killed); what a reader
+    answers is cut into files by offset, each file's bytes copied once."""
     out: dict[str, bytes | FileRefused | None] = {}
     if not paths:
         return out
     root = split(log_dir, paths[0][0])[0]
-    requests = b"".join(
-        serve_request("read", split(log_dir, path)[1], limit) for path, limit in paths
-    )
-    with anyio.fail_after(time_limit):
-        result = await anyio.run_process(argv(sys.executable, "serve", root), input=requests)
-    answers = result.stdout
+    for batch in batches(paths, BATCH_MAX):
+        requests = b"".join(
+            serve_request("read", split(log_dir, path)[1], limit) for path, limit in batch
+        )
+        with anyio.fail_after(time_limit):
+            result = await anyio.run_process(
+                argv(sys.executable, "serve", root), input=requests, check=False
+            )
+        out.update(cut_answers(result.stdout, batch))
+        await anyio.lowlevel.checkpoint()
+    return out
+
+
+def batches(paths: Sequence[tuple[str, int]], most: int) -> list[list[tuple[str, int]]]:
+    """`paths` in order, in runs whose limits add up to at most `most` (or one path)."""
+    out: list[list[tuple[str, int]]] = []
+    total = 0
     for path, limit in paths:
-        head, _, answers = answers.partition(b"\n")
-        word, _, size = head.decode(errors="replace").partition(" ")
-        n = int(size) if size.isdigit() else 0
-        data, answers = answers[:n], answers[n:]
+        if not out or total + limit > most:
+            out.append([])
+            total = 0
+        out[-1].append((path, limit))
+        total += limit
+    return out
+
+
+def cut_answers(
+    output: bytes, paths: Sequence[tuple[str, int]]
+) -> dict[str, bytes | FileRefused | None]:
+    """A ``serve`` reader's answers to `paths`' read requests, cut out of its `output` by
+    offset; a path without a complete, believable answer (the reader died, or its length
+    is beyond what was asked) is refused, and so is every path after it."""
+    out: dict[str, bytes | FileRefused | None] = {}
+    pos = 0
+    for i, (path, limit) in enumerate(paths):
+        newline = output.find(b"\n", pos, pos + 64)
+        answered = serve_head(output[pos:newline], "read", limit) if newline >= 0 else None
+        if answered is None or newline + 1 + answered[1] > len(output):
+            why = "the file reader gave no complete answer for it (it ended early)"
+            out.update((p, FileRefused(p, why)) for p, _ in paths[i:])
+            break
+        word, n = answered
+        pos = newline + 1 + n
         try:
-            out[path] = answer(path, word or "error", data, limit)
+            out[path] = answer(path, word, output[newline + 1 : pos], limit)
         except FileRefused as exc:
             out[path] = exc
     return out

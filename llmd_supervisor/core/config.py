@@ -71,6 +71,14 @@ class Limits:
     # Log copies stop here (a named event, never an outcome): per file, and per run.
     log_copy_max_bytes_per_file: int = 10 << 30
     log_copy_max_bytes_per_run: int = 20 << 30
+    # A run's benchmark result files read at most (InferenceX and vLLM write one per
+    # concurrency point; a sweep has a dozen), and the bytes of everything its archive
+    # takes from the job (results, point logs, diagnostics); the rest is refused, named.
+    result_files_max_per_run: int = 64
+    result_bytes_max_per_run: int = 256 << 20
+    # One result file's parse, in a child process: its address space, and its wall time.
+    result_parse_memory_bytes: int = 512 << 20
+    result_parse_timeout_s: float = 10.0
     # Node quarantine (core.retry): the window failures count in, and how long they keep
     # a node out. Kept out of everyone's runs after `quarantine_after_failures` failures
     # the daemon saw itself (Slurm, SSH), or failures from `quarantine_after_inferred`
@@ -278,8 +286,11 @@ def parse_config(data: Mapping[str, object]) -> Config:
     names = tuple(Limits.__dataclass_fields__)
     _keys("limits", lim, names)
     defaults = Limits()
-    sizes = ("log_copy_max_bytes_per_file", "log_copy_max_bytes_per_run")
+    sizes: tuple[str, ...] = ("log_copy_max_bytes_per_file", "log_copy_max_bytes_per_run")
+    sizes += ("result_bytes_max_per_run", "result_parse_memory_bytes")
+    counts: tuple[str, ...]
     counts = ("quarantine_after_failures", "quarantine_after_inferred")
+    counts += ("result_files_max_per_run",)
     values: dict[str, Any] = {
         n: _num(lim, f"limits.{n}", float(getattr(defaults, n)), 0.1, 86400)
         for n in names

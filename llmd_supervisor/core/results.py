@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
 from typing import Final, Literal, get_args
 
 from llmd_supervisor.node import common
@@ -36,7 +36,10 @@ __all__ = [
     "Validity",
     "gate",
     "min_completed",
+    "parse_any",
     "parse_result",
+    "parsed_from_json",
+    "parsed_to_json",
     "result_name",
     "results_table",
 ]
@@ -55,8 +58,11 @@ ProblemKind = Literal[
     "missing_field",  # a required key is absent
     "bad_value",  # a key has the wrong type, is negative or not finite
     "inconsistent",  # the numbers contradict each other
-    "refused",  # the reader refused the file (a link, not a plain file, ...)
+    "refused",  # not read or not parsed: a link, not a plain file, over a limit, ...
 ]
+PROBLEM_KINDS: Final[tuple[ProblemKind, ...]] = get_args(ProblemKind)
+# A problem's detail as it crosses from the parser's process (they are short sentences).
+DETAIL_MAX: Final = 1000
 
 
 @dataclass(frozen=True)
@@ -148,8 +154,29 @@ def _reject_constant(name: str) -> float:
 
 def parse_result(data: bytes | str | None, fmt: ResultFormat) -> Point | ResultProblem:
     """Parse one saved result (the file's bytes; None = no file) in format `fmt`."""
-    if fmt not in FORMATS:
-        return ResultProblem("bad_value", f"unknown result format {_shown(fmt)}")
+    return parse_any(data, (fmt,))
+
+
+def parse_any(data: bytes | str | None, formats: Sequence[ResultFormat]) -> Point | ResultProblem:
+    """`data` as the first of `formats` it is a point of, else the last format's problem
+    (the JSON is decoded once)."""
+    for fmt in formats or ("",):
+        if fmt not in FORMATS:
+            return ResultProblem("bad_value", f"unknown result format {_shown(fmt)}")
+    doc = _document(data)
+    if isinstance(doc, ResultProblem):
+        return doc
+    got = ResultProblem("missing", "")
+    for fmt in formats:
+        try:
+            return _point(doc, fmt)
+        except _Bad as bad:
+            got = bad.problem
+    return got
+
+
+def _document(data: bytes | str | None) -> dict[str, object] | ResultProblem:
+    """The JSON object a result file holds, or why it is none."""
     if data is None:
         return ResultProblem("missing", "no result file")
     if len(data) > MAX_RESULT_BYTES:
@@ -174,10 +201,7 @@ def parse_result(data: bytes | str | None, fmt: ResultFormat) -> Point | ResultP
         return ResultProblem("not_json", f"{msg} at line {line} column {col}")
     if not isinstance(doc, dict):
         return ResultProblem("not_object", f"the JSON is a {type(doc).__name__}, not an object")
-    try:
-        return _point(doc, fmt)
-    except _Bad as bad:
-        return bad.problem
+    return doc
 
 
 def _get(doc: Mapping[str, object], key: str, fmt: ResultFormat) -> object:
@@ -269,6 +293,72 @@ def _point(doc: Mapping[str, object], fmt: ResultFormat) -> Point:
         itl_ms=_stats(doc, "itl"),
         e2el_ms=_stats(doc, "e2el"),
     )
+
+
+# --- across the parser's process boundary ------------------------------------------------
+
+# The version of what `parsed_to_json` writes; `parsed_from_json` reads only this one.
+PARSED_VERSION: Final = 1
+
+
+def parsed_to_json(got: Point | ResultProblem) -> dict[str, object]:
+    """What `parse_any` made of a file, as the parser's process hands it back."""
+    if isinstance(got, ResultProblem):
+        return {"v": PARSED_VERSION, "problem": {"kind": got.kind, "detail": got.detail}}
+    return {"v": PARSED_VERSION, "point": asdict(got)}
+
+
+def parsed_from_json(value: object) -> Point | ResultProblem:
+    """The inverse of `parsed_to_json`; ValueError for anything else (another version, a
+    wrong type, a value the parser could not have let through)."""
+    if not isinstance(value, dict) or value.get("v") != PARSED_VERSION:
+        raise ValueError(f"not a parsed result of version {PARSED_VERSION}: {_shown(value)}")
+    problem, p = value.get("problem"), value.get("point")
+    if isinstance(problem, dict):
+        kind = next((k for k in PROBLEM_KINDS if k == problem.get("kind")), None)
+        detail = problem.get("detail")
+        if kind is None or not isinstance(detail, str):
+            raise ValueError(f"not a result problem: {_shown(problem)}")
+        return ResultProblem(kind, detail[:DETAIL_MAX])
+    if not isinstance(p, dict):
+        raise ValueError(f"neither a point nor a problem: {_shown(value)}")
+    fmt = next((f for f in FORMATS if f == p.get("format")), None)
+    conc = p.get("concurrency")
+    if fmt is None or not (conc is None or (_is_count(conc) and conc >= 1)):
+        raise ValueError(f"not a point: {_shown(p)}")
+    try:
+        return Point(
+            format=fmt,
+            concurrency=conc,
+            num_prompts=_count(p, "num_prompts", fmt),
+            completed=_count(p, "completed", fmt),
+            failed=_count(p, "failed", fmt),
+            duration_s=_number(p.get("duration_s"), "duration_s"),
+            request_throughput=_number(p.get("request_throughput"), "request_throughput"),
+            output_throughput=_number(p.get("output_throughput"), "output_throughput"),
+            total_token_throughput=_number(
+                p.get("total_token_throughput"), "total_token_throughput"
+            ),
+            total_input_tokens=_count(p, "total_input_tokens", fmt),
+            total_output_tokens=_count(p, "total_output_tokens", fmt),
+            ttft_ms=_stats_of(p.get("ttft_ms"), "ttft"),
+            tpot_ms=_stats_of(p.get("tpot_ms"), "tpot"),
+            itl_ms=_stats_of(p.get("itl_ms"), "itl"),
+            e2el_ms=_stats_of(p.get("e2el_ms"), "e2el"),
+        )
+    except _Bad as bad:
+        raise ValueError(f"not a point: {bad.problem}") from None
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _stats_of(value: object, metric: str) -> Stats:
+    if not isinstance(value, dict) or set(value) != {"mean", "median", "p99"}:
+        raise _Bad(ResultProblem("bad_value", f"{metric}_ms={_shown(value)} is not a statistic"))
+    got = [value[k] for k in ("mean", "median", "p99")]
+    return Stats(*(None if v is None else _number(v, metric) for v in got))
 
 
 # --- the validity gate -------------------------------------------------------------------

@@ -14,9 +14,12 @@ import posixpath
 import re
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from llmd_supervisor.adapters import jobfiles
 from llmd_supervisor.adapters.jobfiles import RESULT_FILE_MAX, SMALL_FILE_MAX
+from llmd_supervisor.adapters.result_parser import ParseLimits, parse_many
+from llmd_supervisor.core.config import Limits
 from llmd_supervisor.core.layout import RESULTS, RunLayout
 from llmd_supervisor.core.results import (
     FORMATS,
@@ -27,7 +30,6 @@ from llmd_supervisor.core.results import (
     ResultProblem,
     Validity,
     gate,
-    parse_result,
     results_table,
 )
 from llmd_supervisor.core.spec import RunSpec
@@ -35,29 +37,121 @@ from llmd_supervisor.errors import FileRefused
 from llmd_supervisor.supervision.cluster import RunFiles
 
 Refused = Callable[[FileRefused], Awaitable[None]]
-RESULT_FILES_MAX = 256  # a foreign job's result files archived at most
+Parsed = Point | ResultProblem
 _RESULT_NAME = re.compile(r"c([1-9][0-9]{0,5})\.json")
+_DEFAULTS = Limits()
+K = TypeVar("K")
 
 
 @dataclass
 class BenchFiles:
-    """What was read: per concurrency its result file's bytes (None: missing; a
-    `FileRefused`: not a plain file), and the archive's extra files by relative name."""
+    """What was read: per concurrency its result file parsed (None: missing; a refused
+    file is a `ResultProblem` of kind ``refused``), the archive's extra files by relative
+    name, and each archived JSON result of a foreign job parsed, by archive name."""
 
-    results: dict[int, bytes | FileRefused | None] = field(default_factory=dict)
+    results: dict[int, Parsed | None] = field(default_factory=dict)
     archived: dict[str, bytes] = field(default_factory=dict)
+    parsed: dict[str, Parsed] = field(default_factory=dict)
 
 
-def judge(spec: RunSpec, raw: Mapping[int, bytes | FileRefused | None]) -> GateResult:
-    """The validity gate on what `read_results` found (pure)."""
+class Budget:
+    """What a run may read of its job's files for the verdict and the archive: at most
+    limits.result_files_max_per_run result files and limits.result_bytes_max_per_run bytes
+    in all. A file beyond either is refused, unread, with the budget and its value."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.files = limits.result_files_max_per_run
+        self.total = limits.result_bytes_max_per_run
+        self.left = self.total  # bytes not yet taken by the files read
+
+    def too_many(self, path: str, found: int) -> FileRefused:
+        return FileRefused(
+            path,
+            f"the run has {found} result files and reads the first {self.files} "
+            "(limits.result_files_max_per_run); raise it to read more",
+        )
+
+    def too_large(self, path: str) -> FileRefused:
+        return FileRefused(
+            path,
+            f"the run's files read before it took {self.total - self.left} of its "
+            f"{self.total} bytes (limits.result_bytes_max_per_run) and it is larger than "
+            "the rest; raise the limit to read it",
+        )
+
+    async def read(
+        self, files: RunFiles, log_dir: str, wanted: Sequence[tuple[str, int]]
+    ) -> dict[str, bytes | FileRefused | None]:
+        """`files.read_many` of `wanted` (path, limit) in order, in batches whose limits
+        add up to what is left of the budget; each file's bytes are taken from it. A file
+        larger than its share of a batch is asked again while more is left than that
+        share, and refused (`too_large`) once it is larger than all that is left."""
+        out: dict[str, bytes | FileRefused | None] = {}
+        pending = list(wanted)
+        while pending:
+            batch = self._batch(pending)
+            got = await files.read_many(log_dir, batch)
+            again: list[tuple[str, int]] = []
+            for (path, limit), (_, cap) in zip(batch, pending, strict=False):
+                data = got.get(path)
+                if isinstance(data, bytes):
+                    self.left = max(0, self.left - len(data))
+                elif (
+                    isinstance(data, FileRefused)
+                    and limit < cap
+                    and data.why == jobfiles.too_large(limit)
+                ):
+                    again.append((path, cap))
+                    continue
+                out[path] = data
+            shares, retry = dict(batch), []
+            for path, cap in again:  # asked again only for a larger share: this ends
+                if min(cap, self.left) > shares[path]:
+                    retry.append((path, cap))
+                else:
+                    out[path] = self.too_large(path)
+            pending = retry + pending[len(batch) :]
+        return out
+
+    def _batch(self, pending: Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+        """The next files to read, each with its share of what is left (nothing left: all
+        of them, for 0 bytes, so that a missing file stays missing)."""
+        if self.left == 0:
+            return [(path, 0) for path, _ in pending]
+        batch: list[tuple[str, int]] = []
+        reserved = 0
+        for path, cap in pending:
+            if reserved >= self.left:
+                break
+            batch.append((path, min(cap, self.left - reserved)))
+            reserved += batch[-1][1]
+        return batch
+
+
+def judge(spec: RunSpec, parsed: Mapping[int, Parsed | None]) -> GateResult:
+    """The validity gate on what `read_results` or `read_all` found (pure)."""
     bench = spec.benchmark
-    parsed: dict[int, Point | ResultProblem | None] = {
-        c: ResultProblem("refused", data.why)
-        if isinstance(data, FileRefused)
-        else parse_result(data, bench.result_format)
-        for c, data in raw.items()
-    }
     return gate(parsed, bench.expected_prompts(), bench.validity, {})
+
+
+async def parse_points(
+    paths: Mapping[K, str],
+    got: Mapping[str, bytes | FileRefused | None],
+    formats: Sequence[ResultFormat],
+    limits: Limits,
+) -> dict[K, Parsed | None]:
+    """Each result file (`paths`: key -> path, `got`: what was read) parsed in the result
+    parser's child, by key; a refused file is a problem of kind refused, a missing one None."""
+    items = [(p, data, formats) for p in paths.values() if isinstance(data := got.get(p), bytes)]
+    parsed = await parse_many(items, ParseLimits.of(limits))
+    out: dict[K, Parsed | None] = {}
+    for c, path in paths.items():
+        data = got.get(path)
+        if isinstance(data, FileRefused):
+            out[c] = ResultProblem("refused", data.why)
+        else:
+            out[c] = None if data is None else parsed[path]
+    return out
 
 
 async def gate_dir(
@@ -71,24 +165,20 @@ async def gate_dir(
         names = await jobfiles.list_local(log_dir, results_dir, time_limit=time_limit)
     except FileRefused as exc:
         return _refused_dir(exc)
-    points: dict[int, Point | ResultProblem | None] = {}
-    expected: dict[int, int] = {}
+    paths: dict[int, str] = {}
+    got: dict[str, bytes | FileRefused | None] = {}
     for name in names:
-        m = _RESULT_NAME.fullmatch(name)
-        if m is None:
+        if (m := _RESULT_NAME.fullmatch(name)) is None:
             continue
-        c = int(m.group(1))
-        path = f"{results_dir}/{name}"
+        path = paths[int(m.group(1))] = f"{results_dir}/{name}"
         try:
-            data = await jobfiles.read_local(
+            got[path] = await jobfiles.read_local(
                 log_dir, path, time_limit=time_limit, limit=RESULT_FILE_MAX
             )
         except FileRefused as exc:
-            points[c] = ResultProblem("refused", exc.why)
-        else:
-            points[c] = parse_result(data, fmt)
-        got = points[c]
-        expected[c] = got.num_prompts if isinstance(got, Point) else 0
+            got[path] = exc
+    points = await parse_points(paths, got, (fmt,), _DEFAULTS)
+    expected = {c: p.num_prompts if isinstance(p, Point) else 0 for c, p in points.items()}
     return gate(points, expected, validity, {c: f"{results_dir}/c{c}.json" for c in points})
 
 
@@ -96,13 +186,26 @@ def _refused_dir(exc: FileRefused) -> GateResult:
     return GateResult(False, f"benchmark: results directory refused ({exc.why})", ())
 
 
-async def read_results(
-    files: RunFiles, layout: RunLayout, job_id: str, concurrencies: Sequence[int]
-) -> dict[int, bytes | FileRefused | None]:
-    """Each point's result file, as the validity gate takes it."""
+def _result_paths(
+    layout: RunLayout, job_id: str, spec: RunSpec, budget: Budget
+) -> tuple[dict[int, str], dict[str, FileRefused]]:
+    """concurrency -> its result file's path, and the paths beyond the budget's count."""
+    concurrencies = spec.benchmark.concurrencies
     paths = {c: layout.bench_files(job_id, c)[0] for c in concurrencies}
-    got = await files.read_many(layout.log_dir, [(p, RESULT_FILE_MAX) for p in paths.values()])
-    return {c: got.get(p) for c, p in paths.items()}
+    over = [paths[c] for c in concurrencies[budget.files :]]
+    return paths, {p: budget.too_many(p, len(concurrencies)) for p in over}
+
+
+async def read_results(
+    files: RunFiles, layout: RunLayout, job_id: str, spec: RunSpec, limits: Limits = _DEFAULTS
+) -> dict[int, Parsed | None]:
+    """Each configured point's result file read within the run's `Budget` and parsed in
+    the result parser's child, as the validity gate (`judge`) takes it."""
+    budget = Budget(limits)
+    paths, over = _result_paths(layout, job_id, spec, budget)
+    wanted = [(p, RESULT_FILE_MAX) for p in paths.values() if p not in over]
+    got = {**await budget.read(files, layout.log_dir, wanted), **over}
+    return await parse_points(paths, got, (spec.benchmark.result_format,), limits)
 
 
 async def read_statuses(
@@ -126,23 +229,29 @@ async def read_all(
     files: RunFiles,
     layout: RunLayout,
     job_id: str,
-    concurrencies: Sequence[int],
-    ranks: int,
+    spec: RunSpec,
     refused: Refused,
+    limits: Limits = _DEFAULTS,
 ) -> BenchFiles:
-    """The result files, point logs, status files and diagnostics of a job (one batch)."""
-    wanted = [(RESULTS, layout.bench_files(job_id, c)[0], RESULT_FILE_MAX) for c in concurrencies]
-    wanted += [(RESULTS, layout.bench_files(job_id, c)[1], RESULT_FILE_MAX) for c in concurrencies]
-    for rank in range(ranks):
+    """The result files (parsed, and kept raw), point logs, status files and diagnostics
+    of a job, within the run's `Budget` (in that order: the results come first)."""
+    budget = Budget(limits)
+    paths, over = _result_paths(layout, job_id, spec, budget)
+    concurrencies = [c for c in spec.benchmark.concurrencies if paths[c] not in over]
+    wanted = [(RESULTS, paths[c], RESULT_FILE_MAX) for c in concurrencies]
+    for rank in range(spec.topology.nodes):
         if (status := layout.status_file(job_id, rank)) is not None:
             wanted.append(("ranks", status, SMALL_FILE_MAX))
+    wanted += [(RESULTS, layout.bench_files(job_id, c)[1], RESULT_FILE_MAX) for c in concurrencies]
+    for rank in range(spec.topology.nodes):
         if (diag := layout.diag_file(job_id, rank)) is not None:
             wanted.append(("ranks", diag, RESULT_FILE_MAX))
-    got = await files.read_many(layout.log_dir, [(path, limit) for _, path, limit in wanted])
+    got = await budget.read(files, layout.log_dir, [(path, limit) for _, path, limit in wanted])
+    got.update(over)
     out = BenchFiles()
-    for c in concurrencies:
-        out.results[c] = got.get(layout.bench_files(job_id, c)[0])
+    out.results = await parse_points(paths, got, (spec.benchmark.result_format,), limits)
     names = {path: f"{folder}/{posixpath.basename(path)}" for folder, path, _ in wanted}
+    names.update((path, f"{RESULTS}/{posixpath.basename(path)}") for path in over)
     await _keep(got, names, refused, out)
     return out
 
@@ -164,14 +273,17 @@ async def _keep(
 
 
 async def read_foreign(
-    files: RunFiles, layout: RunLayout, job_id: str, refused: Refused
+    files: RunFiles, layout: RunLayout, job_id: str, refused: Refused, limits: Limits = _DEFAULTS
 ) -> BenchFiles:
     """A foreign job's result files (its `--results` patterns), byte-exact under
-    ``results/`` by their path below the log directory (at most RESULT_FILES_MAX)."""
+    ``results/`` by their path below the log directory, within the run's `Budget` (the
+    files past its count are reported once, by the first of them); the JSON ones parsed
+    as either format (`foreign_table`)."""
     watch = layout.watch
     out = BenchFiles()
     if watch is None or not watch.results:
         return out
+    budget = Budget(limits)
     found: list[str] = []
     for directory in watch.dirs(watch.results, job_id):
         try:
@@ -182,24 +294,23 @@ async def read_foreign(
         found += [
             f"{directory}/{n}" for n in names if watch.matching(watch.results, job_id, directory, n)
         ]
-    kept = {p: f"{RESULTS}/{watch.copy_name(p)}" for p in found[:RESULT_FILES_MAX]}
-    got = await files.read_many(layout.log_dir, [(p, RESULT_FILE_MAX) for p in kept])
+    if len(found) > budget.files:
+        await refused(budget.too_many(found[budget.files], len(found)))
+    kept = {p: f"{RESULTS}/{watch.copy_name(p)}" for p in found[: budget.files]}
+    got = await budget.read(files, layout.log_dir, [(p, RESULT_FILE_MAX) for p in kept])
     await _keep(got, kept, refused, out)
+    json_names = {name: path for path, name in kept.items() if name.endswith(".json")}
+    parsed = await parse_points(json_names, got, FORMATS, limits)
+    out.parsed = {name: p for name, p in parsed.items() if p is not None}
     return out
 
 
-def foreign_table(archived: Mapping[str, bytes]) -> dict[str, object]:
-    """`results.json` of a foreign job: a row per JSON result file that parses as vLLM's
-    (or InferenceX's) benchmark result; no validity gate (the job defines none)."""
+def foreign_table(got: BenchFiles) -> dict[str, object]:
+    """`results.json` of a foreign job: a row per archived JSON result file, a point where
+    it parsed as vLLM's (or InferenceX's) benchmark result; no validity gate (the job
+    defines none)."""
     evidence: list[PointEvidence] = []
-    for name, data in sorted(archived.items()):
-        if not name.startswith(f"{RESULTS}/") or not name.endswith(".json"):
-            continue
-        point: Point | ResultProblem = ResultProblem("missing", "")
-        for fmt in FORMATS:
-            point = parse_result(data, fmt)
-            if isinstance(point, Point):
-                break
+    for name, point in sorted(got.parsed.items()):
         if isinstance(point, Point):
             conc, problem = point.concurrency or 0, None
             requested = point.num_prompts

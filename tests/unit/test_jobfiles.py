@@ -22,6 +22,7 @@ from llmd_supervisor.core.config import load_config
 from llmd_supervisor.core.paths import check_canonical, check_log_dir
 from llmd_supervisor.errors import ConfigError, FileRefused, LogCapped, SpecError
 from tests.fakes.hostile import SECRET, plant
+from tests.fakes.hostile_results import write_nested
 
 
 @pytest.fixture
@@ -308,6 +309,46 @@ async def test_many_files_are_read_through_one_reader_each_judged_alone(
         refused = got[str(d / name)]
         assert isinstance(refused, FileRefused) and why in refused.why, (name, refused)
     assert SECRET not in b"".join(v for v in got.values() if isinstance(v, bytes))
+
+
+@pytest.fixture
+def sixteen_large(tmp_path: Path) -> tuple[Path, list[str], bytes]:
+    """16 result files of 32 MiB each (written here, off any event loop)."""
+    d = tmp_path / "L"
+    names = [f"c{i}.json" for i in range(16)]
+    return d, names, write_nested(d / "bench", names)
+
+
+@pytest.mark.asyncio
+async def test_sixteen_files_of_32_mib_are_read_without_blocking_the_loop(
+    sixteen_large: tuple[Path, list[str], bytes],
+) -> None:
+    """The finding: the answers were cut out of the reader's output by copying what was
+    left of it once per file, on the loop (16 x 32 MiB: an 11.4 s stall). Now each file
+    is cut out by its offset, in batches of at most BATCH_MAX bytes (the loop guard of
+    tests/conftest.py fails this test if a callback holds the loop)."""
+    d, names, data = sixteen_large
+    paths = [(str(d / "bench" / n), jobfiles.RESULT_FILE_MAX) for n in names]
+    paths.insert(3, (str(d / "bench" / "small.json"), 100))
+    (d / "bench" / "small.json").write_bytes(b'{"small": 1}')
+    with anyio.fail_after(120):
+        got = await jobfiles.read_many_local(str(d), paths, time_limit=60)
+    assert list(got) == [p for p, _ in paths]
+    assert got.pop(str(d / "bench" / "small.json")) == b'{"small": 1}'
+    assert all(v == data for v in got.values())
+
+
+def test_a_reader_answer_that_lies_about_its_length_is_refused() -> None:
+    """Answers are cut out by offset: a length beyond the output, or beyond the request's
+    limit, refuses that file and those after it instead of reading past them."""
+    out = b"ok 3\nabcok 99\nxy"
+    got = jobfiles.cut_answers(out, [("a", 10), ("b", 100), ("c", 5)])
+    assert got["a"] == b"abc"
+    for path in ("b", "c"):
+        refused = got[path]
+        assert isinstance(refused, FileRefused) and "no complete answer" in refused.why, refused
+    got = jobfiles.cut_answers(b"ok 9999\n" + b"x" * 9999, [("a", 10)])
+    assert isinstance(got["a"], FileRefused)
 
 
 @pytest.mark.asyncio

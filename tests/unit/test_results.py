@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmd_supervisor.core.results import (
+    FORMATS,
     MAX_RESULT_BYTES,
     GateResult,
     Point,
@@ -28,7 +29,10 @@ from llmd_supervisor.core.results import (
     Validity,
     gate,
     min_completed,
+    parse_any,
     parse_result,
+    parsed_from_json,
+    parsed_to_json,
     results_table,
 )
 
@@ -174,6 +178,71 @@ def test_problems_are_named(data: bytes | None, kind: str) -> None:
 
 def test_unknown_format_is_a_problem() -> None:
     assert problem(VLLM_C4, "sglang").kind == "bad_value"  # type: ignore[arg-type]
+
+
+def test_any_format_is_the_first_that_parses_else_the_last_problem() -> None:
+    assert parse_any(IX_C32, FORMATS) == point(IX_C32, "inferencex")
+    assert parse_any(VLLM_C4, FORMATS) == point(VLLM_C4)
+    assert parse_any(doc(completed=...), FORMATS) == ResultProblem(
+        "missing_field", "no 'completed'"
+    )
+    assert parse_any(VLLM_C4, ()) == ResultProblem("bad_value", "unknown result format ''")
+
+
+# --- across the result parser's process boundary ------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "got",
+    [
+        point(),
+        point(VLLM_C8),
+        point(IX_C32, "inferencex"),
+        point(max_concurrency=None),
+        point(mean_ttft_ms=..., p99_itl_ms=...),
+        ResultProblem("not_json", "empty file"),
+        ResultProblem("refused", "parsing c4.json needs more than 512 MiB of memory"),
+    ],
+    ids=["vllm", "failures", "inferencex", "unbounded", "no-stats", "not-json", "refused"],
+)
+def test_a_parse_crosses_the_process_boundary_unchanged(got: Point | ResultProblem) -> None:
+    assert parsed_from_json(json.loads(json.dumps(parsed_to_json(got)))) == got
+
+
+def _crossed(**changes: Any) -> dict[str, Any]:
+    value: dict[str, Any] = json.loads(json.dumps(parsed_to_json(point())))
+    value["point"].update(changes)
+    return value
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        [],
+        {"v": 2, "problem": {"kind": "missing", "detail": ""}},
+        {"v": 1},
+        {"v": 1, "problem": {"kind": "exploded", "detail": ""}},
+        {"v": 1, "problem": {"kind": "missing", "detail": 7}},
+        _crossed(format="sglang"),
+        _crossed(concurrency=0),
+        _crossed(concurrency=True),
+        _crossed(completed=-1),
+        _crossed(failed=False),
+        _crossed(duration_s=None),
+        _crossed(ttft_ms={"mean": 1.0}),
+        _crossed(tpot_ms={"mean": "slow", "median": None, "p99": None}),
+    ],
+)
+def test_anything_else_is_refused_at_the_process_boundary(value: object) -> None:
+    with pytest.raises(ValueError, match=r"^(not a|neither)"):
+        parsed_from_json(value)
+
+
+def test_a_problem_detail_is_bounded_at_the_process_boundary() -> None:
+    value = {"v": 1, "problem": {"kind": "refused", "detail": "x" * 5000}}
+    got = parsed_from_json(value)
+    assert isinstance(got, ResultProblem) and len(got.detail) == 1000
 
 
 def test_min_completed_is_exact() -> None:

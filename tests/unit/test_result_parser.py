@@ -1,0 +1,204 @@
+"""Result files parsed in a child process with memory and time limits (issue 3.2, item 2).
+
+The finding: `parse_result` ran on the event loop, and 32 MiB of ``[[],[],...]`` held it
+for 6.8 s and took 803 MiB; a foreign job's three such files held it for 43 s, past the
+unit's WatchdogSec=30. Now a child parses them: a file over a limit is refused naming the
+file, the limit and its setting; the daemon's memory and its loop are untouched (the loop
+guard of tests/conftest.py fails any test here whose callbacks hold the loop)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+import pytest
+
+from llmd_supervisor.adapters import jobfiles, result_parser
+from llmd_supervisor.adapters.result_parser import ParseLimits, parse_many
+from llmd_supervisor.core.results import FORMATS, Point, ResultFormat, ResultProblem, parse_result
+from tests.fakes.hostile_results import nested_lists, write_nested
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "results"
+REAL = {
+    "vllm-serve-c4.json": "vllm",
+    "vllm-serve-c8-failures.json": "vllm",
+    "inferencex-c32.json": "inferencex",
+}
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def nested() -> bytes:
+    """32 MiB of ``[[],[],...]`` (made once, off any event loop)."""
+    return nested_lists()
+
+
+def _rss() -> int:
+    """This process's resident set now, in bytes."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@asynccontextmanager
+async def peak_rss() -> AsyncIterator[Callable[[], int]]:
+    """Sample this process's RSS every 20 ms while the block runs; yields a function that
+    says how far above its value at the start it went."""
+    start, peak = _rss(), _rss()
+
+    async def sample() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, _rss())
+            await anyio.sleep(0.02)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sample)
+        yield lambda: peak - start
+        tg.cancel_scope.cancel()
+
+
+def _children() -> list[int]:
+    """PIDs of this process's parser children that are still there."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == os.getpid() and b"result_parser_child" in cmdline:
+            found.append(int(entry))
+    return found
+
+
+@pytest.mark.asyncio
+async def test_real_results_parse_in_the_child_as_they_do_here() -> None:
+    items = [(name, (DATA / name).read_bytes(), FORMATS) for name in REAL]
+    items += [("garbage", b"{not json", ("vllm",)), ("empty", b"", ("inferencex",))]
+    with anyio.fail_after(30):
+        got = await parse_many(items, ParseLimits())
+    for name, fmt in REAL.items():
+        here = parse_result((DATA / name).read_bytes(), fmt)  # type: ignore[arg-type]
+        assert isinstance(here, Point) and got[name] == here
+    assert got["garbage"] == parse_result(b"{not json", "vllm")
+    assert got["empty"] == ResultProblem("not_json", "empty file")
+    assert _children() == []
+
+
+@pytest.mark.asyncio
+async def test_hostile_files_are_refused_for_memory_and_the_daemon_stays_small(
+    nested: bytes,
+) -> None:
+    """Two 32 MiB files of ``[[],...]`` (each held the loop 6.8 s and took 803 MiB) and a
+    real one after them: each hostile one is refused naming itself, the limit and the
+    setting; the real one is parsed; this process grows by no more than a few MiB."""
+    items = [(f"/runs/L/results/c{i}.json", nested, FORMATS) for i in range(2)]
+    items.append(("real", (DATA / "vllm-serve-c4.json").read_bytes(), FORMATS))
+    with anyio.fail_after(120):
+        async with peak_rss() as grown:
+            got = await parse_many(items, ParseLimits())
+            growth = grown()
+    for name, _, _ in items[:2]:
+        refused = got[name]
+        assert isinstance(refused, ResultProblem) and refused.kind == "refused", refused
+        assert f"parsing {name} needs more than 512 MiB of memory" in refused.detail
+        assert "limits.result_parse_memory_bytes (now 536870912)" in refused.detail
+    assert isinstance(got["real"], Point)
+    assert growth < 64 * MIB, f"the daemon's RSS grew by {growth / MIB:.0f} MiB"
+
+
+@pytest.fixture
+def sixteen(tmp_path: Path) -> tuple[Path, list[str]]:
+    """16 result files of 32 MiB of ``[[],...]`` (written here, off any event loop)."""
+    names = [f"c{i}.json" for i in range(16)]
+    write_nested(tmp_path / "L" / "bench", names)
+    return tmp_path / "L", names
+
+
+@pytest.mark.asyncio
+async def test_sixteen_files_of_32_mib_are_read_and_parsed_without_blocking_the_loop(
+    sixteen: tuple[Path, list[str]],
+) -> None:
+    """The issue's case, read and parsed: the loop is never held (the guard), every file
+    is refused by the parser's memory limit (lowered here so that the test is quick)."""
+    d, names = sixteen
+    paths = [(str(d / "bench" / n), jobfiles.RESULT_FILE_MAX) for n in names]
+    with anyio.fail_after(240):
+        got = await jobfiles.read_many_local(str(d), paths, time_limit=60)
+        vllm: tuple[ResultFormat] = ("vllm",)
+        items = [(p, data, vllm) for p, data in got.items() if isinstance(data, bytes)]
+        assert len(items) == 16
+        parsed = await parse_many(items, ParseLimits(memory_bytes=128 * MIB))
+    assert all(
+        isinstance(p, ResultProblem) and p.kind == "refused" and "128 MiB" in p.detail
+        for p in parsed.values()
+    ), parsed
+
+
+@pytest.mark.asyncio
+async def test_a_parse_over_its_time_limit_is_refused_and_the_next_file_is_parsed(
+    nested: bytes,
+) -> None:
+    real = (DATA / "inferencex-c32.json").read_bytes()
+    items = [("slow.json", nested, FORMATS), ("real.json", real, FORMATS)]
+    with anyio.fail_after(60):
+        got = await parse_many(items, ParseLimits(time_s=0.2))
+    slow = got["slow.json"]
+    assert isinstance(slow, ResultProblem) and slow.kind == "refused"
+    assert slow.detail == (
+        "parsing slow.json took longer than 0.2 s; raise limits.result_parse_timeout_s if "
+        "the file is genuine"
+    )
+    assert isinstance(got["real.json"], Point)
+    assert _children() == []
+
+
+@pytest.mark.asyncio
+async def test_a_parser_ended_by_its_cpu_limit_refuses_its_file_and_the_rest_go_on(
+    nested: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(result_parser, "CPU_SLACK_S", -59)  # 30 s x 2 files - 59: 1 CPU s
+    real = (DATA / "vllm-serve-c4.json").read_bytes()
+    vllm: tuple[ResultFormat] = ("vllm",)
+    items = [("cpu.json", nested, vllm), ("real.json", real, vllm)]
+    with anyio.fail_after(60):
+        got = await parse_many(items, ParseLimits(memory_bytes=4 << 30, time_s=30))
+    cpu = got["cpu.json"]
+    assert isinstance(cpu, ResultProblem) and cpu.kind == "refused"
+    assert "parsing cpu.json used more than its 1 s of CPU time" in cpu.detail, cpu
+    assert "limits.result_parse_timeout_s" in cpu.detail
+    assert isinstance(got["real.json"], Point)
+
+
+@pytest.mark.asyncio
+async def test_a_cancelled_parse_leaves_no_child(nested: bytes) -> None:
+    with anyio.move_on_after(0.5):
+        await parse_many([("big.json", nested, FORMATS)], ParseLimits())
+    assert _children() == []
+
+
+@pytest.mark.asyncio
+async def test_at_most_two_parsers_run_at_once(nested: bytes) -> None:
+    seen: list[int] = []
+
+    async def watch() -> None:
+        while True:
+            seen.append(len(_children()))
+            await anyio.sleep(0.05)
+
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch)
+            async with anyio.create_task_group() as parsers:
+                for i in range(4):
+                    items = [(f"f{i}", nested[: 4 * MIB - 2] + b"]]", FORMATS)]
+                    parsers.start_soon(parse_many, items, ParseLimits())
+            tg.cancel_scope.cancel()
+    assert 0 < max(seen) <= result_parser.PARSERS
