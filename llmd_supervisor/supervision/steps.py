@@ -20,7 +20,7 @@ from llmd_supervisor.adapters import archive
 from llmd_supervisor.adapters.slurm import NameLookup
 from llmd_supervisor.core.cause import Diagnosis, diagnose, hang, rank_end
 from llmd_supervisor.core.foreign import ForeignSpec
-from llmd_supervisor.core.jobtext import job_fields
+from llmd_supervisor.core.jobtext import job_fields, job_text
 from llmd_supervisor.core.lifecycle import (
     Archived,
     HoldExpired,
@@ -532,8 +532,8 @@ async def _bench_evidence(sup: Supervisor, h: RunHandle) -> dict[str, bytes]:
     job_id, spec = h.run.slurm_job_id, h.spec
 
     async def refused(exc: FileRefused) -> None:
-        log.warning("run.log_refused", path=exc.path, reason=exc.why)
-        fields = {"path": exc.path, "reason": exc.why}
+        fields = {"path": job_text(exc.path), "reason": job_text(exc.why)}  # the job's names
+        log.warning("run.log_refused", **fields)
         await sup.journal.add_event(h.run.run_id, "log.refused", fields, sup.clock())
 
     files, limits = h.cluster.files, sup.config.limits
