@@ -13,8 +13,9 @@ Pure: nothing here runs a command; no exception but SlurmParseError is raised.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Generic, TypeVar
 
 from llmd_supervisor.errors import SlurmParseError
@@ -43,7 +44,7 @@ class Batch(Generic[R]):
 
     rows: tuple[R, ...]
     rejected: tuple[Rejected, ...]
-    records: tuple[tuple[str | None, str], ...]  # (job id, record text) in printed order
+    texts: Mapping[str, str]  # job id -> its records, a line each, in printed order
 
     @property
     def rejected_jobs(self) -> frozenset[str]:
@@ -58,7 +59,7 @@ class Batch(Generic[R]):
     def text_of(self, job_id: str) -> str:
         """The records of `job_id` (its rows and its rejected ones), a line each, as printed:
         what the answer said about that job and nothing about any other."""
-        return "".join(text + "\n" for job, text in self.records if job == job_id)
+        return self.texts.get(job_id, "")
 
     def strict(self) -> list[R]:
         """The rows, or the first rejected record's SlurmParseError."""
@@ -84,8 +85,11 @@ def parse_batch(text: str, what: str, parse_record: Callable[[str], R]) -> Batch
             records.append((None, [line]))
     rows: list[R] = []
     rejected: list[Rejected] = []
+    texts: dict[str, list[str]] = {}
     for job_id, lines in records:
         joined = "\n".join(lines)
+        if job_id is not None:
+            texts.setdefault(job_id, []).append(joined + "\n")
         try:
             if job_id is None:
                 raise SlurmParseError(what, joined, "expected each line to start with a job id")
@@ -95,4 +99,5 @@ def parse_batch(text: str, what: str, parse_record: Callable[[str], R]) -> Batch
             rows.append(parse_record(joined))
         except SlurmParseError as exc:
             rejected.append(Rejected(job_id, joined, exc))
-    return Batch(tuple(rows), tuple(rejected), tuple((j, "\n".join(ls)) for j, ls in records))
+    by_job = MappingProxyType({job: "".join(parts) for job, parts in texts.items()})
+    return Batch(tuple(rows), tuple(rejected), by_job)
