@@ -44,6 +44,8 @@ log = structlog.get_logger("llmd_supervisor.result_parser")
 PARSERS: Final = 2
 # An answer line is a point or a short problem; anything longer is not the parser's.
 ANSWER_MAX: Final = 64 << 10
+# A file goes to the child in pieces of this size (each waits for the pipe to drain).
+SEND_CHUNK: Final = 1 << 20
 # CPU seconds a child may use besides its files' time limits (starting, answering).
 CPU_SLACK_S: Final = 5
 _STDERR_KEEP = 2000
@@ -109,7 +111,8 @@ async def _one_child(
                     await process.stdin.send(
                         json.dumps([list(formats), len(data)]).encode() + b"\n"
                     )
-                    await process.stdin.send(data)
+                    for start in range(0, len(data), SEND_CHUNK):  # no 32 MiB pipe buffer
+                        await process.stdin.send(data[start : start + SEND_CHUNK])
                     line = await answers.receive_until(b"\n", ANSWER_MAX)
             except TimeoutError:
                 out[name] = _refused(

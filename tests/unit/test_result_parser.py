@@ -16,10 +16,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from llmd_supervisor.adapters import jobfiles, result_parser
+from llmd_supervisor.adapters import result_parser
 from llmd_supervisor.adapters.result_parser import ParseLimits, parse_many
 from llmd_supervisor.core.results import FORMATS, Point, ResultFormat, ResultProblem, parse_result
-from tests.fakes.hostile_results import nested_lists, write_nested
+from tests.fakes.hostile_results import nested_lists
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "results"
 REAL = {
@@ -111,31 +111,22 @@ async def test_hostile_files_are_refused_for_memory_and_the_daemon_stays_small(
         assert f"parsing {name} needs more than 512 MiB of memory" in refused.detail
         assert "limits.result_parse_memory_bytes (now 536870912)" in refused.detail
     assert isinstance(got["real"], Point)
-    assert growth < 64 * MIB, f"the daemon's RSS grew by {growth / MIB:.0f} MiB"
-
-
-@pytest.fixture
-def sixteen(tmp_path: Path) -> tuple[Path, list[str]]:
-    """16 result files of 32 MiB of ``[[],...]`` (written here, off any event loop)."""
-    names = [f"c{i}.json" for i in range(16)]
-    write_nested(tmp_path / "L" / "bench", names)
-    return tmp_path / "L", names
+    assert growth < 16 * MIB, f"the daemon's RSS grew by {growth / MIB:.0f} MiB"
 
 
 @pytest.mark.asyncio
-async def test_sixteen_files_of_32_mib_are_read_and_parsed_without_blocking_the_loop(
-    sixteen: tuple[Path, list[str]],
+async def test_sixteen_files_of_32_mib_are_parsed_without_blocking_the_loop(
+    nested: bytes,
 ) -> None:
-    """The issue's case, read and parsed: the loop is never held (the guard), every file
+    """The issue's 16 files (read by `jobfiles.read_many_local` in
+    tests/unit/test_jobfiles.py, through the whole daemon in
+    tests/faults/test_hostile_results.py): the loop is never held (the guard), every file
     is refused by the parser's memory limit (lowered here so that the test is quick)."""
-    d, names = sixteen
-    paths = [(str(d / "bench" / n), jobfiles.RESULT_FILE_MAX) for n in names]
+    vllm: tuple[ResultFormat] = ("vllm",)
+    items = [(f"/runs/L/bench/c{i}.json", nested, vllm) for i in range(16)]
     with anyio.fail_after(240):
-        got = await jobfiles.read_many_local(str(d), paths, time_limit=60)
-        vllm: tuple[ResultFormat] = ("vllm",)
-        items = [(p, data, vllm) for p, data in got.items() if isinstance(data, bytes)]
-        assert len(items) == 16
         parsed = await parse_many(items, ParseLimits(memory_bytes=128 * MIB))
+    assert len(parsed) == 16
     assert all(
         isinstance(p, ResultProblem) and p.kind == "refused" and "128 MiB" in p.detail
         for p in parsed.values()
