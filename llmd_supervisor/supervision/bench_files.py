@@ -4,7 +4,9 @@ What the verdict's validity gate reads (each point's result file) and what the a
 keeps besides the log copies: the raw result files and point logs (`results/`), and each
 rank's last status file and diagnostic (`ranks/`). Every read goes through
 `node/jobfile.py` (no link followed, plain files of the job's account only, bounded); a
-refused file is reported, never read.
+refused file is reported, never read. What a run reads is bounded by its `Budget` (files
+and bytes, from [limits]), and result files are parsed in the result parser's child
+process (`adapters.result_parser`), never on the event loop.
 """
 
 from __future__ import annotations
