@@ -123,11 +123,11 @@ def read(root: str, rel: str, limit: int) -> Tuple[int, bytes]:
         return MISSING, b""
     fd, _st = opened
     try:
-        data = b""
+        data = bytearray()
         while len(data) <= limit:
             chunk = os.read(fd, min(_CHUNK, limit + 1 - len(data)))
             if not chunk:
-                return OK, data
+                return OK, bytes(data)
             data += chunk
         return TOO_LARGE, b""
     finally:
@@ -142,13 +142,13 @@ def read_from(root: str, rel: str, offset: int, limit: int) -> Tuple[int, bytes]
     fd, _st = opened
     try:
         os.lseek(fd, offset, os.SEEK_SET)
-        data = b""
+        data = bytearray()
         while len(data) < limit:
             chunk = os.read(fd, min(_CHUNK, limit - len(data)))
             if not chunk:
                 break
             data += chunk
-        return OK, data
+        return OK, bytes(data)
     finally:
         os.close(fd)
 

@@ -22,6 +22,7 @@ from llmd_supervisor.adapters import jobfiles
 from llmd_supervisor.adapters.jobfiles import RESULT_FILE_MAX, SMALL_FILE_MAX
 from llmd_supervisor.adapters.result_parser import ParseLimits, parse_many
 from llmd_supervisor.core.config import Limits
+from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.core.layout import RESULTS, RunLayout
 from llmd_supervisor.core.results import (
     FORMATS,
@@ -310,7 +311,7 @@ async def read_foreign(
 def foreign_table(got: BenchFiles) -> dict[str, object]:
     """`results.json` of a foreign job: a row per archived JSON result file, a point where
     it parsed as vLLM's (or InferenceX's) benchmark result; no validity gate (the job
-    defines none)."""
+    defines none). A file's name is the job's text: escaped before it reaches the table."""
     evidence: list[PointEvidence] = []
     for name, point in sorted(got.parsed.items()):
         if isinstance(point, Point):
@@ -320,6 +321,8 @@ def foreign_table(got: BenchFiles) -> dict[str, object]:
             conc, problem, requested = 0, str(point), 0
         parsed = point if isinstance(point, Point) else None
         evidence.append(
-            PointEvidence(conc, name, requested, 0, requested, problem is None, problem, parsed)
+            PointEvidence(
+                conc, job_text(name), requested, 0, requested, problem is None, problem, parsed
+            )
         )
     return results_table(evidence, None)

@@ -202,3 +202,15 @@ def test_the_units_memory_max_holds_the_parsers_and_two_runs_budgets(unit: str) 
     need = 512 * MIB + PARSERS * limits.result_parse_memory_bytes
     need += 2 * limits.result_bytes_max_per_run
     assert memory_max >= need, f"{unit}: MemoryMax={value} is below {need >> 20} MiB"
+
+
+def test_a_foreign_result_file_name_reaches_the_table_escaped() -> None:
+    """A foreign job names its result files: a name with a terminal escape, a newline and
+    an undecodable byte (a surrogate escape) is the table's `file` only escaped."""
+    hostile = "results/\x1b]52;c;eA==\x07x\n\udcff.json"
+    got = bench_files.BenchFiles(parsed={hostile: ResultProblem("not_object", "a list")})
+    rows = bench_files.foreign_table(got)["points"]
+    assert isinstance(rows, list) and len(rows) == 1
+    name = rows[0]["file"]
+    assert isinstance(name, str) and name.isprintable() and name.startswith("results/")
+    json.dumps(rows, allow_nan=False).encode("utf-8")
