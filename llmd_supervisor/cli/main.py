@@ -12,8 +12,8 @@ from typing import Any
 
 from llmd_supervisor import __version__
 from llmd_supervisor.cli.config import add_parsers as add_config_parsers
-from llmd_supervisor.cli.daemon import add_parsers as add_daemon_parsers
-from llmd_supervisor.cli.daemon import socket_default
+from llmd_supervisor.cli.run_commands import add_parsers as add_daemon_parsers
+from llmd_supervisor.cli.run_commands import socket_default
 from llmd_supervisor.cli.report import add_parsers as add_report_parsers
 from llmd_supervisor.cli.results import add_parsers as add_results_parsers
 from llmd_supervisor.errors import SpecError

@@ -193,7 +193,7 @@ def test_the_cli_finds_the_users_socket_and_config_before_the_system_ones(
     import socket as sock
 
     from llmd_supervisor.cli.config import config_default
-    from llmd_supervisor.cli.daemon import DEFAULT_SOCKET, socket_default
+    from llmd_supervisor.cli.run_commands import DEFAULT_SOCKET, socket_default
     from llmd_supervisor.core.config import DEFAULT_PATH
 
     monkeypatch.delenv("LLMD_SUPERVISOR_SOCKET", raising=False)

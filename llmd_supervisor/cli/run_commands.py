@@ -1,5 +1,5 @@
-"""CLI subcommands that run or talk to the daemon: daemon, submit, list, status, logs,
-cancel, wait, archive.
+"""CLI subcommands about runs, answered by the daemon: submit, adopt, list, status, logs,
+cancel, wait, archive and nodes; and `daemon`, which runs the daemon itself.
 
 Every client command takes `--json` (machine output) and `--socket` (default:
 $LLMD_SUPERVISOR_SOCKET, else your own service's socket when it exists, else the system
