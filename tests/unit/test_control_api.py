@@ -525,20 +525,20 @@ async def test_error_messages_are_bounded_whatever_the_ref(sup: Supervisor) -> N
 
 @pytest.mark.asyncio
 async def test_list_pages_ten_thousand_runs_each_page_within_the_bound(sup: Supervisor) -> None:
-    for i in range(10_000):
-        h = sup.add(f"r{i:05d}", state=RunState.SUCCEEDED, created=T0 + timedelta(seconds=i))
-        h.update(reason="\u0001" * 5000)  # hostile evidence: briefs cut it
-        if i % 50 == 0:
-            await anyio.lowlevel.checkpoint()  # setup is not what the loop guard is about
-    sup.add("theirs", owner=OTHER.uid, state=RunState.SUCCEEDED)
-    # Ten thousand handles with 5,000-character reasons: keep the collector from walking
-    # them in the middle of a page (a suspected 1.2 s pause under CI's load, not our code).
-    gc.collect()
-    gc.freeze()
+    # Ten thousand handles with 5,000-character reasons: the collector's full passes over
+    # them (1.2 s seen in setup under CI's load) are not what the loop guard is about here,
+    # so it is off for the test; every page's own work is still watched.
+    gc.disable()
     try:
+        for i in range(10_000):
+            h = sup.add(f"r{i:05d}", state=RunState.SUCCEEDED, created=T0 + timedelta(seconds=i))
+            h.update(reason="\u0001" * 5000)  # hostile evidence: briefs cut it
+            if i % 50 == 0:
+                await anyio.lowlevel.checkpoint()  # setup is not what the guard is about
+        sup.add("theirs", owner=OTHER.uid, state=RunState.SUCCEEDED)
         await _pages_of_ten_thousand(sup)
     finally:
-        gc.unfreeze()
+        gc.enable()
 
 
 async def _pages_of_ten_thousand(sup: Supervisor) -> None:
