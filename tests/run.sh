@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The whole test suite, as root on a fresh Debian 12 machine: installs what is missing
-# (deploy/install-dev.sh; a no-op when .ci/run has just run it), checks lint and types,
-# then runs three kinds of pass:
+# (deploy/install-dev.sh; a no-op when .ci/run has just run it), then runs three kinds of
+# pass:
 #
-#   1. the tests that need no cluster, once, two at a time (pytest -n 2), beside the
-#      first cluster pass (its tests mostly wait for Slurm; its output is printed after);
+#   1. lint and types, then the tests that need no cluster, once, two at a time (pytest
+#      -n 2), beside the first cluster pass (its tests mostly wait for Slurm; its output is
+#      printed after);
 #   2. the `slurm_contract` tests (what Slurm itself says or does) on every Slurm version
 #      of LLMD_TEST_SLURM_VERSIONS but the last (default "22.05 24.11": on 22.05);
 #   3. every cluster test on the last version (24.11 by default), once.
@@ -17,9 +18,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 deploy/install-dev.sh
-.venv/bin/ruff check llmd_supervisor tests
-.venv/bin/ruff format --check llmd_supervisor tests
-.venv/bin/mypy
+lint() {
+    .venv/bin/ruff check llmd_supervisor tests &&
+        .venv/bin/ruff format --check llmd_supervisor tests &&
+        .venv/bin/mypy
+}
 VERSIONS=${LLMD_TEST_SLURM_VERSIONS:-22.05 24.11}
 for v in $VERSIONS; do
     case "$v" in
@@ -61,11 +64,18 @@ record() { # NAME: add a finished pass to the summary and the exit status
 # Each pass's own limit (tests/conftest.py prints every stack and stops at it), so that
 # all of them fit CI's 90 minutes. LLMD_TEST_SESSION_LIMIT_S set by the caller applies to each.
 limit() { echo "${LLMD_TEST_SESSION_LIMIT_S:-$1}"; }
-fast="tests without the cluster"
+fast="lint, types and the tests without the cluster"
 echo "tests/run.sh: $fast (beside the first cluster pass; output below when it ends)" >&2
-LLMD_TEST_SESSION_LIMIT_S=$(limit 1200) \
-    run_pass "$fast" -m "not cluster and not faults_full" -n 2 --basetemp=/tmp/llmd-tests-fast \
-    "$@" >"$work/fast.log" 2>&1 &
+{
+    if lint; then
+        LLMD_TEST_SESSION_LIMIT_S=$(limit 1200) run_pass "$fast" \
+            -m "not cluster and not faults_full" -n 2 --basetemp=/tmp/llmd-tests-fast "$@"
+    else
+        echo "$fast: lint or types failed (above); the tests without the cluster did not run" \
+            >"$work/$fast.summary"
+        echo 1 >"$work/$fast.rc"
+    fi
+} >"$work/fast.log" 2>&1 &
 fast_pid=$!
 for v in "${versions[@]}"; do
     if [ "$v" = "$last" ]; then

@@ -95,7 +95,8 @@ def quarantined(daemon: Daemon) -> list[dict[str, object]]:
     return nodes
 
 
-@pytest.mark.slurm_contract
+# Not slurm_contract: Slurm's part (the retry's `--exclude` honoured, SubmitLine) is what
+# the killed-node test below checks on both versions; this one is about the daemon's cause.
 def test_one_bad_nodes_engine_is_retried_without_that_node(
     cluster: DevCluster, daemon: Daemon, shared_tmp: Path
 ) -> None:
