@@ -13,9 +13,10 @@
 #   - runs `systemctl daemon-reload` when systemd is running, and prints the next steps.
 #
 # Knobs (environment): PREFIX (venv, /opt/llmd-supervisor), LLMD_USER / LLMD_GROUP
-# (llmd), PYTHON (python3, >= 3.11), DESTDIR (install under a scratch root, for tests and
-# packaging; then users are created only with LLMD_CREATE_USER=1 and systemd is left
-# alone).
+# (llmd), PYTHON (python3, >= 3.11), LLMD_EXTRAS (the package's extras, "report" by
+# default: matplotlib for `llmd-supervisor report`; empty for none), DESTDIR (install
+# under a scratch root, for tests and packaging; then users are created only with
+# LLMD_CREATE_USER=1 and systemd is left alone).
 #
 # install.sh --user: the per-user service instead, as yourself and without root. Jobs are
 # then submitted as you (your Slurm associations, fair-share and quotas). It installs
@@ -96,8 +97,9 @@ if [ ! -x "$DESTDIR$PREFIX/bin/python" ]; then
     "$PYTHON" -m venv "$DESTDIR$PREFIX"
     say "created the venv $PREFIX"
 fi
+EXTRAS=${LLMD_EXTRAS-report}
 "$DESTDIR$PREFIX/bin/python" -m pip install --quiet --disable-pip-version-check \
-    --upgrade "$SRC"
+    --upgrade "$SRC${EXTRAS:+[$EXTRAS]}"
 install -m 0644 "$SRC/README.md" "$DESTDIR$PREFIX/README.md"
 install -d -m 0755 "$DESTDIR/usr/local/bin"
 ln -sfn "$PREFIX/bin/llmd-supervisor" "$DESTDIR/usr/local/bin/llmd-supervisor"

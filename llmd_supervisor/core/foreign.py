@@ -28,6 +28,7 @@ from fnmatch import fnmatchcase
 from typing import Final, Literal
 
 from llmd_supervisor.errors import SpecError
+from llmd_supervisor.node.common import MARKER_PREFIX
 
 SCRIPT_MAX: Final = 1 << 20  # bytes of a batch script
 ENV_MAX_VARS: Final = 1000
@@ -36,6 +37,8 @@ PATTERNS_MAX: Final = 32
 SBATCH_ARGS_MAX: Final = 64
 DEFAULT_GRACE_S: Final = 30
 JOB_ID_PLACEHOLDER: Final = "{job_id}"
+# A marker format given without --marker: the name our agent and `verify --log-dir` use.
+DEFAULT_MARKER: Final = MARKER_PREFIX + JOB_ID_PLACEHOLDER
 
 _PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _JOB_ID = re.compile(r"[1-9][0-9]{0,11}")
@@ -201,9 +204,7 @@ def load(text: str) -> ForeignSpec:
         if _WILDCARDS & set(marker):
             raise SpecError("--marker", marker, "name one file (no wildcards)")
     if fmt is not MarkerFormat.NONE and marker is None:
-        raise SpecError(
-            "--marker", None, f"--marker-format {fmt.value} needs --marker PATTERN (or use none)"
-        )
+        marker = DEFAULT_MARKER  # the name `verify --log-dir` looks for
     watch = Watch(
         log_dir=_str("--log-dir", body.get("log_dir")),
         logs=_patterns("--logs", body.get("logs", [])),
@@ -267,18 +268,38 @@ def check_pattern(option: str, pattern: str) -> None:
 
 
 def check_sbatch_args(value: object) -> tuple[str, ...]:
-    """The user's sbatch options, refusing those the daemon sets or that defeat it."""
+    """The user's sbatch options, refusing those the daemon sets or that defeat it. An
+    option that takes a value may have it in the next word, as sbatch allows (`-N 3`,
+    `--nodes 3`): it is joined into one (`-N3`, `--nodes=3`)."""
     if not isinstance(value, list) or len(value) > SBATCH_ARGS_MAX:
         raise SpecError("SBATCH-ARGS", value, f"a list of at most {SBATCH_ARGS_MAX} options")
+    words = list(value)
     args: list[str] = []
-    for arg in value:
-        if not isinstance(arg, str) or not arg.startswith("-") or "\0" in arg or len(arg) > 4096:
-            raise SpecError(
-                "SBATCH-ARGS", arg, "give options only, as --name=value (the script comes first)"
-            )
+    while words:
+        arg = _sbatch_word(words.pop(0))
         _check_sbatch_arg(arg)
+        if _takes_separate_value(arg):
+            if not words:
+                raise SpecError("SBATCH-ARGS", arg, f"{arg} needs a value: {arg} VALUE")
+            joined = _sbatch_word(words.pop(0), value=True)
+            arg = f"{arg}={joined}" if arg.startswith("--") else arg + joined
         args.append(arg)
     return tuple(args)
+
+
+def _sbatch_word(word: object, *, value: bool = False) -> str:
+    if not isinstance(word, str) or "\0" in word or len(word) > 4096:
+        raise SpecError("SBATCH-ARGS", word, "give each option and value as a text")
+    if not value and not word.startswith("-"):
+        raise SpecError("SBATCH-ARGS", word, "give options only, as --name=value or -N 2")
+    return word
+
+
+def _takes_separate_value(arg: str) -> bool:
+    """Whether `arg` is an option written without the value it takes (`-N`, `--nodes`)."""
+    if arg.startswith("--"):
+        return "=" not in arg and arg not in _SBATCH_FLAGS and arg != "--"
+    return len(arg) == 2 and arg not in _SHORT_FLAGS and arg not in _SBATCH_REFUSED
 
 
 # What a script's own #SBATCH lines may not ask for: the daemon could not follow the job.
@@ -329,16 +350,12 @@ def _check_sbatch_arg(arg: str) -> None:
         for refused, why in _SBATCH_REFUSED.items():
             if refused.startswith("--") and len(name) > 2 and refused.startswith(name):
                 raise refuse(f"{refused} is not allowed: {why}")
-        if "=" not in arg and name not in _SBATCH_FLAGS:
-            raise refuse("write each option with its value in one word: --name=value")
         return
     letter = arg[:2]
     if letter in _SBATCH_REFUSED:
         raise refuse(f"{letter} is not allowed: {_SBATCH_REFUSED[letter]}")
     if letter in _SHORT_FLAGS and len(arg) > 2:
         raise refuse("give each short flag in a word of its own")
-    if letter not in _SHORT_FLAGS and len(arg) == 2:
-        raise refuse("write a short option with its value in one word: -N2")
 
 
 def _env(value: object) -> tuple[dict[str, str] | None, tuple[str, ...]]:

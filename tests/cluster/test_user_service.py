@@ -155,6 +155,7 @@ def test_a_user_installs_the_user_service_and_its_job_runs_as_that_user(
         PIP_NO_INDEX="1",
         PIP_FIND_LINKS=str(user.base / "wheels"),
         PYTHON="/usr/bin/python3",
+        LLMD_EXTRAS="",  # the report extra's install is the scratch-root test's
     )
     first = user.run(["bash", str(src / "deploy/install.sh"), "--user"], env)
     assert first.returncode == 0, first.stderr

@@ -68,8 +68,10 @@ def test_a_spec_round_trips_and_the_archive_copy_keeps_only_variable_names() -> 
         ("sbatch_args", ["-Jx"], "-J is not allowed"),
         ("sbatch_args", ["--uid=0"], "--uid is not allowed"),
         ("sbatch_args", ["--wrap=true"], "--wrap is not allowed"),
-        ("sbatch_args", ["--nodes", "2"], "in one word"),
-        ("sbatch_args", ["-N"], "in one word"),
+        ("sbatch_args", ["--nodes"], "--nodes needs a value: --nodes VALUE"),
+        ("sbatch_args", ["-N"], "-N needs a value: -N VALUE"),
+        ("sbatch_args", ["-J", "x"], "-J is not allowed"),
+        ("sbatch_args", ["--job", "x"], "--job-name is not allowed"),
         ("sbatch_args", ["-vW"], "a word of its own"),
         ("sbatch_args", ["job.sbatch"], "options only"),
     ],
@@ -79,9 +81,12 @@ def test_bad_values_are_refused_naming_the_option(field: str, value: object, say
         foreign.load(body(**{field: value}))
 
 
-def test_a_marker_format_needs_a_marker_and_adopt_a_numeric_job_id() -> None:
-    with pytest.raises(SpecError, match="needs --marker PATTERN"):
-        foreign.load(body(marker=None, marker_format="int"))
+def test_a_marker_format_defaults_its_marker_and_adopt_needs_a_numeric_job_id() -> None:
+    # A format without --marker means the name `verify --log-dir` looks for.
+    assert foreign.load(body(marker=None, marker_format="int")).watch.marker == (
+        ".bench_done.{job_id}"
+    )
+    assert foreign.load(body(marker=None, marker_format="none")).watch.marker is None
     with pytest.raises(SpecError, match="numeric Slurm job id"):
         foreign.load(body(kind="adopt", job_id="12;rm"))
     assert foreign.load(body(kind="adopt", job_id="4711", script="")).job_id == "4711"
@@ -90,6 +95,12 @@ def test_a_marker_format_needs_a_marker_and_adopt_a_numeric_job_id() -> None:
 def test_sbatch_options_in_their_allowed_spellings_pass() -> None:
     args = ["--time=00:10:00", "-N2", "--exclusive", "-v", "--gres=gpu:8", "--partition=gpu"]
     assert foreign.load(body(sbatch_args=args)).sbatch_args == tuple(args)
+
+
+def test_an_option_and_its_value_in_two_words_are_joined_as_sbatch_takes_them() -> None:
+    args = ["-N", "3", "--time", "00:10:00", "-v", "--partition", "gpu", "--exclusive"]
+    got = foreign.load(body(sbatch_args=args)).sbatch_args
+    assert got == ("-N3", "--time=00:10:00", "-v", "--partition=gpu", "--exclusive")
 
 
 def test_the_environment_drops_what_would_change_sbatch_and_bounds_the_rest() -> None:

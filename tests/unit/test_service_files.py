@@ -125,6 +125,8 @@ def test_install_sh_into_a_scratch_root_is_complete_and_idempotent(
     venv_cli = root / "opt/llmd-supervisor/bin/llmd-supervisor"
     version = subprocess.run([venv_cli, "--version"], capture_output=True, text=True, check=True)
     assert version.stdout.startswith("llmd-supervisor ")
+    venv_python = root / "opt/llmd-supervisor/bin/python"
+    subprocess.run([venv_python, "-c", "import matplotlib"], check=True)  # `report` works
     link = root / "usr/local/bin/llmd-supervisor"
     assert os.readlink(link) == "/opt/llmd-supervisor/bin/llmd-supervisor"
 
