@@ -12,10 +12,10 @@ from typing import Any
 
 from llmd_supervisor import __version__
 from llmd_supervisor.cli.config import add_parsers as add_config_parsers
-from llmd_supervisor.cli.run_commands import add_parsers as add_daemon_parsers
-from llmd_supervisor.cli.run_commands import socket_default
 from llmd_supervisor.cli.report import add_parsers as add_report_parsers
 from llmd_supervisor.cli.results import add_parsers as add_results_parsers
+from llmd_supervisor.cli.run_commands import add_parsers as add_run_parsers
+from llmd_supervisor.cli.run_commands import socket_default
 from llmd_supervisor.errors import SpecError
 
 # A subcommand handler takes the parsed args and returns the process exit status.
@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_render_parser(sub)
     _add_verify_parser(sub)
-    add_daemon_parsers(sub)
+    add_run_parsers(sub)
     add_config_parsers(sub)
     add_results_parsers(sub, socket_default)
     add_report_parsers(sub, socket_default)
