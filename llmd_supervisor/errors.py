@@ -99,6 +99,19 @@ class ConfigError(SupervisorError):
         super().__init__(f"Configuration key {key!r} has invalid value {value!r}: {hint}.")
 
 
+class ConfigErrors(ConfigError):
+    """Several configuration values are invalid: each one in `problems`, in file order
+    (`config check` prints one line each; the daemon's message lists them all)."""
+
+    def __init__(self, problems: list[ConfigError]) -> None:
+        first = problems[0]
+        super().__init__(first.key, first.value, first.hint)
+        self.problems = problems
+        if len(problems) > 1:
+            listed = " ".join(f"({i}) {p}" for i, p in enumerate(problems, 1))
+            self.args = (f"The configuration has {len(problems)} problems: {listed}",)
+
+
 class JournalError(SupervisorError):
     """The run journal (SQLite) could not be opened, read or written."""
 

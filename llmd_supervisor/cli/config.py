@@ -29,7 +29,7 @@ from llmd_supervisor.core.config import (
     read_config,
     to_toml,
 )
-from llmd_supervisor.errors import ConfigError, SupervisorError
+from llmd_supervisor.errors import ConfigError, ConfigErrors, SupervisorError
 
 
 def config_default() -> Path:
@@ -47,11 +47,15 @@ def config_default() -> Path:
 def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
     c = sub.add_parser("config", help="check or show the daemon configuration")
     csub = c.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    where = (
+        "config TOML (default: $LLMD_SUPERVISOR_CONFIG, else"
+        f" ~/.config/llmd-supervisor/config.toml when it exists, else {DEFAULT_PATH})"
+    )
     p = csub.add_parser("check", help="validate the configuration file (exit 0 or 2)")
-    p.add_argument("--config", type=Path, default=None, help=f"config TOML ({DEFAULT_PATH})")
+    p.add_argument("--config", type=Path, default=None, help=where)
     p.set_defaults(handler=cmd_check)
     p = csub.add_parser("show", help="print the effective configuration, defaults included")
-    p.add_argument("--config", type=Path, default=None, help=f"config TOML ({DEFAULT_PATH})")
+    p.add_argument("--config", type=Path, default=None, help=where)
     p.add_argument("--json", action="store_true", help="print JSON instead of TOML")
     p.set_defaults(handler=cmd_show)
 
@@ -126,6 +130,18 @@ def _local_problems(config: Config) -> list[ConfigError]:
                     f"it resolves to {real} (a symbolic link on its way); list {real} instead",
                 )
             )
+    state = config.state_dir
+    for i, root in enumerate(config.log_roots):
+        if Path(root) == state or Path(root) in state.parents or state in Path(root).parents:
+            problems.append(
+                ConfigError(
+                    f"daemon.log_roots[{i}]",
+                    root,
+                    f"it overlaps daemon.state_dir {str(state)!r}, where the daemon keeps its"
+                    " journal and archives (runs write below their log roots); list a"
+                    " directory apart from it",
+                )
+            )
     parent = config.state_dir
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
@@ -140,9 +156,12 @@ def _load(args: argparse.Namespace, command: str) -> tuple[Path, Config] | None:
     path: Path = args.config or config_default()
     try:
         return path, read_config(path)
+    except ConfigErrors as many:  # one line each
+        for problem in many.problems:
+            print(f"llmd-supervisor config {command}: {path}: {problem}", file=sys.stderr)
     except SupervisorError as exc:
         print(f"llmd-supervisor config {command}: {path}: {exc}", file=sys.stderr)
-        return None
+    return None
 
 
 def cmd_check(args: argparse.Namespace) -> int:

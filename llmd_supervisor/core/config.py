@@ -10,15 +10,17 @@ from __future__ import annotations
 import json
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from llmd_supervisor.errors import ConfigError
+from llmd_supervisor.errors import ConfigError, ConfigErrors
 
 DEFAULT_PATH = Path("/etc/llmd-supervisor/config.toml")
+DEFAULT_STATE_DIR = Path("/var/lib/llmd-supervisor")
+DEFAULT_SOCKET = Path("/run/llmd-supervisor/control.sock")
 
 
 @dataclass(frozen=True)
@@ -112,9 +114,9 @@ class SocketLimits:
 
 @dataclass(frozen=True)
 class Config:
-    state_dir: Path = Path("/var/lib/llmd-supervisor")
+    state_dir: Path = DEFAULT_STATE_DIR
     archive_dir: Path | None = None  # default: <state_dir>/archive
-    socket_path: Path = Path("/run/llmd-supervisor/control.sock")
+    socket_path: Path = DEFAULT_SOCKET
     socket_mode: int = 0o600  # default: 0660 with a socket_group, else 0600 (only us)
     socket_group: str | None = None  # who may connect (submit, see their own runs)
     admin_group: str | None = None  # who may also see and cancel everyone's runs
@@ -167,12 +169,15 @@ def _access(c: Mapping[str, object], key: str, login_host: str | None) -> Access
     return access
 
 
-def load_config(text: str) -> Config:
-    """Parse and validate the TOML text of a config file."""
+def load_config(text: str, source: str = "the configuration") -> Config:
+    """Parse and validate the TOML text of a config file (`source`: its path, for
+    messages). ConfigErrors lists every problem found, not only the first."""
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ConfigError("(file)", "", f"the file is not valid TOML ({exc})") from exc
+        raise ConfigError(
+            "(TOML syntax)", source, f"{exc}; fix the syntax at that line of {source}"
+        ) from None
     return parse_config(data)
 
 
@@ -183,10 +188,13 @@ def read_config(path: Path) -> Config:
     except FileNotFoundError:
         if path == DEFAULT_PATH:
             return Config()
-        raise ConfigError("(file)", str(path), "the file does not exist; pass --config") from None
-    except OSError as exc:
-        raise ConfigError("(file)", str(path), f"it cannot be read ({exc.strerror})") from exc
-    return load_config(text)
+        raise ConfigError(
+            "--config", str(path), "the file does not exist; create it or pass --config PATH"
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else "it is not UTF-8 text"
+        raise ConfigError("--config", str(path), f"it cannot be read ({why})") from None
+    return load_config(text, str(path))
 
 
 def default_known_hosts() -> str:
@@ -195,26 +203,95 @@ def default_known_hosts() -> str:
 
 
 _TOP = ("daemon", "ssh", "poll", "limits", "clusters", "metrics")
+_DAEMON_KEYS = (
+    "state_dir",
+    "archive_dir",
+    "socket",
+    "socket_mode",
+    "socket_group",
+    "admin_group",
+    "log_format",
+    "log_roots",
+    *SocketLimits.__dataclass_fields__,
+)
+T = TypeVar("T")
+
+
+class _Problems:
+    """Every problem of a config file: each check runs, a failed one gives its default."""
+
+    def __init__(self) -> None:
+        self.found: list[ConfigError] = []
+
+    def check(self, parse: Callable[[], T], default: T) -> T:
+        try:
+            return parse()
+        except ConfigErrors as many:
+            self.found += many.problems
+        except ConfigError as exc:
+            self.found.append(exc)
+        return default
 
 
 def parse_config(data: Mapping[str, object]) -> Config:
-    _keys("", data, _TOP)
-    d = _table(data, "daemon")
-    _keys(
-        "daemon",
-        d,
-        (
-            "state_dir",
-            "archive_dir",
-            "socket",
-            "socket_mode",
-            "socket_group",
-            "admin_group",
-            "log_format",
-            "log_roots",
-            *SocketLimits.__dataclass_fields__,
-        ),
+    """Validate a decoded config; ConfigErrors with every problem when there is one."""
+    found = _Problems()
+    found.check(lambda: _keys("", data, _TOP), None)
+    empty: Mapping[str, object] = {}
+    d = found.check(lambda: _table(data, "daemon"), empty)
+    found.check(lambda: _keys("daemon", d, _DAEMON_KEYS), None)
+    state_dir = found.check(lambda: _abs_path(d, "daemon.state_dir", DEFAULT_STATE_DIR), None)
+    socket_path = found.check(lambda: _abs_path(d, "daemon.socket", DEFAULT_SOCKET), None)
+    archive = found.check(lambda: _abs_path(d, "daemon.archive_dir", None), None)
+    no_roots: tuple[str, ...] = ()
+    log_roots = found.check(lambda: _log_roots(d), no_roots)
+    log_format = found.check(lambda: _log_format(d), "auto")
+    group = found.check(lambda: _opt_str(d, "daemon.socket_group"), None)
+    mode = found.check(lambda: _socket_mode(d, group), 0o600)
+    admin_group = found.check(lambda: _opt_str(d, "daemon.admin_group"), None)
+    socket_limits = found.check(lambda: _socket_limits(d), SocketLimits())
+    ssh = found.check(lambda: _ssh(_table(data, "ssh")), None)
+    poll = found.check(lambda: _poll(_table(data, "poll")), PollConfig())
+    limits = found.check(lambda: _limits(_table(data, "limits")), Limits())
+    no_clusters: tuple[ClusterConfig, ...] = ()
+    clusters = found.check(lambda: _clusters(data), no_clusters)
+    listen = found.check(lambda: _metrics(_table(data, "metrics")), None)
+    if found.found:
+        raise ConfigErrors(found.found)
+    assert state_dir is not None and socket_path is not None and ssh is not None
+    return Config(
+        state_dir=state_dir,
+        archive_dir=archive,
+        socket_path=socket_path,
+        socket_mode=mode,
+        socket_group=group,
+        admin_group=admin_group,
+        log_format=log_format,
+        ssh=ssh,
+        poll=poll,
+        limits=limits,
+        clusters=clusters,
+        metrics_listen=listen,
+        socket_limits=socket_limits,
+        log_roots=log_roots,
     )
+
+
+def _abs_path(d: Mapping[str, object], key: str, default: Path | None) -> Path | None:
+    raw = _opt_str(d, key)
+    if raw is None:
+        return default
+    if not raw.startswith("/"):
+        raise ConfigError(
+            key,
+            raw,
+            "use an absolute path (the daemon's working directory is not yours),"
+            f" e.g. /{raw.lstrip('./')}",
+        )
+    return Path(raw)
+
+
+def _log_roots(d: Mapping[str, object]) -> tuple[str, ...]:
     log_roots = _str_list(d, "daemon.log_roots")
     for root in log_roots:
         if not root.startswith("/") or os.path.normpath(root) != root.rstrip("/") or root == "/":
@@ -224,12 +301,19 @@ def parse_config(data: Mapping[str, object]) -> Config:
                 "list absolute directories without '..', '.' or a trailing '/', not '/'"
                 " itself, e.g. ['/shared/llmd-runs']",
             )
+    return tuple(r.rstrip("/") for r in log_roots)
+
+
+def _log_format(d: Mapping[str, object]) -> str:
     log_format = _str(d, "daemon.log_format", "auto")
     if log_format not in ("auto", "json", "console"):
         raise ConfigError("daemon.log_format", log_format, "use auto, json or console")
+    return log_format
+
+
+def _socket_mode(d: Mapping[str, object], group: str | None) -> int:
     # Without a group the socket is the daemon's user's alone: group rights would go to
     # the primary group of whoever started it.
-    group = _opt_str(d, "daemon.socket_group")
     mode_text = _str(d, "daemon.socket_mode", "0600" if group is None else "0660")
     try:
         mode = int(mode_text, 8)
@@ -241,10 +325,10 @@ def parse_config(data: Mapping[str, object]) -> Config:
             mode_text,
             "use an octal mode without rights for others, e.g. 0660",
         )
-    archive = _opt_str(d, "daemon.archive_dir")
-    socket_limits = _socket_limits(d)
+    return mode
 
-    s = _table(data, "ssh")
+
+def _ssh(s: Mapping[str, object]) -> SshConfig:
     _keys(
         "ssh",
         s,
@@ -268,8 +352,10 @@ def parse_config(data: Mapping[str, object]) -> Config:
             ssh.node_python,
             "name an interpreter like 'python3' or '/usr/bin/python3'",
         )
+    return ssh
 
-    p = _table(data, "poll")
+
+def _poll(p: Mapping[str, object]) -> PollConfig:
     _keys("poll", p, ("min_interval_s", "max_interval_s", "command_timeout_s", "sacct_chunk"))
     poll = PollConfig(
         min_interval_s=_num(p, "poll.min_interval_s", 0.25, 0.05, 60),
@@ -281,8 +367,10 @@ def parse_config(data: Mapping[str, object]) -> Config:
         raise ConfigError(
             "poll.max_interval_s", poll.max_interval_s, "it must not be below poll.min_interval_s"
         )
+    return poll
 
-    lim = _table(data, "limits")
+
+def _limits(lim: Mapping[str, object]) -> Limits:
     names = tuple(Limits.__dataclass_fields__)
     _keys("limits", lim, names)
     defaults = Limits()
@@ -300,8 +388,10 @@ def parse_config(data: Mapping[str, object]) -> Config:
         values[n] = _int(lim, f"limits.{n}", getattr(defaults, n), 1, 1000)
     for n in sizes:
         values[n] = _int(lim, f"limits.{n}", getattr(defaults, n), 1 << 20, 1 << 50)
-    limits = Limits(**values)
+    return Limits(**values)
 
+
+def _clusters(data: Mapping[str, object]) -> tuple[ClusterConfig, ...]:
     clusters_raw = data.get("clusters", [{"name": "default"}])
     if not isinstance(clusters_raw, list) or not clusters_raw:
         raise ConfigError("clusters", clusters_raw, "use one or more [[clusters]] tables")
@@ -325,8 +415,10 @@ def parse_config(data: Mapping[str, object]) -> Config:
         )
     if len({c.name for c in clusters}) != len(clusters):
         raise ConfigError("clusters", [c.name for c in clusters], "cluster names must be unique")
+    return tuple(clusters)
 
-    m = _table(data, "metrics")
+
+def _metrics(m: Mapping[str, object]) -> str | None:
     _keys("metrics", m, ("listen",))
     listen = _opt_str(m, "metrics.listen")
     if listen is not None:
@@ -341,23 +433,7 @@ def parse_config(data: Mapping[str, object]) -> Config:
                 listen,
                 "use a loopback host:port with a port from 1 to 65535, e.g. 127.0.0.1:9464",
             )
-
-    return Config(
-        state_dir=Path(_str(d, "daemon.state_dir", "/var/lib/llmd-supervisor")),
-        archive_dir=Path(archive) if archive else None,
-        socket_path=Path(_str(d, "daemon.socket", "/run/llmd-supervisor/control.sock")),
-        socket_mode=mode,
-        socket_group=group,
-        admin_group=_opt_str(d, "daemon.admin_group"),
-        log_format=log_format,
-        ssh=ssh,
-        poll=poll,
-        limits=limits,
-        clusters=tuple(clusters),
-        metrics_listen=listen,
-        socket_limits=socket_limits,
-        log_roots=tuple(r.rstrip("/") for r in log_roots),
-    )
+    return listen
 
 
 def _socket_limits(d: Mapping[str, object]) -> SocketLimits:

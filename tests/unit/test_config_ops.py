@@ -204,7 +204,7 @@ def test_config_check_passes_a_good_file(tmp_path: Path) -> None:
         f"""
 [daemon]
 state_dir = "{tmp_path}/not/yet/state"
-log_roots = ["{tmp_path}"]
+log_roots = ["{tmp_path / "runs"}"]
 [ssh]
 identity_files = ["{key}"]
 known_hosts = "{hosts}"
@@ -215,6 +215,7 @@ name = "there"
 login_host = "login1"
 """
     )
+    (tmp_path / "runs").mkdir()
     out = cli("config", "check", "--config", str(path))
     assert out.returncode == 0, out.stderr
     assert "OK" in out.stdout
@@ -222,7 +223,9 @@ login_host = "login1"
     assert "there (access login-host: Slurm on login1" in out.stdout
     # shared-fs: named, and a log root this machine does not see is warned about.
     shared = path.read_text().replace('name = "here"', 'name = "here"\naccess = "shared-fs"')
-    path.write_text(shared.replace(f'log_roots = ["{tmp_path}"]', 'log_roots = ["/no/such"]'))
+    path.write_text(
+        shared.replace(f'log_roots = ["{tmp_path / "runs"}"]', 'log_roots = ["/no/such"]')
+    )
     out = cli("config", "check", "--config", str(path))
     assert out.returncode == 0, out.stderr
     assert "here (access shared-fs: Slurm here, logs from the shared file system" in out.stdout
@@ -231,7 +234,53 @@ login_host = "login1"
     path.write_text(shared)
     out = cli("config", "check", "--config", str(path))
     assert out.returncode == 0 and "warning" not in out.stderr, out.stderr
-    path.write_text(path.read_text().replace(f'log_roots = ["{tmp_path}"]', ""))
+    path.write_text(path.read_text().replace(f'log_roots = ["{tmp_path / "runs"}"]', ""))
     out = cli("config", "check", "--config", str(path))
     assert out.returncode == 2 and "daemon.log_roots" in out.stderr, out.stderr
     assert "no run can be submitted" in out.stderr
+
+
+def test_config_check_reports_every_problem_at_once_each_naming_key_and_fix(
+    tmp_path: Path,
+) -> None:
+    """A relative state_dir and socket, a log root holding the state directory and two bad
+    values further down: one line each, not only the first."""
+    path = tmp_path / "c.toml"
+    path.write_text(
+        """
+[daemon]
+state_dir = "state"
+socket = "./control.sock"
+log_format = "xml"
+[poll]
+sacct_chunk = 0
+[[clusters]]
+name = "a b"
+"""
+    )
+    out = cli("config", "check", "--config", str(path))
+    assert out.returncode == 2
+    lines = out.stderr.splitlines()
+    keys = ["daemon.state_dir", "daemon.socket", "daemon.log_format", "poll.sacct_chunk"]
+    keys += ["clusters[0].name"]
+    assert len(lines) == len(keys), out.stderr
+    for line, key in zip(lines, keys, strict=True):
+        assert f"Configuration key {key!r}" in line and str(path) in line, line
+    assert "use an absolute path" in lines[0] and "e.g. /state" in lines[0]
+    path.write_text(
+        f'[daemon]\nstate_dir = "{tmp_path}/runs/state"\nlog_roots = ["{tmp_path}/runs"]\n'
+    )
+    out = cli("config", "check", "--config", str(path))
+    assert out.returncode == 2 and "'daemon.log_roots[0]'" in out.stderr
+    assert "overlaps daemon.state_dir" in out.stderr
+
+
+def test_a_toml_syntax_error_names_the_file_and_line_not_its_text(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("[daemon]\nstate_dir = /var/lib/x\nsecret = 'do not print me'\n")
+    out = cli("config", "check", "--config", str(path))
+    assert out.returncode == 2
+    assert "line 2" in out.stderr and str(path) in out.stderr
+    assert "do not print me" not in out.stderr
+    assert "--config" in cli("config", "check", "--help").stdout
+    assert "LLMD_SUPERVISOR_CONFIG" in cli("config", "check", "--help").stdout
