@@ -306,7 +306,9 @@ def _print_summary(r: RunSummary, out: IO[str] | None = None) -> None:
         f"  slurm job {r['slurm_job_id'] or '-'}, attempt {r['attempt']}, cluster {r['cluster']}",
         file=out,
     )
-    if r["nodes"]:
+    if r["nodes"] and r["outcome"]:
+        print(f"  nodes {','.join(r['nodes'])}; ended after {r['elapsed_s']:.0f} s", file=out)
+    elif r["nodes"]:
         print(
             f"  nodes {','.join(r['nodes'])} ({r['nodes_healthy']}/{len(r['nodes'])} reachable)",
             file=out,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import io
 import json
 import subprocess
 import sys
@@ -17,11 +18,12 @@ import anyio.lowlevel
 import pytest
 
 from llmd_supervisor.adapters.control_protocol import OPS, Peer, Request
+from llmd_supervisor.cli.run_commands import _print_summary
 from llmd_supervisor.core import foreign
 from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.foreign import ForeignSpec, Watch
 from llmd_supervisor.core.layout import RunLayout
-from llmd_supervisor.core.lifecycle import Run, RunState, new_run
+from llmd_supervisor.core.lifecycle import Run, RunState, Transition, new_run
 from llmd_supervisor.core.retry import Quarantined
 from llmd_supervisor.core.spec import RunSpec, load_spec
 from llmd_supervisor.core.summary import (
@@ -223,6 +225,26 @@ async def test_status_is_a_typed_summary_the_client_reads_back(sup: Supervisor) 
     assert summary["last_log_line"] == "two "
     assert summary["elapsed_s"] == 60.0
     assert summary["transitions"][0]["state"] == "accepted"
+
+
+@pytest.mark.asyncio
+async def test_a_finished_runs_elapsed_time_stops_at_its_end_and_no_reachability_is_shown(
+    sup: Supervisor,
+) -> None:
+    """After the end `status` said `0/4 reachable` and its elapsed time kept growing."""
+    h = sup.add("done", state=RunState.SUCCEEDED)
+    ended = Transition(RunState.SUCCEEDED, T0 + timedelta(seconds=90), "Archived")
+    h.run = dataclasses.replace(
+        h.run, nodes=("node1", "node2"), transitions=(*h.run.transitions, ended)
+    )
+    h.run = dataclasses.replace(h.run, outcome=Outcome.SUCCEEDED, reason="ok")
+    api = ControlApi(sup, clock=lambda: T0 + timedelta(hours=5))
+    summary = read(RunSummary, await api.handle(request("status", run="done"), ME, no_stream))
+    assert summary["elapsed_s"] == 90.0
+    out = io.StringIO()
+    _print_summary(summary, out)
+    assert "nodes node1,node2; ended after 90 s" in out.getvalue()
+    assert "reachable" not in out.getvalue()
 
 
 @pytest.mark.asyncio
