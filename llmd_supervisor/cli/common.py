@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import shutil
 import sys
 from collections.abc import Awaitable, Callable
 from typing import IO, TypeVar
@@ -103,3 +104,13 @@ def _read(command: str, kind: type[T], value: object) -> T:
     except SupervisorError as exc:
         print(f"llmd-supervisor {command}: {exc}", file=sys.stderr)
         raise _Exit(EXIT_DAEMON_UNREACHABLE) from None
+
+
+def fit_to_terminal(lines: list[str], out: IO[str] | None = None) -> list[str]:
+    """Table lines cut to the terminal's width when the output is one (a cut line ends in
+    '…'); whole lines otherwise, for pipes and files (scripts use --json)."""
+    out = out or sys.stdout
+    if not out.isatty():
+        return lines
+    width = shutil.get_terminal_size().columns
+    return [line if len(line) <= width else line[: max(1, width - 1)] + "…" for line in lines]

@@ -23,9 +23,11 @@ import argparse
 import functools
 import json
 import os
+import pwd
 import sys
 from collections.abc import Callable
 from contextlib import aclosing
+from datetime import datetime
 from pathlib import Path
 from typing import IO, Any, TypeVar
 
@@ -48,6 +50,7 @@ from llmd_supervisor.cli.common import (
     _read,
     _run,
     _write,
+    fit_to_terminal,
 )
 from llmd_supervisor.cli.signals import DEFAULT_CANCEL_MARGIN_S, WAIT_EXIT_STATUS, Interrupts
 from llmd_supervisor.core.summary import (
@@ -55,6 +58,7 @@ from llmd_supervisor.core.summary import (
     DryRun,
     LogChunk,
     NodesView,
+    RunBrief,
     RunList,
     RunSummary,
     chunk_bytes,
@@ -258,12 +262,7 @@ def cmd_simple(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps({"runs": runs}, indent=2, sort_keys=True))
             return 0
-        print(f"{'RUN':14} {'STATE':12} {'JOB':>8} {'NODES':>5} OUTCOME / REASON")
-        for r in runs:
-            print(
-                f"{r['run']:14} {r['state']:12} {r['slurm_job_id'] or '-':>8} "
-                f"{len(r['nodes']):>5} {r['outcome'] or ''} {r['reason']}".rstrip()
-            )
+        print("\n".join(fit_to_terminal(list_table(runs))))
     elif args.op == "archive":
         info = _read(args.op, ArchiveInfo, result)
         print(json.dumps(info, indent=2, sort_keys=True) if args.json else info["archive"])
@@ -575,6 +574,43 @@ def _wait(args: argparse.Namespace, run: str, *, follow: bool) -> int:
         _print_summary(final[0], out)
     outcome = final[0]["outcome"]
     return EXIT_CODES[Outcome(outcome)] if outcome else 1
+
+
+def list_table(runs: list[RunBrief]) -> list[str]:
+    """`list`'s lines: one per run with its cluster, Slurm job, owner, start (local time),
+    elapsed time (to its end once it ended), nodes and outcome or reason."""
+    rows = [
+        (
+            r["run"],
+            r["state"],
+            r["cluster"],
+            r["slurm_job_id"] or "-",
+            _user(r["owner_uid"]),
+            datetime.fromisoformat(r["created_at"]).astimezone().strftime("%Y-%m-%d %H:%M"),
+            _duration(r["elapsed_s"]),
+            str(len(r["nodes"])),
+            f"{r['outcome'] or ''} {r['reason']}".strip(),
+        )
+        for r in runs
+    ]
+    head = ("RUN", "STATE", "CLUSTER", "JOB", "OWNER", "STARTED", "ELAPSED", "NODES", "OUTCOME")
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head) - 1)]
+    return [
+        " ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + " " + row[-1]
+        for row in [head, *rows]
+    ]
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
+def _duration(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def _status_line(item: RunSummary) -> None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Final, Generic, Protocol, TypeVar
@@ -74,6 +74,7 @@ from llmd_supervisor.supervision.views import (
     cut,
     results_table_of,
     run_brief,
+    run_end,
     run_summary,
 )
 
@@ -84,6 +85,7 @@ log = structlog.get_logger("llmd_supervisor.supervision.api")
 WAIT_REFRESH_S: Final = 5.0  # `wait` re-sends an unchanged summary this often (elapsed_s)
 LIST_PAGE_BYTES: Final = DEFAULT_MAX_MESSAGE // 2  # a list page's briefs, encoded, at most
 LIST_YIELD_EVERY: Final = 1000  # `list` lets others run after this many runs looked at
+LIST_RECENT: Final = timedelta(hours=24)  # `list` without --all: runs ended within this
 FOLLOW_SAFETY_S: Final = 2.0  # a follower with inotify looks again at least this often
 FOLLOW_POLL_S: Final = 0.25  # ... and without inotify
 FOLLOW_MIN_PASS_S: Final = 0.02  # coalesce a burst of small writes into one pass
@@ -244,7 +246,8 @@ class ControlApi(Generic[H]):
         return None if cluster is None else str(cluster)
 
     async def _list(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunList:
-        """One page of briefs, oldest first, from after the cursor; `next` when more remain."""
+        """One page of briefs, oldest first, from after the cursor; `next` when more remain.
+        Without `all`: the runs in flight and those that ended within LIST_RECENT."""
         limit, after = args["limit"], args["after"]
         if limit is not None and not (isinstance(limit, int) and 1 <= limit <= LIST_MAX_LIMIT):
             raise ControlError(
@@ -267,9 +270,7 @@ class ControlApi(Generic[H]):
         for n, h in enumerate(list(self.sup.handles.values())):
             if n % LIST_YIELD_EVERY == LIST_YIELD_EVERY - 1:
                 await anyio.lowlevel.checkpoint()  # thousands of runs: let others go too
-            if sees(h) and (
-                args["all"] or not h.run.state.is_final or h.meta.owner_uid == peer.uid
-            ):
+            if sees(h) and (args["all"] or now - run_end(h.run, now) <= LIST_RECENT):
                 keyed.append(((h.meta.created_at.isoformat(), h.run.run_id), h))
         keyed.sort(key=lambda item: item[0])
         todo = [(k, h) for k, h in keyed if start is None or k > start]

@@ -201,12 +201,12 @@ def run_brief(h: HandleView, now: datetime) -> RunBrief:
         "cluster": h.meta.cluster,
         "owner_uid": h.meta.owner_uid,
         "created_at": h.meta.created_at.isoformat(),
-        "elapsed_s": round((_end(run, now) - h.meta.created_at).total_seconds(), 1),
+        "elapsed_s": round((run_end(run, now) - h.meta.created_at).total_seconds(), 1),
         "archive": h.meta.archive_dir,
     }
 
 
-def _end(run: Run, now: datetime) -> datetime:
+def run_end(run: Run, now: datetime) -> datetime:
     """Until when a run's elapsed time counts: its final transition, or now."""
     return run.transitions[-1].at if run.state.is_final and run.transitions else now
 

@@ -18,7 +18,7 @@ import anyio.lowlevel
 import pytest
 
 from llmd_supervisor.adapters.control_protocol import OPS, Peer, Request
-from llmd_supervisor.cli.run_commands import _print_summary
+from llmd_supervisor.cli.run_commands import _print_summary, list_table
 from llmd_supervisor.core import foreign
 from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.foreign import ForeignSpec, Watch
@@ -245,6 +245,31 @@ async def test_a_finished_runs_elapsed_time_stops_at_its_end_and_no_reachability
     _print_summary(summary, out)
     assert "nodes node1,node2; ended after 90 s" in out.getvalue()
     assert "reachable" not in out.getvalue()
+
+
+@pytest.mark.asyncio
+async def test_list_shows_runs_in_flight_and_recent_ends_and_all_shows_the_rest(
+    sup: Supervisor,
+) -> None:
+    """`list` and `list --all` printed the same thing: now `list` leaves out runs that
+    ended more than a day ago; its table names cluster, job, owner, start and elapsed."""
+    sup.add("live", job_id="7")
+    for run_id, ended_after in (("recent", timedelta(hours=30)), ("old", timedelta(hours=1))):
+        h = sup.add(run_id, state=RunState.FAILED)
+        end = Transition(RunState.FAILED, T0 + ended_after, "Archived")
+        h.run = dataclasses.replace(h.run, transitions=(*h.run.transitions, end), reason="x")
+    api = ControlApi(sup, clock=lambda: T0 + timedelta(hours=36))
+    brief = read(RunList, await api.handle(request("list"), ME, no_stream))["runs"]
+    assert [r["run"] for r in brief] == ["live", "recent"]
+    every = read(RunList, await api.handle(request("list", all=True), ME, no_stream))["runs"]
+    assert [r["run"] for r in every] == ["live", "old", "recent"]  # by start, then id
+    head, *lines = list_table(every)
+    assert head.split() == [
+        "RUN", "STATE", "CLUSTER", "JOB", "OWNER", "STARTED", "ELAPSED", "NODES", "OUTCOME"
+    ]  # fmt: skip
+    assert lines[0].split()[:4] == ["live", "running", "dev", "7"]
+    assert "36h00m" in lines[0] and "1h00m" in lines[1] and "30h00m" in lines[2]
+    assert lines[1][head.index("OUTCOME") :] == "x"  # columns aligned
 
 
 @pytest.mark.asyncio
