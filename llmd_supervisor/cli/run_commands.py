@@ -53,6 +53,7 @@ from llmd_supervisor.cli.common import (
     fit_to_terminal,
 )
 from llmd_supervisor.cli.signals import DEFAULT_CANCEL_MARGIN_S, WAIT_EXIT_STATUS, Interrupts
+from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.core.summary import (
     ArchiveInfo,
     DryRun,
@@ -448,12 +449,18 @@ def cmd_wait(args: argparse.Namespace) -> int:
 @_exits
 def cmd_logs(args: argparse.Namespace) -> int:
     params = {"run": args.run, "rank": args.rank, "follow": args.follow}
+    labels = sys.stdout.isatty()  # on a terminal, say whose lines follow (like tail)
+    last: list[str] = []  # the file whose bytes were shown last
 
     def show(chunk: LogChunk) -> None:
         if args.json:
             print(json.dumps(chunk), flush=True)
-        else:
-            _write(_bytes(chunk))
+            return
+        data = _bytes(chunk)
+        if labels and last != [chunk["file"]]:
+            _write(f"{chr(10) if last else ''}==> {job_text(chunk['file'])} <==\n".encode())
+            last[:] = [chunk["file"]]
+        _write(data)
 
     async def go() -> None:
         if args.follow:

@@ -377,6 +377,14 @@ class ControlApi(Generic[H]):
         requested offsets; with follow, until the run is final and the copies are read."""
         handle = self._visible(args, peer)
         rank, follow = args["rank"], bool(args["follow"])
+        nodes = handle.run.nodes
+        if isinstance(rank, int) and handle.layout.watch is None and nodes and rank >= len(nodes):
+            raise ControlError(
+                "bad_request",
+                f"Run {handle.run.run_id} has ranks 0 to {len(nodes) - 1} (one per node of"
+                f" {','.join(nodes[:8])}{',...' if len(nodes) > 8 else ''}); rank {rank} is"
+                " not one of them.",
+            )
         given = args["offsets"]  # validated: str -> non-negative int, or None
         offsets: dict[str, int] = {}
         if isinstance(given, Mapping):

@@ -442,6 +442,19 @@ async def test_logs_starts_at_the_offsets_given(sup: Supervisor) -> None:
 
 
 @pytest.mark.asyncio
+async def test_logs_of_a_rank_the_run_does_not_have_is_an_error_naming_its_ranks(
+    sup: Supervisor,
+) -> None:
+    """`logs RUN --rank 9` of a 4-node run exited 0 with nothing."""
+    h = sup.add("r1")
+    h.run = dataclasses.replace(h.run, nodes=("node1", "node2", "node3", "node4"))
+    with pytest.raises(ControlError) as info:
+        await ControlApi(sup).handle(request("logs", run="r1", rank=9), ME, no_stream)
+    assert info.value.code == "bad_request"
+    assert "has ranks 0 to 3" in info.value.message and "rank 9" in info.value.message
+
+
+@pytest.mark.asyncio
 async def test_logs_sends_a_big_copy_whole_in_bounded_items(sup: Supervisor) -> None:
     sup.add("r1", state=RunState.RUNNING)
     data = bytes(range(256)) * 2400  # 600 KiB, most of it not UTF-8
