@@ -401,6 +401,8 @@ def _without_belief(
         latest = max(views, key=lambda v: _last_record_time(state, v.record.source))
         record = latest.record
         known = f"no terminal record; last read {record.describe()} ({record.source.value})"
+    elif failing := _failing_commands(state):
+        known = failing
     elif accounting_off:
         known = "no scontrol record (accounting disabled)"
     else:
@@ -411,6 +413,21 @@ def _without_belief(
     if past_deadline:
         return Verdict(Outcome.UNVERIFIED, f"{known} after {elapsed} s", None)
     return Verdict(Outcome.PENDING_EVIDENCE, f"{known} after {elapsed} s; asking again", None)
+
+
+def _failing_commands(state: VerdictState) -> str:
+    """When every source's latest query failed (munge refused, slurmctld or slurmdbd
+    unreachable): which command failed and its first error line; "" otherwise."""
+    latest: dict[Source, SlurmQuery] = {}
+    for q in state.queries:
+        latest[q.source] = q
+    if not latest or any(q.outcome is not QueryOutcome.ERROR for q in latest.values()):
+        return ""
+    said = [
+        f"{q.source.value} failed: {(q.error.strip().splitlines() or ['no output'])[0][:200]}"
+        for q in latest.values()
+    ]
+    return "no record, every Slurm query failed (" + "; ".join(said) + ")"
 
 
 def _last_record_time(state: VerdictState, source: Source) -> datetime:

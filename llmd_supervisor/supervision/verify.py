@@ -69,6 +69,9 @@ def utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+QUERY_GRACE_S = 1.0  # how long past the deadline a round's queries may still answer
+
+
 @dataclass(frozen=True)
 class VerifyResult:
     verdict: Verdict
@@ -145,7 +148,7 @@ async def verify_job(
         sources = [Source.SCONTROL] if state.accounting_disabled_seen else [Source.SACCT]
         if believed(state) is None and sources[0] is Source.SACCT:
             sources.append(Source.SCONTROL)
-        for query in await _query_all(evidence, job_id, sources):
+        for query in await _query_within(evidence, job_id, sources, deadline, clock):
             if query.source is Source.SACCT or believed(state) is None:
                 state = observe(state, query)
         try:
@@ -182,6 +185,19 @@ async def verify_job(
             )
             return VerifyResult(verdict, state, marker, receipt)
         await anyio.sleep(min(interval, max(0.0, (deadline - now).total_seconds()) + 0.01))
+
+
+async def _query_within(
+    evidence: Evidence, job_id: str, sources: list[Source], deadline: datetime, clock: Clock
+) -> list[SlurmQuery]:
+    """The sources' readings, or failed ones when they do not answer by the deadline
+    (plus QUERY_GRACE_S): a hung command (munge, an unreachable slurmctld) does not keep
+    `verify --timeout` waiting past its limit."""
+    remaining = max(0.0, (deadline - clock()).total_seconds()) + QUERY_GRACE_S
+    with anyio.move_on_after(remaining):
+        return await _query_all(evidence, job_id, sources)
+    why = f"no answer within the evidence deadline (+{QUERY_GRACE_S:g} s)"
+    return [failed_query(s, job_id, taken_at=clock(), error=why) for s in sources]
 
 
 async def _query_all(evidence: Evidence, job_id: str, sources: list[Source]) -> list[SlurmQuery]:
