@@ -37,9 +37,9 @@ __all__ = [
     "GateResult",
     "Point",
     "PointEvidence",
-    "RoleGpus",
     "ResultFormat",
     "ResultProblem",
+    "RoleGpus",
     "Stats",
     "Validity",
     "gate",
@@ -367,7 +367,9 @@ def _role_gpus_of(value: object) -> RoleGpus | None:
     if value is None:
         return None
     got = (
-        declared_roles(dict(zip(ROLE_GPU_KEYS, (value.get("prefill"), value.get("decode")), strict=True)))
+        declared_roles(
+            dict(zip(ROLE_GPU_KEYS, (value.get("prefill"), value.get("decode")), strict=True))
+        )
         if isinstance(value, dict)
         else None
     )

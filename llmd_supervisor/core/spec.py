@@ -49,7 +49,6 @@ from llmd_supervisor.core.spec_container import (
     overlapping,
     parse_container,
 )
-from llmd_supervisor.core.spec_recipe import RECIPE_KEYS, Recipe, parse_recipe
 from llmd_supervisor.core.spec_fields import (
     CONTROL_RE,
     PATH_RE,
@@ -63,6 +62,7 @@ from llmd_supervisor.core.spec_fields import (
     pattern_field,
     shown,
 )
+from llmd_supervisor.core.spec_recipe import RECIPE_KEYS, Recipe, parse_recipe
 from llmd_supervisor.core.spec_services import (
     SERVICE_PLACEHOLDERS,
     HealthScope,

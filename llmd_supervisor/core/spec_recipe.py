@@ -106,8 +106,7 @@ def parse_recipe(t: Mapping[str, object]) -> Recipe:
         raise SpecError(
             "recipe.router_version" if name else "recipe.router_name",
             None,
-            "give router_name and router_version together (InferenceX's router object "
-            "has both)",
+            "give router_name and router_version together (InferenceX's router object has both)",
         )
     return Recipe(
         hw=_label(t, "hw"),

@@ -15,6 +15,7 @@ import io
 import json
 import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +86,7 @@ def spec_like(env: dict[str, str]) -> RunSpec:
     return parse_spec(data)
 
 
-def ours(spec: RunSpec, gpus: Any, *, deployment: bool = True) -> dict[str, object]:
+def ours(spec: RunSpec, gpus: Any, *, deployment: bool = True) -> Mapping[str, object]:
     p = parse_result(bench_result(), "inferencex")
     assert isinstance(p, Point)
     g = gate({32: p}, spec.benchmark.expected_prompts(), spec.benchmark.validity, {})
@@ -113,7 +114,7 @@ def test_the_fixture_says_where_it_comes_from() -> None:
 
 def test_a_multinode_run_field_for_field() -> None:
     case = CASES["2P1D"]
-    theirs: dict[str, object] = case["agg"]
+    theirs: Mapping[str, Any] = case["agg"]
     spec = spec_like(case["env"])
     mine = ours(spec, role_gpus(spec.topology))
     assert set(mine) - {"run"} == {k for k in theirs if not not_carried(k)}
@@ -121,18 +122,21 @@ def test_a_multinode_run_field_for_field() -> None:
         if not_carried(key):
             continue
         if key == "recipe_fingerprint":  # each hashes its own description (SOURCE.md)
+            own = mine[key]
             assert isinstance(value, str) and SHA256_HEX.fullmatch(value)
-            assert isinstance(mine[key], str) and SHA256_HEX.fullmatch(mine[key])  # type: ignore[arg-type]
+            assert isinstance(own, str) and SHA256_HEX.fullmatch(own)
             continue
         _same(key, mine[key], value)
     # The point of it: output over the 8 decode GPUs, input over the 16 prefill GPUs.
     assert theirs["output_tput_per_gpu"] == pytest.approx(1212.7004432466304 / 8)
-    assert theirs["input_tput_per_gpu"] == pytest.approx((40019.114627138806 - 1212.7004432466304) / 16)
+    assert theirs["input_tput_per_gpu"] == pytest.approx(
+        (40019.114627138806 - 1212.7004432466304) / 16
+    )
 
 
 def test_a_single_node_run_divides_everything_by_its_gpus() -> None:
     case = CASES["single-node-tp8"]
-    theirs: dict[str, object] = case["agg"]
+    theirs: Mapping[str, Any] = case["agg"]
     mine = ours(spec_like(CASES["2P1D"]["env"]), int(case["env"]["TP"]), deployment=False)
     for key in ("conc", "tput_per_gpu", "output_tput_per_gpu", "input_tput_per_gpu"):
         _same(key, mine[key], theirs[key])

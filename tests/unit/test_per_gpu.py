@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import json
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +60,8 @@ HAND = [
     ("gpus", "total", "output", "input_"), [h[1:] for h in HAND], ids=[h[0] for h in HAND]
 )
 def test_per_gpu_by_hand(gpus: int | RoleGpus, total: float, output: float, input_: float) -> None:
-    assert per_gpu(TOTAL, OUTPUT, gpus) == PerGpu(
-        pytest.approx(total), pytest.approx(output), pytest.approx(input_)
-    )
+    got = per_gpu(TOTAL, OUTPUT, gpus)
+    assert (got.total, got.output, got.input) == pytest.approx((total, output, input_))
 
 
 @pytest.mark.parametrize("gpus", [None, 0, -8, RoleGpus(0, 8), RoleGpus(8, -1)])
@@ -131,7 +131,7 @@ def _with(raw: bytes, **keys: object) -> bytes:
         ({}, None),
     ],
 )
-def test_a_result_file_may_declare_its_roles(keys: dict[str, object], roles: object) -> None:
+def test_a_result_file_may_declare_its_roles(keys: Mapping[str, object], roles: object) -> None:
     assert declared_roles(keys) == roles
     p = parse_result(_with(VLLM_C4, **keys), "vllm")
     assert isinstance(p, Point) and p.role_gpus == roles  # a bad one never spoils the point
@@ -221,7 +221,7 @@ def test_declared_parallelism_and_router() -> None:
         ({"gpus": 8}, "recipe.gpus"),
     ],
 )
-def test_recipe_errors_name_the_field(recipe: dict[str, object], field: str) -> None:
+def test_recipe_errors_name_the_field(recipe: Mapping[str, object], field: str) -> None:
     with pytest.raises(SpecError) as err:
         _recipe(**recipe)
     assert err.value.field == field
