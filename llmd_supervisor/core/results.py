@@ -25,11 +25,13 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Final, Literal, get_args
+from typing import TYPE_CHECKING, Final, Literal, get_args
 
 from llmd_supervisor.core.gpus import ROLE_GPU_KEYS, RoleGpus, declared_roles, per_gpu
-from llmd_supervisor.core.summary import Deployment
 from llmd_supervisor.node import common
+
+if TYPE_CHECKING:  # the parser's child imports this module: it starts within its time limit
+    from llmd_supervisor.core.summary import Deployment
 
 __all__ = [
     "FORMATS",

@@ -177,7 +177,8 @@ class Topology:
     decode_workers: int = 1
     gpus_per_node: int = 0
     # GPUs each node counts for in per-GPU numbers when it requests none from Slurm (the
-    # dev cluster's stand-ins); never rendered into the batch script.
+    # dev cluster's stand-ins; gpus_per_node wins when set); never rendered into the batch
+    # script, so a spec derived from the demo may still set gpus_per_node.
     nominal_gpus_per_node: int = 0
 
     @property
@@ -364,13 +365,6 @@ def _parse_topology(t: Mapping[str, object]) -> Topology:
         )
     gpus = int_field(t, "topology.gpus_per_node", default=0, lo=0, hi=64)
     nominal = int_field(t, "topology.nominal_gpus_per_node", default=0, lo=0, hi=64)
-    if gpus and nominal:
-        raise SpecError(
-            "topology.nominal_gpus_per_node",
-            nominal,
-            f"gpus_per_node ({gpus}) already counts the GPUs; nominal_gpus_per_node is for "
-            "nodes that request none from Slurm (stand-ins): remove one of the two",
-        )
     return Topology(p, d, pw, dw, gpus, nominal)
 
 

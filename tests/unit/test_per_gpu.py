@@ -160,9 +160,9 @@ def test_a_foreign_table_takes_the_roles_its_files_declare() -> None:
     assert rows[1]["output_throughput_per_gpu"] == pytest.approx(q.output_throughput / 8)
 
 
-def test_gpus_per_node_and_nominal_are_exclusive() -> None:
-    with pytest.raises(SpecError, match="nominal_gpus_per_node"):
-        spec(gpus_per_node=8, nominal_gpus_per_node=8)
+def test_requested_gpus_win_over_nominal_ones() -> None:
+    assert spec(gpus_per_node=4).topology.counted_gpus_per_node == 4  # the demo says 8 nominal
+    assert role_gpus(spec(gpus_per_node=4).topology) == RoleGpus(8, 8)
 
 
 def test_the_demo_declares_nominal_gpus_and_requests_none() -> None:
