@@ -18,6 +18,7 @@ import pytest
 
 from llmd_supervisor.core.gpus import PerGpu, RoleGpus, declared_roles, per_gpu
 from llmd_supervisor.core.recipe import deployment_of, recipe_fingerprint, role_gpus
+from llmd_supervisor.core.render import render_sbatch
 from llmd_supervisor.core.results import (
     Point,
     PointEvidence,
@@ -170,6 +171,11 @@ def test_the_demo_declares_nominal_gpus_and_requests_none() -> None:
     assert demo.topology.gpus_per_node == 0  # nothing asks Slurm for a GPU
     assert demo.topology.nominal_gpus_per_node == 8
     assert demo.topology.counted_gpus_per_node == 8
+    script = render_sbatch(demo, job_name="llmd-demo-1")
+    sbatch = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert not [line for line in sbatch if "gpu" in line or "gres" in line], sbatch
+    assert "--gpus" not in script and "--gres" not in script
+    assert "--gpus-per-node=4" in render_sbatch(spec(gpus_per_node=4), job_name="j")
 
 
 def _recipe(**recipe: Any) -> RunSpec:

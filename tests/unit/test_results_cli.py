@@ -352,6 +352,15 @@ def test_inferencex_agg_names_and_units() -> None:
     assert "intvty" not in c64  # InferenceX has no bare key (see SOURCE.md)
 
 
+def test_the_roles_gpus_are_named_beside_the_count() -> None:
+    r = run_8gpu()
+    r["results"] |= {"gpus": 32, "prefill_gpus": 16, "decode_gpus": 16}  # type: ignore[operator]
+    assert "  vllm client, 32 GPUs (16 prefill + 16 decode), 3 points" in render_text(
+        [read_run_results(r)]
+    )
+    assert "  vllm client, 8 GPUs, 3 points" in render_text([read_run_results(run_8gpu())])
+
+
 def test_inferencex_agg_output_skips_invalid_points_and_says_so() -> None:
     r = run_unknown_gpus()
     r["results"]["points"][0] |= {"valid": False, "problem": "no such file"}  # type: ignore[index]
