@@ -5,8 +5,10 @@ the charts are inline SVG drawn by matplotlib, an optional dependency (the ``rep
 extra). Every plotted point is its own SVG group carrying ``class="point"``,
 ``data-chart``, ``data-run``, ``data-concurrency``, ``data-x`` and ``data-y``, so what a
 chart shows can be checked from the file. The charts: total throughput per GPU against
-interactivity (1000 / median TPOT in ms, the chart InferenceX publishes), and median TTFT
-and TPOT against concurrency, one line per run.
+interactivity (1000 / median TPOT in ms, the chart InferenceX publishes; runs whose GPU
+count is unknown are left out of it, never plotted as totals on its axis), total
+throughput against interactivity (every run), and median TTFT and TPOT against
+concurrency, one line per run.
 
 What a job wrote reaches the report through its results (file names, numbers), so the
 report takes nothing as given: text is escaped as the daemon escapes what a job writes
@@ -30,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from llmd_supervisor.cli.results import (
+    gpu_text,
     interactivity,
     latency,
     no_results_reason,
@@ -103,11 +106,9 @@ def _escaped_run(r: RunResults) -> RunResults:
             q["file"] = job_text(p["file"])
             q["problem"] = None if p["problem"] is None else job_text(p["problem"])
             points.append(q)
-        out["results"] = {
-            "format": job_text(table["format"]),
-            "gpus": table["gpus"],
-            "points": points,
-        }
+        escaped = table.copy()
+        escaped["format"], escaped["points"] = job_text(table["format"]), points
+        out["results"] = escaped
     return out
 
 
@@ -146,11 +147,26 @@ def left_out_of_every_chart(runs: Sequence[RunResults]) -> list[str]:
     return out
 
 
+INTERACTIVITY = "interactivity (tok/s/user = 1000 / median TPOT in ms)"
+NO_VALUES = "no valid point has the values this chart needs"
+
+
+def _gpus_unknown(r: RunResults) -> str:
+    if r["results"] is not None and r["results"]["gpus"]:
+        return NO_VALUES
+    return (
+        "its GPU count is unknown, so it has no per-GPU throughput (the total-throughput "
+        "chart shows it; a spec declares topology.gpus_per_node, or nominal_gpus_per_node "
+        "for stand-ins)"
+    )
+
+
 def _series(
     runs: Sequence[RunResults],
     x: Callable[[RunResults, ResultPoint], float | None],
     y: Callable[[RunResults, ResultPoint], float | None],
-    label: Callable[[RunResults], str] = lambda r: r["run"],
+    *,
+    unknown: Callable[[RunResults], str] = lambda _: NO_VALUES,
 ) -> tuple[tuple[Series, ...], tuple[str, ...]]:
     series, left_out = [], []
     for i, r in enumerate(runs):
@@ -168,34 +184,27 @@ def _series(
                 continue
             pts.append((xv, yv, p["concurrency"]))
         if pts:
-            series.append(Series(r["run"], label(r), PALETTE[i % len(PALETTE)], tuple(pts)))
+            series.append(Series(r["run"], r["run"], PALETTE[i % len(PALETTE)], tuple(pts)))
         elif r["results"] is None or not r["results"]["points"]:
             left_out.append(f"run {r['run']}: {no_results_reason(r)}")
         else:
-            left_out.append(f"run {r['run']}: no valid point has the values this chart needs")
+            left_out.append(f"run {r['run']}: {unknown(r)}")
     return tuple(series), tuple(left_out)
 
 
 def build_charts(runs: Sequence[RunResults]) -> list[Chart]:
-    """The report's three charts (pure: no matplotlib needed)."""
+    """The report's four charts (pure: no matplotlib needed). No axis holds per-GPU values
+    and totals together: a run without a GPU count is in the total chart only."""
 
-    def gpus(r: RunResults) -> int | None:
-        return r["results"]["gpus"] if r["results"] else None
+    def per_gpu(r: RunResults, p: ResultPoint) -> float | None:
+        table = r["results"]
+        return per_gpu_total(p, table["gpus"]) if table else None
 
-    known = [bool(gpus(r)) for r in runs if _valid_points(r)]
-    if known and all(known):
-        ylabel = "total tok/s per GPU"
-    elif not any(known):
-        ylabel = "total tok/s (GPU count unknown: not per GPU)"
-    else:
-        ylabel = "total tok/s per GPU († total tok/s: GPU count unknown)"
+    def total(_: RunResults, p: ResultPoint) -> float | None:
+        return p["total_token_throughput"]
 
-    def throughput(r: RunResults, p: ResultPoint) -> float | None:
-        n = gpus(r)
-        return per_gpu_total(p, n) if n else p["total_token_throughput"]
-
-    def tput_label(r: RunResults) -> str:
-        return r["run"] if gpus(r) else f"{r['run']} † (total, GPUs unknown)"
+    def x_interactivity(_: RunResults, p: ResultPoint) -> float | None:
+        return interactivity(p)
 
     def conc(_: RunResults, p: ResultPoint) -> float:
         return float(p["concurrency"])
@@ -204,13 +213,24 @@ def build_charts(runs: Sequence[RunResults]) -> list[Chart]:
         return lambda _, p: latency(p, metric, "median")
 
     charts = []
-    s, out = _series(runs, lambda _, p: interactivity(p), throughput, tput_label)
+    s, out = _series(runs, x_interactivity, per_gpu, unknown=_gpus_unknown)
     charts.append(
         Chart(
             "tput-vs-interactivity",
             "Throughput per GPU against interactivity",
-            "interactivity (tok/s/user = 1000 / median TPOT in ms)",
-            ylabel,
+            INTERACTIVITY,
+            "total tok/s per GPU",
+            s,
+            left_out=out,
+        )
+    )
+    s, out = _series(runs, x_interactivity, total)
+    charts.append(
+        Chart(
+            "total-tput-vs-interactivity",
+            "Total throughput against interactivity",
+            INTERACTIVITY,
+            "total tok/s (all GPUs)",
             s,
             left_out=out,
         )
@@ -356,8 +376,7 @@ def _run_section(r: RunResults) -> str:
     table = r["results"]
     meta = "no results table"
     if table is not None:
-        gpus = f"{table['gpus']} GPUs" if table["gpus"] else "GPU count unknown"
-        meta = f"{table['format']} client, {gpus}, {len(table['points'])} points"
+        meta = f"{table['format']} client, {gpu_text(table)}, {len(table['points'])} points"
     return (
         f'<section id="run-{html.escape(r["run"], quote=True)}">'
         f"<h2>Run {html.escape(r['run'])}</h2>"
@@ -417,8 +436,9 @@ def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[
         help="write runs' verdicts, results and charts as one self-contained HTML file",
         description=(
             "Write one HTML file (no network needed to view it) with each run's verdict, "
-            "its evidence table, and charts: total throughput per GPU against "
-            "interactivity, and median TTFT and TPOT against concurrency, one line per run. "
+            "its evidence table, and charts: total throughput per GPU (runs with a known "
+            "GPU count) and total throughput against interactivity, and median TTFT and "
+            "TPOT against concurrency, one line per run. "
             "Needs matplotlib (pip install 'llmd-supervisor[report]')."
         ),
     )

@@ -20,7 +20,7 @@ import json
 import math
 import sys
 import textwrap
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypedDict, cast
 
@@ -89,6 +89,17 @@ def per_gpu_total(point: ResultPoint, gpus: int | None) -> float | None:
     if total is not None and gpus:
         return total / gpus
     return None
+
+
+def gpu_text(table: ResultsTable) -> str:
+    """`8 GPUs (4 prefill + 4 decode)`, `8 GPUs` (the roles' split unknown: every per-GPU
+    number is divided by all of them) or `GPU count unknown`."""
+    gpus, prefill, decode = table["gpus"], table.get("prefill_gpus"), table.get("decode_gpus")
+    if not gpus:
+        return "GPU count unknown"
+    if prefill is None or decode is None:
+        return f"{gpus} GPUs"
+    return f"{gpus} GPUs ({prefill} prefill + {decode} decode)"
 
 
 def interactivity(point: ResultPoint, stat: str = "median") -> float | None:
@@ -160,8 +171,7 @@ def _block(r: RunResults, *, label: str = "") -> str:
         return "\n".join(lines) + "\n"
     gpus = table["gpus"]
     points = sorted(table["points"], key=lambda p: p["concurrency"])
-    gpu_text = f"{gpus} GPUs" if gpus else "GPU count unknown"
-    lines.append(f"  {table['format']} client, {gpu_text}, {len(points)} points")
+    lines.append(f"  {table['format']} client, {gpu_text(table)}, {len(points)} points")
     head = ["conc", "prompts", "done", "failed", "req/s", "out tok/s", "tot tok/s"]
     widths = [6, 8, 7, 7, 8, 10, 10]
     if gpus:
@@ -267,38 +277,6 @@ def render_json(
     if regressions is not None:
         doc["regressions"] = [g.as_dict() for g in regressions]
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
-
-
-def inferencex_agg(r: RunResults) -> list[dict[str, object]]:
-    """InferenceX's aggregate fields (utils/process_result.py) for each valid point.
-
-    `conc`; `tput_per_gpu`, `output_tput_per_gpu`, `input_tput_per_gpu` (tok/s per GPU,
-    null when the GPU count is unknown); `{mean,median,p99}_{ttft,tpot,itl,e2el}` in
-    seconds; `{mean,median,p99}_intvty` = 1000 / TPOT (ms). `run` says which run it is.
-    Invalid points are left out (InferenceX writes no aggregate for a failed point).
-    """
-    table = r["results"]
-    if table is None:
-        return []
-    out = []
-    for p in sorted(table["points"], key=lambda p: p["concurrency"]):
-        if not p["valid"]:
-            continue
-        row: dict[str, object] = {
-            "run": r["run"],
-            "conc": p["concurrency"],
-            "tput_per_gpu": per_gpu_total(p, table["gpus"]),
-            "output_tput_per_gpu": p["output_throughput_per_gpu"],
-            "input_tput_per_gpu": p["input_throughput_per_gpu"],
-        }
-        for m in LATENCIES:
-            for s in STATS:
-                ms = latency(p, m, s)
-                row[f"{s}_{m}"] = None if ms is None else ms / 1000.0
-        for s in STATS:
-            row[f"{s}_intvty"] = interactivity(p, s)
-        out.append(row)
-    return out
 
 
 # --- the regression gate ------------------------------------------------------------------
@@ -518,7 +496,9 @@ def show(
     elif args.csv:
         out.write(render_csv(runs))
     elif args.format:
-        _write_agg(args.format, runs, out, err)
+        from llmd_supervisor.cli.inferencex_agg import write_agg
+
+        write_agg(args.format, runs, out, err)
     else:
         out.write(render_text(runs, baseline=baseline))
     if baseline is not None and regressions is not None:
@@ -531,30 +511,3 @@ def show(
         if regressions:
             return EXIT_REGRESSION
     return 0
-
-
-def _write_agg(fmt: str, runs: Iterable[RunResults], out: IO[str], err: IO[str]) -> None:
-    rows: list[dict[str, object]] = []
-    for r in runs:
-        rows += inferencex_agg(r)
-        table = r["results"]
-        if table is None or not table["points"]:
-            print(f"llmd-supervisor results: run {r['run']}: {no_results_reason(r)}.", file=err)
-            continue
-        skipped = [p["concurrency"] for p in table["points"] if not p["valid"]]
-        if skipped:
-            print(
-                f"llmd-supervisor results: run {r['run']}: left out the invalid points "
-                f"c={','.join(map(str, sorted(skipped)))}.",
-                file=err,
-            )
-        if not table["gpus"]:
-            print(
-                f"llmd-supervisor results: run {r['run']}: the GPU count is unknown, so the "
-                "per-GPU fields may be null.",
-                file=err,
-            )
-    if fmt == "inferencex-agg-jsonl":
-        out.write("".join(json.dumps(row, sort_keys=True) + "\n" for row in rows))
-    else:
-        out.write(json.dumps(rows, indent=2, sort_keys=True) + "\n")

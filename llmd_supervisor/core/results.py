@@ -12,6 +12,11 @@ A benchmark point's result file is what a client saved with ``--save-result``:
 concurrency has a believable point (DESIGN.md section 5, item 4) and keeps per-point
 evidence for the receipt. :func:`results_table` is the archive's ``results.json``.
 The field list and its provenance are in ``tests/data/results/README.md``.
+
+Per-GPU throughputs follow InferenceX's ``utils/process_result.py``
+(``tests/data/inferencex-agg/SOURCE.md``): with the GPUs of each role known
+(:class:`RoleGpus`), total tokens/s is divided by all GPUs, output tokens/s by the decode
+GPUs and input tokens/s by the prefill GPUs; with only a total, all three by the total.
 """
 
 from __future__ import annotations
@@ -20,9 +25,13 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Final, Literal, get_args
+from typing import TYPE_CHECKING, Final, Literal, get_args
 
+from llmd_supervisor.core.gpus import ROLE_GPU_KEYS, RoleGpus, declared_roles, per_gpu
 from llmd_supervisor.node import common
+
+if TYPE_CHECKING:  # the parser's child imports this module: it starts within its time limit
+    from llmd_supervisor.core.summary import Deployment
 
 __all__ = [
     "FORMATS",
@@ -32,6 +41,7 @@ __all__ = [
     "PointEvidence",
     "ResultFormat",
     "ResultProblem",
+    "RoleGpus",
     "Stats",
     "Validity",
     "gate",
@@ -49,6 +59,7 @@ FORMATS: Final[tuple[ResultFormat, ...]] = get_args(ResultFormat)
 # A saved result without --save-detailed is a few KiB; with it, per-request arrays.
 MAX_RESULT_BYTES: Final = 64 * 1024 * 1024
 LATENCIES: Final = ("ttft", "tpot", "itl", "e2el")
+STAT_KEYS: Final = ("mean", "median", "p99", "std")  # Stats' fields, in order
 
 ProblemKind = Literal[
     "missing",  # no result file
@@ -73,9 +84,10 @@ class Stats:
     mean: float | None = None
     median: float | None = None
     p99: float | None = None
+    std: float | None = None  # the population standard deviation (InferenceX keeps it)
 
     def as_dict(self) -> dict[str, float | None]:
-        return {"mean": self.mean, "median": self.median, "p99": self.p99}
+        return {"mean": self.mean, "median": self.median, "p99": self.p99, "std": self.std}
 
 
 @dataclass(frozen=True)
@@ -97,6 +109,7 @@ class Point:
     tpot_ms: Stats = Stats()
     itl_ms: Stats = Stats()
     e2el_ms: Stats = Stats()
+    role_gpus: RoleGpus | None = None  # what the result file says (ROLE_GPU_KEYS), if anything
 
     @property
     def input_throughput(self) -> float:
@@ -235,7 +248,7 @@ def _number(value: object, key: str) -> float:
 
 def _stats(doc: Mapping[str, object], metric: str) -> Stats:
     got: list[float | None] = []
-    for prefix in ("mean", "median", "p99"):
+    for prefix in STAT_KEYS:
         key = f"{prefix}_{metric}_ms"
         value = doc.get(key)
         got.append(None if value is None else _number(value, key))
@@ -292,6 +305,7 @@ def _point(doc: Mapping[str, object], fmt: ResultFormat) -> Point:
         tpot_ms=_stats(doc, "tpot"),
         itl_ms=_stats(doc, "itl"),
         e2el_ms=_stats(doc, "e2el"),
+        role_gpus=declared_roles(doc),
     )
 
 
@@ -345,9 +359,25 @@ def parsed_from_json(value: object) -> Point | ResultProblem:
             tpot_ms=_stats_of(p.get("tpot_ms"), "tpot"),
             itl_ms=_stats_of(p.get("itl_ms"), "itl"),
             e2el_ms=_stats_of(p.get("e2el_ms"), "e2el"),
+            role_gpus=_role_gpus_of(p.get("role_gpus")),
         )
     except _Bad as bad:
         raise ValueError(f"not a point: {bad.problem}") from None
+
+
+def _role_gpus_of(value: object) -> RoleGpus | None:
+    if value is None:
+        return None
+    got = (
+        declared_roles(
+            dict(zip(ROLE_GPU_KEYS, (value.get("prefill"), value.get("decode")), strict=True))
+        )
+        if isinstance(value, dict)
+        else None
+    )
+    if got is None:
+        raise _Bad(ResultProblem("bad_value", f"role_gpus={_shown(value)} is not role GPUs"))
+    return got
 
 
 def _is_count(value: object) -> bool:
@@ -355,9 +385,9 @@ def _is_count(value: object) -> bool:
 
 
 def _stats_of(value: object, metric: str) -> Stats:
-    if not isinstance(value, dict) or set(value) != {"mean", "median", "p99"}:
+    if not isinstance(value, dict) or set(value) != set(STAT_KEYS):
         raise _Bad(ResultProblem("bad_value", f"{metric}_ms={_shown(value)} is not a statistic"))
-    got = [value[k] for k in ("mean", "median", "p99")]
+    got = [value[k] for k in STAT_KEYS]
     return Stats(*(None if v is None else _number(v, metric) for v in got))
 
 
@@ -492,13 +522,19 @@ NUMBER_FIELDS: Final = (
 )
 
 
-def _row(e: PointEvidence, gpus: int | None) -> dict[str, object]:
+def _row(e: PointEvidence, gpus: int | RoleGpus | None) -> dict[str, object]:
     row: dict[str, object] = {"concurrency": e.concurrency}
     p = e.point
     if p is None:
         row.update(dict.fromkeys(NUMBER_FIELDS))
         row.update({f"{m}_ms": Stats().as_dict() for m in LATENCIES})
     else:
+        # The caller's roles (the spec's) win; else the file's own; else the bare total.
+        each = per_gpu(
+            p.total_token_throughput,
+            p.output_throughput,
+            gpus if isinstance(gpus, RoleGpus) else (p.role_gpus or gpus),
+        )
         row.update(
             {
                 "num_prompts": p.num_prompts,
@@ -509,11 +545,9 @@ def _row(e: PointEvidence, gpus: int | None) -> dict[str, object]:
                 "output_throughput": p.output_throughput,
                 "total_token_throughput": p.total_token_throughput,
                 "input_throughput": p.input_throughput,
-                "output_throughput_per_gpu": p.output_throughput / gpus if gpus else None,
-                "total_token_throughput_per_gpu": (
-                    p.total_token_throughput / gpus if gpus else None
-                ),
-                "input_throughput_per_gpu": p.input_throughput / gpus if gpus else None,
+                "output_throughput_per_gpu": each.output,
+                "total_token_throughput_per_gpu": each.total,
+                "input_throughput_per_gpu": each.input,
                 "ttft_ms": p.ttft_ms.as_dict(),
                 "tpot_ms": p.tpot_ms.as_dict(),
                 "itl_ms": p.itl_ms.as_dict(),
@@ -526,12 +560,19 @@ def _row(e: PointEvidence, gpus: int | None) -> dict[str, object]:
 
 def results_table(
     points: GateResult | Iterable[PointEvidence],
-    gpus: int | None,
+    gpus: int | RoleGpus | None,
     fmt: ResultFormat | None = None,
+    *,
+    deployment: Deployment | None = None,
 ) -> dict[str, object]:
     """The archive's ``results.json``: one row per point, sorted by concurrency.
 
-    `gpus` is the run's GPU count (None or 0: unknown, the per-GPU numbers are null).
+    `gpus` is the run's GPUs: per role (:class:`RoleGpus`, from the spec's topology), or a
+    total (None or 0: unknown). Without roles from the caller, a point's result file may
+    declare them (`ROLE_GPU_KEYS`); see :func:`per_gpu` for the division. `prefill_gpus`
+    and `decode_gpus` are the roles every row was divided by (null when not one split).
+    `deployment` is what InferenceX's aggregate says about the configuration
+    (`core.recipe.deployment_of`; null for a foreign job).
     `fmt` defaults to the format of the parsed points (``vllm`` when none parsed).
     """
     evidence = sorted(
@@ -539,9 +580,20 @@ def results_table(
     )
     if fmt is None:
         fmt = next((e.point.format for e in evidence if e.point is not None), "vllm")
-    n_gpus = gpus if gpus is not None and gpus > 0 else None
+    given: int | RoleGpus | None = gpus if isinstance(gpus, RoleGpus) or (gpus or 0) > 0 else None
+    roles = given if isinstance(given, RoleGpus) else _common_roles(evidence)
+    total = roles.total if roles is not None else given
     return {
         "format": fmt,
-        "gpus": n_gpus,
-        "points": [_row(e, n_gpus) for e in evidence],
+        "gpus": total if isinstance(total, int) and total > 0 else None,
+        "prefill_gpus": roles.prefill if roles else None,
+        "decode_gpus": roles.decode if roles else None,
+        "deployment": deployment,
+        "points": [_row(e, given) for e in evidence],
     }
+
+
+def _common_roles(evidence: Sequence[PointEvidence]) -> RoleGpus | None:
+    """The roles' GPUs every parsed point's file declares alike, else None."""
+    declared = {e.point.role_gpus for e in evidence if e.point is not None}
+    return declared.pop() if len(declared) == 1 and None not in declared else None

@@ -10,7 +10,8 @@ which execs argv lists; they only have to be free of control characters.
 Layout (see ``deploy/llm-d/demo.toml``)::
 
     [run]        log_dir, sigterm_grace_s, marker_grace_s, coordinator_silence_s
-    [topology]   prefill_nodes, decode_nodes, prefill_workers, decode_workers, gpus_per_node
+    [topology]   prefill_nodes, decode_nodes, prefill_workers, decode_workers, gpus_per_node,
+                 nominal_gpus_per_node
     [model]      path, served_name
     [container]  kind = none|docker|pyxis, image, squash_file, mounts, python,
                  extra_args (allow-listed docker/pyxis options), user (docker UID[:GID])
@@ -24,6 +25,9 @@ Layout (see ``deploy/llm-d/demo.toml``)::
     [retry]      infrastructure, exclude_nodes, backoff_s, hold_timeout_s (see
                  :mod:`llmd_supervisor.core.retry`)
     [env.common] [env.prefill] [env.decode] [env.bench]   NAME = "value"
+    [recipe]     hw, framework, precision, model_prefix, spec_decoding, per-role tp, pp,
+                 ep, dp_attention, ... (published names only; see
+                 :mod:`llmd_supervisor.core.spec_recipe`)
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from llmd_supervisor.core.spec_fields import (
     pattern_field,
     shown,
 )
+from llmd_supervisor.core.spec_recipe import RECIPE_KEYS, Recipe, parse_recipe
 from llmd_supervisor.core.spec_services import (
     SERVICE_PLACEHOLDERS,
     HealthScope,
@@ -171,10 +176,19 @@ class Topology:
     prefill_workers: int = 1
     decode_workers: int = 1
     gpus_per_node: int = 0
+    # GPUs each node counts for in per-GPU numbers when it requests none from Slurm (the
+    # dev cluster's stand-ins; gpus_per_node wins when set); never rendered into the batch
+    # script, so a spec derived from the demo may still set gpus_per_node.
+    nominal_gpus_per_node: int = 0
 
     @property
     def nodes(self) -> int:
         return self.prefill_nodes + self.decode_nodes
+
+    @property
+    def counted_gpus_per_node(self) -> int:
+        """The GPUs per node that per-GPU numbers divide by (0: unknown)."""
+        return self.gpus_per_node or self.nominal_gpus_per_node
 
     @property
     def coordinator_rank(self) -> int:
@@ -238,6 +252,7 @@ class RunSpec:
     marker_grace_s: float = 10.0
     coordinator_silence_s: float = 60.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    recipe: Recipe = field(default_factory=Recipe)
 
 
 # --- loading ------------------------------------------------------------------------------
@@ -250,6 +265,7 @@ _TABLES: Final = {
         "prefill_workers",
         "decode_workers",
         "gpus_per_node",
+        "nominal_gpus_per_node",
     ),
     "model": ("path", "served_name"),
     "container": ("kind", "image", "squash_file", "mounts", "python", "extra_args", "user"),
@@ -269,6 +285,7 @@ _TABLES: Final = {
     "sidecar": ("command", "port", "health_path", "startup_timeout_s", "on"),
     "slurm": ("partition", "account", "time_limit", "extra_args", "requeue"),
     "env": ("common", "prefill", "decode", "bench"),
+    "recipe": RECIPE_KEYS,
 }
 _REQUIRED_TABLES: Final = ("run", "topology", "model", "engine", "benchmark", "slurm")
 
@@ -325,6 +342,7 @@ def parse_spec(data: Mapping[str, object]) -> RunSpec:
             run, "run.coordinator_silence_s", default=60.0, lo=1.0, hi=86400.0
         ),
         retry=parse_retry(t["retry"]),
+        recipe=parse_recipe(t["recipe"]),
     )
 
 
@@ -346,7 +364,8 @@ def _parse_topology(t: Mapping[str, object]) -> Topology:
             f"decode_nodes ({d}) must be divisible by it; use a divisor of {d}",
         )
     gpus = int_field(t, "topology.gpus_per_node", default=0, lo=0, hi=64)
-    return Topology(p, d, pw, dw, gpus)
+    nominal = int_field(t, "topology.nominal_gpus_per_node", default=0, lo=0, hi=64)
+    return Topology(p, d, pw, dw, gpus, nominal)
 
 
 def _parse_model(t: Mapping[str, object]) -> Model:

@@ -22,6 +22,7 @@ from llmd_supervisor.errors import SummaryError
 __all__ = [
     "ArchiveInfo",
     "AttemptView",
+    "Deployment",
     "DryRun",
     "Headline",
     "LatencyView",
@@ -149,12 +150,17 @@ class RunSummary(_RunSummary, total=False):
     held_until: str | None
 
 
-class LatencyView(TypedDict):
-    """One latency of a benchmark point, in milliseconds (null where not measured)."""
-
+class _LatencyView(TypedDict):
     mean: float | None
     median: float | None
     p99: float | None
+
+
+class LatencyView(_LatencyView, total=False):
+    """One latency of a benchmark point, in milliseconds (null where not measured;
+    `std` absent from a table an older daemon wrote)."""
+
+    std: float | None
 
 
 class PointView(TypedDict):
@@ -182,12 +188,72 @@ class PointView(TypedDict):
     problem: str | None
 
 
-class ResultsTable(TypedDict):
-    """A run's ``results.json``: its benchmark points, sorted by concurrency."""
+class RouterMeta(TypedDict):
+    """The router of a deployment, as InferenceX's aggregate names it."""
 
+    name: str
+    version: str
+
+
+class _Deployment(TypedDict):
+    # InferenceX's names and types (utils/process_result.py, its multi-node case; see
+    # tests/data/inferencex-agg/SOURCE.md). Null where the spec does not say.
+    hw: str | None
+    image: str | None
+    model: str
+    infmax_model_prefix: str | None
+    framework: str | None
+    precision: str | None
+    spec_decoding: str
+    disagg: bool
+    recipe_fingerprint: str  # sha256 hex of the configuration but the concurrencies
+    isl: int
+    osl: int
+    is_multinode: bool
+    prefill_tp: int | None
+    prefill_pp: int
+    prefill_dcp_size: int
+    prefill_pcp_size: int
+    prefill_ep: int
+    prefill_dp_attention: str  # "true" | "false", a string as InferenceX has it
+    prefill_num_workers: int
+    decode_tp: int | None
+    decode_pp: int
+    decode_dcp_size: int
+    decode_pcp_size: int
+    decode_ep: int
+    decode_dp_attention: str
+    decode_num_workers: int
+    num_prefill_gpu: int | None
+    num_decode_gpu: int | None
+
+
+class Deployment(_Deployment, total=False):
+    """What identifies a run's configuration in InferenceX's aggregate, from its spec
+    (`core.recipe.deployment_of`). `router` and `kv_p2p_transfer` only when declared,
+    as InferenceX adds them only when its recipe has them."""
+
+    router: RouterMeta
+    kv_p2p_transfer: str
+
+
+class _ResultsTable(TypedDict):
     format: str  # "vllm" or "inferencex"
     gpus: int | None  # the run's GPUs, when the spec says (per-GPU numbers need it)
     points: list[PointView]
+
+
+class ResultsTable(_ResultsTable, total=False):
+    """A run's ``results.json``: its benchmark points, sorted by concurrency.
+
+    `prefill_gpus` and `decode_gpus`: the roles' GPUs its per-GPU numbers were divided
+    by (null when the split is unknown; absent from an older table, whose per-GPU numbers
+    are all divided by `gpus`). `deployment`: the run's configuration in InferenceX's
+    terms (null for a foreign job; absent from an older table)."""
+
+    prefill_gpus: int | None
+    decode_gpus: int | None
+    deployment: Deployment | None
 
 
 class _RunResults(TypedDict):

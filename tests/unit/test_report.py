@@ -25,7 +25,12 @@ from llmd_supervisor.cli.report import INSTALL_HINT, PALETTE, build_charts, rend
 from llmd_supervisor.cli.results import read_run_results
 from tests.unit.test_results_cli import CONCURRENCIES, samples
 
-CHARTS = ("tput-vs-interactivity", "ttft-vs-concurrency", "tpot-vs-concurrency")
+CHARTS = (
+    "tput-vs-interactivity",
+    "total-tput-vs-interactivity",
+    "ttft-vs-concurrency",
+    "tpot-vs-concurrency",
+)
 PLOTTED_RUNS = ("3f2a9c01aa", "7c1d0e02bb")  # the third sample failed without results
 CHROMIUM_TIMEOUT_S = 120
 CHROMIUM_FLAGS = (
@@ -86,7 +91,13 @@ def _plotted(points: list[dict[str, str]]) -> Counter[tuple[str, str, int]]:
     return Counter((p["data-chart"], p["data-run"], int(p["data-concurrency"])) for p in points)
 
 
-EXPECTED = Counter((c, r, n) for c in CHARTS for r in PLOTTED_RUNS for n in CONCURRENCIES)
+# The per-GPU chart holds the run whose GPU count is known, the others every run.
+EXPECTED = Counter(
+    (c, r, n)
+    for c in CHARTS
+    for r in (PLOTTED_RUNS[:1] if c == CHARTS[0] else PLOTTED_RUNS)
+    for n in CONCURRENCIES
+)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +118,14 @@ def test_charts_plot_every_run_and_concurrency_once(report_html: str) -> None:
     )
     assert float(c64["data-x"]) == pytest.approx(1000 / 16.0)  # interactivity
     assert float(c64["data-y"]) == pytest.approx(48000.0 / 8)  # total tok/s per GPU
-    ttft = [p for p in page.points if p["data-chart"] == CHARTS[1]]
+    total = next(
+        p
+        for p in page.points
+        if p["data-chart"] == CHARTS[1] and p["data-run"] == PLOTTED_RUNS[1]
+        if p["data-concurrency"] == "64"
+    )
+    assert float(total["data-y"]) == pytest.approx(44000.0)  # total tok/s, all GPUs
+    ttft = [p for p in page.points if p["data-chart"] == CHARTS[2]]
     assert {float(p["data-y"]) for p in ttft} >= {40.0, 90.0, 310.0}
 
 
@@ -116,7 +134,7 @@ def test_the_report_is_self_contained(report_html: str) -> None:
     assert page.tags["script"] == 0 and page.tags["img"] == 0 and page.tags["link"] == 0
     assert all(link.startswith(("#", "data:")) for link in page.links), page.links
     assert "url(http" not in report_html and "@import" not in report_html
-    assert page.tags["svg"] == 3
+    assert page.tags["svg"] == 4
 
 
 def test_verdicts_and_evidence_are_shown(report_html: str) -> None:
@@ -130,13 +148,24 @@ def test_verdicts_and_evidence_are_shown(report_html: str) -> None:
     assert "6,000" in report_html  # 48000 tok/s on 8 GPUs
 
 
-def test_the_throughput_axis_says_when_it_is_not_per_gpu() -> None:
+def test_no_axis_mixes_totals_with_per_gpu_values() -> None:
+    """A run without a GPU count is left out of the per-GPU chart, with the reason, and
+    plotted in the total-throughput chart; no label hedges between the two."""
     runs = samples()
-    mixed = build_charts(runs)[0]
-    assert "per GPU" in mixed.ylabel and "GPU count unknown" in mixed.ylabel
-    assert [s.label for s in mixed.series] == ["3f2a9c01aa", "7c1d0e02bb † (total, GPUs unknown)"]
-    assert build_charts(runs[:1])[0].ylabel == "total tok/s per GPU"
-    assert build_charts(runs[1:])[0].ylabel == "total tok/s (GPU count unknown: not per GPU)"
+    per_gpu, total = build_charts(runs)[:2]
+    assert per_gpu.ylabel == "total tok/s per GPU" and total.ylabel == "total tok/s (all GPUs)"
+    assert [s.run for s in per_gpu.series] == ["3f2a9c01aa"]
+    assert [s.run for s in total.series] == ["3f2a9c01aa", "7c1d0e02bb"]
+    assert any(
+        why.startswith("run 7c1d0e02bb: its GPU count is unknown") for why in per_gpu.left_out
+    )
+    for chart in build_charts(runs[:1]) + build_charts(runs[1:]):
+        assert "†" not in chart.ylabel and "unknown" not in chart.ylabel
+        assert all(s.label == s.run for s in chart.series)
+    # One run, one colour, in every chart it is in.
+    assert total.series[0].color == per_gpu.series[0].color == PALETTE[0]
+    text = render_report(runs, generated_at="now")
+    assert "Not plotted: run 7c1d0e02bb: its GPU count is unknown" in text
 
 
 def test_nothing_to_plot_is_said_not_drawn() -> None:

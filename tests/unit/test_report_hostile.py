@@ -102,7 +102,7 @@ def test_values_beyond_any_chart_are_left_out_with_a_note(
     text = _write(tmp_path, monkeypatch, runs)
     page = _parse(text)
     plotted = {(p["data-chart"], p["data-run"], p["data-concurrency"]) for p in page.points}
-    assert len(plotted) == 2 * 3 * 3 - 1  # the one point with the value, in one chart
+    assert len(plotted) == 2 * 3 * 4 - 1  # the one point with the value, in one chart
     assert "Not plotted: run 3f2a9c01aa c=16:" in text
     assert "beyond what a chart can place (0 to 1e+12)" in text
     assert "1.7e+308" in text or "inf" in text

@@ -105,7 +105,10 @@ def test_real_files_parse(
     for metric in ("ttft", "tpot", "itl", "e2el"):
         stats = getattr(p, f"{metric}_ms")
         assert stats == Stats(
-            d[f"mean_{metric}_ms"], d[f"median_{metric}_ms"], d[f"p99_{metric}_ms"]
+            d[f"mean_{metric}_ms"],
+            d[f"median_{metric}_ms"],
+            d[f"p99_{metric}_ms"],
+            d[f"std_{metric}_ms"],
         )
 
 
@@ -408,7 +411,7 @@ def test_results_table_schema() -> None:
     points[4] = parse_result(b"garbage", "vllm")
     g = gate(points, EXPECTED, V, {})
     table = results_table(g, 8)
-    assert set(table) == {"format", "gpus", "points"}
+    assert set(table) == {"format", "gpus", "prefill_gpus", "decode_gpus", "deployment", "points"}
     assert table["format"] == "vllm" and table["gpus"] == 8
     rows: list[dict[str, Any]] = table["points"]  # type: ignore[assignment]
     assert [r["concurrency"] for r in rows] == [1, 4, 32]
@@ -421,12 +424,12 @@ def test_results_table_schema() -> None:
     assert ok["total_token_throughput_per_gpu"] == pytest.approx(p.total_token_throughput / 8)
     assert ok["input_throughput"] == pytest.approx(p.total_token_throughput - p.output_throughput)
     assert ok["input_throughput_per_gpu"] == pytest.approx(ok["input_throughput"] / 8)
-    assert set(ok["ttft_ms"]) == {"mean", "median", "p99"}
+    assert set(ok["ttft_ms"]) == {"mean", "median", "p99", "std"}
     assert bad["valid"] is False and bad["file"] == "results/c4.json"
     assert bad["problem"].startswith("unparsable result (not_json")
     assert all(bad[k] is None for k in ROW_KEYS - {"concurrency", "file", "valid", "problem"} - {
         "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"})  # fmt: skip
-    assert bad["e2el_ms"] == {"mean": None, "median": None, "p99": None}
+    assert bad["e2el_ms"] == {"mean": None, "median": None, "p99": None, "std": None}
     json.dumps(table, allow_nan=False)
 
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from llmd_supervisor.cli.inferencex_agg import AGG_DEPLOYMENT_FIELDS, AGG_STATS, inferencex_agg
 from llmd_supervisor.cli.main import main
 from llmd_supervisor.cli.results import (
     EXIT_REGRESSION,
     compare,
-    inferencex_agg,
     read_run_results,
     render_csv,
     render_json,
@@ -323,10 +323,11 @@ AGG_FIELDS = {
     "tput_per_gpu",
     "output_tput_per_gpu",
     "input_tput_per_gpu",
-    *(f"{s}_{m}" for s in ("mean", "median", "p99") for m in ("ttft", "tpot", "itl", "e2el")),
+    *(f"{s}_{m}" for s in AGG_STATS for m in ("ttft", "tpot", "itl", "e2el")),
     "mean_intvty",
     "median_intvty",
     "p99_intvty",
+    "std_intvty",
 }
 
 
@@ -335,7 +336,9 @@ def test_inferencex_agg_names_and_units() -> None:
     1000 / TPOT (ms), throughputs per GPU."""
     rows = inferencex_agg(read_run_results(run_8gpu()))
     assert [r["conc"] for r in rows] == list(CONCURRENCIES)
-    assert all(set(r) == AGG_FIELDS for r in rows)
+    assert all(set(r) == AGG_FIELDS | set(AGG_DEPLOYMENT_FIELDS) for r in rows)
+    # A table without a deployment (an older daemon's): its fields are there, null.
+    assert all(rows[0][k] is None for k in AGG_DEPLOYMENT_FIELDS)
     c64 = rows[2]
     assert c64["tput_per_gpu"] == pytest.approx(48000.0 / 8)
     assert c64["output_tput_per_gpu"] == pytest.approx(24000.0 / 8)
@@ -347,6 +350,15 @@ def test_inferencex_agg_names_and_units() -> None:
     assert c64["median_intvty"] == pytest.approx(1000.0 / 16.0)
     assert c64["p99_intvty"] == pytest.approx(1000.0 / 48.0)
     assert "intvty" not in c64  # InferenceX has no bare key (see SOURCE.md)
+
+
+def test_the_roles_gpus_are_named_beside_the_count() -> None:
+    r = run_8gpu()
+    r["results"] |= {"gpus": 32, "prefill_gpus": 16, "decode_gpus": 16}  # type: ignore[operator]
+    assert "  vllm client, 32 GPUs (16 prefill + 16 decode), 3 points" in render_text(
+        [read_run_results(r)]
+    )
+    assert "  vllm client, 8 GPUs, 3 points" in render_text([read_run_results(run_8gpu())])
 
 
 def test_inferencex_agg_output_skips_invalid_points_and_says_so() -> None:
@@ -361,6 +373,7 @@ def test_inferencex_agg_output_skips_invalid_points_and_says_so() -> None:
     assert rows[0]["median_tpot"] == pytest.approx(0.012)
     assert "run 7c1d0e02bb: left out the invalid points c=1." in err
     assert "the GPU count is unknown" in err
+    assert "its table has no deployment" in err
     assert "run 9e4b7a03cc: its archive holds no results table" in err
 
     status, out, _ = _show(runs, format="inferencex-agg-jsonl")
