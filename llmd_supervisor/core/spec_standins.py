@@ -65,7 +65,7 @@ def check_standins(
             True,
             "no command runs a stand-in ({node_dir}/"
             + ", {node_dir}/".join(STANDIN_SCRIPTS)
-            + f") and no [env] table sets a {FAULT_KNOB_PREFIX}* knob; remove the"
+            + f") and no [env] table sets an {FAULT_KNOB_PREFIX}* knob; remove the"
             " [standins] table so that the batch script carries the agent and your"
             " commands only",
         )
