@@ -293,10 +293,6 @@ class Agent(object):
 
     # ---- signals
 
-    @property
-    def term_received(self) -> bool:
-        return self.term.received
-
     def check_term(self) -> None:
         if self.term.received and self.final_rc is None and not self.term_handled:
             raise Terminated()
