@@ -139,7 +139,7 @@ def read_marker(
     Every defect is its own status. Extra keys are allowed (forward compatibility).
     The rules are `node.marker_format`'s, the one reader the node agent uses too: ``rc``
     an exit status (a JSON integer from 0 to 255, not a bool), ``job_id`` the string
-    ``expected_job_id``, ``finished_at`` parsed by ``datetime.fromisoformat``.
+    ``expected_job_id``, ``finished_at`` ISO 8601 (`node.marker_format.parse_timestamp`).
     `name` is the file's name in messages (default: ``.bench_done.<job id>``).
     """
     reading = _read(data, expected_job_id)

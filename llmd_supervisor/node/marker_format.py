@@ -12,7 +12,8 @@ The rules (DESIGN.md section 4):
     and ``exit(False)`` both exit 0, so any other value would pass a failure off as a
     success) -- see `marker_rc`;
   * ``job_id`` is the string of the job being read for; ``rank`` an integer >= 0;
-    ``reason`` a string; ``finished_at`` parses with ``datetime.fromisoformat``;
+    ``reason`` a string; ``finished_at`` an ISO 8601 timestamp (`parse_timestamp`: read
+    alike by every Python from 3.9 on);
   * every other defect is its own status (the names of ``core.marker.MarkerStatus``).
 
 `parse` never raises. The values a detail quotes were written by the job: the caller
@@ -45,6 +46,32 @@ NO_EXIT_STATUS = "is not an exit status (an integer from 0 to 255)"
 # A plain-integer marker is complete only with its newline; digits alone may be torn.
 _INT_MARKER = re.compile(r"(0|-?[1-9][0-9]{0,9})\n")
 _TORN_INT = re.compile(r"-?[0-9]{1,10}")
+
+
+# ISO 8601 as every Python from 3.9 on reads it alike: ``datetime.fromisoformat`` takes
+# more forms on 3.11 (the daemon) than on 3.9 (a node's image), so a timestamp is first
+# matched here and put into the one form both take (fraction of 6 digits, ``Z`` as +00:00).
+_TIMESTAMP = re.compile(
+    r"([0-9]{4}-[0-9]{2}-[0-9]{2})"
+    r"(?:[T ]([0-9]{2}:[0-9]{2})(?::([0-9]{2})(?:\.([0-9]{1,6}))?)?(Z|[+-][0-9]{2}:[0-9]{2})?)?"
+)
+
+
+def parse_timestamp(text: str) -> Optional[datetime.datetime]:
+    """`text` as a datetime when it is ISO 8601 (``2026-12-03T07:00:00.123+00:00``, with
+    ``T`` or a space, seconds, fraction and offset optional, ``Z`` for UTC), else None."""
+    m = _TIMESTAMP.fullmatch(text)
+    if m is None:
+        return None
+    date, hours_minutes, seconds, fraction, zone = m.groups()
+    form = date
+    if hours_minutes is not None:
+        form += "T%s:%s.%s" % (hours_minutes, seconds or "00", (fraction or "").ljust(6, "0"))
+        form += "+00:00" if zone == "Z" else (zone or "")
+    try:
+        return datetime.datetime.fromisoformat(form)
+    except ValueError:  # a month 13, a 25th hour
+        return None
 
 
 def marker_rc(value: object) -> Optional[int]:
@@ -148,8 +175,7 @@ def parse(
         return Parsed(BAD_FIELD, "reason %s is not a string" % shown(reason))
     if not isinstance(finished, str):
         return Parsed(BAD_FINISHED_AT, "finished_at %s is not a string" % shown(finished))
-    try:
-        finished_at = datetime.datetime.fromisoformat(finished)
-    except ValueError:
+    finished_at = parse_timestamp(finished)
+    if finished_at is None:
         return Parsed(BAD_FINISHED_AT, "finished_at %s is not ISO 8601" % shown(finished))
     return Parsed(OK, rc=rc, rank=rank, reason=reason, finished_at=finished_at)

@@ -265,3 +265,31 @@ def test_every_status_of_the_shared_reader_is_a_marker_status() -> None:
     assert set(marker_format.MAY_STILL_ARRIVE) == {
         s.value for s in MarkerStatus if s.may_still_arrive
     }
+
+
+@pytest.mark.parametrize(
+    ("finished_at", "ok"),
+    [
+        ("2026-11-30T21:59:00.123+00:00", True),  # what the agent writes
+        ("2026-11-30T21:59:00Z", True),  # Python 3.11 reads Z, 3.9 does not: taken as UTC
+        ("2026-11-30 21:59:00+05:30", True),
+        ("2026-11-30T21:59", True),
+        ("2026-11-30", True),
+        ("20261130T215900", False),  # 3.11's fromisoformat reads it, 3.9's does not
+        ("2026-11-30T21:59:00.1234567", False),
+        ("2026-13-01T00:00:00", False),
+        ("2026-11-30T21:59:00+0000", False),
+        ("\u0662\u0660\u0662\u0666-11-30", False),  # digits, but not ASCII ones
+        ("yesterday", False),
+    ],
+)
+def test_finished_at_is_read_alike_by_every_python_the_nodes_may_run(
+    finished_at: str, ok: bool
+) -> None:
+    reading = read_marker(body(finished_at=finished_at), JOB)
+    assert reading.ok is ok, reading.detail
+    parsed = marker_format.parse(body(finished_at=finished_at), JOB)
+    assert parsed.ok is ok
+    if ok:
+        assert reading.marker is not None
+        assert reading.marker.finished_at == marker_format.parse_timestamp(finished_at)
