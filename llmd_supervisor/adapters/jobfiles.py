@@ -1,7 +1,7 @@
-"""Reading a job's files through `node/jobfile.py`, here or on a remote host.
+"""Reading a job's files through `node/safe_read.py`, here or on a remote host.
 
 A job's log directory is hostile input (links, FIFOs, devices, directories, huge files).
-The daemon never opens it itself: it runs ``node/jobfile.py`` (stdlib only) as a child
+The daemon never opens it itself: it runs ``node/safe_read.py`` (stdlib only) as a child
 process on this machine, or over SSH on a node or login host. That script opens every
 component below the log directory's parent with ``O_NOFOLLOW | O_NONBLOCK`` and reads only
 regular files with one link owned by its own account; a read that hangs (a dead NFS
@@ -32,8 +32,8 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from llmd_supervisor import node
 from llmd_supervisor.errors import FileRefused, RemoteError
 
-SOURCE: Final = (Path(node.__file__).parent / "jobfile.py").read_text()
-# Exit statuses and answer words of node/jobfile.py.
+SOURCE: Final = (Path(node.__file__).parent / "safe_read.py").read_text()
+# Exit statuses and answer words of node/safe_read.py.
 OK, MISSING, REFUSED, TOO_LARGE = 0, 1, 3, 4
 # A marker or a status file is at most this large; a larger one is refused, unread.
 SMALL_FILE_MAX: Final = 64 << 10
@@ -47,7 +47,7 @@ BATCH_MAX: Final = 64 << 20
 _CHUNK = 1 << 20
 _STDERR_KEEP = 4096
 _SERVE_SLACK = 4096  # a serve answer's reason text may exceed a tiny limit
-# Lines of a follower's stderr that say its file changed under it (see node/jobfile.py).
+# Lines of a follower's stderr that say its file changed under it (see node/safe_read.py).
 NOTICE_PREFIXES: Final = ("replaced: ", "truncated: ")
 Notice = Callable[[str], None]
 
@@ -66,7 +66,7 @@ def told(line: str, log: structlog.typing.FilteringBoundLogger, notice: Notice |
 
 
 def serve_request(op: str, rel: str, limit: int, *more: int) -> bytes:
-    """One request line for ``jobfile.py serve``."""
+    """One request line for ``safe_read.py serve``."""
     return (json.dumps([op, rel, limit, *more]) + "\n").encode()
 
 
@@ -282,7 +282,7 @@ class LocalFiles:
 class SharedFsNode(LocalFiles):
     """One allocated node's files read on this machine from the shared file system
     (``access = "shared-fs"``: no SSH). Shaped like a `NodeLink`: `host` names the node in
-    events; small reads and listings go to one ``jobfile.py serve`` child kept per node
+    events; small reads and listings go to one ``safe_read.py serve`` child kept per node
     (one request at a time, each bounded by its time limit: a reader that hangs on a dead
     file server is killed and the next request starts a new one); followers are child
     processes too. A failed or timed-out read raises `RemoteError`, like an SSH failure,

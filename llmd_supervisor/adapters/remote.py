@@ -50,7 +50,7 @@ class SshSettings:
     connect_timeout: float = 10.0
     keepalive_interval: float = 5.0
     insecure_accept_any_host_key: bool = False
-    python: str = "python3"  # runs node/jobfile.py on the node (the job's files are read so)
+    python: str = "python3"  # runs node/safe_read.py on the node (the job's files are read so)
 
     def __post_init__(self) -> None:
         if self.known_hosts is None and not self.insecure_accept_any_host_key:
@@ -127,7 +127,7 @@ class NodeLink:
         self.last_ok: float | None = None
         self.reconnects = 0
         self._conn: asyncssh.SSHClientConnection | None = None
-        # The node's `jobfile.py serve`: its connection, root and process.
+        # The node's `safe_read.py serve`: its connection, root and process.
         self._server: (
             tuple[asyncssh.SSHClientConnection, str, asyncssh.SSHClientProcess[bytes]] | None
         ) = None
@@ -151,7 +151,7 @@ class NodeLink:
 
     @property
     def python(self) -> str:
-        """The interpreter that runs node/jobfile.py on the node."""
+        """The interpreter that runs node/safe_read.py on the node."""
         return self.settings.python
 
     @property
@@ -303,7 +303,7 @@ class NodeLink:
         return await self._call(action, time_limit, op)
 
     async def read_file(self, log_dir: str, path: str, *, time_limit: float = 10) -> bytes | None:
-        """A small file (marker, status) of the job in `log_dir`, read by `node/jobfile.py`:
+        """A small file (marker, status) of the job in `log_dir`, read by `node/safe_read.py`:
         its bytes, None if missing; `FileRefused` if it is not a plain file of this account
         (a link, FIFO, device, directory) or larger than `jobfiles.SMALL_FILE_MAX`."""
         status, data = await self._files("read", log_dir, path, jobfiles.SMALL_FILE_MAX, time_limit)
@@ -318,7 +318,7 @@ class NodeLink:
     async def _files(
         self, op: str, log_dir: str, path: str, limit: int, time_limit: float
     ) -> tuple[str, bytes]:
-        """One request to the node's `jobfile.py serve` (started once per connection and
+        """One request to the node's `safe_read.py serve` (started once per connection and
         root, one request at a time): (answer word, payload)."""
         root, rel = jobfiles.split(log_dir, path)
         action = f"reading {path}" if op == "read" else f"listing {path}"

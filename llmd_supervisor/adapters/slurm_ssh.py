@@ -2,7 +2,7 @@
 
 A cluster configured with ``login_host`` runs every Slurm client command (and the few
 file commands the supervisor needs where Slurm runs: ``mkdir -p``, ``realpath -m``,
-``node/jobfile.py`` reading the marker) over one multiplexed SSH connection to that
+``node/safe_read.py`` reading the marker) over one multiplexed SSH connection to that
 host, quoted with shlex, in the same small
 environment as locally (`llmd_supervisor.adapters.slurm.command_env`): the login
 shell's own variables are cleared, except PASSED_ENV as the login host has them, and the

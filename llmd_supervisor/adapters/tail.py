@@ -1,7 +1,7 @@
 """Byte-exact copying of a job's log file into a local copy, here or over a `NodeLink`.
 
 `tail_to_local` streams a job's file into a local copy whose size is the resume offset:
-``node/jobfile.py follow`` runs on the node (or here, for a shared log directory) and
+``node/safe_read.py follow`` runs on the node (or here, for a shared log directory) and
 every chunk is appended to the local file before the next await, so after an SSH drop, a
 cancellation or a daemon restart the next tailer resumes exactly where the local copy
 ends (no byte lost or duplicated). The follower opens nothing through a symbolic link and
@@ -162,7 +162,7 @@ async def tail_to_local(
 ) -> None:
     """Append remote_path's bytes to local_path, starting at local_path's current size.
 
-    The local size is the resume offset. `link` runs ``jobfile.py follow`` (polling every
+    The local size is the resume offset. `link` runs ``safe_read.py follow`` (polling every
     `poll_interval`) on the job's file `remote_path` inside `log_dir`. SSH drops are
     survived: the follower is restarted (reconnecting with backoff) at the local size. A
     file that does not exist yet is waited for. When `stop` is set, the follower's stdin is

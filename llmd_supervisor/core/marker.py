@@ -12,8 +12,6 @@ raises. The job wrote the file: its reason and text are escaped and bounded here
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
@@ -22,6 +20,7 @@ from typing import Literal
 from llmd_supervisor.core.foreign import MarkerFormat
 from llmd_supervisor.core.jobtext import job_repr, job_text
 from llmd_supervisor.node import common as shared
+from llmd_supervisor.node import marker_format
 
 __all__ = [
     "MARKER_PREFIX",
@@ -33,11 +32,6 @@ __all__ = [
 ]
 
 MARKER_PREFIX = shared.MARKER_PREFIX
-_FIELDS = ("rc", "job_id", "rank", "reason", "finished_at")
-# A plain-integer marker is complete only with its newline; digits alone may be torn.
-_INT_MARKER = re.compile(r"(0|-?[1-9][0-9]{0,9})\n")
-_TORN_INT = re.compile(r"-?[0-9]{1,10}")
-_NO_EXIT_STATUS = "is not an exit status (an integer from 0 to 255)"
 
 
 def marker_filename(job_id: str) -> str:
@@ -143,9 +137,9 @@ def read_marker(
     `fmt` is the format the run declared: ``json`` or ``int`` accept only that format
     (the other is WRONG_FORMAT), ``any`` both, ``none`` reads nothing (NOT_USED).
     Every defect is its own status. Extra keys are allowed (forward compatibility).
-    ``rc`` must be an exit status (`node.common.marker_rc`, as the node agent reads it: a
-    JSON integer from 0 to 255, not a bool); ``job_id`` must be the string
-    ``expected_job_id``; ``finished_at`` must parse with ``datetime.fromisoformat``.
+    The rules are `node.marker_format`'s, the one reader the node agent uses too: ``rc``
+    an exit status (a JSON integer from 0 to 255, not a bool), ``job_id`` the string
+    ``expected_job_id``, ``finished_at`` ISO 8601 (`node.marker_format.parse_timestamp`).
     `name` is the file's name in messages (default: ``.bench_done.<job id>``).
     """
     reading = _read(data, expected_job_id)
@@ -160,67 +154,22 @@ def read_marker(
 
 
 def _read(data: bytes | None, expected_job_id: str) -> MarkerReading:
-    def bad(status: MarkerStatus, detail: str) -> MarkerReading:
-        return MarkerReading(status, expected_job_id, detail, text)
-
-    if data is None:
-        return MarkerReading(MarkerStatus.MISSING, expected_job_id, "no such file", None)
-    decoded = data.decode("utf-8", errors="replace")
-    text = job_text(decoded, MARKER_TEXT_MAX)
-    body = decoded.strip()
-    if not body:
-        return bad(MarkerStatus.EMPTY, f"{len(data)} bytes, no content")
-    # InferenceX's launcher writes the rc alone: "7\n" (no job id, rank or reason).
-    if _INT_MARKER.fullmatch(decoded):
-        rc = shared.marker_rc(int(decoded))
-        if rc is None:
-            return bad(MarkerStatus.RC_NOT_INTEGER, f"rc {decoded.strip()} {_NO_EXIT_STATUS}")
-        return MarkerReading(
-            MarkerStatus.OK,
+    """The shared reader's verdict on `data` (`node.marker_format`, as the node agent
+    reads it), with the job's text escaped and bounded for the daemon."""
+    parsed = marker_format.parse(data, expected_job_id, shown=job_repr)
+    text = None if data is None else job_text(data.decode("utf-8", "replace"), MARKER_TEXT_MAX)
+    status = MarkerStatus(parsed.status)
+    if parsed.rc is None or status is not MarkerStatus.OK:
+        return MarkerReading(status, expected_job_id, parsed.detail, text)
+    if parsed.format == "int":
+        marker = Marker(parsed.rc, expected_job_id, None, "", None, "int")
+    else:
+        # The reason reaches the journal, the log and terminals: escaped and bounded here.
+        marker = Marker(
+            parsed.rc,
             expected_job_id,
-            "",
-            text,
-            Marker(rc, expected_job_id, None, "", None, "int"),
+            parsed.rank,
+            job_text(parsed.reason or ""),
+            parsed.finished_at,
         )
-    if _TORN_INT.fullmatch(decoded):
-        return bad(MarkerStatus.TRUNCATED, f"plain integer {decoded!r} without its newline")
-    try:
-        value: object = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError:
-        return bad(MarkerStatus.NOT_JSON, "not UTF-8")
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError is a ValueError
-        # The writer renames a complete file into place, so a cut-off object means a
-        # non-atomic writer or a filesystem that shows a file before its content.
-        if body.startswith("{") and not body.endswith("}"):
-            return bad(MarkerStatus.TRUNCATED, f"JSON object cut off after {len(data)} bytes")
-        return bad(MarkerStatus.NOT_JSON, type(exc).__name__)
-    if not isinstance(value, dict):
-        return bad(MarkerStatus.NOT_OBJECT, f"JSON {type(value).__name__}, not an object")
-    missing = [f for f in _FIELDS if f not in value]
-    if missing:
-        return bad(MarkerStatus.MISSING_FIELDS, "no " + ", ".join(missing))
-    job_id, rc, rank = value["job_id"], value["rc"], value["rank"]
-    reason, finished = value["reason"], value["finished_at"]
-    if not isinstance(job_id, str):
-        return bad(MarkerStatus.BAD_FIELD, f"job_id {job_repr(job_id)} is not a string")
-    if job_id != expected_job_id:
-        return bad(
-            MarkerStatus.WRONG_JOB_ID, f"for job {job_repr(job_id)}, not {expected_job_id!r}"
-        )
-    if shared.marker_rc(rc) is None:  # neither a bool (rc 0/1) nor 256 (exit status 0)
-        return bad(MarkerStatus.RC_NOT_INTEGER, f"rc {job_repr(rc)} {_NO_EXIT_STATUS}")
-    if type(rank) is not int or rank < 0:
-        return bad(MarkerStatus.BAD_FIELD, f"rank {job_repr(rank)} is not an integer >= 0")
-    if not isinstance(reason, str):
-        return bad(MarkerStatus.BAD_FIELD, f"reason {job_repr(reason)} is not a string")
-    if not isinstance(finished, str):
-        why = f"finished_at {job_repr(finished)} is not a string"
-        return bad(MarkerStatus.BAD_FINISHED_AT, why)
-    try:
-        finished_at = datetime.fromisoformat(finished)
-    except ValueError:
-        why = f"finished_at {job_repr(finished)} is not ISO 8601"
-        return bad(MarkerStatus.BAD_FINISHED_AT, why)
-    # The reason reaches the journal, the log and terminals: escaped and bounded here, once.
-    marker = Marker(rc, job_id, rank, job_text(reason), finished_at)
     return MarkerReading(MarkerStatus.OK, expected_job_id, "", text, marker)

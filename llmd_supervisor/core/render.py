@@ -1,10 +1,12 @@
 """Render a validated run spec into a self-contained sbatch script (pure).
 
-The script carries the node agent, the stand-ins and the agent's JSON config inside
-quoted heredocs (no expansion, no quoting concerns for their content). At job start the
-batch shell writes them to ``<log_dir>/<job_id>/node/`` on the shared file system -- the
-log directory must be shared anyway, since the completion marker lives there -- and runs
-one ``srun`` task per node. The script exits with srun's rc and never calls ``scancel``.
+The script carries the node agent (``node.AGENT_FILES``) and its JSON config inside
+quoted heredocs (no expansion, no quoting concerns for their content), and the stand-ins
+(``node.STANDIN_FILES``) only when the spec opts in (``[standins] enabled = true``). At job
+start the batch shell writes them to ``<log_dir>/<job_id>/node/`` on the shared file
+system -- the log directory must be shared anyway, since the completion marker lives
+there -- and runs one ``srun`` task per node. The script exits with srun's rc and never
+calls ``scancel``.
 
 Secrets stay private: the job's variables come only from the spec's ``[env]`` tables (in
 ``config.json``, mode 0600, read by the agent). ``--export=ALL`` hands the job exactly
@@ -24,6 +26,8 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import posixpath
+import re
 import shlex
 from collections.abc import Mapping
 from functools import cache
@@ -34,10 +38,10 @@ from llmd_supervisor.core.layout import batch_log_patterns
 from llmd_supervisor.core.spec import JOB_NAME_RE, ContainerKind, RunSpec
 from llmd_supervisor.core.spec_services import Service
 from llmd_supervisor.errors import SpecError
-from llmd_supervisor.node import NODE_FILES
+from llmd_supervisor.node import AGENT_FILES, NODE_FILES, STANDIN_FILES
 from llmd_supervisor.node import common as shared
 
-HEARTBEAT_S = 2.0
+HEARTBEAT_S = shared.HEARTBEAT_S
 # Variables the agent reads inside a docker container (docker run does not inherit env).
 DOCKER_PASS_ENV: tuple[str, ...] = (
     "SLURM_PROCID",
@@ -51,17 +55,25 @@ DOCKER_PASS_ENV: tuple[str, ...] = (
 
 @cache
 def bundled_node_sources() -> Mapping[str, str]:
-    """The node-side files shipped in ``llmd_supervisor/node`` (read once; constant data)."""
-    pkg = resources.files("llmd_supervisor.node")
-    return {name: pkg.joinpath(name).read_text(encoding="utf-8") for name in NODE_FILES}
+    """Every file a batch script may carry, by its path in the node directory
+    (``node.NODE_FILES``), read once from this package (constant data)."""
+    pkg = resources.files("llmd_supervisor")
+    return {
+        dest: pkg.joinpath(*src.split("/")).read_text(encoding="utf-8")
+        for dest, src in NODE_FILES.items()
+    }
+
+
+def node_files(spec: RunSpec) -> tuple[str, ...]:
+    """The node directory's files the batch script of `spec` writes: the agent's, and the
+    stand-ins' only when the spec opts in."""
+    return tuple(AGENT_FILES) + (tuple(STANDIN_FILES) if spec.standins else ())
 
 
 def stop_timeout_s(grace_s: int) -> float:
-    """How long the agent waits for its engine after TERM before SIGKILL.
-
-    It leaves room inside the grace for the SIGKILL, the diagnostic and the exit.
-    """
-    return max(0.5, min(grace_s - 2.0, grace_s * 0.75))
+    """How long the agent waits for its engine after TERM before SIGKILL
+    (`node.common.stop_timeout_s`, the agent's own default)."""
+    return shared.stop_timeout_s(grace_s)
 
 
 def agent_config(spec: RunSpec) -> dict[str, object]:
@@ -83,8 +95,8 @@ def agent_config(spec: RunSpec) -> dict[str, object]:
             "port_stride": spec.engine.port_stride,
             "health_path": spec.engine.health_path,
             "health_timeout_s": spec.engine.health_timeout_s,
-            "connect_timeout_s": 2.0,
-            "read_timeout_s": 2.0,
+            "connect_timeout_s": shared.CONNECT_TIMEOUT_S,
+            "read_timeout_s": shared.READ_TIMEOUT_S,
             "prefill": {
                 "command": list(spec.engine.prefill_command),
                 "health": spec.engine.prefill_health,
@@ -123,7 +135,8 @@ def agent_config(spec: RunSpec) -> dict[str, object]:
         "marker_grace_s": spec.marker_grace_s,
         "coordinator_silence_s": spec.coordinator_silence_s,
         "heartbeat_s": HEARTBEAT_S,
-        "exit_linger_s": stop + 5.0,
+        "exit_linger_s": shared.exit_linger_s(stop),
+        "standins": spec.standins,
     }
 
 
@@ -212,10 +225,18 @@ def _heredoc(target: str, name: str, content: str) -> str:
     if not content.endswith("\n"):
         content += "\n"
     digest = hashlib.sha256(content.encode("utf-8")).hexdigest()[:16]
-    delim = f"LLMD_EOF_{name.replace('.', '_').upper()}_{digest}"
+    delim = f"LLMD_EOF_{re.sub(r'[^A-Za-z0-9]', '_', name).upper()}_{digest}"
     if delim in content.splitlines():  # cannot happen short of a hash collision
         raise ValueError(f"heredoc delimiter {delim} occurs in {name}")
     return f"cat > {target} <<'{delim}'\n{content}{delim}\n"
+
+
+def _q_node(path: str) -> str:
+    """A path in the node directory as the batch shell spells it (the paths are ours:
+    letters, digits, ``_``, ``.`` and ``/``)."""
+    if not re.fullmatch(r"[A-Za-z0-9_./]+", path) or ".." in path:
+        raise ValueError(f"unexpected node file path {path!r}")
+    return f'"$NODE_DIR/{path}"'
 
 
 def render_sbatch(
@@ -226,12 +247,15 @@ def render_sbatch(
 ) -> str:
     """Render the batch script for ``spec`` submitted under the unique ``job_name``.
 
-    ``node_sources`` maps ``agent.py``/``engine.py``/``bench.py`` to their text; by
-    default the files shipped with this package. Raises ``SpecError`` for a bad job name.
-    The log directory must exist before submission (sbatch opens --output there).
+    ``node_sources`` maps each file's path in the node directory (``agent.py``,
+    ``llmd_node/common.py``, ``engine.py``, ...) to its text; by default the files shipped
+    with this package. Only `node_files` of the spec are written: a spec without
+    ``[standins] enabled = true`` gets no stand-in. Raises ``SpecError`` for a bad job
+    name. The log directory must exist before submission (sbatch opens --output there).
     """
     sources = bundled_node_sources() if node_sources is None else node_sources
-    missing = [n for n in NODE_FILES if n not in sources]
+    files = node_files(spec)
+    missing = [n for n in files if n not in sources]
     if missing:
         raise ValueError(f"node sources lack {', '.join(missing)}")
     config = json.dumps(agent_config(spec), indent=1, sort_keys=True)
@@ -260,7 +284,9 @@ def render_sbatch(
         'mkdir -p -m 700 -- "$NODE_DIR" || exit 1',
         "",
     ]
-    body = [_heredoc(f'"$NODE_DIR/{name}"', name, sources[name]) for name in NODE_FILES]
+    subdirs = sorted({posixpath.dirname(n) for n in files} - {""})
+    body = [f"mkdir -p -m 700 -- {' '.join(_q_node(d) for d in subdirs)}\n"] if subdirs else []
+    body += [_heredoc(_q_node(name), name, sources[name]) for name in files]
     # The config carries the spec's [env] values (tokens): only the job's user may read
     # it, so it is created afresh under umask 077 (a requeued job finds the old one).
     body.append('rm -f -- "$NODE_DIR/config.json"\n')

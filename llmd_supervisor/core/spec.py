@@ -28,6 +28,8 @@ Layout (see ``deploy/llm-d/demo.toml``)::
     [recipe]     hw, framework, precision, model_prefix, spec_decoding, per-role tp, pp,
                  ep, dp_attention, ... (published names only; see
                  :mod:`llmd_supervisor.core.spec_recipe`)
+    [standins]   enabled: the batch script carries the stand-ins (tests and the dev
+                 cluster only; see :mod:`llmd_supervisor.core.spec_standins`)
 """
 
 from __future__ import annotations
@@ -81,8 +83,10 @@ from llmd_supervisor.core.spec_slurm import (
     extra_arg,
     time_limit_seconds,
 )
+from llmd_supervisor.core.spec_standins import STANDINS_KEYS, check_standins, parse_standins
 from llmd_supervisor.core.spec_toml import decode_toml
 from llmd_supervisor.errors import SpecError
+from llmd_supervisor.node import common as shared
 
 __all__ = [
     "ALLOWED_SBATCH_OPTIONS",
@@ -249,10 +253,11 @@ class RunSpec:
     router: Router | None = None  # processes on the coordinator (Envoy + EPP)
     sidecar: Sidecar | None = None  # the P/D sidecar on decode nodes
     sigterm_grace_s: int = 30
-    marker_grace_s: float = 10.0
-    coordinator_silence_s: float = 60.0
+    marker_grace_s: float = shared.MARKER_GRACE_S
+    coordinator_silence_s: float = shared.COORDINATOR_SILENCE_S
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     recipe: Recipe = field(default_factory=Recipe)
+    standins: bool = False  # the batch script carries the stand-ins (tests, dev cluster)
 
 
 # --- loading ------------------------------------------------------------------------------
@@ -286,6 +291,7 @@ _TABLES: Final = {
     "slurm": ("partition", "account", "time_limit", "extra_args", "requeue"),
     "env": ("common", "prefill", "decode", "bench"),
     "recipe": RECIPE_KEYS,
+    "standins": STANDINS_KEYS,
 }
 _REQUIRED_TABLES: Final = ("run", "topology", "model", "engine", "benchmark", "slurm")
 
@@ -323,7 +329,7 @@ def parse_spec(data: Mapping[str, object]) -> RunSpec:
             why = mount_source_error(path)
             if why is not None:
                 raise SpecError(fld, path, f"it is mounted into the container, and {why}")
-    return RunSpec(
+    spec = RunSpec(
         log_dir=log_dir,
         topology=topo,
         model=model,
@@ -337,13 +343,47 @@ def parse_spec(data: Mapping[str, object]) -> RunSpec:
         router=router,
         sidecar=parse_sidecar(t["sidecar"], SERVICE_COMMAND_PLACEHOLDERS),
         sigterm_grace_s=grace,
-        marker_grace_s=num_field(run, "run.marker_grace_s", default=10.0, lo=0.0, hi=3600.0),
+        marker_grace_s=num_field(
+            run, "run.marker_grace_s", default=shared.MARKER_GRACE_S, lo=0.0, hi=3600.0
+        ),
         coordinator_silence_s=num_field(
-            run, "run.coordinator_silence_s", default=60.0, lo=1.0, hi=86400.0
+            run,
+            "run.coordinator_silence_s",
+            default=shared.COORDINATOR_SILENCE_S,
+            lo=1.0,
+            hi=86400.0,
         ),
         retry=parse_retry(t["retry"]),
         recipe=parse_recipe(t["recipe"]),
+        standins=parse_standins(t["standins"]),
     )
+    check_standins(spec.standins, _commands(spec), _env_tables(spec.env))
+    return spec
+
+
+def _commands(spec: RunSpec) -> list[tuple[str, tuple[str, ...]]]:
+    """Every command of `spec` with its field name."""
+    cmds = [
+        ("engine.prefill_command", spec.engine.prefill_command),
+        ("engine.decode_command", spec.engine.decode_command),
+        ("benchmark.command", spec.benchmark.command),
+    ]
+    if spec.router is not None:
+        cmds += [
+            (f"router.process[{i}].command", p.command) for i, p in enumerate(spec.router.processes)
+        ]
+    if spec.sidecar is not None:
+        cmds.append(("sidecar.command", spec.sidecar.service.command))
+    return cmds
+
+
+def _env_tables(env: Env) -> list[tuple[str, Mapping[str, str]]]:
+    return [
+        ("common", env.common),
+        ("prefill", env.prefill),
+        ("decode", env.decode),
+        ("bench", env.bench),
+    ]
 
 
 def _parse_topology(t: Mapping[str, object]) -> Topology:

@@ -61,7 +61,7 @@ class Benchmark:
         """Requests the point at `concurrency` sends: concurrency x prompts_multiplier.
 
         The node agent computes the ``{num_prompts}`` placeholder the same way
-        (``node/agent.py``); the validity gate measures completions against it.
+        (``node/agent/run.py``); the validity gate measures completions against it.
         """
         return concurrency * self.prompts_multiplier
 

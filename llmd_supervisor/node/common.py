@@ -1,8 +1,9 @@
 """Names the node agent and the daemon must agree on; stdlib only, Python 3.9+.
 
-The batch script writes this file beside ``agent.py`` in the job's node directory, so the
-agent imports it as a plain module; the daemon imports it as
-``llmd_supervisor.node.common``. Nothing else of the node side is imported by the daemon.
+The batch script writes this file into the job's node directory as
+``llmd_node/common.py`` (see :mod:`llmd_supervisor.node`), where the agent's package imports
+it relatively; the daemon imports it as ``llmd_supervisor.node.common``. Of the node side the
+daemon imports only this module and ``marker_format`` (the one marker reader).
 
 Files of one job, under the run's log directory ``L`` and job id ``J``:
   * ``L/.bench_done.J``               -- the completion marker (``marker_name``)
@@ -13,14 +14,48 @@ Files of one job, under the run's log directory ``L`` and job id ``J``:
   * ``L/J/bench/``                    -- the benchmark points' results and logs
 """
 
-import os
 import re
-import sys
-import threading
-from typing import Dict, List, Optional
+from typing import List
 
 # Version of the agent's JSON config; the agent refuses any other.
 CONFIG_VERSION = 1
+
+# The agent's defaults, in one place: the renderer (``core.render.agent_config``) writes
+# them into every config, and the agent (``agent.config.load_config``) assumes them for a
+# key its config lacks.
+HEARTBEAT_S = 2.0  # how often a rank rewrites its status file
+MARKER_GRACE_S = 10.0  # how long a worker waits for a late marker
+COORDINATOR_SILENCE_S = 60.0  # a worker gives up on a coordinator silent this long
+CONNECT_TIMEOUT_S = 2.0  # every health check: TCP connect ...
+READ_TIMEOUT_S = 2.0  # ... and the answer
+AGENT_DEFAULTS = {
+    "heartbeat_s": HEARTBEAT_S,
+    "marker_grace_s": MARKER_GRACE_S,
+    "coordinator_silence_s": COORDINATOR_SILENCE_S,
+    "gpus_per_node": 0,
+    "standins": False,  # load the stand-ins' fault hooks (``faults.py`` beside the agent)
+}
+ENGINE_DEFAULTS = {
+    "port_stride": 0,
+    "health_path": "/health",
+    "health_timeout_s": 600.0,
+    "connect_timeout_s": CONNECT_TIMEOUT_S,
+    "read_timeout_s": READ_TIMEOUT_S,
+}
+BENCH_DEFAULTS = {"point_timeout_s": 3600.0}
+HEALTH_SCOPE_DEFAULT = "all"  # which ranks of a role answer health checks
+
+
+def stop_timeout_s(grace_s: float) -> float:
+    """How long the agent waits for its engine after TERM before SIGKILL: room is left
+    inside the grace for the SIGKILL, the diagnostic and the exit."""
+    return max(0.5, min(grace_s - 2.0, grace_s * 0.75))
+
+
+def exit_linger_s(stop_s: float) -> float:
+    """How long a failed coordinator waits for the workers to exit before it does."""
+    return stop_s + 5.0
+
 
 MARKER_PREFIX = ".bench_done."
 STATUS_SUFFIX = ".status.json"
@@ -73,56 +108,14 @@ AGENT_STATES = (
 GONE_STATES = (STATE_EXITED, STATE_TERMINATED)
 
 
-_SAY = threading.Lock()
-
-
-def say(line: str) -> None:
-    """Write one whole line to stdout and flush it. ``print`` writes the text and its
-    newline in two calls, so the request threads of a stand-in server could merge two
-    access lines into one under load."""
-    with _SAY:
-        sys.stdout.write(line + "\n")
-        sys.stdout.flush()
-
-
 def marker_name(job_id: str) -> str:
     """The completion marker's file name in the run's log directory."""
     return MARKER_PREFIX + job_id
 
 
-def marker_rc(value: object) -> Optional[int]:
-    """A marker's ``rc`` as the exit status it stands for: an ``int`` (a ``bool`` is not
-    one) from 0 to 255, else None. ``exit(256)`` and ``exit(False)`` both exit 0, so any
-    other value would pass a failure off as a success. The daemon's marker reader
-    (`core.marker`) and the node agent read rc through this one function."""
-    if type(value) is not int or not 0 <= value <= 255:
-        return None
-    return value
-
-
 def status_name(rank: int) -> str:
     """A rank's heartbeat file name in the job directory."""
     return "rank%d%s" % (rank, STATUS_SUFFIX)
-
-
-def fault(name: str, extra: Optional[Dict[str, str]] = None) -> str:
-    """A stand-in's fault knob from the environment (over `extra`, e.g. the spec's
-    ``env.common`` as the agent sees it): its value, or "" when unset, when
-    ``LLMD_FAKE_FAULT_RANKS`` is set and does not list this rank (``LLMD_RANK``), or when
-    ``LLMD_FAKE_FAULT_NODES`` is set and does not list this host (a node's fault follows
-    the node into every job, as a bad node's would)."""
-    import socket  # here: the supervisor's pure core imports this module's names
-
-    env = dict(extra or {})
-    env.update(os.environ)
-    for knob, mine in (
-        ("LLMD_FAKE_FAULT_RANKS", env.get("LLMD_RANK", "")),
-        ("LLMD_FAKE_FAULT_NODES", socket.gethostname()),
-    ):
-        listed = env.get(knob, "").strip()
-        if listed and mine not in [r.strip() for r in listed.split(",")]:
-            return ""
-    return str(env.get(name, ""))
 
 
 def diag_name(rank: int) -> str:

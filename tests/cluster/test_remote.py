@@ -67,7 +67,7 @@ def pgrep(pattern: str) -> list[str]:
 
 
 def remote_followers(path: Path) -> list[str]:
-    """`jobfile.py follow` processes on any node still following `path`."""
+    """`safe_read.py follow` processes on any node still following `path`."""
     return pgrep(f"follow {path.parent.parent} {path.parent.name}/{path.name} ")
 
 

@@ -277,7 +277,7 @@ listen = "127.0.0.1:{port}"
     }
     assert f"WorkDir={os.getcwd()} " in workdir["dev"]
     assert "WorkDir=/root " in workdir["login"] and os.getcwd() != "/root"
-    # Every Slurm command of the login cluster, and its marker read (node/jobfile.py run
+    # Every Slurm command of the login cluster, and its marker read (node/safe_read.py run
     # by python3), went through its own runner; the local cluster's marker was read here.
     s = _scrape(port)
 

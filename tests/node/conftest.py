@@ -2,8 +2,9 @@
 
 Each rank is a separate agent process with fake ``SLURM_*`` variables; all ranks share
 host 127.0.0.1 (``LLMD_HOSTS``) and get distinct ports through ``port_stride``. The node
-files are copied to ``<log_dir>/<job_id>/node`` exactly where the batch script unpacks
-them. Everything started here is stopped by PID at teardown.
+files (the agent's and the stand-ins') are copied to ``<log_dir>/<job_id>/node`` exactly
+where and as the batch script unpacks them, and each rank runs ``node/agent.py``.
+Everything started here is stopped by PID at teardown.
 """
 
 from __future__ import annotations
@@ -23,12 +24,14 @@ from typing import Any
 
 import pytest
 
-import llmd_supervisor.node
+import llmd_supervisor
 from llmd_supervisor.core.render import agent_config
 from llmd_supervisor.core.spec import load_spec
 from llmd_supervisor.node import NODE_FILES
 
-NODE_SRC = Path(llmd_supervisor.node.__file__).parent
+PACKAGE_SRC = Path(llmd_supervisor.__file__).parent
+NODE_SRC = PACKAGE_SRC / "node"
+STANDINS_SRC = PACKAGE_SRC / "standins"
 # Run the node code under another interpreter (e.g. a Python 3.9) with LLMD_NODE_PYTHON.
 NODE_PYTHON = os.environ.get("LLMD_NODE_PYTHON", sys.executable)
 JOB_ID = "4242"
@@ -74,6 +77,9 @@ output_len = 4
 prompts_multiplier = {multiplier}
 point_timeout_s = 20
 
+[standins]
+enabled = true
+
 [slurm]
 time_limit = "10"
 """
@@ -116,6 +122,13 @@ def free_port_block(n: int) -> int:
             for t in socks:
                 t.close()
     raise RuntimeError("no free port block")
+
+
+def copy_node_files(node_dir: Path) -> None:
+    """Lay the node files out in `node_dir` as the batch script does (``NODE_FILES``)."""
+    for dest, src in NODE_FILES.items():
+        (node_dir / dest).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(PACKAGE_SRC / src, node_dir / dest)
 
 
 def _is_our_process(pid: int, needle: str) -> bool:
@@ -166,8 +179,7 @@ class LocalRun:
         self.job_dir = self.log_dir / JOB_ID
         node_dir = self.job_dir / "node"
         node_dir.mkdir(parents=True)
-        for name in NODE_FILES:
-            shutil.copy(NODE_SRC / name, node_dir / name)
+        copy_node_files(node_dir)
         self.config_path = node_dir / "config.json"
         self.write_config()
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-import llmd_supervisor.node
-from llmd_supervisor.node import router as router_mod
+import llmd_supervisor.standins
+from llmd_supervisor.standins import router as router_mod
 
-NODE = Path(llmd_supervisor.node.__file__).parent
+NODE = Path(llmd_supervisor.standins.__file__).parent
 PYTHON = os.environ.get("LLMD_NODE_PYTHON", sys.executable)
 MODEL = "stand-in/test-model"
 

@@ -54,7 +54,7 @@ TOOL_TITLES: Final = {
     PD_SIDECAR: "pd-sidecar",
     EPP: "epp",
 }
-# The demo's stand-ins (llmd_supervisor/node/*.py) and the real tool each stands in for.
+# The demo's stand-ins (llmd_supervisor/standins/*.py) and the real tool each stands in for.
 STAND_INS: Final = {"engine.py": VLLM_SERVE, "bench.py": VLLM_BENCH, "sidecar.py": PD_SIDECAR}
 # Known router processes without a list: Envoy, and the demo's router (Envoy + EPP in one).
 UNCHECKED: Final = frozenset({"envoy", "router.py"})

@@ -1,4 +1,4 @@
-"""node/jobfile.py run here (as the shared-log-directory strategy runs it): what a job can
+"""node/safe_read.py run here (as the shared-log-directory strategy runs it): what a job can
 plant in its log directory is refused unread, plain files are read and followed by name,
 copies stop at their byte caps; and where a log directory may be at all (core.paths)."""
 

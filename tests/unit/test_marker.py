@@ -14,6 +14,8 @@ from llmd_supervisor.core.marker import (
     marker_filename,
     read_marker,
 )
+from llmd_supervisor.node import common, marker_format
+from llmd_supervisor.node.agent import marker as node_marker
 
 JOB = "42"
 
@@ -211,3 +213,83 @@ def test_a_bad_field_is_named_escaped_and_bounded(field: str, value: object) -> 
     assert reading.marker is None
     described = reading.describe()
     assert described.isprintable() and len(described) < 300, described
+
+
+# --- one reader for the daemon and the node agent (node/marker_format.py) -------------------
+
+
+@pytest.mark.parametrize(
+    ("rc", "shown"),
+    [(False, "False"), (True, "True"), (0.0, "0.0"), ("0", "'0'"), (256, "256"), (-1, "-1")],
+)
+def test_an_rc_that_is_no_exit_status_is_refused_by_both_sides_with_a_reason(
+    rc: object, shown: str
+) -> None:
+    data = body(rc=rc)
+    reading = read_marker(data, JOB)
+    assert reading.status is MarkerStatus.RC_NOT_INTEGER
+    assert reading.detail == f"rc {shown} is not an exit status (an integer from 0 to 255)"
+    assert reading.describe() == f"marker .bench_done.{JOB} rc not integer: {reading.detail}"
+    # The node agent reads the same bytes with the same rules (its values shown as JSON),
+    # and a worker exits RC_BAD_MARKER (78) with that reason instead of int(rc).
+    parsed = marker_format.parse(data, JOB)
+    assert parsed.status == MarkerStatus.RC_NOT_INTEGER.value and parsed.rc is None
+    assert parsed.detail.endswith("is not an exit status (an integer from 0 to 255)")
+    assert node_marker.marker_exit(parsed) == (
+        common.RC_BAD_MARKER,
+        f"marker rc not integer: {parsed.detail}",
+    )
+
+
+@pytest.mark.parametrize(
+    ("data", "rc", "fmt"),
+    [(b"0\n", 0, "int"), (b"7\n", 7, "int"), (body(rc=0), 0, "json"), (body(rc=7), 7, "json")],
+)
+def test_the_int_and_the_json_marker_are_accepted_by_both_sides(
+    data: bytes, rc: int, fmt: str
+) -> None:
+    reading = read_marker(data, JOB)
+    assert reading.marker is not None and (reading.marker.rc, reading.marker.format) == (rc, fmt)
+    parsed = marker_format.parse(data, JOB)
+    assert parsed.ok and (parsed.rc, parsed.format) == (rc, fmt)
+    assert node_marker.marker_exit(parsed)[0] == rc
+
+
+def test_every_status_of_the_shared_reader_is_a_marker_status() -> None:
+    shared = {
+        v
+        for k, v in vars(marker_format).items()
+        if k.isupper() and isinstance(v, str) and k not in ("NO_EXIT_STATUS",)
+    }
+    assert shared <= {s.value for s in MarkerStatus}
+    assert set(marker_format.MAY_STILL_ARRIVE) == {
+        s.value for s in MarkerStatus if s.may_still_arrive
+    }
+
+
+@pytest.mark.parametrize(
+    ("finished_at", "ok"),
+    [
+        ("2026-11-30T21:59:00.123+00:00", True),  # what the agent writes
+        ("2026-11-30T21:59:00Z", True),  # Python 3.11 reads Z, 3.9 does not: taken as UTC
+        ("2026-11-30 21:59:00+05:30", True),
+        ("2026-11-30T21:59", True),
+        ("2026-11-30", True),
+        ("20261130T215900", False),  # 3.11's fromisoformat reads it, 3.9's does not
+        ("2026-11-30T21:59:00.1234567", False),
+        ("2026-13-01T00:00:00", False),
+        ("2026-11-30T21:59:00+0000", False),
+        ("\u0662\u0660\u0662\u0666-11-30", False),  # digits, but not ASCII ones
+        ("yesterday", False),
+    ],
+)
+def test_finished_at_is_read_alike_by_every_python_the_nodes_may_run(
+    finished_at: str, ok: bool
+) -> None:
+    reading = read_marker(body(finished_at=finished_at), JOB)
+    assert reading.ok is ok, reading.detail
+    parsed = marker_format.parse(body(finished_at=finished_at), JOB)
+    assert parsed.ok is ok
+    if ok:
+        assert reading.marker is not None
+        assert reading.marker.finished_at == marker_format.parse_timestamp(finished_at)

@@ -33,7 +33,7 @@ from tests.fakes.log_writer import Writer, size_of
 from tests.fakes.ssh_server import HOST, FakeSshServer, wait_until
 from tests.fakes.ssh_server import ssh_server as ssh_server  # the fixture
 
-FOLLOWER = "' follow "  # in the command line of node/jobfile.py's follower (after its source)
+FOLLOWER = "' follow "  # in the command line of node/safe_read.py's follower (after its source)
 
 
 def waiting(logs: list[MutableMapping[str, Any]]) -> list[MutableMapping[str, Any]]:

@@ -29,7 +29,7 @@ from llmd_supervisor.core.render import (
 )
 from llmd_supervisor.core.spec import RunSpec, parse_spec
 from llmd_supervisor.errors import SpecError
-from llmd_supervisor.node import NODE_FILES
+from llmd_supervisor.node import AGENT_FILES, NODE_FILES, STANDIN_FILES
 
 pytestmark = [pytest.mark.timeout(30)]
 
@@ -350,3 +350,86 @@ def test_gpu_examples_render(example: str, expected: str) -> None:
             " --privileged --device=/dev/infiniband --cap-add=IPC_LOCK --ulimit=memlock=-1"
             ' --shm-size=32G vllm/vllm-openai:v0.33.0 python3 "$NODE_DIR/agent.py"'
         ) in srun
+
+
+# The demo's batch script before the stand-ins became opt-in (every script carried them,
+# with 51 LLMD_FAKE_ lines), measured: 168,962 bytes; the examples' were 170,085 (pyxis)
+# and 170,248 (docker). A production script now carries the agent (its readable source, so
+# that a site can review it: about 100 KB), its config and the shell around them, and
+# nothing else.
+DEMO_RENDER_BYTES_BEFORE = 168_962
+SCRIPT_AROUND_MAX = 8192  # the #SBATCH lines, the heredocs' framing, the srun line
+EXAMPLES = sorted(DEPLOY.glob("example-vllm-*.toml"))
+
+
+def _example(path: Path, log_dir: Path | None = None) -> RunSpec:
+    data = tomllib.loads(path.read_text())
+    if log_dir is not None:
+        data["run"]["log_dir"] = str(log_dir)
+        data["container"] = {"kind": "none", "python": sys.executable}
+    return parse_spec(data)
+
+
+def _written(script: str) -> list[str]:
+    """The node directory's files the script writes (``cat > "$NODE_DIR/..."``)."""
+    return [
+        ln.split('"$NODE_DIR/', 1)[1].split('"', 1)[0]
+        for ln in script.splitlines()
+        if ln.startswith('cat > "$NODE_DIR/')
+    ]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_a_production_script_carries_the_agent_and_no_stand_in(path: Path) -> None:
+    spec = _example(path)
+    assert not spec.standins
+    script = render_sbatch(spec, job_name="prod")
+    assert "LLMD_FAKE_" not in script
+    assert _written(script) == [*AGENT_FILES, "config.json"]
+    sources = bundled_node_sources()
+    for name in STANDIN_FILES:  # not one line of stand-in code either
+        head = next(ln for ln in sources[name].splitlines() if ln.strip())
+        assert head not in script, name
+    agent = sum(len(sources[name].encode()) for name in AGENT_FILES)
+    config = len(json.dumps(agent_config(spec), indent=1, sort_keys=True).encode())
+    size = len(script.encode())
+    assert size <= agent + config + SCRIPT_AROUND_MAX, (size, agent, config)
+    assert size < DEMO_RENDER_BYTES_BEFORE * 0.7, size
+
+
+def test_the_demo_script_carries_the_stand_ins() -> None:
+    spec = spec_with()
+    assert spec.standins and agent_config(spec)["standins"] is True
+    script = render_sbatch(spec, job_name="demo")
+    assert _written(script) == [*NODE_FILES, "config.json"]
+    assert "LLMD_FAKE_" in script
+
+
+def test_a_production_script_unpacks_a_runnable_agent(tmp_path: Path) -> None:
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    spec = _example(EXAMPLES[0], log_dir)
+    rc, out, argv = _run_script(render_sbatch(spec, job_name="t"), tmp_path, rc=0)
+    assert rc == 0, out
+    node_dir = log_dir / "99" / "node"
+    written = sorted(str(p.relative_to(node_dir)) for p in node_dir.rglob("*") if p.is_file())
+    assert written == sorted([*AGENT_FILES, "config.json"])
+    assert argv[-4:] == [
+        sys.executable,
+        f"{node_dir}/agent.py",
+        "--config",
+        f"{node_dir}/config.json",
+    ]
+    # srun would run this: the launcher finds its package in the node directory (here a
+    # bad rank makes it stop at its configuration check, exit 64, before any engine).
+    hosts = ",".join(f"node{i}" for i in range(spec.topology.nodes))
+    proc = subprocess.run(
+        [*argv[-4:], "--rank", "99", "--job-id", "99", "--hosts", hosts],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        check=False,
+        env={"PATH": os.environ["PATH"]},
+    )
+    assert proc.returncode == 64, proc.stderr
+    assert "configuration error" in proc.stderr and "SLURM_PROCID 99" in proc.stderr

@@ -506,7 +506,7 @@ def test_garbage_objects_give_a_point_or_a_problem(d: dict[str, Any], fmt: Resul
 
 # --- the stand-in client writes what the parser reads -----------------------------------
 
-NODE = Path(__file__).resolve().parents[2] / "llmd_supervisor" / "node"
+NODE = Path(__file__).resolve().parents[2] / "llmd_supervisor" / "standins"
 
 
 def _free_port() -> int:

@@ -796,3 +796,51 @@ def test_no_field_pattern_backtracks_on_adversarial_text(example: str) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout) >= 60  # every string field, each way
+
+
+# --- [standins] ---------------------------------------------------------------------------
+
+EXAMPLE = tomllib.loads((DEPLOY / "example-vllm-pyxis.toml").read_text())
+
+
+def test_the_demo_opts_into_the_stand_ins_and_the_examples_do_not() -> None:
+    assert load_spec((DEPLOY / "demo.toml").read_text()).standins is True
+    for path in DEPLOY.glob("example-vllm-*.toml"):
+        assert load_spec(path.read_text()).standins is False, path.name
+
+
+def test_a_command_that_runs_a_stand_in_needs_the_table() -> None:
+    err = spec_error(demo(standins=None))
+    assert err.field == "engine.prefill_command" and err.value == "{node_dir}/engine.py"
+    assert "[standins] enabled = true" in str(err) and "add that table" in str(err)
+    err = spec_error(demo(standins__enabled=False))
+    assert err.field == "engine.prefill_command"
+
+
+def test_a_fault_knob_needs_the_table() -> None:
+    data = copy.deepcopy(EXAMPLE)
+    data.setdefault("env", {}).setdefault("bench", {})["LLMD_FAKE_BENCH_HANG"] = "1"
+    err = spec_error(data)
+    assert err.field == "env.bench.LLMD_FAKE_BENCH_HANG"
+    assert "[standins] enabled = true" in str(err) and "remove the knob" in str(err)
+    data["standins"] = {"enabled": True}  # a knob alone is a use (the agent's fault hooks)
+    assert parse_spec(data).standins is True
+
+
+def test_the_table_with_nothing_to_carry_is_refused() -> None:
+    data = copy.deepcopy(EXAMPLE)
+    data["standins"] = {"enabled": True}
+    err = spec_error(data)
+    assert err.field == "standins.enabled" and err.value is True
+    assert "no command runs a stand-in" in str(err) and "remove the [standins] table" in str(err)
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0, [True]])
+def test_standins_enabled_is_a_boolean(value: object) -> None:
+    err = spec_error(demo(standins__enabled=value))
+    assert err.field == "standins.enabled" and "true or false" in str(err)
+
+
+def test_standins_has_one_key() -> None:
+    err = spec_error(demo(standins__engine="real"))
+    assert "standins" in err.field

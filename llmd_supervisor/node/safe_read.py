@@ -314,7 +314,7 @@ def main(argv: List[str]) -> int:
         return REFUSED
     except BrokenPipeError:
         return OK
-    sys.stderr.write("usage: jobfile.py read|follow|serve ... (see its docstring)\n")
+    sys.stderr.write("usage: safe_read.py read|follow|serve ... (see its docstring)\n")
     return 2
 
 

@@ -72,9 +72,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, List, Optional, Tuple
 
 if __package__:  # imported from the installed package (the tests)
-    from .common import fault, say
-else:  # run from the job's node directory, where common.py lies beside this file
-    from common import fault, say  # type: ignore[import-not-found,no-redef]
+    from .faults import fault, say
+else:  # run from the job's node directory, where faults.py lies beside this file
+    from faults import fault, say  # type: ignore[import-not-found,no-redef]
 
 CRASH_RC = 3
 BLOCK_SIZE = 16  # tokens per KV block (vLLM's default block size on CUDA)
