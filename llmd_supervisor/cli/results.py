@@ -22,7 +22,7 @@ import sys
 import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any, TypedDict, cast
+from typing import IO, Any, NotRequired, TypedDict, cast
 
 from llmd_supervisor.core.results import LATENCIES, NUMBER_FIELDS
 from llmd_supervisor.core.summary import PointView as ResultPoint
@@ -40,6 +40,49 @@ class _RunHead(TypedDict):
     state: str
     outcome: str | None
     reason: str
+
+
+class InferenceXAgg(TypedDict):
+    """One valid point as InferenceX aggregates it (`inferencex_agg`)."""
+
+    run: str
+    conc: int
+    tput_per_gpu: float | None
+    output_tput_per_gpu: float | None
+    input_tput_per_gpu: float | None
+    mean_ttft: float | None
+    median_ttft: float | None
+    p99_ttft: float | None
+    mean_tpot: float | None
+    median_tpot: float | None
+    p99_tpot: float | None
+    mean_itl: float | None
+    median_itl: float | None
+    p99_itl: float | None
+    mean_e2el: float | None
+    median_e2el: float | None
+    p99_e2el: float | None
+    mean_intvty: float | None
+    median_intvty: float | None
+    p99_intvty: float | None
+
+
+class RegressionJson(TypedDict):
+    run: str
+    concurrency: int | None
+    kind: str
+    detail: str
+    baseline: float | None
+    value: float | None
+    change_pct: float | None
+
+
+class ResultsDocument(TypedDict):
+    """``results --json``: the runs, and with ``--baseline`` the baseline and regressions."""
+
+    runs: list[RunResults]
+    baseline: NotRequired[RunResults]
+    regressions: NotRequired[list[RegressionJson]]
 
 
 class ResultsError(SupervisorError):
@@ -227,7 +270,7 @@ def render_csv(runs: Sequence[RunResults]) -> str:
     writer = csv.DictWriter(out, fieldnames=CSV_FIELDS, lineterminator="\n")
     writer.writeheader()
     for r in runs:
-        base: dict[str, object] = {
+        base: dict[str, str] = {
             "run": r["run"],
             "state": r["state"],
             "outcome": r["outcome"] or "",
@@ -261,7 +304,7 @@ def render_json(
     baseline: RunResults | None = None,
     regressions: Sequence[Regression] | None = None,
 ) -> str:
-    doc: dict[str, object] = {"runs": list(runs)}
+    doc: ResultsDocument = {"runs": list(runs)}
     if baseline is not None:
         doc["baseline"] = baseline
     if regressions is not None:
@@ -269,7 +312,7 @@ def render_json(
     return json.dumps(doc, indent=2, sort_keys=True) + "\n"
 
 
-def inferencex_agg(r: RunResults) -> list[dict[str, object]]:
+def inferencex_agg(r: RunResults) -> list[InferenceXAgg]:
     """InferenceX's aggregate fields (utils/process_result.py) for each valid point.
 
     `conc`; `tput_per_gpu`, `output_tput_per_gpu`, `input_tput_per_gpu` (tok/s per GPU,
@@ -284,20 +327,35 @@ def inferencex_agg(r: RunResults) -> list[dict[str, object]]:
     for p in sorted(table["points"], key=lambda p: p["concurrency"]):
         if not p["valid"]:
             continue
-        row: dict[str, object] = {
-            "run": r["run"],
-            "conc": p["concurrency"],
-            "tput_per_gpu": per_gpu_total(p, table["gpus"]),
-            "output_tput_per_gpu": p["output_throughput_per_gpu"],
-            "input_tput_per_gpu": p["input_throughput_per_gpu"],
-        }
-        for m in LATENCIES:
-            for s in STATS:
-                ms = latency(p, m, s)
-                row[f"{s}_{m}"] = None if ms is None else ms / 1000.0
-        for s in STATS:
-            row[f"{s}_intvty"] = interactivity(p, s)
-        out.append(row)
+
+        def s(metric: str, stat: str, p: ResultPoint = p) -> float | None:
+            ms = latency(p, metric, stat)
+            return None if ms is None else ms / 1000.0
+
+        out.append(
+            InferenceXAgg(
+                run=r["run"],
+                conc=p["concurrency"],
+                tput_per_gpu=per_gpu_total(p, table["gpus"]),
+                output_tput_per_gpu=p["output_throughput_per_gpu"],
+                input_tput_per_gpu=p["input_throughput_per_gpu"],
+                mean_ttft=s("ttft", "mean"),
+                median_ttft=s("ttft", "median"),
+                p99_ttft=s("ttft", "p99"),
+                mean_tpot=s("tpot", "mean"),
+                median_tpot=s("tpot", "median"),
+                p99_tpot=s("tpot", "p99"),
+                mean_itl=s("itl", "mean"),
+                median_itl=s("itl", "median"),
+                p99_itl=s("itl", "p99"),
+                mean_e2el=s("e2el", "mean"),
+                median_e2el=s("e2el", "median"),
+                p99_e2el=s("e2el", "p99"),
+                mean_intvty=interactivity(p, "mean"),
+                median_intvty=interactivity(p, "median"),
+                p99_intvty=interactivity(p, "p99"),
+            )
+        )
     return out
 
 
@@ -320,8 +378,16 @@ class Regression:
         where = f"run {self.run}" + ("" if self.concurrency is None else f" c={self.concurrency}")
         return f"REGRESSION {where}: {self.detail}"
 
-    def as_dict(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
+    def as_dict(self) -> RegressionJson:
+        return {
+            "run": self.run,
+            "concurrency": self.concurrency,
+            "kind": self.kind,
+            "detail": self.detail,
+            "baseline": self.baseline,
+            "value": self.value,
+            "change_pct": self.change_pct,
+        }
 
 
 # (kind, what, unit, how the value is read, +1: a rise is worse, -1: a drop is worse)
@@ -534,7 +600,7 @@ def show(
 
 
 def _write_agg(fmt: str, runs: Iterable[RunResults], out: IO[str], err: IO[str]) -> None:
-    rows: list[dict[str, object]] = []
+    rows: list[InferenceXAgg] = []
     for r in runs:
         rows += inferencex_agg(r)
         table = r["results"]

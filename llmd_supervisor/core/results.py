@@ -20,8 +20,9 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Final, Literal, get_args
+from typing import Final, Literal, TypedDict, get_args
 
+from llmd_supervisor.core.summary import LatencyView, PointView, ResultsTable
 from llmd_supervisor.node import common
 
 __all__ = [
@@ -74,7 +75,7 @@ class Stats:
     median: float | None = None
     p99: float | None = None
 
-    def as_dict(self) -> dict[str, float | None]:
+    def as_dict(self) -> LatencyView:
         return {"mean": self.mean, "median": self.median, "p99": self.p99}
 
 
@@ -364,6 +365,30 @@ def _stats_of(value: object, metric: str) -> Stats:
 # --- the validity gate -------------------------------------------------------------------
 
 
+class PointJson(TypedDict):
+    """A point's evidence as receipts and `results.json` hold it."""
+
+    concurrency: int
+    file: str
+    requested: int
+    min_completed: int
+    max_failed: int
+    result_concurrency: int | None
+    num_prompts: int | None
+    completed: int | None
+    failed: int | None
+    total_output_tokens: int | None
+    duration_s: float | None
+    valid: bool
+    problem: str | None
+
+
+class GateJson(TypedDict):
+    ok: bool
+    reason: str
+    points: list[PointJson]
+
+
 @dataclass(frozen=True)
 class PointEvidence:
     """What the gate saw and decided for one configured concurrency."""
@@ -377,7 +402,7 @@ class PointEvidence:
     problem: str | None  # why not valid (None when valid)
     point: Point | None  # None when the file was missing or unparsable
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self) -> PointJson:
         p = self.point
         return {
             "concurrency": self.concurrency,
@@ -402,7 +427,7 @@ class GateResult:
     reason: str  # one line: the first failing point, or how many points passed
     points: tuple[PointEvidence, ...]  # sorted by concurrency
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self) -> GateJson:
         return {
             "ok": self.ok,
             "reason": self.reason,
@@ -492,43 +517,58 @@ NUMBER_FIELDS: Final = (
 )
 
 
-def _row(e: PointEvidence, gpus: int | None) -> dict[str, object]:
-    row: dict[str, object] = {"concurrency": e.concurrency}
+def _row(e: PointEvidence, gpus: int | None) -> PointView:
     p = e.point
     if p is None:
-        row.update(dict.fromkeys(NUMBER_FIELDS))
-        row.update({f"{m}_ms": Stats().as_dict() for m in LATENCIES})
-    else:
-        row.update(
-            {
-                "num_prompts": p.num_prompts,
-                "completed": p.completed,
-                "failed": p.failed,
-                "duration_s": p.duration_s,
-                "request_throughput": p.request_throughput,
-                "output_throughput": p.output_throughput,
-                "total_token_throughput": p.total_token_throughput,
-                "input_throughput": p.input_throughput,
-                "output_throughput_per_gpu": p.output_throughput / gpus if gpus else None,
-                "total_token_throughput_per_gpu": (
-                    p.total_token_throughput / gpus if gpus else None
-                ),
-                "input_throughput_per_gpu": p.input_throughput / gpus if gpus else None,
-                "ttft_ms": p.ttft_ms.as_dict(),
-                "tpot_ms": p.tpot_ms.as_dict(),
-                "itl_ms": p.itl_ms.as_dict(),
-                "e2el_ms": p.e2el_ms.as_dict(),
-            }
-        )
-    row.update({"file": e.file, "valid": e.valid, "problem": e.problem})
-    return row
+        return {
+            "concurrency": e.concurrency,
+            "num_prompts": None,
+            "completed": None,
+            "failed": None,
+            "duration_s": None,
+            "request_throughput": None,
+            "output_throughput": None,
+            "total_token_throughput": None,
+            "input_throughput": None,
+            "output_throughput_per_gpu": None,
+            "total_token_throughput_per_gpu": None,
+            "input_throughput_per_gpu": None,
+            "ttft_ms": Stats().as_dict(),
+            "tpot_ms": Stats().as_dict(),
+            "itl_ms": Stats().as_dict(),
+            "e2el_ms": Stats().as_dict(),
+            "file": e.file,
+            "valid": e.valid,
+            "problem": e.problem,
+        }
+    return {
+        "concurrency": e.concurrency,
+        "num_prompts": p.num_prompts,
+        "completed": p.completed,
+        "failed": p.failed,
+        "duration_s": p.duration_s,
+        "request_throughput": p.request_throughput,
+        "output_throughput": p.output_throughput,
+        "total_token_throughput": p.total_token_throughput,
+        "input_throughput": p.input_throughput,
+        "output_throughput_per_gpu": p.output_throughput / gpus if gpus else None,
+        "total_token_throughput_per_gpu": (p.total_token_throughput / gpus if gpus else None),
+        "input_throughput_per_gpu": p.input_throughput / gpus if gpus else None,
+        "ttft_ms": p.ttft_ms.as_dict(),
+        "tpot_ms": p.tpot_ms.as_dict(),
+        "itl_ms": p.itl_ms.as_dict(),
+        "e2el_ms": p.e2el_ms.as_dict(),
+        "file": e.file,
+        "valid": e.valid,
+        "problem": e.problem,
+    }
 
 
 def results_table(
     points: GateResult | Iterable[PointEvidence],
     gpus: int | None,
     fmt: ResultFormat | None = None,
-) -> dict[str, object]:
+) -> ResultsTable:
     """The archive's ``results.json``: one row per point, sorted by concurrency.
 
     `gpus` is the run's GPU count (None or 0: unknown, the per-GPU numbers are null).
@@ -537,11 +577,10 @@ def results_table(
     evidence = sorted(
         points.points if isinstance(points, GateResult) else points, key=lambda e: e.concurrency
     )
-    if fmt is None:
-        fmt = next((e.point.format for e in evidence if e.point is not None), "vllm")
+    parsed = next((e.point.format for e in evidence if e.point is not None), "vllm")
     n_gpus = gpus if gpus is not None and gpus > 0 else None
     return {
-        "format": fmt,
+        "format": parsed if fmt is None else fmt,
         "gpus": n_gpus,
         "points": [_row(e, n_gpus) for e in evidence],
     }
