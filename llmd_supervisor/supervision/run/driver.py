@@ -73,13 +73,11 @@ from llmd_supervisor.core.lifecycle import (
     plan,
     step,
 )
-from llmd_supervisor.core.paths import check_canonical, check_log_dir
 from llmd_supervisor.core.render import render_sbatch
 from llmd_supervisor.core.retry import Quarantined, quarantine
-from llmd_supervisor.core.spec import RunSpec, check_daemon_dirs, load_spec
+from llmd_supervisor.core.spec import RunSpec, load_spec
 from llmd_supervisor.errors import (
     IllegalTransition,
-    SlurmCommandError,
     SpecError,
     SupervisorError,
 )
@@ -87,9 +85,7 @@ from llmd_supervisor.supervision.attempt import Attempt
 from llmd_supervisor.supervision.cluster import Cluster
 from llmd_supervisor.supervision.poller import QueueView
 from llmd_supervisor.supervision.run import (
-    archive as archiving,
-)
-from llmd_supervisor.supervision.run import (
+    admission,
     cancel,
     failures,
     finish,
@@ -98,6 +94,9 @@ from llmd_supervisor.supervision.run import (
     retries,
     submit,
     verify,
+)
+from llmd_supervisor.supervision.run import (
+    archive as archiving,
 )
 from llmd_supervisor.supervision.run.context import RunContext
 from llmd_supervisor.supervision.run.records import (
@@ -333,47 +332,12 @@ class Supervisor:
         return handle
 
     async def admit(self, spec_toml: str, cluster: str | None = None) -> RunSpec:
-        """The validated spec, as `submit` (and a dry run) accepts it: SpecError unless its
-        directories keep clear of the daemon's own, and its log directory is allowed
-        (`core.paths`) and, resolved where the cluster's commands run (``realpath -m``),
-        is itself: no link on its way."""
-        spec = load_spec(spec_toml)
-        c = self.config
-        await self._check_log_dir(spec.log_dir, cluster)
-        own = (str(c.state_dir), str(c.archive_root))
-        check_daemon_dirs(spec, (*own, str(c.socket_path.parent)))
-        return spec
+        """The validated spec, as `submit` (and a dry run) accepts it (`admission`)."""
+        return await admission.admit(self.config, self.clusters, spec_toml, cluster)
 
     async def admit_foreign(self, spec_json: str, cluster: str | None, kind: str) -> ForeignSpec:
-        """The validated foreign spec of `kind` (script or adopt), as `admit` checks a run
-        spec's log directory; `--export-env` only where sbatch runs on this machine."""
-        spec = foreign_spec.load(spec_json)
-        if spec.kind != kind:
-            raise SpecError("kind", spec.kind, f"this request takes a {kind!r} spec")
-        cluster_cfg = self.config.cluster(cluster)
-        if spec.env is not None and cluster_cfg.login_host is not None:
-            raise SpecError(
-                "--export-env",
-                cluster_cfg.login_host,
-                f"cluster {cluster_cfg.name!r} runs sbatch on its login host over SSH, where "
-                "the environment would show in the command line; run the daemon (or the "
-                "user service) on the login node, or set the variables in the script",
-            )
-        await self._check_log_dir(spec.watch.log_dir, cluster, field="--log-dir")
-        return spec
-
-    async def _check_log_dir(
-        self, log_dir: str, cluster: str | None, *, field: str = "run.log_dir"
-    ) -> None:
-        c = self.config
-        client = self.clusters[c.cluster(cluster).name].client
-        own = (str(c.state_dir), str(c.archive_root))
-        check_log_dir(log_dir, c.log_roots, own, field=field)
-        argv = ["realpath", "-m", "--", log_dir]
-        result = await client.runner.run(argv, time_limit=client.timeout)
-        if not result.ok:
-            raise SlurmCommandError(result.argv, result.returncode, result.stderr)
-        check_canonical(log_dir, result.stdout.strip(), field=field)
+        """The validated foreign spec of `kind` (script or adopt): `admission`."""
+        return await admission.admit_foreign(self.config, self.clusters, spec_json, cluster, kind)
 
     async def resume_all(self) -> int:
         """Start a driver for every run the journal holds as not final; return how many."""
