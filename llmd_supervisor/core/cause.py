@@ -35,7 +35,7 @@ import re
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Final
+from typing import Final, TypedDict
 
 from llmd_supervisor.core.slurm_parse import JobState
 from llmd_supervisor.core.verdict import Outcome
@@ -121,13 +121,22 @@ class Diagnosis:
         nodes = f" node={','.join(self.nodes)}" if self.nodes else ""
         return f"cause={self.cause.value}{nodes}"
 
-    def as_json(self) -> dict[str, object]:
+    def as_json(self) -> CauseJson:
         return {
             "cause": self.cause.value,
             "nodes": list(self.nodes),
             "observed": list(self.observed),
             "why": self.why,
         }
+
+
+class CauseJson(TypedDict):
+    """A diagnosis as receipts hold it."""
+
+    cause: str
+    nodes: list[str]
+    observed: list[str]
+    why: str
 
 
 def hang(stage: str, rank: int, allocation: Sequence[str]) -> Diagnosis:

@@ -5,7 +5,7 @@ as its own account), the job writes into it, and the daemon copies from it into 
 archive, so it must be a directory the operator set aside for runs: absolute, in
 normal form (no ``.``, ``..``, ``//`` or trailing ``/``), under one of ``daemon.log_roots``,
 never the daemon's state or archive directory or inside them, and (checked where the file
-system is seen, `supervision.driver`) without a symbolic link on its way.
+system is seen, `supervision.run.driver`) without a symbolic link on its way.
 """
 
 from __future__ import annotations

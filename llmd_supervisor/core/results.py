@@ -25,13 +25,13 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Final, Literal, get_args
+from typing import TYPE_CHECKING, Final, Literal, TypedDict, get_args
 
 from llmd_supervisor.core.gpus import ROLE_GPU_KEYS, RoleGpus, declared_roles, per_gpu
 from llmd_supervisor.node import common
 
 if TYPE_CHECKING:  # the parser's child imports this module: it starts within its time limit
-    from llmd_supervisor.core.summary import Deployment
+    from llmd_supervisor.core.summary import Deployment, LatencyView, PointView, ResultsTable
 
 __all__ = [
     "FORMATS",
@@ -86,7 +86,7 @@ class Stats:
     p99: float | None = None
     std: float | None = None  # the population standard deviation (InferenceX keeps it)
 
-    def as_dict(self) -> dict[str, float | None]:
+    def as_dict(self) -> LatencyView:
         return {"mean": self.mean, "median": self.median, "p99": self.p99, "std": self.std}
 
 
@@ -394,6 +394,30 @@ def _stats_of(value: object, metric: str) -> Stats:
 # --- the validity gate -------------------------------------------------------------------
 
 
+class PointJson(TypedDict):
+    """A point's evidence as receipts and `results.json` hold it."""
+
+    concurrency: int
+    file: str
+    requested: int
+    min_completed: int
+    max_failed: int
+    result_concurrency: int | None
+    num_prompts: int | None
+    completed: int | None
+    failed: int | None
+    total_output_tokens: int | None
+    duration_s: float | None
+    valid: bool
+    problem: str | None
+
+
+class GateJson(TypedDict):
+    ok: bool
+    reason: str
+    points: list[PointJson]
+
+
 @dataclass(frozen=True)
 class PointEvidence:
     """What the gate saw and decided for one configured concurrency."""
@@ -407,7 +431,7 @@ class PointEvidence:
     problem: str | None  # why not valid (None when valid)
     point: Point | None  # None when the file was missing or unparsable
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self) -> PointJson:
         p = self.point
         return {
             "concurrency": self.concurrency,
@@ -432,7 +456,7 @@ class GateResult:
     reason: str  # one line: the first failing point, or how many points passed
     points: tuple[PointEvidence, ...]  # sorted by concurrency
 
-    def as_dict(self) -> dict[str, object]:
+    def as_dict(self) -> GateJson:
         return {
             "ok": self.ok,
             "reason": self.reason,
@@ -522,40 +546,57 @@ NUMBER_FIELDS: Final = (
 )
 
 
-def _row(e: PointEvidence, gpus: int | RoleGpus | None) -> dict[str, object]:
-    row: dict[str, object] = {"concurrency": e.concurrency}
+def _row(e: PointEvidence, gpus: int | RoleGpus | None) -> PointView:
     p = e.point
     if p is None:
-        row.update(dict.fromkeys(NUMBER_FIELDS))
-        row.update({f"{m}_ms": Stats().as_dict() for m in LATENCIES})
-    else:
-        # The caller's roles (the spec's) win; else the file's own; else the bare total.
-        each = per_gpu(
-            p.total_token_throughput,
-            p.output_throughput,
-            gpus if isinstance(gpus, RoleGpus) else (p.role_gpus or gpus),
-        )
-        row.update(
-            {
-                "num_prompts": p.num_prompts,
-                "completed": p.completed,
-                "failed": p.failed,
-                "duration_s": p.duration_s,
-                "request_throughput": p.request_throughput,
-                "output_throughput": p.output_throughput,
-                "total_token_throughput": p.total_token_throughput,
-                "input_throughput": p.input_throughput,
-                "output_throughput_per_gpu": each.output,
-                "total_token_throughput_per_gpu": each.total,
-                "input_throughput_per_gpu": each.input,
-                "ttft_ms": p.ttft_ms.as_dict(),
-                "tpot_ms": p.tpot_ms.as_dict(),
-                "itl_ms": p.itl_ms.as_dict(),
-                "e2el_ms": p.e2el_ms.as_dict(),
-            }
-        )
-    row.update({"file": e.file, "valid": e.valid, "problem": e.problem})
-    return row
+        return {
+            "concurrency": e.concurrency,
+            "num_prompts": None,
+            "completed": None,
+            "failed": None,
+            "duration_s": None,
+            "request_throughput": None,
+            "output_throughput": None,
+            "total_token_throughput": None,
+            "input_throughput": None,
+            "output_throughput_per_gpu": None,
+            "total_token_throughput_per_gpu": None,
+            "input_throughput_per_gpu": None,
+            "ttft_ms": Stats().as_dict(),
+            "tpot_ms": Stats().as_dict(),
+            "itl_ms": Stats().as_dict(),
+            "e2el_ms": Stats().as_dict(),
+            "file": e.file,
+            "valid": e.valid,
+            "problem": e.problem,
+        }
+    # The caller's roles (the spec's) win; else the file's own; else the bare total.
+    each = per_gpu(
+        p.total_token_throughput,
+        p.output_throughput,
+        gpus if isinstance(gpus, RoleGpus) else (p.role_gpus or gpus),
+    )
+    return {
+        "concurrency": e.concurrency,
+        "num_prompts": p.num_prompts,
+        "completed": p.completed,
+        "failed": p.failed,
+        "duration_s": p.duration_s,
+        "request_throughput": p.request_throughput,
+        "output_throughput": p.output_throughput,
+        "total_token_throughput": p.total_token_throughput,
+        "input_throughput": p.input_throughput,
+        "output_throughput_per_gpu": each.output,
+        "total_token_throughput_per_gpu": each.total,
+        "input_throughput_per_gpu": each.input,
+        "ttft_ms": p.ttft_ms.as_dict(),
+        "tpot_ms": p.tpot_ms.as_dict(),
+        "itl_ms": p.itl_ms.as_dict(),
+        "e2el_ms": p.e2el_ms.as_dict(),
+        "file": e.file,
+        "valid": e.valid,
+        "problem": e.problem,
+    }
 
 
 def results_table(
@@ -564,7 +605,7 @@ def results_table(
     fmt: ResultFormat | None = None,
     *,
     deployment: Deployment | None = None,
-) -> dict[str, object]:
+) -> ResultsTable:
     """The archive's ``results.json``: one row per point, sorted by concurrency.
 
     `gpus` is the run's GPUs: per role (:class:`RoleGpus`, from the spec's topology), or a
@@ -578,8 +619,8 @@ def results_table(
     evidence = sorted(
         points.points if isinstance(points, GateResult) else points, key=lambda e: e.concurrency
     )
-    if fmt is None:
-        fmt = next((e.point.format for e in evidence if e.point is not None), "vllm")
+    parsed = [e.point.format for e in evidence if e.point is not None and e.point.format]
+    fmt = fmt or (parsed[0] if parsed else "vllm")
     given: int | RoleGpus | None = gpus if isinstance(gpus, RoleGpus) or (gpus or 0) > 0 else None
     roles = given if isinstance(given, RoleGpus) else _common_roles(evidence)
     total = roles.total if roles is not None else given

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
-from typing import Final
+from typing import Final, TypedDict
 
 from llmd_supervisor.core.slurm_parse import parse_sacct, parse_scontrol_job
 from llmd_supervisor.core.summary import UsageView
@@ -42,7 +42,15 @@ def elapsed_s(record: JobRecord | None) -> float | None:
         return None
 
 
-def usage(elapsed: float | None, nodes: int, gpus_per_node: int) -> dict[str, float | None]:
+class AttemptUsage(TypedDict):
+    """An attempt's cost (None: its elapsed time is not known)."""
+
+    elapsed_s: float | None
+    node_hours: float | None
+    gpu_hours: float | None
+
+
+def usage(elapsed: float | None, nodes: int, gpus_per_node: int) -> AttemptUsage:
     """An attempt's node-hours and GPU-hours (None: the elapsed time is not known)."""
     if elapsed is None:
         return {"elapsed_s": None, "node_hours": None, "gpu_hours": None}

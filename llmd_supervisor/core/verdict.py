@@ -12,9 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from datetime import datetime
 from enum import StrEnum
+from typing import TypedDict
 
 from llmd_supervisor.core.marker import MarkerReading, MarkerStatus, marker_filename
-from llmd_supervisor.core.results import GateResult
+from llmd_supervisor.core.results import GateJson, GateResult
 from llmd_supervisor.core.slurm_parse import (
     ExitCode,
     JobState,
@@ -434,6 +435,61 @@ def _last_record_time(state: VerdictState, source: Source) -> datetime:
     return max(q.taken_at for q in state.queries if q.source is source and q.record is not None)
 
 
+class BelievedJson(TypedDict):
+    basis: str
+    source: str
+    state: str
+    state_raw: str
+    exit_code: str
+    derived_exit_code: str | None
+    raw: str
+
+
+class ParsedMarkerJson(TypedDict):
+    format: str
+    rc: int
+    job_id: str
+    rank: int | None
+    reason: str
+    finished_at: str | None
+
+
+class MarkerJson(TypedDict):
+    file: str | None
+    status: str
+    detail: str
+    raw_text: str | None
+    parsed: ParsedMarkerJson | None
+
+
+class QueryJson(TypedDict):
+    source: str
+    taken_at: str
+    outcome: str
+    error: str
+    raw: str
+
+
+class VerdictReceipt(TypedDict):
+    """A verdict's receipt (schema ``llmd-supervisor.receipt/1``): `build_receipt`."""
+
+    schema: str
+    job_id: str
+    outcome: str
+    reason: str
+    decided_at: str
+    verification_started_at: str
+    cancel_requested: bool
+    accounting_disabled: bool
+    believed: BelievedJson | None
+    derived_exit_code: str | None
+    sacct_rows: list[str]
+    scontrol_record: str | None
+    marker: MarkerJson
+    benchmark: GateJson | None
+    queries: list[QueryJson]
+
+
 def build_receipt(
     state: VerdictState,
     marker: MarkerReading,
@@ -443,7 +499,7 @@ def build_receipt(
     cancel_requested: bool,
     accounting_disabled: bool,
     benchmark: GateResult | None = None,
-) -> dict[str, object]:
+) -> VerdictReceipt:
     """The JSON-serialisable receipt of a verdict (schema ``llmd-supervisor.receipt/1``).
 
     Holds the job id, outcome and reason, the believed record with its DerivedExitCode,
@@ -500,7 +556,7 @@ def build_receipt(
     }
 
 
-def _marker_json(marker: MarkerReading) -> dict[str, object]:
+def _marker_json(marker: MarkerReading) -> MarkerJson:
     parsed = marker.marker
     return {
         "file": None

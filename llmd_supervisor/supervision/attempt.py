@@ -53,6 +53,12 @@ from llmd_supervisor.node.common import (
     STATE_FAILED,
     STATE_TERMINATED,
 )
+from llmd_supervisor.supervision.run.records import (
+    LOG_CAPPED_EVENT,
+    LOG_REFUSED_EVENT,
+    LogCappedEvent,
+    LogRefusedEvent,
+)
 
 log = structlog.get_logger("llmd_supervisor.attempt")
 
@@ -111,13 +117,13 @@ class Attempt:
     async def refused(self, exc: FileRefused | LogCapped) -> None:
         """Journal (once per path) that a job's file is not copied, or no further. The job
         named the file: its name (and the reader's answer) is escaped (`core.jobtext`)."""
-        fields: dict[str, object]
+        fields: LogRefusedEvent | LogCappedEvent
         if isinstance(exc, FileRefused):
-            key, event = exc.path, "log.refused"
-            fields = {"path": job_text(exc.path), "reason": job_text(exc.why)}
+            key, event = exc.path, LOG_REFUSED_EVENT
+            fields = LogRefusedEvent(path=job_text(exc.path), reason=job_text(exc.why))
         else:
-            key, event = exc.local_path, "log.capped"
-            fields = {"copy": job_text(exc.local_path), "size": exc.size}
+            key, event = exc.local_path, LOG_CAPPED_EVENT
+            fields = LogCappedEvent(copy=job_text(exc.local_path), size=exc.size)
         if key in self._refused:
             return
         self._refused.add(key)

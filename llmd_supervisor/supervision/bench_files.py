@@ -3,7 +3,7 @@
 What the verdict's validity gate reads (each point's result file) and what the archive
 keeps besides the log copies: the raw result files and point logs (`results/`), and each
 rank's last status file and diagnostic (`ranks/`). Every read goes through
-`node/jobfile.py` (no link followed, plain files of the job's account only, bounded); a
+`node/safe_read.py` (no link followed, plain files of the job's account only, bounded); a
 refused file is reported, never read. What a run reads is bounded by its `Budget` (files
 and bytes, from [limits]), and result files are parsed in the result parser's child
 process (`adapters.result_parser`), never on the event loop.
@@ -36,6 +36,7 @@ from llmd_supervisor.core.results import (
     results_table,
 )
 from llmd_supervisor.core.spec import RunSpec
+from llmd_supervisor.core.summary import ResultsTable
 from llmd_supervisor.errors import FileRefused
 from llmd_supervisor.supervision.cluster import RunFiles
 
@@ -308,7 +309,7 @@ async def read_foreign(
     return out
 
 
-def foreign_table(got: BenchFiles) -> dict[str, object]:
+def foreign_table(got: BenchFiles) -> ResultsTable:
     """`results.json` of a foreign job: a row per archived JSON result file, a point where
     it parsed as vLLM's (or InferenceX's) benchmark result; no validity gate (the job
     defines none). A file's name is the job's text: escaped before it reaches the table."""

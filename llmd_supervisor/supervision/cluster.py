@@ -5,12 +5,12 @@ How a run's files (marker, batch and per-rank logs) are reached besides the per-
 links, one `RunFiles` per cluster:
 
 * `SharedLogDir`: this machine sees the run's log directory (the login node shares the
-  cluster file system): the marker is read by `node/jobfile.py` run here, the job's start
+  cluster file system): the marker is read by `node/safe_read.py` run here, the job's start
   is noticed when its batch log appears, and at the end the SSH tailers are cancelled
   (their copies are exact prefixes) and the copies completed from the shared file system
   by the same script run here.
 * `ThroughLoginHost`: Slurm commands run on a login host over SSH; the marker is read
-  there by `node/jobfile.py`, and at the end the SSH tailers drain (bounded by `finish_drain_s`).
+  there by `node/safe_read.py`, and at the end the SSH tailers drain (bounded by `finish_drain_s`).
 
 And how one allocated node's files are watched during a run (`Cluster.connect`): a
 `NodeLink` per node (``access = "ssh"`` and ``"login-host"``), or a `SharedFsNode` per

@@ -37,7 +37,7 @@ from llmd_supervisor.core.lifecycle import RunState
 from llmd_supervisor.errors import SupervisorError
 from llmd_supervisor.supervision.api import ControlApi
 from llmd_supervisor.supervision.cluster import Cluster, build_cluster
-from llmd_supervisor.supervision.driver import Hooks, RunHandle, Supervisor
+from llmd_supervisor.supervision.run.driver import Hooks, RunHandle, Supervisor
 
 log = structlog.get_logger("llmd_supervisor.supervision.daemon")
 

@@ -27,6 +27,7 @@ from llmd_supervisor.core.verdict import (
     SlurmQuery,
     Source,
     Verdict,
+    VerdictReceipt,
     VerdictState,
     believed,
     build_receipt,
@@ -77,7 +78,7 @@ class VerifyResult:
     verdict: Verdict
     state: VerdictState
     marker: MarkerReading
-    receipt: dict[str, object]
+    receipt: VerdictReceipt
 
 
 class DirectEvidence:

@@ -24,7 +24,7 @@ from llmd_supervisor.adapters.log import configure
 from llmd_supervisor.core.config import read_config
 from llmd_supervisor.core.lifecycle import Run
 from llmd_supervisor.supervision.daemon import serve
-from llmd_supervisor.supervision.driver import Hooks
+from llmd_supervisor.supervision.run.driver import Hooks
 from tests.fakes.replay_service import ReplayRunner
 
 CANCEL_REQUESTED = "cancel_requested"

@@ -1,4 +1,4 @@
-"""Whether the user's cancel reached its job (`supervision.cancel.reached`): only then may
+"""Whether the user's cancel reached its job (`supervision.run.cancel.reached`): only then may
 the verdict call the end `cancelled` (issue 3.2 item 5)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from datetime import UTC, datetime
 import pytest
 
 from llmd_supervisor.core.lifecycle import new_run
-from llmd_supervisor.supervision.cancel import KILL_EVENT, TERM_EVENT, reached
+from llmd_supervisor.supervision.run.cancel import reached
+from llmd_supervisor.supervision.run.records import KILL_EVENT, TERM_EVENT
 
 RUN = new_run("r1", "llmd-r1", datetime(2026, 1, 1, tzinfo=UTC))
 TERM = {"kind": TERM_EVENT, "slurm_job_id": "42", "grace_s": 5}

@@ -21,7 +21,7 @@ from llmd_supervisor.core.slurm_parse import JobState
 from llmd_supervisor.core.spec import load_spec
 from llmd_supervisor.core.summary import RunSummary, read
 from llmd_supervisor.supervision.daemon import serve
-from llmd_supervisor.supervision.driver import Hooks
+from llmd_supervisor.supervision.run.driver import Hooks
 from tests.devcluster import REPO
 from tests.fakes.bench_results import finish_job
 from tests.fakes.slurm_replay import End, ReplayCluster, Start

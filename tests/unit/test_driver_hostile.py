@@ -14,11 +14,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-from llmd_supervisor.core.lifecycle import RunState
+from llmd_supervisor.core.lifecycle import RunState, SubmitFailed, Submitted
 from llmd_supervisor.core.spec import RunSpec
 from llmd_supervisor.errors import SlurmCommandError
-from llmd_supervisor.supervision import driver, failures, steps
-from llmd_supervisor.supervision.driver import RunHandle, Supervisor
+from llmd_supervisor.supervision.run import driver, failures, submit, verify
+from llmd_supervisor.supervision.run.context import RunContext
+from llmd_supervisor.supervision.run.driver import RunHandle
 from tests.fakes.bench_results import finish_job
 from tests.unit.test_driver_replay import (
     _journal_submitting,
@@ -76,13 +77,13 @@ async def test_a_step_that_keeps_failing_the_same_way_ends_the_run_unverified(
 ) -> None:
     calls: list[int] = []
 
-    async def broken(sup: Supervisor, h: RunHandle) -> None:
+    async def broken(ctx: RunContext) -> verify.Judged:
         calls.append(1)
         raise UnicodeEncodeError(
             "utf-8", "boom \ud800", 5, 6, f"surrogates not allowed ({len(calls)})"
         )
 
-    monkeypatch.setattr(steps, "verify", broken)
+    monkeypatch.setattr(verify, "verify", broken)
     async with replayed(tmp_path) as rig:
         h = await run_job(rig, await rig.sup.submit(_spec(rig.tmp / "logs"), owner_uid=0))
         assert h.run.state is RunState.UNVERIFIED, h.run.reason
@@ -101,17 +102,17 @@ async def test_a_step_that_keeps_failing_the_same_way_ends_the_run_unverified(
 async def test_failures_that_differ_or_say_slurm_is_away_are_retried_until_they_clear(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    verify = steps.verify
+    judge = verify.verify
     errors = [RuntimeError("a"), KeyError("b")] * failures.SAME_FAILURES_MAX
     away = SlurmCommandError(["sacct"], 1, "slurmdbd is down")
     errors += [away] * 3 * failures.SAME_FAILURES_MAX
 
-    async def flaky(sup: Supervisor, h: RunHandle) -> None:
+    async def flaky(ctx: RunContext) -> verify.Judged:
         if errors:
             raise errors.pop(0)
-        await verify(sup, h)
+        return await judge(ctx)
 
-    monkeypatch.setattr(steps, "verify", flaky)
+    monkeypatch.setattr(verify, "verify", flaky)
     async with replayed(tmp_path) as rig:
         h = await run_job(rig, await rig.sup.submit(_spec(rig.tmp / "logs"), owner_uid=0))
         assert h.run.state is RunState.SUCCEEDED, h.run.reason
@@ -124,16 +125,16 @@ async def test_a_run_whose_sbatch_may_be_in_flight_is_never_given_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[int] = []
-    reconcile = steps.reconcile
+    reconcile = submit.reconcile
 
-    async def broken(sup: Supervisor, h: RunHandle) -> None:
+    async def broken(ctx: RunContext) -> Submitted | SubmitFailed | submit.Resubmit:
         calls.append(1)
         if len(calls) <= 3 * failures.SAME_FAILURES_MAX:
             raise ValueError("the same bug every time")
-        await reconcile(sup, h)
+        return await reconcile(ctx)
 
-    monkeypatch.setattr(steps, "reconcile", broken)
-    monkeypatch.setattr(steps, "SUBMIT_SETTLE_S", 0.0)
+    monkeypatch.setattr(submit, "reconcile", broken)
+    monkeypatch.setattr(submit, "SUBMIT_SETTLE_S", 0.0)
     async with replayed(tmp_path) as rig:
         run_id, _ = await _journal_submitting(rig)
         await rig.sup.resume_all()
@@ -146,14 +147,14 @@ async def test_a_run_whose_sbatch_may_be_in_flight_is_never_given_up(
 async def test_a_cancel_that_comes_after_the_job_ended_does_not_change_its_outcome(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    verify = steps.verify
+    judge = verify.verify
     cancelled = anyio.Event()
 
-    async def after_the_cancel(sup: Supervisor, h: RunHandle) -> None:
+    async def after_the_cancel(ctx: RunContext) -> verify.Judged:
         await cancelled.wait()  # the job ended (COMPLETED, marker rc 1); then the cancel
-        await verify(sup, h)
+        return await judge(ctx)
 
-    monkeypatch.setattr(steps, "verify", after_the_cancel)
+    monkeypatch.setattr(verify, "verify", after_the_cancel)
     async with replayed(tmp_path) as rig:
         h = await rig.sup.submit(_spec(rig.tmp / "logs"), owner_uid=0)
         async with anyio.create_task_group() as tg:

@@ -17,8 +17,8 @@ from llmd_supervisor.core.retry import Evidence, NodeFailure, quarantine
 from llmd_supervisor.core.slurm_parse import JobState
 from llmd_supervisor.errors import RemoteError
 from llmd_supervisor.node import common
-from llmd_supervisor.supervision import retries, steps
-from llmd_supervisor.supervision.driver import RunHandle
+from llmd_supervisor.supervision.run import retries, verify
+from llmd_supervisor.supervision.run.driver import RunHandle
 from llmd_supervisor.supervision.views import run_summary
 from tests.fakes.slurm_replay import End, Start
 from tests.unit.test_driver_replay import Rig, _spec, replayed
@@ -153,4 +153,4 @@ async def test_a_held_run_shows_its_deadline_and_fails_at_it(
 def test_only_a_refused_ssh_connection_is_the_daemons_own_evidence(
     node: str, error: object, seen: bool
 ) -> None:
-    assert steps._no_ssh(node, error) is seen
+    assert verify.no_ssh(node, error) is seen

@@ -26,10 +26,11 @@ from llmd_supervisor.core.lifecycle import RunState, Submit, new_run, step
 from llmd_supervisor.core.slurm_parse import JobState
 from llmd_supervisor.core.spec import RunSpec
 from llmd_supervisor.errors import SupervisorError
-from llmd_supervisor.supervision import steps
 from llmd_supervisor.supervision.cluster import Cluster, SharedLogDir
-from llmd_supervisor.supervision.driver import RunHandle, Supervisor
-from llmd_supervisor.supervision.poller import Poller
+from llmd_supervisor.supervision.poller import Poller, QueueView
+from llmd_supervisor.supervision.run import follow, submit
+from llmd_supervisor.supervision.run.context import RunContext
+from llmd_supervisor.supervision.run.driver import RunHandle, Supervisor
 from tests.devcluster import REPO
 from tests.fakes.bench_results import finish_job
 from tests.fakes.slurm_replay import End, ReplayCluster, Requeue, Start
@@ -169,17 +170,17 @@ async def test_a_cancel_during_a_supervision_retry_is_not_dropped(
 ) -> None:
     async with replayed(tmp_path) as rig:
         failures: list[str] = []
-        follow = steps.follow_queue
+        follow_queue = follow.follow_queue
         cancelled_in_backoff = anyio.Event()
 
-        async def flaky(sup: Supervisor, h: RunHandle, loop: object) -> None:
+        async def flaky(ctx: RunContext, since: int, last: QueueView | None) -> follow.Followed:
             if not failures:
                 failures.append("once")
                 raise RuntimeError("a bug in one step")
             await cancelled_in_backoff.wait()
-            await follow(sup, h, loop)  # type: ignore[arg-type]
+            return await follow_queue(ctx, since, last)
 
-        monkeypatch.setattr(steps, "follow_queue", flaky)
+        monkeypatch.setattr(follow, "follow_queue", flaky)
         h = await rig.sup.submit(_spec(rig.tmp / "logs"), owner_uid=0)
         await rig.until(h, lambda h: bool(failures))
         job = rig.replay.job(h.run.job_name)
@@ -216,7 +217,7 @@ async def test_after_a_crash_in_submitting_the_job_found_by_name_is_adopted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with replayed(tmp_path) as rig:
-        monkeypatch.setattr(steps, "SUBMIT_SETTLE_S", 0.0)
+        monkeypatch.setattr(submit, "SUBMIT_SETTLE_S", 0.0)
         run_id, job_name = await _journal_submitting(rig)
         job = rig.replay.add_job(job_name)  # the lost sbatch did submit it
         assert await rig.sup.resume_all() == 1
@@ -231,7 +232,7 @@ async def test_after_a_crash_in_submitting_a_job_that_surely_never_was_is_submit
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async with replayed(tmp_path) as rig:
-        monkeypatch.setattr(steps, "SUBMIT_SETTLE_S", 0.0)
+        monkeypatch.setattr(submit, "SUBMIT_SETTLE_S", 0.0)
         run_id, _ = await _journal_submitting(rig)
         await rig.sup.resume_all()
         h = rig.sup.handles[run_id]

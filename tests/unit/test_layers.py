@@ -3,7 +3,8 @@
 core imports no adapter, orchestration or CLI module; adapters import no orchestration or
 CLI; orchestration imports no CLI; nothing outside ``node/`` imports the node scripts
 except the stdlib-only names module ``node.common`` they share. Imports under
-``TYPE_CHECKING`` count too: a type is a dependency.
+``TYPE_CHECKING`` count too: a type is a dependency. (Modules are sized by what they do,
+not by a line count; that no import cycle forms is test_import_cycles.py.)
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ ALLOWED: dict[str, frozenset[str]] = {
         {"core", "adapters", "supervision", "cli", "errors", "node.common", "__version__"}
     ),
 }
-MAX_LINES = 600
 NODE_SCRIPTS = frozenset({"agent", "engine", "bench"})
 
 
@@ -81,9 +81,3 @@ def test_imports_follow_the_layers(path: Path) -> None:
         allowed = ALLOWED[rel[0]]
     wrong = [f"line {line}: {name}" for line, name in _imports(path) if _part(name) not in allowed]
     assert wrong == [], f"{path.relative_to(PACKAGE)} imports against the layers"
-
-
-@pytest.mark.parametrize("path", _modules())
-def test_modules_stay_small(path: Path) -> None:
-    lines = len(path.read_text(encoding="utf-8").splitlines())
-    assert lines <= MAX_LINES, f"{path.relative_to(PACKAGE)} has {lines} lines; split it"

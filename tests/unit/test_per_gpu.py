@@ -101,14 +101,14 @@ def test_results_table_divides_per_role() -> None:
     assert isinstance(p, Point)
     table = results_table([_evidence(p)], RoleGpus(16, 8))
     assert (table["gpus"], table["prefill_gpus"], table["decode_gpus"]) == (24, 16, 8)
-    row = table["points"][0]  # type: ignore[index]
+    row = table["points"][0]
     assert row["total_token_throughput_per_gpu"] == pytest.approx(p.total_token_throughput / 24)
     assert row["output_throughput_per_gpu"] == pytest.approx(p.output_throughput / 8)
     assert row["input_throughput_per_gpu"] == pytest.approx(p.input_throughput / 16)
     # A total alone (a spec's GPUs before the roles were known): all three over it.
     table = results_table([_evidence(p)], 24)
     assert (table["gpus"], table["prefill_gpus"], table["decode_gpus"]) == (24, None, None)
-    assert table["points"][0]["output_throughput_per_gpu"] == pytest.approx(  # type: ignore[index]
+    assert table["points"][0]["output_throughput_per_gpu"] == pytest.approx(
         p.output_throughput / 24
     )
 
@@ -144,7 +144,7 @@ def test_a_foreign_table_takes_the_roles_its_files_declare() -> None:
     assert isinstance(p, Point)
     table = results_table([_evidence(p)], None)
     assert (table["gpus"], table["prefill_gpus"], table["decode_gpus"]) == (32, 8, 24)
-    assert table["points"][0]["output_throughput_per_gpu"] == pytest.approx(  # type: ignore[index]
+    assert table["points"][0]["output_throughput_per_gpu"] == pytest.approx(
         p.output_throughput / 24
     )
     # The caller's roles (the spec's) win over what a file says.

@@ -343,7 +343,7 @@ def test_gate_evidence_per_point() -> None:
     points[4] = None
     got = gate(points, EXPECTED, V, {4: "results/bench-c4.json"})
     assert not got.ok and got.reason.endswith("; results/bench-c4.json")
-    ev = {e["concurrency"]: e for e in got.as_dict()["points"]}  # type: ignore[attr-defined]
+    ev = {e["concurrency"]: e for e in got.as_dict()["points"]}
     assert ev[4] == {
         "concurrency": 4,
         "file": "results/bench-c4.json",
@@ -439,7 +439,7 @@ def test_results_table_gpus_and_format() -> None:
     for gpus in (None, 0):
         table = results_table(g, gpus)
         assert table["gpus"] is None and table["format"] == "inferencex"
-        row = table["points"][0]  # type: ignore[index]
+        row = table["points"][0]
         assert row["output_throughput_per_gpu"] is None
         assert row["input_throughput_per_gpu"] is None
     nothing = gate({32: None}, {32: 320}, V, {})

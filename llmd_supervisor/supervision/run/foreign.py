@@ -3,7 +3,8 @@ its owner (who may adopt it), where its batch logs are (its own ``--output``/``-
 as Slurm expanded them) and when it was submitted (an adopted job's sacct window).
 
 The batch log paths are journaled once (event ``job.files``) and read back after a
-restart, so a job purged from slurmctld since is still copied from where it wrote.
+restart, so a job purged from slurmctld since is still copied from where it wrote. What
+was learnt is returned (`JobFiles`); the driver puts it to use (`used`).
 """
 
 from __future__ import annotations
@@ -11,13 +12,15 @@ from __future__ import annotations
 import dataclasses
 import posixpath
 import re
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import Final
 
 import structlog
 
 from llmd_supervisor.adapters.slurm import SlurmClient
 from llmd_supervisor.core.foreign import ForeignSpec
 from llmd_supervisor.core.jobtext import job_text
+from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.slurm_parse import ScontrolJob, parse_scontrol_job
 from llmd_supervisor.errors import (
     AdoptRefused,
@@ -27,14 +30,19 @@ from llmd_supervisor.errors import (
     SpecError,
     SupervisorError,
 )
-
-if TYPE_CHECKING:
-    from llmd_supervisor.supervision.driver import RunHandle, Supervisor
+from llmd_supervisor.supervision.run.context import RunContext
+from llmd_supervisor.supervision.run.records import (
+    JOB_FILES_EVENT,
+    LOG_REFUSED_EVENT,
+    JobFiles,
+    JournalEvent,
+    LogRefusedEvent,
+    job_files_of,
+)
 
 log = structlog.get_logger("llmd_supervisor.runs")
 
-JOB_FILES_EVENT = "job.files"
-ASK_AT_MOST = 5  # scontrol asks for a job's files before its batch logs go uncopied
+ASK_AT_MOST: Final = 5  # scontrol asks for a job's files before its batch logs go uncopied
 _SUBMIT_TIME = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}")
 
 
@@ -65,54 +73,53 @@ def check_owner(spec: ForeignSpec, job_uid: int | None, client_uid: int, privile
     raise AdoptRefused(spec.job_id, job_uid, client_uid)
 
 
-async def note_job_files(sup: Supervisor, h: RunHandle, job: ScontrolJob) -> None:
-    """Journal the job's batch logs and submit time, and use them from now on. A batch
-    log outside the run's log directory is not copied (a named event)."""
-    log_dir = h.layout.log_dir
+async def note_job_files(ctx: RunContext, job: ScontrolJob) -> JobFiles:
+    """Journal the job's batch logs and submit time, for the driver to use from now on. A
+    batch log outside the run's log directory is not copied (a named event)."""
+    log_dir = ctx.layout.log_dir
     inside = tuple(
         p for p in job.batch_logs if p.startswith(log_dir + "/") and posixpath.normpath(p) == p
     )
     submitted = job.fields.get("SubmitTime", "")
-    fields: dict[str, object] = {
+    files: JobFiles = {
         "batch_logs": list(inside),
         "submit_time": submitted if _SUBMIT_TIME.fullmatch(submitted) else None,
         "user_id": job.user_id,
     }
-    await sup.journal.add_event(h.run.run_id, JOB_FILES_EVENT, fields, sup.clock())
+    await ctx.emit(JOB_FILES_EVENT, files)
     for path in job.batch_logs:
         if path not in inside:
             why = f"it is outside the run's log directory {log_dir} (give --log-dir)"
-            refused = {"path": job_text(path), "reason": why}  # the job chose its name
+            refused = LogRefusedEvent(path=job_text(path), reason=why)  # the job's name
             log.warning("run.log_refused", **refused)
-            await sup.journal.add_event(h.run.run_id, "log.refused", refused, sup.clock())
-    _use(h, fields)
+            await ctx.emit(LOG_REFUSED_EVENT, refused)
+    return files
 
 
-def recall_job_files(h: RunHandle, noted: list[dict[str, object]]) -> None:
+def recalled(noted: Sequence[JournalEvent]) -> JobFiles | None:
     """After a restart: the job's files as journaled (`noted`: its JOB_FILES_EVENTs)."""
-    if noted:
-        _use(h, noted[-1])
+    return job_files_of(noted[-1]) if noted else None
 
 
-async def ensure_job_files(sup: Supervisor, h: RunHandle) -> None:
-    """Learn a submitted foreign job's files once (a few tries; then its batch logs are
-    not copied, which the log says)."""
-    if h.layout.watch is None or h.job_files_known or h.job_files_asked >= ASK_AT_MOST:
-        return
-    h.job_files_asked += 1
+def wanted(ctx: RunContext, known: bool, asked: int) -> bool:
+    """Whether to ask Slurm for a submitted foreign job's files (`asked` times so far)."""
+    return ctx.layout.watch is not None and not known and asked < ASK_AT_MOST
+
+
+async def ask_job_files(ctx: RunContext, asked: int) -> JobFiles | None:
+    """Learn a submitted foreign job's files (this is ask number `asked`; after
+    ASK_AT_MOST its batch logs are not copied, which the log says)."""
     try:
-        job = await job_record(h.cluster.client, h.job_id())
+        job = await job_record(ctx.cluster.client, ctx.job_id())
     except (SupervisorError, SpecError) as exc:
-        log.warning("run.job_files_unknown", error=str(exc), tries=h.job_files_asked)
-        return
-    await note_job_files(sup, h, job)
+        log.warning("run.job_files_unknown", error=str(exc), tries=asked)
+        return None
+    return await note_job_files(ctx, job)
 
 
-def _use(h: RunHandle, fields: dict[str, object]) -> None:
-    paths = fields.get("batch_logs")
-    batch = tuple(str(p) for p in paths) if isinstance(paths, list) else ()
-    h.layout = dataclasses.replace(h.layout, batch_paths=batch)
-    submitted = fields.get("submit_time")
-    if isinstance(h.spec, ForeignSpec) and h.spec.kind == "adopt" and isinstance(submitted, str):
-        h.submitted_at = submitted
-    h.job_files_known = True
+def used(layout: RunLayout, spec: ForeignSpec, files: JobFiles) -> tuple[RunLayout, str | None]:
+    """The run's layout with the job's batch logs, and the submit time its sacct window
+    starts at (an adopted job's; None for a script the daemon submitted)."""
+    layout = dataclasses.replace(layout, batch_paths=tuple(files["batch_logs"]))
+    submitted = files["submit_time"] if spec.kind == "adopt" else None
+    return layout, submitted

@@ -12,36 +12,38 @@ scancel refused because the job had already completed, changes nothing of its ou
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Final
+from collections.abc import Iterable
+from typing import Final
 
 import anyio
 import structlog
 
 from llmd_supervisor.core.lifecycle import Run
 from llmd_supervisor.errors import SlurmCommandError
-
-if TYPE_CHECKING:
-    from llmd_supervisor.supervision.driver import RunHandle, Supervisor
+from llmd_supervisor.supervision.run.context import RunContext
+from llmd_supervisor.supervision.run.records import (
+    KILL_EVENT,
+    TERM_EVENT,
+    CancelKill,
+    CancelTerm,
+    JournalEvent,
+)
 
 log = structlog.get_logger("llmd_supervisor.runs")
-
-TERM_EVENT: Final = "cancel.term_sent"  # {slurm_job_id, grace_s, delivered, for}
-KILL_EVENT: Final = "cancel.kill_sent"  # {slurm_job_id, for}
 # Seconds past the grace before the plain scancel (the poller's view of the job's end lags).
 KILL_MARGIN_S: Final = 5.0
 
 
-async def cancel_sequence(sup: Supervisor, h: RunHandle, job_id: str) -> None:
+async def cancel_sequence(ctx: RunContext, job_id: str) -> None:
     """TERM every step's tasks, wait the run's grace, then plain scancel if still queued.
     A job the poller has already seen leave the queue is not signalled at all. Run for a
-    cancel request, and for an agent that hung (`driver._background`).
+    cancel request, and for an agent that hung (the driver's background actions).
 
     On cancellation (daemon stopping, supervision retry) the sequence just stops: the
     cancel request is journaled, so the next loop runs the sequence again while the job is
     queued, and the outcome will still say `cancelled`.
     """
-    poller = h.cluster.poller
+    poller = ctx.cluster.poller
 
     def left() -> bool:
         view = poller.latest(job_id)
@@ -50,23 +52,23 @@ async def cancel_sequence(sup: Supervisor, h: RunHandle, job_id: str) -> None:
     if left():
         log.info("run.cancel_after_end", slurm_job_id=job_id)
         return
-    client = h.cluster.client
-    grace = h.spec.sigterm_grace_s
+    client = ctx.cluster.client
+    grace = ctx.spec.sigterm_grace_s
     log.info("run.cancel_term", slurm_job_id=job_id, grace_s=grace)
-    why = "cancel" if h.run.cancel_requested else "hang"
+    why = "cancel" if ctx.run.cancel_requested else "hang"
     delivered = True
     try:
         await client.scancel(job_id, signal="TERM")
     except SlurmCommandError as exc:  # e.g. "Job/step already completing or completed"
         delivered = False
         log.warning("run.cancel_failed", step="term", error=str(exc))
-    fields = {
+    term: CancelTerm = {
         "slurm_job_id": job_id,
         "grace_s": grace,
         "delivered": delivered,
         "for": why,
     }
-    await sup.journal.add_event(h.run.run_id, TERM_EVENT, fields, sup.clock())
+    await ctx.emit(TERM_EVENT, term)
     deadline = time.monotonic() + grace + KILL_MARGIN_S
     while time.monotonic() < deadline:
         if left():
@@ -78,11 +80,11 @@ async def cancel_sequence(sup: Supervisor, h: RunHandle, job_id: str) -> None:
     except SlurmCommandError as exc:
         log.warning("run.cancel_failed", step="kill", error=str(exc))
         return
-    fields = {"slurm_job_id": job_id, "for": why}
-    await sup.journal.add_event(h.run.run_id, KILL_EVENT, fields, sup.clock())
+    kill: CancelKill = {"slurm_job_id": job_id, "for": why}
+    await ctx.emit(KILL_EVENT, kill)
 
 
-def reached(run: Run, events: Iterable[Mapping[str, object]], job_id: str) -> bool:
+def reached(run: Run, events: Iterable[JournalEvent], job_id: str) -> bool:
     """Whether the user's cancel reached job `job_id` while it ran: a cancel is requested
     and scancel delivered its TERM (or the plain scancel after the grace) to that job.
     Events journaled before these fields existed count as delivered."""

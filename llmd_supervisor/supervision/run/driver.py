@@ -21,6 +21,12 @@ the daemon and adopted, which is journaled straight into `pending` with its job 
   verifying    -> collect evidence until the verdict is final (poller-batched queries)
   archiving    -> write and fsync the archive (retried until it succeeds), then declare
 
+Each step is a phase of its own module (`submit`, `follow`, `finish`, `verify`,
+`archive`; `retries` before a submission and after a verdict; `foreign` for a job the
+daemon did not write; `cancel` in the background). A phase reads the run through a
+`context.RunContext` and returns the event or value that this module then applies: the
+run's handle (`RunHandle`) is changed here and nowhere else.
+
 Stopping the daemon cancels these loops and never the jobs.
 """
 
@@ -28,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -40,7 +46,7 @@ import structlog
 from llmd_supervisor.adapters import archive
 from llmd_supervisor.adapters.journal import Journal, RunMeta, StoredRun
 from llmd_supervisor.adapters.slurm import CommandRunner
-from llmd_supervisor.core import foreign
+from llmd_supervisor.core import foreign as foreign_spec
 from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.foreign import ForeignSpec
 from llmd_supervisor.core.health import NodeHealth
@@ -52,32 +58,59 @@ from llmd_supervisor.core.lifecycle import (
     CancelRequested,
     Event,
     FollowQueue,
+    HoldExpired,
     Reconcile,
+    Requeued,
     Run,
     RunState,
     RunVerify,
     StartWatchers,
     StopWatchers,
+    Submit,
     WriteArchive,
     adopted_run,
     new_run,
     plan,
     step,
 )
-from llmd_supervisor.core.paths import check_canonical, check_log_dir
 from llmd_supervisor.core.render import render_sbatch
 from llmd_supervisor.core.retry import Quarantined, quarantine
-from llmd_supervisor.core.spec import RunSpec, check_daemon_dirs, load_spec
+from llmd_supervisor.core.spec import RunSpec, load_spec
 from llmd_supervisor.errors import (
     IllegalTransition,
-    SlurmCommandError,
     SpecError,
     SupervisorError,
 )
-from llmd_supervisor.supervision import cancel, failures, foreign_jobs, retries, steps
 from llmd_supervisor.supervision.attempt import Attempt
 from llmd_supervisor.supervision.cluster import Cluster
 from llmd_supervisor.supervision.poller import QueueView
+from llmd_supervisor.supervision.run import (
+    admission,
+    cancel,
+    failures,
+    finish,
+    follow,
+    foreign,
+    retries,
+    submit,
+    verify,
+)
+from llmd_supervisor.supervision.run import (
+    archive as archiving,
+)
+from llmd_supervisor.supervision.run.context import RunContext
+from llmd_supervisor.supervision.run.records import (
+    ATTEMPT_EVENT,
+    JOB_FILES_EVENT,
+    RECEIPT_EVENT,
+    TRANSITION_EVENT,
+    AttemptEntry,
+    JobFiles,
+    JournalEvent,
+    ReceiptEvent,
+    Transition,
+    attempt_entry_of,
+)
 from llmd_supervisor.supervision.verify import utcnow
 
 log = structlog.get_logger("llmd_supervisor.runs")
@@ -101,7 +134,8 @@ class Hooks:
 
 @dataclass
 class RunHandle:
-    """A run's in-memory companion to its journal row: only what cannot be derived."""
+    """A run's in-memory companion to its journal row: only what cannot be derived. Only
+    this module changes it (tests/unit/test_handle_owner.py checks)."""
 
     stored: StoredRun
     spec: RunSpec | ForeignSpec
@@ -113,13 +147,13 @@ class RunHandle:
     attempt: Attempt | None = None  # the current (or last) watched allocation
     tail_bytes: int = 0  # log bytes copied from the nodes since the daemon started
     submitted_at: str | None = None  # an adopted job's SubmitTime (sacct --starttime)
-    job_files_known: bool = False  # a foreign job's batch logs are known (foreign_jobs)
-    history: list[dict[str, object]] = field(default_factory=list)  # attempts ended
+    job_files_known: bool = False  # a foreign job's batch logs are known (`foreign`)
+    history: list[AttemptEntry] = field(default_factory=list)  # attempts ended
     # The last `scontrol show job` record (taken in finishing); the archive writes it too,
     # so a snapshot a full disk refused is not lost.
     scontrol_snapshot: str | None = None
     job_files_asked: int = 0
-    held_until: datetime | None = None  # held for want of nodes until then (`retries`)
+    held_until: datetime | None = None  # held for want of nodes until then (`retries.Hold`)
 
     def count_bytes(self, n: int) -> None:
         self.tail_bytes += n
@@ -229,7 +263,8 @@ class Supervisor:
         spec = await self.admit_foreign(spec_json, cluster, "script")
         run_id = uuid.uuid4().hex[:12]
         run = new_run(run_id, spec.job_name(run_id), self.clock())
-        return await self._accept(run, spec, foreign.dump(spec), spec.script, owner_uid, cluster)
+        text = foreign_spec.dump(spec)
+        return await self._accept(run, spec, text, spec.script, owner_uid, cluster)
 
     async def adopt(
         self, spec_json: str, *, owner_uid: int, privileged: bool, cluster: str | None = None
@@ -241,17 +276,17 @@ class Supervisor:
         async with self._adopting:  # two adopts of one job make one run
             for h in self.handles.values():
                 if h.meta.cluster == name and h.run.slurm_job_id == spec.job_id:
-                    foreign_jobs.check_owner(spec, h.meta.owner_uid, owner_uid, privileged)
+                    foreign.check_owner(spec, h.meta.owner_uid, owner_uid, privileged)
                     return h
             assert spec.job_id is not None
-            job = await foreign_jobs.job_record(self.clusters[name].client, spec.job_id)
-            owner = foreign_jobs.check_owner(spec, job.user_id, owner_uid, privileged)
+            job = await foreign.job_record(self.clusters[name].client, spec.job_id)
+            owner = foreign.check_owner(spec, job.user_id, owner_uid, privileged)
             run_id = uuid.uuid4().hex[:12]
             run = adopted_run(run_id, f"adopted-{run_id}", spec.job_id, self.clock())
             handle = await self._accept(
-                run, spec, foreign.dump(spec), "", owner, cluster, start=False
+                run, spec, foreign_spec.dump(spec), "", owner, cluster, start=False
             )
-            await foreign_jobs.note_job_files(self, handle, job)
+            _use_job_files(handle, await foreign.note_job_files(self.context(handle), job))
             self.tg.start_soon(self._supervise, handle)
             return handle
 
@@ -269,9 +304,10 @@ class Supervisor:
         """Prepare the archive, journal the new run and (with `start`) supervise it."""
         cluster_cfg = self.config.cluster(cluster)
         run_id = run.run_id
-        shown = (
-            spec_text if isinstance(spec, RunSpec) else foreign.dump(spec, with_env_values=False)
-        )
+        if isinstance(spec, RunSpec):
+            shown = spec_text
+        else:
+            shown = foreign_spec.dump(spec, with_env_values=False)
         spec_name = "spec.toml" if isinstance(spec, RunSpec) else "foreign.json"
         arch = await anyio.to_thread.run_sync(
             lambda: archive.prepare(
@@ -296,65 +332,32 @@ class Supervisor:
         return handle
 
     async def admit(self, spec_toml: str, cluster: str | None = None) -> RunSpec:
-        """The validated spec, as `submit` (and a dry run) accepts it: SpecError unless its
-        directories keep clear of the daemon's own, and its log directory is allowed
-        (`core.paths`) and, resolved where the cluster's commands run (``realpath -m``),
-        is itself: no link on its way."""
-        spec = load_spec(spec_toml)
-        c = self.config
-        await self._check_log_dir(spec.log_dir, cluster)
-        own = (str(c.state_dir), str(c.archive_root))
-        check_daemon_dirs(spec, (*own, str(c.socket_path.parent)))
-        return spec
+        """The validated spec, as `submit` (and a dry run) accepts it (`admission`)."""
+        return await admission.admit(self.config, self.clusters, spec_toml, cluster)
 
     async def admit_foreign(self, spec_json: str, cluster: str | None, kind: str) -> ForeignSpec:
-        """The validated foreign spec of `kind` (script or adopt), as `admit` checks a run
-        spec's log directory; `--export-env` only where sbatch runs on this machine."""
-        spec = foreign.load(spec_json)
-        if spec.kind != kind:
-            raise SpecError("kind", spec.kind, f"this request takes a {kind!r} spec")
-        cluster_cfg = self.config.cluster(cluster)
-        if spec.env is not None and cluster_cfg.login_host is not None:
-            raise SpecError(
-                "--export-env",
-                cluster_cfg.login_host,
-                f"cluster {cluster_cfg.name!r} runs sbatch on its login host over SSH, where "
-                "the environment would show in the command line; run the daemon (or the "
-                "user service) on the login node, or set the variables in the script",
-            )
-        await self._check_log_dir(spec.watch.log_dir, cluster, field="--log-dir")
-        return spec
-
-    async def _check_log_dir(
-        self, log_dir: str, cluster: str | None, *, field: str = "run.log_dir"
-    ) -> None:
-        c = self.config
-        client = self.clusters[c.cluster(cluster).name].client
-        own = (str(c.state_dir), str(c.archive_root))
-        check_log_dir(log_dir, c.log_roots, own, field=field)
-        argv = ["realpath", "-m", "--", log_dir]
-        result = await client.runner.run(argv, time_limit=client.timeout)
-        if not result.ok:
-            raise SlurmCommandError(result.argv, result.returncode, result.stderr)
-        check_canonical(log_dir, result.stdout.strip(), field=field)
+        """The validated foreign spec of `kind` (script or adopt): `admission`."""
+        return await admission.admit_foreign(self.config, self.clusters, spec_json, cluster, kind)
 
     async def resume_all(self) -> int:
         """Start a driver for every run the journal holds as not final; return how many."""
         count = 0
-        histories = await self.journal.events_of_kind(retries.ATTEMPT_EVENT)
-        job_files = await self.journal.events_of_kind(foreign_jobs.JOB_FILES_EVENT)
+        histories = await self.journal.events_of_kind(ATTEMPT_EVENT)
+        job_files = await self.journal.events_of_kind(JOB_FILES_EVENT)
         for stored in await self.journal.list_runs():
             run_id = stored.run.run_id
             text = stored.meta.spec_toml
             try:
-                spec = foreign.load(text) if foreign.is_foreign(text) else load_spec(text)
+                spec = foreign_spec.load(text) if foreign_spec.is_foreign(text) else load_spec(text)
             except SpecError as exc:  # a spec valid at submission fails validation now
                 log.error("run.resume_failed", run_id=run_id, error=str(exc))
                 continue
             handle = self._handle(StoredRun(stored.run, _slim(stored.meta, stored.run)), spec)
-            handle.history = histories.get(run_id, [])
+            handle.history = [attempt_entry_of(e) for e in histories.get(run_id, [])]
             if isinstance(spec, ForeignSpec):
-                foreign_jobs.recall_job_files(handle, job_files.get(run_id, []))
+                noted = foreign.recalled(job_files.get(run_id, []))
+                if noted is not None:
+                    _use_job_files(handle, noted)
             if stored.run.state.is_final:
                 continue
             if handle.configured is None:  # listed, but nothing can drive it here
@@ -444,9 +447,7 @@ class Supervisor:
                         retry_in_s=delay,
                         exc_info=not isinstance(exc, SupervisorError),
                     )
-                    if failures.gives_up(state, exc, count) and await failures.give_up(
-                        self, h, exc, count
-                    ):
+                    if failures.gives_up(state, exc, count) and await self._give_up(h, exc, count):
                         continue
                     await anyio.sleep(delay)
                     delay = min(delay * 2, RETRY_CAP_S)
@@ -463,7 +464,7 @@ class Supervisor:
                     await loop.tg.start(h.attempt.run)
             elif loop.cancelling != action.job_id:
                 loop.cancelling = action.job_id
-                loop.tg.start_soon(cancel.cancel_sequence, self, h, action.job_id)
+                loop.tg.start_soon(cancel.cancel_sequence, self.context(h), action.job_id)
         a = h.attempt
         if (
             a is not None
@@ -473,24 +474,100 @@ class Supervisor:
             and loop.cancelling != a.job_id
         ):  # a hung agent: end the attempt now, not at the time limit
             loop.cancelling = a.job_id
-            loop.tg.start_soon(cancel.cancel_sequence, self, h, a.job_id)
+            loop.tg.start_soon(cancel.cancel_sequence, self.context(h), a.job_id)
+
+    async def _give_up(self, h: RunHandle, exc: Exception, count: int) -> bool:
+        """End the run `unverified` with `exc` as its reason (`failures.given_up`), its
+        receipt journaled first; whether that was done (it needs the journal, which may be
+        what fails: then the driver goes on retrying)."""
+        receipt, event = failures.given_up(self.context(h), exc, count)
+        run = h.run
+        try:
+            journaled: ReceiptEvent = {"receipt": receipt}
+            await self.journal.add_event(run.run_id, RECEIPT_EVENT, journaled, self.clock())
+            await self.apply(h, event)
+        except Exception as again:  # the journal (or a bug) again: the driver keeps retrying
+            error = str(failures.first_leaf(again))
+            log.error("run.give_up_failed", error=error, reason=event.reason)
+            return False
+        log.error("run.given_up", reason=event.reason, failures=count)
+        if run.slurm_job_id is not None and h.configured is not None:
+            h.cluster.poller.untrack(run.slurm_job_id)
+        return True
 
     async def _step(self, h: RunHandle, loop: Loop, action: Action) -> None:
+        """Run the plan's step (a phase) and apply what it returns."""
+        ctx = self.context(h)
         match action:
             case CallSbatch():
-                await steps.submit(self, h)
+                await self._submit(h, ctx)
             case Reconcile():
-                await steps.reconcile(self, h)
+                found = await submit.reconcile(ctx)
+                if isinstance(found, submit.Resubmit):  # surely never submitted: now, once
+                    found = await submit.submit(ctx, await retries.excluded(ctx))
+                await self.apply(h, found)
             case FollowQueue():
-                await steps.follow_queue(self, h, loop)
+                await self._learn_job_files(h, ctx)
+                followed = await follow.follow_queue(ctx, loop.version, loop.view)
+                if followed.view is not None:
+                    loop.view = followed.view
+                if followed.event is not None:
+                    await self.apply(h, followed.event)
+                if isinstance(followed.event, Requeued) and h.attempt is not None:
+                    await h.attempt.drain()  # the old allocation's logs, into its own part
             case StopWatchers():
-                await steps.finish(self, h)
+                finished = await finish.finish(ctx)
+                h.attempt = finished.attempt
+                finished.attempt.copies = finished.copies
+                if finished.snapshot is not None:
+                    h.scontrol_snapshot = finished.snapshot
+                await self.apply(h, finished.event)
             case RunVerify():
-                await steps.verify(self, h)
+                judged = await verify.verify(ctx)
+                if judged.entry is not None:
+                    h.history.append(judged.entry)
+                await self.apply(h, judged.event)
             case WriteArchive():
-                await steps.write_archive(self, h)
+                written = await archiving.write_archive(ctx)
+                if written.attempt is not None:
+                    h.attempt = written.attempt
+                    written.attempt.copies = written.copies
+                with anyio.CancelScope(shield=True):
+                    await self.apply(h, written.event)
             case _:
                 raise AssertionError(f"{action!r} is not a step")
+
+    async def _submit(self, h: RunHandle, ctx: RunContext) -> None:
+        """Journal `submitting`, then sbatch once (`submit`); a retry first waits its
+        backoff, and a run whose excluded nodes leave too few is held (`retries`)."""
+        match await retries.before_submit(ctx):
+            case None:
+                return  # waited: plan again
+            case HoldExpired() as expired:
+                event = await retries.expire_hold(ctx, expired)
+                h.held_until = None
+                await self.apply(h, event)
+            case retries.Hold() as hold:
+                h.held_until = hold.until
+                await self.apply(h, hold.event)
+                await ctx.wait_change(hold.recheck_s)
+            case exclude:
+                h.held_until = None
+                await self.apply(h, Submit())
+                await self.apply(h, await submit.submit(ctx, exclude))
+
+    async def _learn_job_files(self, h: RunHandle, ctx: RunContext) -> None:
+        """Learn a submitted foreign job's files once (a few tries: `foreign`)."""
+        if not foreign.wanted(ctx, h.job_files_known, h.job_files_asked):
+            return
+        h.job_files_asked += 1
+        files = await foreign.ask_job_files(ctx, h.job_files_asked)
+        if files is not None:
+            _use_job_files(h, files)
+
+    def context(self, h: RunHandle) -> RunContext:
+        """The run as its phases see it."""
+        return _Context(self, h)
 
     def new_attempt(self, h: RunHandle, nodes: tuple[str, ...]) -> Attempt:
         """An attempt object for the run's current allocation (not started)."""
@@ -530,16 +607,12 @@ class Supervisor:
                 )
                 h.job_files_known, h.job_files_asked = False, 0
             if after.state is not before.state:
-                await self.journal.add_event(
-                    after.run_id,
-                    "run.transition",
-                    {
-                        "from": before.state.value,
-                        "to": after.state.value,
-                        "event": type(event).__name__,
-                    },
-                    now,
-                )
+                moved: Transition = {
+                    "from": before.state.value,
+                    "to": after.state.value,
+                    "event": type(event).__name__,
+                }
+                await self.journal.add_event(after.run_id, TRANSITION_EVENT, moved, now)
             if after.slurm_job_id != before.slurm_job_id:
                 structlog.contextvars.bind_contextvars(slurm_job_id=after.slurm_job_id)
             log.info(
@@ -577,3 +650,92 @@ def _slim(meta: RunMeta, run: Run) -> RunMeta:
     if meta.script and run.state not in (RunState.ACCEPTED, RunState.SUBMITTING):
         return dataclasses.replace(meta, script="")
     return meta
+
+
+def _use_job_files(h: RunHandle, files: JobFiles) -> None:
+    """A foreign job's batch logs (and an adopted job's submit time) from now on."""
+    assert isinstance(h.spec, ForeignSpec)
+    h.layout, submitted = foreign.used(h.layout, h.spec, files)
+    if submitted is not None:
+        h.submitted_at = submitted
+    h.job_files_known = True
+
+
+class _Context:
+    """A run as its phases see it (`context.RunContext`): read-only, and what they emit
+    goes to the journal as the run's events."""
+
+    def __init__(self, sup: Supervisor, h: RunHandle) -> None:
+        self._sup = sup
+        self._h = h
+
+    @property
+    def run(self) -> Run:
+        return self._h.run
+
+    @property
+    def meta(self) -> RunMeta:
+        return self._h.meta
+
+    @property
+    def spec(self) -> RunSpec | ForeignSpec:
+        return self._h.spec
+
+    @property
+    def layout(self) -> RunLayout:
+        return self._h.layout
+
+    @property
+    def cluster(self) -> Cluster:
+        return self._h.cluster
+
+    @property
+    def config(self) -> Config:
+        return self._sup.config
+
+    @property
+    def journal(self) -> Journal:
+        return self._sup.journal
+
+    @property
+    def history(self) -> Sequence[AttemptEntry]:
+        return tuple(self._h.history)
+
+    @property
+    def attempt(self) -> Attempt | None:
+        return self._h.attempt
+
+    @property
+    def scontrol_snapshot(self) -> str | None:
+        return self._h.scontrol_snapshot
+
+    @property
+    def version(self) -> int:
+        return self._h.version
+
+    def now(self) -> datetime:
+        return self._sup.clock()
+
+    def job_id(self) -> str:
+        return self._h.job_id()
+
+    def starttime(self) -> str:
+        return self._h.starttime()
+
+    def new_attempt(self, nodes: tuple[str, ...]) -> Attempt:
+        return self._sup.new_attempt(self._h, nodes)
+
+    async def events(self) -> list[JournalEvent]:
+        return list(await self._sup.journal.events(self._h.run.run_id))
+
+    async def emit(self, kind: str, fields: Mapping[str, object]) -> None:
+        await self._sup.journal.add_event(self._h.run.run_id, kind, fields, self._sup.clock())
+
+    async def wait_change(self, seconds: float) -> None:
+        changed = self._h.changed
+        with anyio.move_on_after(seconds):
+            await changed.wait()
+
+    async def until_changed(self, since: int) -> None:
+        while self._h.version == since:
+            await self._h.changed.wait()

@@ -5,7 +5,8 @@ backoff, from the journaled record. An error that the same data and the same cod
 every time (a bug a job's hostile input reaches; a journal that refuses a value) would be
 retried every minute forever, and every `wait` on the run would hang with it. So after
 `SAME_FAILURES_MAX` failures in a row that are alike (`SameFailures`) the run ends
-`unverified` with the error as its reason (`give_up`), except:
+`unverified` with the error as its reason (`given_up`: its receipt and the event that the
+driver journals and applies), except:
 
 - while submitting: sbatch may be in flight, so a job may exist under the run's name;
   giving it up would leave that job unsupervised (the lifecycle refuses it too);
@@ -16,20 +17,14 @@ retried every minute forever, and every `wait` on the run would hang with it. So
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Final
-
-import structlog
+from typing import Final
 
 from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.core.lifecycle import RunState, SupervisionFailed
 from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import RemoteError, SlurmCommandError
-from llmd_supervisor.supervision.steps import RECEIPT_EVENT
-
-if TYPE_CHECKING:
-    from llmd_supervisor.supervision.driver import RunHandle, Supervisor
-
-log = structlog.get_logger("llmd_supervisor.runs")
+from llmd_supervisor.supervision.run.context import RunContext
+from llmd_supervisor.supervision.run.records import GivenUpReceipt
 
 # With the driver's backoff (1 s doubling to 60 s) the eighth failure comes about 2 minutes
 # after the first (plus the steps' own time): long enough for a passing cause (a race with
@@ -78,31 +73,23 @@ def gives_up(state: RunState, exc: Exception, count: int) -> bool:
     )
 
 
-async def give_up(sup: Supervisor, h: RunHandle, exc: Exception, count: int) -> bool:
-    """End the run `unverified` with `exc` as its reason (`SupervisionFailed`), its
-    receipt journaled first; whether that was done (it needs the journal, which may be
-    what fails: then the driver goes on retrying). A job still queued is left as it is:
-    the error is the daemon's, not the job's."""
-    run = h.run
+def given_up(
+    ctx: RunContext, exc: Exception, count: int
+) -> tuple[GivenUpReceipt, SupervisionFailed]:
+    """The receipt (to journal first) and the event that end the run `unverified` with
+    `exc` as its reason. A job still queued is left as it is: the error is the daemon's,
+    not the job's."""
+    run = ctx.run
     error = job_text(f"{type(exc).__name__}: {exc}", ERROR_SHOWN)
     reason = f"supervision failed {count} times in a row in state {run.state}: {error}"
     if run.slurm_job_id is not None and run.state in (RunState.PENDING, RunState.RUNNING):
         reason += f"; Slurm job {run.slurm_job_id} is left as it is, no longer watched"
-    receipt: dict[str, object] = {
+    receipt: GivenUpReceipt = {
         "outcome": Outcome.UNVERIFIED.value,
         "reason": reason,
         "attempt": run.attempt,
         "slurm_job_name": run.slurm_job_name,
         "supervision_failed": {"state": run.state.value, "error": error, "failures": count},
-        "attempts": h.history,
+        "attempts": list(ctx.history),
     }
-    try:
-        await sup.journal.add_event(run.run_id, RECEIPT_EVENT, {"receipt": receipt}, sup.clock())
-        await sup.apply(h, SupervisionFailed(reason))
-    except Exception as again:  # the journal (or a bug) again: the driver keeps retrying
-        log.error("run.give_up_failed", error=str(first_leaf(again)), reason=reason)
-        return False
-    log.error("run.given_up", reason=reason, failures=count)
-    if run.slurm_job_id is not None and h.configured is not None:
-        h.cluster.poller.untrack(run.slurm_job_id)
-    return True
+    return receipt, SupervisionFailed(reason)

@@ -1,0 +1,105 @@
+"""What a phase of a run may read and emit (`RunContext`), and nothing more.
+
+A phase reads the run's journaled record and its events, the cluster, the daemon's
+configuration and the clock; it may journal events of its own (`emit`) and wait for the
+run to change. It never changes the run: it returns the lifecycle event (or the value)
+that the driver (`driver`, the only module that holds a run's handle) then applies.
+Everything here is read-only to a phase: the Protocol's members are properties.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Protocol
+
+from llmd_supervisor.adapters.journal import Journal, RunMeta
+from llmd_supervisor.core.config import Config
+from llmd_supervisor.core.foreign import ForeignSpec
+from llmd_supervisor.core.layout import RunLayout
+from llmd_supervisor.core.lifecycle import Run
+from llmd_supervisor.core.spec import RunSpec
+from llmd_supervisor.supervision.attempt import Attempt
+from llmd_supervisor.supervision.cluster import Cluster
+from llmd_supervisor.supervision.run.records import AttemptEntry, JournalEvent
+
+
+class RunContext(Protocol):
+    """One run, as a phase sees it."""
+
+    @property
+    def run(self) -> Run:
+        """The run's journaled record."""
+        ...
+
+    @property
+    def meta(self) -> RunMeta: ...
+
+    @property
+    def spec(self) -> RunSpec | ForeignSpec: ...
+
+    @property
+    def layout(self) -> RunLayout:
+        """Every path of the run (its current job's batch logs included)."""
+        ...
+
+    @property
+    def cluster(self) -> Cluster:
+        """The run's cluster (SupervisorError when it is no longer configured)."""
+        ...
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def journal(self) -> Journal: ...
+
+    @property
+    def history(self) -> Sequence[AttemptEntry]:
+        """The run's ended attempts (`records.ATTEMPT_EVENT`), oldest first."""
+        ...
+
+    @property
+    def attempt(self) -> Attempt | None:
+        """The current (or last) watched allocation."""
+        ...
+
+    @property
+    def scontrol_snapshot(self) -> str | None:
+        """The last `scontrol show job` record, taken in `finishing`."""
+        ...
+
+    @property
+    def version(self) -> int:
+        """Grows with every change of the run (`until_changed`)."""
+        ...
+
+    def now(self) -> datetime: ...
+
+    def job_id(self) -> str:
+        """The run's Slurm job id (IllegalTransition before it has one)."""
+        ...
+
+    def starttime(self) -> str:
+        """sacct --starttime covering the run's submission."""
+        ...
+
+    def new_attempt(self, nodes: tuple[str, ...]) -> Attempt:
+        """An attempt object for the run's current allocation (not started)."""
+        ...
+
+    async def events(self) -> list[JournalEvent]:
+        """The run's journaled events, in order."""
+        ...
+
+    async def emit(self, kind: str, fields: Mapping[str, object]) -> None:
+        """Journal an event of the run (not a change of its record)."""
+        ...
+
+    async def wait_change(self, seconds: float) -> None:
+        """Until the run changes (a cancel, a node release) or `seconds` pass."""
+        ...
+
+    async def until_changed(self, since: int) -> None:
+        """Until the run's `version` is no longer `since`."""
+        ...

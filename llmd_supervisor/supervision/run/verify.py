@@ -1,0 +1,243 @@
+"""Verifying: the verdict on the attempt's job, why it did not succeed, and what follows.
+
+Evidence is collected through the cluster's poller (`supervision.verify.verify_job`)
+until the pure verdict is final; an attempt ended early because an agent hung is a
+failure, not a cancel; the diagnosis (`core.cause`) names the cause and the nodes. Then
+`retries` records the attempt's end and decides on a retry. The receipt is built once,
+complete, when the verdict is made; it is journaled before the event is returned.
+"""
+
+from __future__ import annotations
+
+import functools
+import posixpath
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import anyio
+import structlog
+
+from llmd_supervisor.core.cause import Diagnosis, diagnose, hang, rank_end
+from llmd_supervisor.core.jobtext import job_fields
+from llmd_supervisor.core.lifecycle import Retry, Verified
+from llmd_supervisor.core.results import GateResult
+from llmd_supervisor.core.slurm_parse import JobState, parse_scontrol_job
+from llmd_supervisor.core.spec import RunSpec
+from llmd_supervisor.core.usage import split as usage_split
+from llmd_supervisor.core.verdict import Outcome, SlurmQuery, Source
+from llmd_supervisor.errors import (
+    RemoteError,
+    SlurmCommandError,
+    SlurmParseError,
+    SupervisorError,
+)
+from llmd_supervisor.node.common import RC_CONFIG, expand_hostlist
+from llmd_supervisor.supervision import bench_files
+from llmd_supervisor.supervision.run import cancel, evidence, retries
+from llmd_supervisor.supervision.run.context import RunContext
+from llmd_supervisor.supervision.run.records import (
+    NODE_UNREACHABLE_EVENT,
+    RECEIPT_EVENT,
+    STAGE_OVERDUE_EVENT,
+    AttemptEntry,
+    AttemptReceipt,
+    JournalEvent,
+    Receipt,
+    ReceiptEvent,
+    RunPart,
+    of_attempt,
+)
+from llmd_supervisor.supervision.verify import VerifyResult, verify_job
+
+log = structlog.get_logger("llmd_supervisor.runs")
+
+# sinfo's %T of a node Slurm took out: down, drained/draining, fail(ing), not responding (*)
+_NODE_DOWN = re.compile(r"(down|drain|fail)|.*\*$", re.IGNORECASE)
+_CONNECTING: Final = "connecting"  # the action of a link's `RemoteError` when SSH failed
+
+
+@dataclass(frozen=True)
+class Judged:
+    """What verification ends with: the event for the driver to apply (`Verified`, or a
+    `Retry` of the run) and the attempt's history entry when this call journaled it."""
+
+    event: Verified | Retry
+    entry: AttemptEntry | None
+
+
+async def verify(ctx: RunContext) -> Judged:
+    """Judge the attempt's job; record its end (`retries`); journal the receipt unless a
+    retry follows. Re-done after a crash, it finds the attempt's end already recorded."""
+    job_id = ctx.job_id()
+    poller = ctx.cluster.poller
+    starttime = ctx.starttime()
+
+    class _Evidence:
+        async def query(self, source: Source, job_id: str) -> SlurmQuery:
+            return await poller.evidence(source, job_id, starttime)
+
+    spec = ctx.spec
+
+    async def benchmark() -> GateResult:
+        assert isinstance(spec, RunSpec)
+        limits = ctx.config.limits
+        files = ctx.cluster.files
+        raw = await bench_files.read_results(files, ctx.layout, job_id, spec, limits)
+        return bench_files.judge(spec, raw)
+
+    marker_path = ctx.layout.marker(job_id)
+    events = await ctx.events()
+    # A cancel counts only if it reached the job before it ended (not asked for after).
+    cancelled = cancel.reached(ctx.run, events, job_id)
+    result = await verify_job(
+        _Evidence(),
+        job_id,
+        marker_bytes=functools.partial(evidence.marker, ctx),
+        marker_format=ctx.layout.marker_format,
+        marker_name=posixpath.basename(marker_path) if ctx.layout.watch and marker_path else "",
+        benchmark=benchmark if isinstance(spec, RunSpec) else None,
+        evidence_timeout=ctx.config.limits.verify_timeout_s,
+        interval=ctx.config.poll.min_interval_s,
+        cancel_requested=cancelled,
+        clock=ctx.now,
+    )
+    hung = next(iter(of_attempt(events, STAGE_OVERDUE_EVENT, ctx.run.attempt)), None)
+    outcome, reason = result.verdict.outcome, result.verdict.reason
+    diagnosis: Diagnosis | None
+    if hung is not None and outcome is not Outcome.SUCCEEDED and not cancelled:
+        # ended by the supervisor because an agent hung: a failure, not a cancel
+        outcome = Outcome.FAILED
+        reason = (
+            f"rank {hung.get('rank')} on {hung.get('node')} hung in stage "
+            f"{hung.get('stage')!r}, {hung.get('over_s')} s past its {hung.get('deadline_s')} s "
+            f"deadline: the attempt was ended early; {reason}"
+        )
+        rank = hung.get("rank")
+        diagnosis = hang(
+            str(hung.get("stage")),
+            rank if isinstance(rank, int) and not isinstance(rank, bool) else -1,
+            evidence.allocation(ctx),
+        )
+    else:
+        hung = None
+        diagnosis = await _diagnosis(ctx, result, events)
+    if diagnosis is not None:
+        reason = f"{reason}; {diagnosis.text}"
+    if ctx.run.cancel_requested and not cancelled:
+        reason = f"{reason}; the cancel did not reach the job before it ended"
+    end = await retries.after_verdict(ctx, result, diagnosis, outcome, reason)
+    run, decision = ctx.run, end.decision
+    added: RunPart = {
+        "cause": None if diagnosis is None else diagnosis.as_json(),
+        "cancel_reached": cancelled,
+        "attempt": run.attempt,
+        "slurm_job_name": run.slurm_job_name,
+    }
+    if hung is not None:
+        added["hung"] = hung
+    if end.usage is not None:
+        added["usage"] = end.usage
+    if decision.retry:
+        part: AttemptReceipt = {
+            **result.receipt,
+            **added,
+            "outcome": outcome.value,
+            "reason": reason,
+            "retry": decision.why,
+        }
+        retry = await retries.retried(ctx, part, decision, reason)
+        poller.untrack(job_id)
+        return Judged(retry, end.entry)
+    poller.untrack(job_id)
+    if decision.unplaced:  # an infrastructure failure the retry could not get away from
+        reason = f"{reason}; {decision.why}"
+    attempts = [*ctx.history, *([] if end.entry is None else [end.entry])]
+    receipt: Receipt = {
+        **result.receipt,
+        **added,
+        "outcome": outcome.value,
+        "reason": reason,
+        "attempts": attempts,
+        "usage_total": usage_split(attempts),
+    }
+    journaled: ReceiptEvent = {"receipt": receipt}
+    await ctx.emit(RECEIPT_EVENT, journaled)
+    return Judged(Verified(outcome, reason), end.entry)
+
+
+async def _diagnosis(
+    ctx: RunContext, result: VerifyResult, events: Sequence[JournalEvent]
+) -> Diagnosis | None:
+    """Why the run did not succeed (`core.cause`), from the verdict, the ranks' last status
+    files (unreadable ones are left out), the nodes this attempt reported unreachable, and
+    the benchmark's gate. Only the attempt's allocation names nodes (a status file's rank,
+    never its ``host``); the nodes the daemon saw fail itself are Slurm's and those that did
+    not take an SSH connection."""
+    if result.verdict.outcome is Outcome.SUCCEEDED:
+        return None
+    allocation = evidence.allocation(ctx)
+    spec = ctx.spec
+    count = len(allocation) or (spec.topology.nodes if isinstance(spec, RunSpec) else 1)
+    files, layout = ctx.cluster.files, ctx.layout
+    try:
+        statuses = await bench_files.read_statuses(files, layout, ctx.job_id(), count)
+    except (SupervisorError, OSError, TimeoutError) as exc:
+        log.warning("run.status_unreadable", run_id=ctx.run.run_id, error=str(exc))
+        statuses = []
+    # The job wrote them: what they name reaches the reason and terminals escaped.
+    ends = [e for status in statuses if (e := rank_end(job_fields(status), allocation))]
+    reports = of_attempt(events, NODE_UNREACHABLE_EVENT, ctx.run.attempt)
+    unreachable = [str(e.get("node")) for e in reports]
+    observed = [str(e.get("node")) for e in reports if no_ssh(e.get("node"), e.get("error"))]
+    gate = result.receipt["benchmark"]
+    marker = result.marker.marker
+    belief = result.verdict.belief
+    slurm_state = None if belief is None else belief.record.state.state
+    if slurm_state is JobState.NODE_FAIL and allocation:
+        failed = await _failed_nodes(ctx, allocation)
+        unreachable += failed
+        observed += failed
+    return diagnose(
+        result.verdict.outcome,
+        slurm_state=slurm_state,
+        cancel_requested=cancel.reached(ctx.run, events, ctx.job_id()),
+        allocation=allocation,
+        ranks=ends,
+        unreachable=unreachable,
+        observed=observed,
+        benchmark_failed=(gate is not None and gate["ok"] is False)
+        or (marker is not None and 0 < marker.rc < RC_CONFIG),
+    )
+
+
+def no_ssh(node: object, error: object) -> bool:
+    """Whether a `node.unreachable` report says the node did not take an SSH connection
+    (the daemon's own evidence): its error is the link's `RemoteError` while connecting,
+    worded by the daemon. A read of the job's files that failed or hung, or a status file
+    gone stale (which the job can cause), is not."""
+    prefix = str(RemoteError(str(node), _CONNECTING, "")).removesuffix(": .")
+    return isinstance(error, str) and error.startswith(f"{prefix}: ")
+
+
+async def _failed_nodes(ctx: RunContext, allocation: tuple[str, ...]) -> list[str]:
+    """The allocation's nodes Slurm names as failed: scontrol's FailedNode (24.11 shows it;
+    22.05 does not) and those `sinfo` says are down, failing or not responding now."""
+    failed: list[str] = []
+    snapshot = ctx.layout.archive_dir / "scontrol-show-job.txt"
+    try:
+        text = ctx.scontrol_snapshot
+        if text is None:
+            text = await anyio.to_thread.run_sync(snapshot.read_text)
+        node = parse_scontrol_job(text).fields.get("FailedNode", "")
+        failed += expand_hostlist(node) if node and node != "(null)" else []
+    except (OSError, SlurmParseError, ValueError):
+        pass
+    try:
+        states: Mapping[str, str] = await ctx.cluster.client.node_states(allocation)
+    except SlurmCommandError as exc:
+        log.warning("run.node_states_unknown", error=str(exc))
+        states = {}
+    failed += [n for n, st in states.items() if _NODE_DOWN.match(st)]
+    return sorted(set(failed) & set(allocation))
