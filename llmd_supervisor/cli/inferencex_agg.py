@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterable
 from typing import IO
 
-from llmd_supervisor.cli.results import (
+from llmd_supervisor.cli.result_values import (
     STATS,
     interactivity,
     latency,

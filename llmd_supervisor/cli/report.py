@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmd_supervisor.cli.results import (
+from llmd_supervisor.cli.result_values import (
     gpu_text,
     interactivity,
     latency,

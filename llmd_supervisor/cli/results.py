@@ -17,13 +17,21 @@ import csv
 import dataclasses
 import io
 import json
-import math
 import sys
 import textwrap
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import IO, Any, TypedDict, cast
+from typing import IO, Any, TypedDict
 
+from llmd_supervisor.cli.result_values import (
+    STATS,
+    field_of,
+    gpu_text,
+    latency,
+    no_results_reason,
+    per_gpu_total,
+    verdict_line,
+)
 from llmd_supervisor.core.results import LATENCIES, NUMBER_FIELDS
 from llmd_supervisor.core.summary import PointView as ResultPoint
 from llmd_supervisor.core.summary import ResultsTable, RunResults, UsageView, read
@@ -31,8 +39,6 @@ from llmd_supervisor.errors import SupervisorError
 
 # Not used by any other command (0, 1, 2, 3, 10-15 and 130 are).
 EXIT_REGRESSION = 4
-
-STATS = ("mean", "median", "p99")
 
 
 class _RunHead(TypedDict):
@@ -67,47 +73,6 @@ def read_run_results(value: object) -> RunResults:
 # --- values -------------------------------------------------------------------------------
 
 
-def latency(point: ResultPoint, metric: str, stat: str) -> float | None:
-    """`point`'s `metric` ("ttft", ...) statistic `stat` ("median", ...) in ms, or None."""
-    values = _field(point, f"{metric}_ms")
-    if not isinstance(values, dict):
-        return None
-    value = values.get(stat)
-    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
-
-
-def _field(point: ResultPoint, key: str) -> object:
-    return cast(Mapping[str, object], point).get(key)
-
-
-def per_gpu_total(point: ResultPoint, gpus: int | None) -> float | None:
-    """Total token throughput per GPU: the table's value, else total / gpus, else None."""
-    value = point["total_token_throughput_per_gpu"]
-    if value is not None:
-        return value
-    total = point["total_token_throughput"]
-    if total is not None and gpus:
-        return total / gpus
-    return None
-
-
-def gpu_text(table: ResultsTable) -> str:
-    """`8 GPUs (4 prefill + 4 decode)`, `8 GPUs` (the roles' split unknown: every per-GPU
-    number is divided by all of them) or `GPU count unknown`."""
-    gpus, prefill, decode = table["gpus"], table.get("prefill_gpus"), table.get("decode_gpus")
-    if not gpus:
-        return "GPU count unknown"
-    if prefill is None or decode is None:
-        return f"{gpus} GPUs"
-    return f"{gpus} GPUs ({prefill} prefill + {decode} decode)"
-
-
-def interactivity(point: ResultPoint, stat: str = "median") -> float | None:
-    """InferenceX's interactivity: 1000 / TPOT (ms), tokens per second per user."""
-    tpot = latency(point, "tpot", stat)
-    return 1000.0 / tpot if tpot else None
-
-
 def _fmt(value: float | int | None) -> str:
     if value is None:
         return "-"
@@ -120,27 +85,8 @@ def _fmt(value: float | int | None) -> str:
     return f"{value:.2f}"
 
 
-def verdict_line(r: RunResults) -> str:
-    """`run ID: STATE, OUTCOME` (the outcome only once there is one)."""
-    head = f"run {r['run']}: {r['state']}"
-    return f"{head}, {r['outcome']}" if r["outcome"] else head
-
-
 def _wrapped(text: str) -> list[str]:
     return textwrap.wrap(text, width=98, initial_indent="  ", subsequent_indent="      ")
-
-
-def no_results_reason(r: RunResults) -> str:
-    """Why a run has nothing to show (its verdict's reason when it has one)."""
-    if r["results"] is None:
-        why = "its archive holds no results table"
-    else:
-        why = "its results table has no points"
-    if r["outcome"] and r["outcome"] != "succeeded":
-        return f"{why} (the run {r['outcome']}: {r['reason'] or 'no reason given'})"
-    if r["outcome"] is None:
-        return f"{why} (the run is {r['state']}, not finished)"
-    return why
 
 
 # --- text ---------------------------------------------------------------------------------
@@ -251,7 +197,7 @@ def render_csv(runs: Sequence[RunResults]) -> str:
         for p in sorted(table["points"], key=lambda p: p["concurrency"]):
             row = dict(base)
             for key in CSV_FIELDS[6:18]:
-                row[key] = _cell(_field(p, key))
+                row[key] = _cell(field_of(p, key))
             for m in LATENCIES:
                 for s in STATS:
                     row[f"{m}_ms_{s}"] = _cell(latency(p, m, s))

@@ -40,6 +40,7 @@ _AGENT_MODULES = (
     "sweep",
     "templates",
     "topology",
+    "view",
 )
 # Path in the node directory -> path of the source below ``llmd_supervisor/``.
 AGENT_FILES = dict(

@@ -165,5 +165,5 @@ def f() -> None:
         f"{run}.driver",
         "llmd_supervisor.supervision.poller",
     }
-    # on the real package: cli/daemon.py imports the daemon root inside a function
-    assert "llmd_supervisor.supervision.daemon" in imports_of("llmd_supervisor.cli.daemon")
+    # on the real package: cli/run_commands.py imports the daemon root inside a function
+    assert "llmd_supervisor.supervision.daemon" in imports_of("llmd_supervisor.cli.run_commands")

@@ -25,10 +25,10 @@ from .templates import Values, expand_template
 from .topology import Role, endpoints_yaml, leader_ranks, sidecar_ranks
 
 if TYPE_CHECKING:
-    from .run import Agent
+    from .view import AgentView
 
 
-def service_values(agent: "Agent") -> Values:
+def service_values(agent: "AgentView") -> Values:
     """Placeholders of router and sidecar commands (and of the benchmark)."""
     values = agent.template_values()
     router, sidecar = agent.cfg.get("router"), agent.cfg.get("sidecar")
@@ -44,7 +44,7 @@ def service_values(agent: "Agent") -> Values:
     return values
 
 
-def start_service(agent: "Agent", svc: Dict[str, Any]) -> "subprocess.Popen[bytes]":
+def start_service(agent: "AgentView", svc: Dict[str, Any]) -> "subprocess.Popen[bytes]":
     """Start a router or sidecar process (log ``rank<r>.<name>.log``) in the engine's
     process group."""
     values = service_values(agent)
@@ -68,7 +68,7 @@ def start_service(agent: "Agent", svc: Dict[str, Any]) -> "subprocess.Popen[byte
     return proc
 
 
-def check_services(agent: "Agent") -> None:
+def check_services(agent: "AgentView") -> None:
     """LocalFailure if a router or sidecar process of this rank has exited."""
     for name, proc in agent.services.items():
         rc = proc.poll()
@@ -81,7 +81,7 @@ def check_services(agent: "Agent") -> None:
 
 
 def wait_healthy(
-    agent: "Agent",
+    agent: "AgentView",
     stage: str,
     svc: Dict[str, Any],
     targets: List[Tuple[int, str]],
@@ -141,7 +141,7 @@ def wait_healthy(
         agent.sleep(0.5)
 
 
-def start_own_sidecar(agent: "Agent") -> None:
+def start_own_sidecar(agent: "AgentView") -> None:
     """On a sidecar rank: start the P/D sidecar and wait until it answers here."""
     sidecar = agent.cfg.get("sidecar")
     if sidecar and agent.rank in sidecar_ranks(agent.cfg):
@@ -154,7 +154,7 @@ def start_own_sidecar(agent: "Agent") -> None:
         agent.mark_healthy("sidecar")
 
 
-def start_router(agent: "Agent") -> str:
+def start_router(agent: "AgentView") -> str:
     """On the coordinator: every sidecar answers, the endpoints file is written (by
     rename), the router processes start in order and each answers; the router URL."""
     sidecar, router = agent.cfg.get("sidecar"), agent.cfg["router"]
@@ -179,7 +179,7 @@ def start_router(agent: "Agent") -> str:
     return service_values(agent)["router_url"]
 
 
-def health_checked(agent: "Agent", rank: int) -> bool:
+def health_checked(agent: "AgentView", rank: int) -> bool:
     """Whether `rank`'s engine answers health checks ([engine] prefill_/decode_health:
     all, group leaders only -- followers run --headless -- or none)."""
     role = Role(rank, agent.cfg)
@@ -187,7 +187,7 @@ def health_checked(agent: "Agent", rank: int) -> bool:
     return scope == "all" or (scope == "leaders" and role.is_leader)
 
 
-def wait_own_health(agent: "Agent", deadline: float) -> None:
+def wait_own_health(agent: "AgentView", deadline: float) -> None:
     host, port = agent.host_of(agent.rank), agent.port_of(agent.rank)
     last = ""
     while True:
@@ -212,7 +212,7 @@ def wait_own_health(agent: "Agent", deadline: float) -> None:
         agent.sleep(0.5)
 
 
-def wait_all_engines(agent: "Agent", deadline: float) -> None:
+def wait_all_engines(agent: "AgentView", deadline: float) -> None:
     ranks = [
         r
         for r in range(agent.role.prefill_nodes + agent.role.decode_nodes)

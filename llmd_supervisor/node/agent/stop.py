@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import time
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 from .. import common as shared
 from . import processes
@@ -19,28 +19,16 @@ from .files import now_iso, tail_lines, write_atomic
 from .marker import marker_exit, read_marker
 from .processes import rc_text
 from .status import peer_still_stopping
+from .view import TermFlag
 
 if TYPE_CHECKING:
-    from .run import Agent
+    from .view import AgentView
 
 __all__ = ["EARLY_TERM", "TermFlag", "Terminated", "handle_term"]
 
 # After its own SIGTERM handling a rank waits this long for peers to report "terminating".
 TERM_NOTICE_S = 2.0
 POLL_S = 0.2
-
-
-class TermFlag(object):
-    """Whether (and when, on the monotonic clock) the first SIGTERM arrived."""
-
-    def __init__(self) -> None:
-        self.received = False
-        self.at: Optional[float] = None
-
-    def on_sigterm(self, signum: int, frame: Any) -> None:
-        if self.at is None:
-            self.at = time.monotonic()
-        self.received = True
 
 
 # A TERM that arrives before the agent exists (while the config is read) is kept here.
@@ -87,7 +75,7 @@ def _wait_for_peers(
         time.sleep(POLL_S)
 
 
-def handle_term(agent: "Agent") -> int:
+def handle_term(agent: "AgentView") -> int:
     """Stop `agent`'s rank after a SIGTERM; its exit status.
 
     The coordinator publishes a marker with rc 143 (naming earlier failures of other
@@ -142,7 +130,7 @@ def handle_term(agent: "Agent") -> int:
     return rc
 
 
-def linger_after_term(agent: "Agent") -> None:
+def linger_after_term(agent: "AgentView") -> None:
     """After our own TERM handling, wait (within the grace) for the other ranks' own.
 
     A cancel with ``--signal=TERM`` and the time limit TERM every rank at once. The first
@@ -170,7 +158,7 @@ def linger_after_term(agent: "Agent") -> None:
 
 
 def write_diag(
-    agent: "Agent", state_at_term: str, procs: List[Tuple[int, int, str]], killed: List[str]
+    agent: "AgentView", state_at_term: str, procs: List[Tuple[int, int, str]], killed: List[str]
 ) -> None:
     marker = read_marker(agent.log_dir, agent.job_id)
     head = [

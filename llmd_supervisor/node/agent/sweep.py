@@ -16,10 +16,10 @@ from .templates import expand_template
 from .topology import leader_ranks
 
 if TYPE_CHECKING:
-    from .run import Agent
+    from .view import AgentView
 
 
-def run_sweep(agent: "Agent", router_url: Optional[str] = None) -> Tuple[int, str]:
+def run_sweep(agent: "AgentView", router_url: Optional[str] = None) -> Tuple[int, str]:
     """Every benchmark point in turn (each is run even after one failed); the run's rc
     (the first failed point's, 0 when all passed) and its reason."""
     bench = agent.cfg["bench"]
@@ -71,7 +71,7 @@ def run_sweep(agent: "Agent", router_url: Optional[str] = None) -> Tuple[int, st
     return 0, "ok: %d benchmark points passed" % len(bench["concurrencies"])
 
 
-def run_bench_point(agent: "Agent", conc: int, argv: List[str], log_path: str) -> int:
+def run_bench_point(agent: "AgentView", conc: int, argv: List[str], log_path: str) -> int:
     """Run one point's client to its end; its rc (124: over its deadline, then stopped;
     127: could not start). LocalFailure when the engine, a service or another rank fails
     meanwhile."""
