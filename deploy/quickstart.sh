@@ -65,5 +65,9 @@ RUN=$(.venv/bin/llmd-supervisor list --all --json --socket "$QS/control.sock" |
       .venv/bin/python -c 'import json, sys; print(json.load(sys.stdin)["runs"][-1]["run"])')
 echo "quickstart: the benchmark's results (llmd-supervisor results $RUN):" >&2
 .venv/bin/llmd-supervisor results "$RUN" --socket "$QS/control.sock" || true
+echo "quickstart: the daemon stops now; the run stays readable from its archive:" >&2
+echo "  .venv/bin/llmd-supervisor status $RUN --state-dir $QS/state" >&2
+echo "  .venv/bin/llmd-supervisor results $RUN --state-dir $QS/state [--format inferencex-agg]" >&2
+echo "  .venv/bin/llmd-supervisor report $RUN --state-dir $QS/state -o report.html" >&2
 echo "quickstart: exit status $rc (0 = verified success)" >&2
 exit "$rc"

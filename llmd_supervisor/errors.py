@@ -112,6 +112,11 @@ class ConfigErrors(ConfigError):
             self.args = (f"The configuration has {len(problems)} problems: {listed}",)
 
 
+class OfflineError(SupervisorError):
+    """A run's archive (read without a daemon: --archive, --state-dir) could not be found
+    or read."""
+
+
 class JournalError(SupervisorError):
     """The run journal (SQLite) could not be opened, read or written."""
 

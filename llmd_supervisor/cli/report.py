@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from llmd_supervisor.cli import offline
 from llmd_supervisor.cli.result_values import (
     gpu_text,
     interactivity,
@@ -447,6 +448,7 @@ def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[
         "-o", "--output", type=Path, required=True, metavar="FILE", help="the HTML file to write"
     )
     p.add_argument("--socket", type=Path, default=socket_default(), help="daemon control socket")
+    offline.add_arguments(p)
     p.set_defaults(handler=cmd_report)
 
 
@@ -461,7 +463,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         print(INSTALL_HINT, file=sys.stderr)
         return 2
     try:
-        runs = fetch_results("report", args.socket, list(args.runs))
+        runs = fetch_results("report", args, list(args.runs))
     except _Exit as exc:
         return exc.status
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")

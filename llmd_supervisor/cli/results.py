@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any, TypedDict
 
+from llmd_supervisor.cli import offline
 from llmd_supervisor.cli.result_values import (
     STATS,
     field_of,
@@ -35,7 +36,7 @@ from llmd_supervisor.cli.result_values import (
 from llmd_supervisor.core.results import LATENCIES, NUMBER_FIELDS
 from llmd_supervisor.core.summary import PointView as ResultPoint
 from llmd_supervisor.core.summary import ResultsTable, RunResults, UsageView, read
-from llmd_supervisor.errors import SupervisorError
+from llmd_supervisor.errors import OfflineError, SupervisorError
 
 # Not used by any other command (0, 1, 2, 3, 10-15 and 130 are).
 EXIT_REGRESSION = 4
@@ -379,13 +380,23 @@ def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[
         help="the largest change in percent that is not a regression (with --baseline)",
     )
     p.add_argument("--socket", type=Path, default=socket_default(), help="daemon control socket")
+    offline.add_arguments(p)
     p.set_defaults(handler=cmd_results)
 
 
-def fetch_results(command: str, socket_path: Path, refs: Sequence[str]) -> list[RunResults]:
-    """Ask the daemon for each run's results (one connection); exit 2/3 on failure."""
+def fetch_results(command: str, args: argparse.Namespace, refs: Sequence[str]) -> list[RunResults]:
+    """Each run's results: from its archive with --archive/--state-dir (exit 2 when one
+    is not there), else from the daemon (one connection; exit 2/3 on failure)."""
     from llmd_supervisor.adapters.control_client import ControlClient
     from llmd_supervisor.cli.common import EXIT_DAEMON_UNREACHABLE, _Exit, _run
+
+    if offline.wanted(args):
+        try:
+            return [offline.run_results(args, ref) for ref in refs]
+        except OfflineError as exc:
+            print(f"llmd-supervisor {command}: {exc}", file=sys.stderr)
+            raise _Exit(2) from None
+    socket_path: Path = args.socket
 
     async def go() -> list[dict[str, object]]:
         async with ControlClient(socket_path) as c:
@@ -413,7 +424,7 @@ def cmd_results(args: argparse.Namespace) -> int:
     if args.baseline is not None:
         refs.append(args.baseline)
     try:
-        fetched = fetch_results("results", args.socket, refs)
+        fetched = fetch_results("results", args, refs)
     except _Exit as exc:
         return exc.status
     runs, baseline = fetched[: len(args.runs)], None

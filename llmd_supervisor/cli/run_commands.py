@@ -41,7 +41,7 @@ from llmd_supervisor.adapters.control_client import (
     list_all,
     resumable_stream,
 )
-from llmd_supervisor.cli import launch
+from llmd_supervisor.cli import launch, offline
 from llmd_supervisor.cli.common import (
     EXIT_DAEMON_UNREACHABLE,
     _Exit,
@@ -65,7 +65,7 @@ from llmd_supervisor.core.summary import (
     chunk_bytes,
 )
 from llmd_supervisor.core.verdict import Outcome
-from llmd_supervisor.errors import SupervisorError
+from llmd_supervisor.errors import OfflineError, SupervisorError
 
 DEFAULT_SOCKET = Path("/run/llmd-supervisor/control.sock")
 DEFAULT_RECONNECT_S = 600.0
@@ -184,7 +184,9 @@ def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
     p = client("list", "list runs", run=False)
     p.add_argument("--all", action="store_true", help="include finished runs")
     p.set_defaults(handler=cmd_simple, op="list")
-    client("status", "show one run").set_defaults(handler=cmd_simple, op="status")
+    p = client("status", "show one run")
+    offline.add_arguments(p)
+    p.set_defaults(handler=cmd_simple, op="status")
     client("cancel", "cancel a run (TERM, grace, then kill)").set_defaults(
         handler=cmd_simple, op="cancel"
     )
@@ -245,6 +247,16 @@ def cmd_daemon(args: argparse.Namespace) -> int:
 
 @_exits
 def cmd_simple(args: argparse.Namespace) -> int:
+    if args.op == "status" and offline.wanted(args):
+        try:
+            if args.json:
+                print(json.dumps(offline.run_results(args, args.run), indent=2, sort_keys=True))
+            else:
+                offline.print_status(args, args.run, sys.stdout)
+        except OfflineError as exc:
+            print(f"llmd-supervisor status: {exc}", file=sys.stderr)
+            return 2
+        return 0
     params: dict[str, object] = {}
     if args.op == "list":
         params["all"] = args.all

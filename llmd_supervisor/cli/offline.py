@@ -1,0 +1,150 @@
+"""`results`, `report` and `status` without a daemon: read from a run's archive.
+
+`--archive DIR` names a run's archive directory (the one holding its ``receipt.json``) or a
+directory of them (the daemon's archive root, ``<state_dir>/archive`` by default, where
+each run's archive is named by its run id); `--state-dir DIR` names the daemon's state
+directory (its archive root is ``DIR/archive``). Nothing is written and no socket is
+opened: this is how a run is looked at again after the quickstart's daemon stopped, on
+another machine, or from a copied archive. Every read is bounded; what the archive does
+not hold is said, never guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import IO
+
+from llmd_supervisor.core.jobtext import job_text
+from llmd_supervisor.core.summary import RunResults, read
+from llmd_supervisor.core.summary import UsageView as Usage
+from llmd_supervisor.core.usage import split as split_usage
+from llmd_supervisor.errors import ControlError, OfflineError, SummaryError
+from llmd_supervisor.supervision.views import results_table_of
+
+RECEIPT = "receipt.json"
+RECEIPT_MAX = 16 << 20  # bytes of a receipt read (its raw records are bounded already)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """`--archive DIR` and `--state-dir DIR` (either one; no daemon is asked then)."""
+    where = p.add_mutually_exclusive_group()
+    where.add_argument(
+        "--archive",
+        type=Path,
+        metavar="DIR",
+        help="read the run from its archive directory, or from DIR/RUN (no daemon needed)",
+    )
+    where.add_argument(
+        "--state-dir",
+        type=Path,
+        metavar="DIR",
+        help="read the run from the daemon's state directory's archive, DIR/archive/RUN",
+    )
+
+
+def wanted(args: argparse.Namespace) -> bool:
+    """Whether the command reads archives instead of asking the daemon."""
+    return args.archive is not None or args.state_dir is not None
+
+
+def archive_of(args: argparse.Namespace, ref: str) -> Path:
+    """The archive directory of run `ref` under the command's --archive / --state-dir."""
+    root: Path = args.archive if args.archive is not None else args.state_dir / "archive"
+    if (root / RECEIPT).is_file() and root.name == ref:
+        return root
+    if os.sep in ref or ref in ("", ".", ".."):
+        raise OfflineError(f"Run {ref!r} is not a run id; give the id (a directory of {root}).")
+    found = root / ref
+    if not (found / RECEIPT).is_file():
+        if (root / RECEIPT).is_file():
+            raise OfflineError(f"{root} is the archive of run {root.name}, not of run {ref}.")
+        raise OfflineError(
+            f"No archive of run {ref} in {root} (no {RECEIPT} in {found}); give the archive"
+            " root (the daemon's <state_dir>/archive) or the run's own directory."
+        )
+    return found
+
+
+def receipt_of(archive: Path) -> dict[str, object]:
+    path = archive / RECEIPT
+    try:
+        with path.open("rb") as f:
+            data = f.read(RECEIPT_MAX + 1)
+    except OSError as exc:
+        raise OfflineError(f"{path} cannot be read ({exc.strerror}).") from None
+    if len(data) > RECEIPT_MAX:
+        raise OfflineError(f"{path} is larger than {RECEIPT_MAX} bytes.")
+    try:
+        value = json.loads(data)
+    except ValueError as exc:
+        raise OfflineError(f"{path} is not JSON ({exc}).") from None
+    if not isinstance(value, dict) or not isinstance(value.get("outcome"), str):
+        raise OfflineError(f"{path} is not a run's receipt (no outcome).")
+    return value
+
+
+def run_results(args: argparse.Namespace, ref: str) -> RunResults:
+    """What the daemon's `results` would answer for a finished run, from its archive."""
+    archive = archive_of(args, ref)
+    receipt = receipt_of(archive)
+    try:
+        table = results_table_of(archive / "results.json")
+    except ControlError as exc:
+        raise OfflineError(exc.message) from None
+    attempts = receipt.get("attempts")
+    rows = [a for a in attempts if isinstance(a, dict)] if isinstance(attempts, list) else []
+    outcome = str(receipt["outcome"])
+    value: dict[str, object] = {
+        "run": archive.name,
+        "state": outcome,  # an archived run is final: its state is its outcome
+        "outcome": outcome,
+        "reason": job_text(str(receipt.get("reason", ""))),
+        "results": table,
+        "usage": split_usage(rows),
+    }
+    try:
+        return read(RunResults, value)
+    except SummaryError as exc:
+        raise OfflineError(f"{archive}: {exc}") from None
+
+
+def print_status(args: argparse.Namespace, ref: str, out: IO[str]) -> None:
+    """`status` of a finished run from its archive: its job, nodes, outcome, best point."""
+    from llmd_supervisor.cli.result_values import gpu_text
+
+    archive = archive_of(args, ref)
+    receipt = receipt_of(archive)
+    results = run_results(args, ref)
+    attempts = receipt.get("attempts")
+    last = attempts[-1] if isinstance(attempts, list) and attempts else {}
+    nodes = last.get("nodes") if isinstance(last, dict) else None
+    print(f"run {archive.name}: {results['outcome']} (from its archive; no daemon asked)", file=out)
+    print(
+        f"  slurm job {job_text(str(receipt.get('job_id', '-')))},"
+        f" attempt {receipt.get('attempt', '-')}",
+        file=out,
+    )
+    if isinstance(nodes, list) and nodes:
+        print(f"  nodes {','.join(job_text(str(n)) for n in nodes)}", file=out)
+    print(f"  outcome {results['outcome']}: {results['reason']}", file=out)
+    table = results["results"]
+    valid = [p for p in table["points"] if p["valid"]] if table else []
+    if table and valid:
+        best = max(valid, key=lambda p: p["total_token_throughput"] or 0.0)
+        print(
+            f"  best point c={best['concurrency']}: {best['total_token_throughput'] or 0:.1f}"
+            f" tok/s total, {best['output_throughput'] or 0:.1f} tok/s output"
+            f" ({gpu_text(table)})",
+            file=out,
+        )
+    usage: Usage | None = results.get("usage")
+    if usage is not None:
+        print(
+            f"  GPU-hours {usage['gpu_hours_useful']:.2f} useful,"
+            f" {usage['gpu_hours_lost']:.2f} lost",
+            file=out,
+        )
+    print(f"  archive {archive}", file=out)

@@ -1,0 +1,99 @@
+"""`results`, `report` and `status` of a finished run with no daemon: from an archive
+copied to a temp directory (no socket anywhere), the same table as through the daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmd_supervisor.core.gpus import RoleGpus
+from llmd_supervisor.core.results import Point, PointEvidence, parse_result, results_table
+from llmd_supervisor.core.usage import split
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "results"
+RUN = "a8c78661894a"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "LLMD_SUPERVISOR_SOCKET": "/nonexistent/control.sock"}
+    return subprocess.run(
+        [sys.executable, "-m", "llmd_supervisor", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+
+
+@pytest.fixture
+def state(tmp_path: Path) -> Path:
+    """A daemon's state directory holding one succeeded run's archive (and no socket)."""
+    archive = tmp_path / "state" / "archive" / RUN
+    archive.mkdir(parents=True)
+    point = parse_result((DATA / "vllm-serve-c4.json").read_bytes(), "vllm")
+    assert isinstance(point, Point)
+    evidence = PointEvidence(4, "results/c4.json", 4, 4, 0, True, None, point)
+    (archive / "results.json").write_text(json.dumps(results_table([evidence], RoleGpus(16, 16))))
+    attempts = [{"attempt": 1, "nodes": ["node1", "node2"], "gpu_hours": 2.0, "node_hours": 0.5}]
+    receipt = {
+        "outcome": "succeeded",
+        "reason": "State=COMPLETED ExitCode=0:0 (sacct and scontrol agree); marker rc=0",
+        "job_id": "77",
+        "attempt": 1,
+        "attempts": attempts,
+    }
+    (archive / "receipt.json").write_text(json.dumps(receipt))
+    return tmp_path / "state"
+
+
+def test_results_from_the_state_dir_or_the_archive_match_what_the_daemon_answers(
+    state: Path,
+) -> None:
+    archive = state / "archive" / RUN
+    by_state = cli("results", RUN, "--state-dir", str(state), "--json")
+    by_root = cli("results", RUN, "--archive", str(state / "archive"), "--json")
+    by_dir = cli("results", RUN, "--archive", str(archive), "--json")
+    assert by_state.returncode == 0, by_state.stderr
+    assert by_state.stdout == by_root.stdout == by_dir.stdout
+    (got,) = json.loads(by_state.stdout)["runs"]
+    table = json.loads((archive / "results.json").read_text())
+    receipt = json.loads((archive / "receipt.json").read_text())
+    # What the daemon's `results` op answers for the run (supervision.api._results).
+    assert got == {
+        "run": RUN,
+        "state": "succeeded",
+        "outcome": "succeeded",
+        "reason": receipt["reason"],
+        "results": table,
+        "usage": split(receipt["attempts"]),
+    }
+    text = cli("results", RUN, "--state-dir", str(state))
+    assert text.returncode == 0 and f"run {RUN}: succeeded\n" in text.stdout
+    assert "32 GPUs (16 prefill + 16 decode)" in text.stdout
+
+
+def test_status_from_the_archive_says_so_and_a_missing_run_names_where_it_looked(
+    state: Path,
+) -> None:
+    out = cli("status", RUN, "--state-dir", str(state))
+    assert out.returncode == 0, out.stderr
+    assert f"run {RUN}: succeeded (from its archive; no daemon asked)" in out.stdout
+    assert "slurm job 77, attempt 1" in out.stdout and "nodes node1,node2" in out.stdout
+    missing = cli("status", "nope", "--state-dir", str(state))
+    assert missing.returncode == 2 and "No archive of run nope in" in missing.stderr
+    assert "Traceback" not in missing.stderr
+    sneaky = cli("results", "../x", "--state-dir", str(state))
+    assert sneaky.returncode == 2 and "is not a run id" in sneaky.stderr
+
+
+def test_report_from_the_archive_writes_the_file(state: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.html"
+    got = cli("report", RUN, "--state-dir", str(state), "-o", str(out))
+    assert got.returncode == 0, got.stderr
+    assert out.read_text().startswith("<!DOCTYPE html>") and RUN in out.read_text()
