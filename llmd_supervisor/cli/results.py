@@ -17,6 +17,7 @@ import csv
 import dataclasses
 import io
 import json
+import shutil
 import sys
 import textwrap
 from collections.abc import Callable, Sequence
@@ -87,7 +88,15 @@ def _fmt(value: float | int | None) -> str:
 
 
 def _wrapped(text: str) -> list[str]:
-    return textwrap.wrap(text, width=98, initial_indent="  ", subsequent_indent="      ")
+    width = max(60, shutil.get_terminal_size((100, 24)).columns - 2)
+    return textwrap.wrap(text, width=width, initial_indent="  ", subsequent_indent="      ")
+
+
+def _columns(rows: list[list[str]], least: list[int]) -> list[str]:
+    """Rows right-aligned in columns as wide as their widest cell (at least `least`, one
+    blank between): a large number widens its column instead of shifting the rest."""
+    widths = [max(w, *(len(row[i]) + 1 for row in rows)) for i, w in enumerate(least)]
+    return ["  " + "".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
 
 
 # --- text ---------------------------------------------------------------------------------
@@ -138,7 +147,7 @@ def _block(r: RunResults, *, label: str = "") -> str:
         if gpus:
             row += [_fmt(per_gpu_total(p, gpus)), _fmt(p["output_throughput_per_gpu"])]
         rows.append(row)
-    lines += ["  " + "".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines += _columns(rows, widths)
     lat_head = ["conc"]
     for metric in LATENCIES:
         lat_head += [f"{metric.upper()} med", "p99"]
@@ -150,9 +159,7 @@ def _block(r: RunResults, *, label: str = "") -> str:
         for metric in LATENCIES:
             row += [_fmt(latency(p, metric, "median")), _fmt(latency(p, metric, "p99"))]
         lat_rows.append(row)
-    lines += [
-        "  " + "".join(c.rjust(w) for c, w in zip(row, lat_widths, strict=True)) for row in lat_rows
-    ]
+    lines += _columns(lat_rows, lat_widths)
     for p in points:
         if not p["valid"]:
             problem = p["problem"] or "marked invalid by the results parser"

@@ -51,7 +51,9 @@ def decode_toml(text: str) -> dict[str, object]:
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise SpecError(_FIELD, text[:80], f"the file is not valid TOML ({exc})") from exc
+        raise SpecError(
+            _FIELD, "(TOML syntax)", f"the file is not valid TOML: {exc}; fix it at that line"
+        ) from None
     except RecursionError:  # guarded by _scan; kept in case tomllib recurses elsewhere
         raise SpecError(
             _FIELD, text[:80], "arrays or tables are nested too deeply for a run spec"

@@ -442,3 +442,13 @@ def test_a_point_without_its_result_file_shows_dashes_and_gates_as_invalid() -> 
     found = compare(read_run_results(run_8gpu()), table, 10.0)
     assert [(g.concurrency, g.kind) for g in found] == [(16, "invalid")]
     assert [x["conc"] for x in inferencex_agg(table)] == [1, 64]
+
+
+def test_a_wide_number_widens_its_column_instead_of_shifting_the_rest() -> None:
+    from llmd_supervisor.cli.results import _columns
+
+    rows = [["conc", "tot tok/s", "out/GPU"], ["1", "12345678901234", "5"], ["64", "7", "6"]]
+    lines = _columns(rows, [6, 10, 9])
+    ends = {len(line) for line in lines}
+    assert len(ends) == 1  # every row as long: the columns line up
+    assert [line.rstrip()[-1] for line in lines] == ["U", "5", "6"]

@@ -616,6 +616,12 @@ def test_toml_failures_are_spec_errors(text: str, field: str, hint_part: str) ->
     assert len(str(info.value)) < 1000
 
 
+def test_a_toml_syntax_error_names_the_line_not_the_files_text() -> None:
+    with pytest.raises(SpecError) as info:
+        load_spec('[run]\nname = "secret-ish"\nlog_dir = /x\n')
+    assert "line 3" in str(info.value) and "secret-ish" not in str(info.value)
+
+
 @pytest.mark.parametrize(
     "text",
     [
