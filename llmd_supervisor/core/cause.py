@@ -21,7 +21,9 @@ only against the job's owner (`core.retry`).
   saw it not answer), and what passed its own health check there (``healthy``). A rank
   stopped before its check (TERM after another's failure, an unchecked ``--headless``
   follower) is no evidence either way.
-* ``workload`` — OUT_OF_MEMORY, TIMEOUT or DEADLINE; a benchmark point that failed or
+* ``workload`` — OUT_OF_MEMORY, TIMEOUT or DEADLINE; a component whose port was already
+  in use (its log says so: the spec's ports, or another process on the node); a
+  benchmark point that failed or
   did not pass the validity gate; every rank of a role failing the same way (the model,
   the flags or the image, not a node).
 * ``cancelled`` — the supervisor's cancel, or Slurm says CANCELLED.
@@ -43,6 +45,7 @@ from llmd_supervisor.node.common import (
     RC_ENGINE_DIED,
     RC_ENGINE_START,
     RC_ENGINE_UNHEALTHY,
+    RC_PORT_IN_USE,
     RC_REMOTE_UNHEALTHY,
     RC_SERVICE_DIED,
     RC_SERVICE_UNHEALTHY,
@@ -223,6 +226,15 @@ def diagnose(
             tuple(sorted(silent)),
             "unreachable or silent while the other nodes were not",
             tuple(sorted(silent & seen)),
+        )
+    taken = [r for r in ranks if r.local_rc == RC_PORT_IN_USE]
+    if taken:  # the spec's ports, or another process on the node: not the node's fault
+        r = taken[0]
+        return Diagnosis(
+            Cause.WORKLOAD,
+            (),
+            f"the {r.component or 'engine'} of rank {r.rank} on {r.node} found its port"
+            " already in use",
         )
     culprits = _culprits(ranks)
     if culprits:

@@ -75,6 +75,7 @@ RC_COORDINATOR_SILENT = 75
 RC_SERVICE_UNHEALTHY = 76  # a router or sidecar process not healthy within its deadline
 RC_SERVICE_DIED = 77  # a router or sidecar process exited
 RC_BAD_MARKER = 78  # (worker) the job's marker holds an rc that is no exit status
+RC_PORT_IN_USE = 79  # an engine, router or sidecar could not bind its port: already in use
 RC_SIGTERM = 143
 LOCAL_FAILURE_RCS = (RC_ENGINE_START, RC_ENGINE_UNHEALTHY, RC_ENGINE_DIED)
 

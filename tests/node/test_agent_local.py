@@ -259,3 +259,27 @@ def test_blackholed_health_endpoint_hits_the_deadline(local_run: MakeRun) -> Non
     net = (run.job_dir / "rank1.net.txt").read_text()
     assert "stage engines-healthy failed" in net and "$ ip -4 addr" in net
     assert run.live_children() == []
+
+
+def test_an_engine_whose_port_is_taken_says_so_and_exits_port_in_use(
+    local_run: MakeRun,
+) -> None:
+    """Rank 1's engine port is held by another process: its engine cannot bind ("Address
+    already in use" in its log). The failure names the port and the host, with the rc
+    the daemon's cause reads as the workload's (a configuration's, not the node's)."""
+    run = local_run(concurrencies=(1,))
+    taken = socket.socket()
+    taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 0)
+    taken.bind(("127.0.0.1", run.port + 1))
+    taken.listen(1)
+    try:
+        run.start()
+        rcs = run.wait(30)
+    finally:
+        taken.close()
+    assert rcs[1] == common.RC_PORT_IN_USE, run.describe()
+    marker = run.marker()
+    assert marker is not None and marker["rc"] == common.RC_PORT_IN_USE, marker
+    assert f"port {run.port + 1} on 127.0.0.1 already in use" in str(marker["reason"])
+    status = run.status(1)
+    assert status["local_rc"] == common.RC_PORT_IN_USE and status["failed_component"] == "engine"

@@ -252,3 +252,20 @@ def test_a_hang_names_the_ranks_node_in_the_allocation(
 ) -> None:
     got = hang(stage, rank, ALLOC)
     assert (got.cause, got.nodes, got.observed) == (cause, nodes, ())
+
+
+def test_a_port_already_in_use_is_the_workloads_not_the_nodes() -> None:
+    """A router that could not bind its port (`router exited rc 1 ... cause=unknown`
+    before): the agent says RC_PORT_IN_USE, the cause is the workload's, no node blamed."""
+    router = RankEnd(2, "node3", D, common.RC_PORT_IN_USE, "envoy", 2, frozenset({"engine"}))
+    got = diagnose(
+        Outcome.FAILED,
+        slurm_state=JobState.FAILED,
+        cancel_requested=False,
+        allocation=ALLOC,
+        ranks=[*OK4[:2], router, OK4[3]],
+        unreachable=[],
+        benchmark_failed=False,
+    )
+    assert got is not None and (got.cause, got.nodes) == (Cause.WORKLOAD, ())
+    assert got.why == "the envoy of rank 2 on node3 found its port already in use"

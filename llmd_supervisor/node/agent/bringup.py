@@ -18,7 +18,7 @@ from .. import common as shared
 from . import processes
 from .config import ConfigError
 from .errors import LocalFailure
-from .files import write_atomic
+from .files import says_port_in_use, write_atomic
 from .health import check_health, check_tcp
 from .processes import rc_text
 from .templates import Values, expand_template
@@ -50,7 +50,7 @@ def start_service(agent: "AgentView", svc: Dict[str, Any]) -> "subprocess.Popen[
     values = service_values(agent)
     argv = [expand_template(a, values) for a in svc["command"]]
     name = str(svc["name"])
-    log_path = os.path.join(agent.job_dir, "rank%d.%s.log" % (agent.rank, name))
+    log_path = service_log(agent, name)
     agent.log("%s.start" % name, argv=" ".join(argv), log=log_path)
     group = agent.engine.pid if agent.engine is not None else None
     try:
@@ -68,16 +68,44 @@ def start_service(agent: "AgentView", svc: Dict[str, Any]) -> "subprocess.Popen[
     return proc
 
 
+def service_log(agent: "AgentView", name: str) -> str:
+    return os.path.join(agent.job_dir, "rank%d.%s.log" % (agent.rank, name))
+
+
+def died(
+    agent: "AgentView", rc: int, reason: str, component: str, log_path: str, port: int
+) -> LocalFailure:
+    """The failure of a component that exited: `rc`, or RC_PORT_IN_USE naming the port
+    and this node when its log says the port was taken (a configuration's or another
+    process's doing, not the node's)."""
+    if log_path and says_port_in_use(log_path):
+        where = "port %d on %s already in use" % (port, agent.host_of(agent.rank))
+        return LocalFailure(shared.RC_PORT_IN_USE, "%s (%s)" % (where, reason), None, component)
+    return LocalFailure(rc, reason, component=component)
+
+
 def check_services(agent: "AgentView") -> None:
     """LocalFailure if a router or sidecar process of this rank has exited."""
     for name, proc in agent.services.items():
         rc = proc.poll()
         if rc is not None:
-            raise LocalFailure(
+            svc = _service_config(agent, name)
+            raise died(
+                agent,
                 shared.RC_SERVICE_DIED,
                 "%s exited with %s" % (name, rc_text(rc)),
-                component=name,
+                name,
+                service_log(agent, name),
+                int(svc["port"]) if svc else 0,
             )
+
+
+def _service_config(agent: "AgentView", name: str) -> Optional[Dict[str, Any]]:
+    router = agent.cfg.get("router") or {}
+    for svc in [*router.get("processes", []), agent.cfg.get("sidecar") or {}]:
+        if svc.get("name") == name:
+            return dict(svc)
+    return None
 
 
 def wait_healthy(
@@ -98,11 +126,14 @@ def wait_healthy(
     while pending:
         agent.check_term()
         if proc is not None and proc.poll() is not None:
-            raise LocalFailure(
+            raise died(
+                agent,
                 shared.RC_SERVICE_DIED,
                 "stage %s: %s exited with %s before it was healthy"
                 % (stage, svc["name"], rc_text(proc.poll())),
-                component=svc["name"],
+                svc["name"],
+                service_log(agent, svc["name"]),
+                port,
             )
         agent.raise_if_others_failed()
         for rank in sorted(pending):
@@ -194,9 +225,13 @@ def wait_own_health(agent: "AgentView", deadline: float) -> None:
         agent.check_term()
         rc = agent.poll_engine()
         if rc is not None:
-            raise LocalFailure(
+            raise died(
+                agent,
                 shared.RC_ENGINE_DIED,
                 "engine exited with %s before becoming healthy" % rc_text(rc),
+                "engine",
+                agent.engine_log,
+                agent.port_of(agent.rank),
             )
         last = check_health(host, port, agent.health_path, agent.connect_s, agent.read_s)
         if not last:
@@ -223,9 +258,13 @@ def wait_all_engines(agent: "AgentView", deadline: float) -> None:
         agent.check_term()
         rc = agent.poll_engine()
         if rc is not None:
-            raise LocalFailure(
+            raise died(
+                agent,
                 shared.RC_ENGINE_DIED,
                 "engine exited with %s before becoming healthy" % rc_text(rc),
+                "engine",
+                agent.engine_log,
+                agent.port_of(agent.rank),
             )
         agent.raise_if_others_failed()
         for r in sorted(pending):

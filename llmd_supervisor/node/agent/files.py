@@ -79,3 +79,17 @@ def tail_lines(path: str, n: int = 30, max_bytes: int = 16384) -> List[str]:
     except OSError as exc:
         return ["<cannot read %s: %s>" % (path, exc)]
     return data.decode("utf-8", "replace").splitlines()[-n:]
+
+
+# How "address already in use" reads in the logs of the components the agent starts:
+# Python's OSError (vLLM, uvicorn, the stand-ins: "[Errno 98] Address already in use",
+# uvicorn's "error while attempting to bind on address ...: address already in use"),
+# Envoy ("cannot bind '0.0.0.0:8080': Address already in use"), Go (the EPP: "bind:
+# address already in use").
+PORT_IN_USE_WORDS = ("address already in use", "errno 98", "eaddrinuse")
+
+
+def says_port_in_use(path: str) -> bool:
+    """Whether the last lines of a component's log say its port was taken."""
+    text = "\n".join(tail_lines(path, 40)).lower()
+    return any(word in text for word in PORT_IN_USE_WORDS)
