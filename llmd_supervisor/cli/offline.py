@@ -104,6 +104,9 @@ def run_results(args: argparse.Namespace, ref: str) -> RunResults:
         "reason": job_text(str(receipt.get("reason", ""))),
         "results": table,
         "usage": split_usage(rows),
+        "finished_at": receipt["decided_at"]
+        if isinstance(receipt.get("decided_at"), str)
+        else None,
     }
     try:
         return read(RunResults, value)

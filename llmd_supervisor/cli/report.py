@@ -91,6 +91,7 @@ class Chart:
     series: tuple[Series, ...]
     log_x: bool = False
     left_out: tuple[str, ...] = ()  # one sentence per run not plotted
+    zero_y: bool = False  # a throughput: its axis starts at zero
 
 
 def _escaped_run(r: RunResults) -> RunResults:
@@ -223,6 +224,7 @@ def build_charts(runs: Sequence[RunResults]) -> list[Chart]:
             "total tok/s per GPU",
             s,
             left_out=out,
+            zero_y=True,
         )
     )
     s, out = _series(runs, x_interactivity, total)
@@ -234,6 +236,7 @@ def build_charts(runs: Sequence[RunResults]) -> list[Chart]:
             "total tok/s (all GPUs)",
             s,
             left_out=out,
+            zero_y=True,
         )
     )
     for metric in ("ttft", "tpot"):
@@ -281,6 +284,8 @@ def chart_svg(chart: Chart) -> str:
             ticks = sorted({p[0] for s in chart.series for p in s.points})
             ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
             ax.minorticks_off()
+        if chart.zero_y:
+            ax.set_ylim(bottom=0)
         ax.set_title(chart.title)
         ax.set_xlabel(chart.xlabel)
         ax.set_ylabel(chart.ylabel)
@@ -371,6 +376,40 @@ def _evidence_table(r: RunResults) -> str:
     )
 
 
+def run_title(r: RunResults) -> str:
+    """What a run was: model, topology (xPyD and GPUs), ISL/OSL and when it ended, from
+    its results table's deployment (the parts it does not say are left out)."""
+    table = r["results"]
+    d = table.get("deployment") if table is not None else None
+    parts = []
+    if d is not None:
+        parts.append(d["model"])
+        gpus = ""
+        if d["num_prefill_gpu"] is not None and d["num_decode_gpu"] is not None:
+            gpus = f", {d['num_prefill_gpu']}+{d['num_decode_gpu']} GPUs"
+        parts.append(f"{d['prefill_num_workers']}P{d['decode_num_workers']}D{gpus}")
+        parts.append(f"ISL {d['isl']} / OSL {d['osl']}")
+    elif table is not None and table["gpus"]:
+        parts.append(gpu_text(table))
+    ended = r.get("finished_at")
+    if ended:
+        parts.append(f"ended {ended[:16].replace('T', ' ')} UTC")
+    return " · ".join(parts)
+
+
+def _chart_table(chart: Chart) -> str:
+    """The plotted points of `chart` as a table below it (the numbers the eye reads off)."""
+    head = "<tr><th>run</th><th>concurrency</th>"
+    head += f"<th>{html.escape(chart.xlabel)}</th><th>{html.escape(chart.ylabel)}</th></tr>"
+    rows = [
+        f'<tr><td class="text">{html.escape(s.label)}</td><td>{conc}</td>'
+        f"<td>{_num(x)}</td><td>{_num(y)}</td></tr>"
+        for s in chart.series
+        for x, y, conc in s.points
+    ]
+    return f'<div class="scroll"><table class="points">{head}{"".join(rows)}</table></div>'
+
+
 def _run_section(r: RunResults) -> str:
     outcome = r["outcome"]
     css = "succeeded" if outcome == "succeeded" else ("bad" if outcome else "")
@@ -381,6 +420,7 @@ def _run_section(r: RunResults) -> str:
     return (
         f'<section id="run-{html.escape(r["run"], quote=True)}">'
         f"<h2>Run {html.escape(r['run'])}</h2>"
+        f'<p class="title">{html.escape(run_title(r))}</p>'
         f'<div class="verdict {css}"><b>{html.escape(outcome or "no outcome yet")}</b> '
         f"(state {html.escape(r['state'])}): {html.escape(r['reason'] or 'no reason given')}"
         f'</div><p class="note">{html.escape(meta)}</p>{_evidence_table(r)}</section>'
@@ -406,6 +446,7 @@ def render_report(
         parts.append(
             f'<li><a href="#run-{html.escape(r["run"], quote=True)}">{html.escape(r["run"])}</a>: '
             f"<b>{html.escape(r['outcome'] or r['state'])}</b> "
+            f'<span class="title">{html.escape(run_title(r))}</span>: '
             f"{html.escape(r['reason'])}</li>"
         )
     parts.append("</ul><h2>Charts</h2>")
@@ -413,6 +454,7 @@ def render_report(
     for chart in build_charts(runs):
         if chart.series:
             parts.append(f'<div class="chart" id="{chart.chart_id}">{svg(chart)}</div>')
+            parts.append(_chart_table(chart))
         else:
             parts.append(f'<p class="note">{html.escape(chart.title)}: nothing to plot.</p>')
         parts += _notes("Not plotted", chart.left_out)

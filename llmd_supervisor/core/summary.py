@@ -266,9 +266,11 @@ class _RunResults(TypedDict):
 
 class RunResults(_RunResults, total=False):
     """``results``: a run's verdict and its results table (null before it is archived,
-    or when no job ran), and what its attempts cost (absent from an older daemon)."""
+    or when no job ran), what its attempts cost, and when it ended (ISO 8601 UTC; null
+    while it runs). The last two are absent from an older daemon."""
 
     usage: UsageView
+    finished_at: str | None
 
 
 class Headline(TypedDict):

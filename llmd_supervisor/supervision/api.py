@@ -352,6 +352,7 @@ class ControlApi(Generic[H]):
             "reason": run.reason,
             "results": table,
             "usage": split_usage(handle.history),
+            "finished_at": (run_end(run, self.clock()).isoformat() if run.state.is_final else None),
         }
 
     async def _wait(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunSummary:

@@ -47,6 +47,7 @@ def state(tmp_path: Path) -> Path:
         "job_id": "77",
         "attempt": 1,
         "attempts": attempts,
+        "decided_at": "2026-12-03T08:13:58.700000+00:00",
     }
     (archive / "receipt.json").write_text(json.dumps(receipt))
     return tmp_path / "state"
@@ -72,6 +73,7 @@ def test_results_from_the_state_dir_or_the_archive_match_what_the_daemon_answers
         "reason": receipt["reason"],
         "results": table,
         "usage": split(receipt["attempts"]),
+        "finished_at": receipt["decided_at"],
     }
     text = cli("results", RUN, "--state-dir", str(state))
     assert text.returncode == 0 and f"run {RUN}: succeeded\n" in text.stdout

@@ -269,3 +269,37 @@ def test_chromium_renders_the_report_with_its_points(tmp_path: Path, report_html
             if max(abs(a - b) for a, b in zip(c, want, strict=True)) <= 8
         )
         assert near > 200, f"hardly any pixel of the colour {colour} in the screenshot"
+
+
+def test_each_run_is_titled_with_model_topology_and_lengths_in_the_browser(
+    tmp_path: Path,
+) -> None:
+    """The page Chromium renders names each run by its model, its xPyD topology with the
+    GPUs of each role, ISL/OSL and its end; throughput axes start at zero; every chart has
+    the table of its points below it."""
+    from llmd_supervisor.core.recipe import deployment_of
+    from llmd_supervisor.core.spec import load_spec
+    from tests.daemon_helpers import demo_spec
+
+    runs = samples()
+    table = runs[0]["results"]
+    assert table is not None
+    deployment = deployment_of(load_spec(demo_spec(tmp_path / "logs")))
+    runs[0] = runs[0] | {
+        "results": table | {"deployment": deployment},
+        "finished_at": "2026-12-03T08:13:58+00:00",
+    }
+    want = (
+        f"{deployment['model']} · {deployment['prefill_num_workers']}P"
+        f"{deployment['decode_num_workers']}D, {deployment['num_prefill_gpu']}+"
+        f"{deployment['num_decode_gpu']} GPUs · ISL {deployment['isl']} / OSL"
+        f" {deployment['osl']} · ended 2026-12-03 08:13 UTC"
+    )
+    page = tmp_path / "report.html"
+    page.write_text(render_report(runs, generated_at="now"), encoding="utf-8")
+    dom = _chromium(tmp_path, "--dump-dom", page.as_uri())
+    assert f'<p class="title">{html.escape(want)}</p>' in dom
+    assert dom.count('<table class="points">') == len([c for c in build_charts(runs) if c.series])
+    charts = {c.chart_id: c for c in build_charts(runs)}
+    assert charts["tput-vs-interactivity"].zero_y and charts["total-tput-vs-interactivity"].zero_y
+    assert not charts["ttft-vs-concurrency"].zero_y
