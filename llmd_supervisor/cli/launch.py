@@ -72,6 +72,17 @@ def add_watch_options(p: argparse.ArgumentParser) -> None:
         metavar="GLOB",
         help="benchmark result files to archive (vLLM's JSON is also tabulated)",
     )
+    g.add_argument(
+        "--prefill-gpus",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the prefill role's GPUs (all its nodes): output tok/s per GPU is divided by "
+        "the decode GPUs and input tok/s by these, as InferenceX does (with --decode-gpus)",
+    )
+    g.add_argument(
+        "--decode-gpus", type=int, default=None, metavar="M", help="the decode role's GPUs"
+    )
 
 
 def foreign_spec_json(
@@ -104,6 +115,8 @@ def foreign_spec_json(
         sbatch_args=tuple(getattr(args, "sbatch_args", ())),
         job_name_prefix=getattr(args, "job_name_prefix", None),
         job_id=getattr(args, "job_id", None),
+        prefill_gpus=getattr(args, "prefill_gpus", None),
+        decode_gpus=getattr(args, "decode_gpus", None),
     )
     text = foreign.dump(spec)
     return text, foreign.load(text).env_dropped

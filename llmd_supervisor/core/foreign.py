@@ -135,6 +135,10 @@ class ForeignSpec:
     job_name_prefix: str | None = None
     job_id: str | None = None  # the adopted job
     sigterm_grace_s: int = DEFAULT_GRACE_S
+    # --prefill-gpus / --decode-gpus: the roles' GPUs its per-GPU numbers are divided by
+    # (None: as its result files declare, else by their total).
+    prefill_gpus: int | None = None
+    decode_gpus: int | None = None
     env_dropped: tuple[str, ...] = field(default=(), compare=False)  # names left out
 
     def job_name(self, run_id: str) -> str:
@@ -175,6 +179,8 @@ def dump(spec: ForeignSpec, *, with_env_values: bool = True) -> str:
         "job_name_prefix": spec.job_name_prefix,
         "job_id": spec.job_id,
         "sigterm_grace_s": spec.sigterm_grace_s,
+        "prefill_gpus": spec.prefill_gpus,
+        "decode_gpus": spec.decode_gpus,
     }
     return json.dumps({"foreign": body}, indent=1, sort_keys=True) + "\n"
 
@@ -233,6 +239,7 @@ def load(text: str) -> ForeignSpec:
     if type(grace) is not int or not 0 <= grace <= 3600:
         raise SpecError("sigterm_grace_s", grace, "an integer from 0 to 3600")
     env, dropped = _env(body.get("env"))
+    prefill_gpus, decode_gpus = _role_gpus(body.get("prefill_gpus"), body.get("decode_gpus"))
     return ForeignSpec(
         kind=kind,
         watch=watch,
@@ -244,8 +251,29 @@ def load(text: str) -> ForeignSpec:
         job_name_prefix=prefix,
         job_id=job_id,
         sigterm_grace_s=grace,
+        prefill_gpus=prefill_gpus,
+        decode_gpus=decode_gpus,
         env_dropped=dropped,
     )
+
+
+GPUS_MAX: Final = 1_000_000
+
+
+def _role_gpus(prefill: object, decode: object) -> tuple[int | None, int | None]:
+    """--prefill-gpus and --decode-gpus: both or neither, whole numbers (decode > 0)."""
+    if prefill is None and decode is None:
+        return None, None
+    for option, value, low in (("--prefill-gpus", prefill, 0), ("--decode-gpus", decode, 1)):
+        if type(value) is not int or not low <= value <= GPUS_MAX:
+            raise SpecError(
+                option,
+                value,
+                f"give both --prefill-gpus and --decode-gpus, whole numbers ({low} to"
+                f" {GPUS_MAX}): the GPUs of each role, across all its nodes",
+            )
+    assert isinstance(prefill, int) and isinstance(decode, int)
+    return prefill, decode
 
 
 def check_pattern(option: str, pattern: str) -> None:

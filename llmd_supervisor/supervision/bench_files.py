@@ -22,6 +22,7 @@ from llmd_supervisor.adapters import jobfiles
 from llmd_supervisor.adapters.jobfiles import RESULT_FILE_MAX, SMALL_FILE_MAX
 from llmd_supervisor.adapters.result_parser import ParseLimits, parse_many
 from llmd_supervisor.core.config import Limits
+from llmd_supervisor.core.gpus import RoleGpus
 from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.core.layout import RESULTS, RunLayout
 from llmd_supervisor.core.results import (
@@ -309,10 +310,12 @@ async def read_foreign(
     return out
 
 
-def foreign_table(got: BenchFiles) -> ResultsTable:
+def foreign_table(got: BenchFiles, roles: RoleGpus | None = None) -> ResultsTable:
     """`results.json` of a foreign job: a row per archived JSON result file, a point where
     it parsed as vLLM's (or InferenceX's) benchmark result; no validity gate (the job
-    defines none). A file's name is the job's text: escaped before it reaches the table."""
+    defines none). A file's name is the job's text: escaped before it reaches the table.
+    `roles`: the GPUs of each role the user gave (--prefill-gpus, --decode-gpus); without
+    them a file's own declaration counts (`core.gpus.ROLE_GPU_KEYS`)."""
     evidence: list[PointEvidence] = []
     for name, point in sorted(got.parsed.items()):
         if isinstance(point, Point):
@@ -326,4 +329,4 @@ def foreign_table(got: BenchFiles) -> ResultsTable:
                 conc, job_text(name), requested, 0, requested, problem is None, problem, parsed
             )
         )
-    return results_table(evidence, None)
+    return results_table(evidence, roles)

@@ -74,6 +74,8 @@ def test_a_spec_round_trips_and_the_archive_copy_keeps_only_variable_names() -> 
         ("sbatch_args", ["--job", "x"], "--job-name is not allowed"),
         ("sbatch_args", ["-vW"], "a word of its own"),
         ("sbatch_args", ["job.sbatch"], "options only"),
+        ("prefill_gpus", 8, "give both --prefill-gpus and --decode-gpus"),
+        ("decode_gpus", True, "give both --prefill-gpus and --decode-gpus"),
     ],
 )
 def test_bad_values_are_refused_naming_the_option(field: str, value: object, says: str) -> None:
@@ -181,3 +183,9 @@ def test_the_cli_refuses_bad_submissions_before_asking_the_daemon(
     (tmp_path / "spec.toml").write_text("")
     assert main([*argv[:1], "--socket", str(tmp_path / "none.sock"), *argv[1:]]) == 2
     assert says in capsys.readouterr().err
+
+
+def test_the_roles_gpus_round_trip() -> None:
+    s = spec(prefill_gpus=16, decode_gpus=8)
+    assert foreign.load(foreign.dump(s)) == s
+    assert (s.prefill_gpus, s.decode_gpus) == (16, 8)

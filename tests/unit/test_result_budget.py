@@ -214,3 +214,19 @@ def test_a_foreign_result_file_name_reaches_the_table_escaped() -> None:
     name = rows[0]["file"]
     assert isinstance(name, str) and name.isprintable() and name.startswith("results/")
     json.dumps(rows, allow_nan=False).encode("utf-8")
+
+
+def test_a_foreign_jobs_roles_divide_its_per_gpu_numbers_as_inferencex_does() -> None:
+    """`submit --script ... --prefill-gpus 16 --decode-gpus 8`: output tok/s per GPU over
+    the decode GPUs, input over the prefill ones, total over both."""
+    from llmd_supervisor.core.gpus import RoleGpus
+    from llmd_supervisor.core.results import parse_result
+
+    point = parse_result(vllm_result(4, 40), "vllm")
+    assert isinstance(point, Point)
+    got = bench_files.BenchFiles(parsed={"results/a.json": point})
+    table = bench_files.foreign_table(got, RoleGpus(16, 8))
+    assert (table["gpus"], table.get("prefill_gpus"), table.get("decode_gpus")) == (24, 16, 8)
+    (row,) = table["points"]
+    assert row["output_throughput_per_gpu"] == pytest.approx(point.output_throughput / 8)
+    assert row["input_throughput_per_gpu"] == pytest.approx(point.input_throughput / 16)

@@ -16,6 +16,7 @@ import structlog
 
 from llmd_supervisor.adapters import archive
 from llmd_supervisor.core.foreign import ForeignSpec
+from llmd_supervisor.core.gpus import RoleGpus
 from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.core.lifecycle import Archived
 from llmd_supervisor.core.recipe import deployment_of, role_gpus
@@ -123,7 +124,10 @@ async def _bench_evidence(ctx: RunContext) -> dict[str, bytes]:
     files, layout, limits = ctx.cluster.files, ctx.layout, ctx.config.limits
     if isinstance(spec, ForeignSpec):
         got = await bench_files.read_foreign(files, layout, job_id, refused, limits)
-        table = bench_files.foreign_table(got)
+        roles = None
+        if spec.prefill_gpus is not None and spec.decode_gpus is not None:
+            roles = RoleGpus(spec.prefill_gpus, spec.decode_gpus)
+        table = bench_files.foreign_table(got, roles)
         return {**got.archived, "results.json": (json.dumps(table, indent=1) + "\n").encode()}
     found = await bench_files.read_all(files, layout, job_id, spec, refused, limits)
     table = results_table(
