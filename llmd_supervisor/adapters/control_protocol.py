@@ -160,7 +160,7 @@ OPS: Final[Mapping[str, OpSpec]] = MappingProxyType(
             }
         ),
         # a user's own batch script, and a job submitted without the daemon: a foreign
-        # spec as JSON (`core.foreign`; the CLI builds it from its options)
+        # spec as JSON (`core.foreign_spec`; the CLI builds it from its options)
         "submit_script": OpSpec({"spec_json": ArgSpec(_STR, required=True), "cluster": _CLUSTER}),
         "adopt": OpSpec({"spec_json": ArgSpec(_STR, required=True), "cluster": _CLUSTER}),
         "list": OpSpec(

@@ -50,7 +50,7 @@ from llmd_supervisor.adapters.journal_rows import (
 )
 from llmd_supervisor.adapters.journal_schema import MIGRATIONS
 from llmd_supervisor.core.lifecycle import Run, RunState
-from llmd_supervisor.core.retry import Evidence, NodeFailure
+from llmd_supervisor.core.retry_policy import Evidence, NodeFailure
 from llmd_supervisor.errors import JournalConflict, JournalError
 
 __all__ = ["SCHEMA_VERSION", "Journal", "RunMeta", "StoredRun"]
@@ -357,7 +357,7 @@ class Journal:
 
         return await self._call(operation, _read(work))
 
-    # --- node quarantine (core.retry) -------------------------------------------------------
+    # --- node quarantine (core.retry_policy) ---------------------------------------------------
 
     async def count_node_failure(self, failure: NodeFailure, *, forget_before: datetime) -> None:
         """Count one node's failure in one attempt (once: counting the same attempt's

@@ -67,7 +67,7 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     ),
     # 1 -> 2: the log copies' own sizes are the resume offsets; the table was never read.
     ("DROP TABLE IF EXISTS log_offsets",),
-    # 2 -> 3: retries (a run's submissions) and node quarantine per cluster (core.retry).
+    # 2 -> 3: retries (a run's submissions) and node quarantine per cluster (core.retry_policy).
     (
         "ALTER TABLE runs ADD COLUMN submission INTEGER NOT NULL DEFAULT 1 CHECK (submission >= 1)",
         """
@@ -83,7 +83,7 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         )
         """,
     ),
-    # 3 -> 4: node failures one row each, with their owner and evidence (core.retry counts
+    # 3 -> 4: node failures one row each, with their owner and evidence (core.retry_policy counts
     # them per owner; a job's own word never keeps a node from everyone). A counted record
     # of version 3 becomes one failure its run's owner's job told of (what it was cannot
     # be told apart any more).

@@ -1,4 +1,4 @@
-"""The CLI's side of jobs the daemon did not render (`core.foreign`): the options of
+"""The CLI's side of jobs the daemon did not render (`core.foreign_spec`): the options of
 `submit --script` and `adopt`, the foreign spec they make (checked before it is sent),
 and the `nodes` table."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Literal
 
 from llmd_supervisor.cli.common import _Exit
-from llmd_supervisor.core import foreign
+from llmd_supervisor.core import foreign_spec
 from llmd_supervisor.core.summary import NodesView
 from llmd_supervisor.errors import SupervisorError
 
@@ -94,18 +94,18 @@ def foreign_spec_json(
     if kind == "script":
         path: Path = args.script
         with path.open("rb") as f:
-            data = f.read(foreign.SCRIPT_MAX + 1)
+            data = f.read(foreign_spec.SCRIPT_MAX + 1)
         script, name = data.decode("utf-8"), path.name
     chdir = getattr(args, "chdir", None)
     chdir = os.path.abspath(chdir) if chdir else None
     fmt = args.marker_format or ("json" if args.marker else "none")
-    spec = foreign.ForeignSpec(
+    spec = foreign_spec.ForeignSpec(
         kind=kind,
-        watch=foreign.Watch(
+        watch=foreign_spec.Watch(
             log_dir=os.path.abspath(args.log_dir or chdir or os.getcwd()),
             logs=tuple(args.logs),
             marker=args.marker,
-            marker_format=foreign.MarkerFormat(fmt),
+            marker_format=foreign_spec.MarkerFormat(fmt),
             results=tuple(args.results),
         ),
         script=script,
@@ -118,8 +118,8 @@ def foreign_spec_json(
         prefill_gpus=getattr(args, "prefill_gpus", None),
         decode_gpus=getattr(args, "decode_gpus", None),
     )
-    text = foreign.dump(spec)
-    return text, foreign.load(text).env_dropped
+    text = foreign_spec.dump(spec)
+    return text, foreign_spec.load(text).env_dropped
 
 
 def nodes_table(view: NodesView) -> list[str]:

@@ -174,7 +174,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from llmd_supervisor.core.results import GateResult, Validity
     from llmd_supervisor.errors import SupervisorError
     from llmd_supervisor.supervision.bench_files import gate_dir
-    from llmd_supervisor.supervision.verify import EXIT_CODES, DirectEvidence, verify_job
+    from llmd_supervisor.supervision.verify_job import EXIT_CODES, DirectEvidence, verify_job
 
     job_id: str = args.job_id
     if not job_id.isdigit():

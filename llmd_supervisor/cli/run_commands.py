@@ -542,7 +542,7 @@ def _wait(args: argparse.Namespace, run: str, *, follow: bool) -> int:
 
     With `follow`, stdout carries the log alone and the final summary goes to stderr.
     """
-    from llmd_supervisor.supervision.verify import EXIT_CODES
+    from llmd_supervisor.supervision.verify_job import EXIT_CODES
 
     socket_path: Path = args.socket
     policy = _reconnect(args)

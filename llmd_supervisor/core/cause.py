@@ -10,7 +10,7 @@ outside the allocation names nothing. The implicated nodes the daemon saw fail i
 (Slurm names them failed or down, or they did not take an SSH connection) are the
 diagnosis's `observed` ones; the others are inferred from what the job wrote (its status
 files: a failed component, a hang, a status file gone stale), which the quarantine counts
-only against the job's owner (`core.retry`).
+only against the job's owner (`core.retry_policy`).
 
 * ``infrastructure`` — Slurm says NODE_FAIL, BOOT_FAIL or PREEMPTED; or some node was
   unreachable (or its status file silent) while others were not; or one node's engine or

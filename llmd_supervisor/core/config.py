@@ -81,7 +81,7 @@ class Limits:
     # One result file's parse, in a child process: its address space, and its wall time.
     result_parse_memory_bytes: int = 512 << 20
     result_parse_timeout_s: float = 10.0
-    # Node quarantine (core.retry): the window failures count in, and how long they keep
+    # Node quarantine (core.retry_policy): the window failures count in, and how long they keep
     # a node out. Kept out of everyone's runs after `quarantine_after_failures` failures
     # the daemon saw itself (Slurm, SSH), or failures from `quarantine_after_inferred`
     # different runs of two or more owners; of one owner's runs after that owner's

@@ -9,7 +9,7 @@ Layout, for log directory ``L``, job name ``N`` and job id ``J``:
   * ``L/.bench_done.J``            -- the completion marker
   * ``L/J/``                       -- the job directory: per-rank logs and status files
   * ``L/J/bench/c<N>.json|.log``   -- each benchmark point's result and client log
-A foreign job (`core.foreign`: a user's batch script, an adopted job) has its own names:
+A foreign job (`core.foreign_spec`: a user's batch script, an adopted job) has its own names:
 its `Watch` says which files below ``L`` are its logs, marker and results, and its batch
 logs are where ``scontrol show job`` says (`batch_paths`). It has no status files.
 
@@ -26,7 +26,7 @@ import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmd_supervisor.core.foreign import MarkerFormat, Watch
+from llmd_supervisor.core.foreign_spec import MarkerFormat, Watch
 from llmd_supervisor.node import common
 
 LOGS = "logs"

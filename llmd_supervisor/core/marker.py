@@ -17,7 +17,7 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Literal
 
-from llmd_supervisor.core.foreign import MarkerFormat
+from llmd_supervisor.core.foreign_spec import MarkerFormat
 from llmd_supervisor.core.jobtext import job_repr, job_text
 from llmd_supervisor.node import common as shared
 from llmd_supervisor.node import marker_format

@@ -23,7 +23,7 @@ Layout (see ``deploy/llm-d/demo.toml``)::
                  (see :mod:`llmd_supervisor.core.spec_bench`)
     [slurm]      partition, account, time_limit, extra_args, requeue
     [retry]      infrastructure, exclude_nodes, backoff_s, hold_timeout_s (see
-                 :mod:`llmd_supervisor.core.retry`)
+                 :mod:`llmd_supervisor.core.retry_policy`)
     [env.common] [env.prefill] [env.decode] [env.bench]   NAME = "value"
     [recipe]     hw, framework, precision, model_prefix, spec_decoding, per-role tp, pp,
                  ep, dp_attention, ... (published names only; see
@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from llmd_supervisor.core.results import Validity
-from llmd_supervisor.core.retry import RETRY_KEYS, RetryPolicy, parse_retry
+from llmd_supervisor.core.retry_policy import RETRY_KEYS, RetryPolicy, parse_retry
 from llmd_supervisor.core.spec_bench import BENCHMARK_KEYS, Benchmark, parse_benchmark
 from llmd_supervisor.core.spec_container import (
     IMAGE_RE,

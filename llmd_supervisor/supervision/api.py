@@ -44,7 +44,7 @@ from llmd_supervisor.adapters.control_protocol import (
 )
 from llmd_supervisor.core.config import Config, SocketLimits
 from llmd_supervisor.core.render import render_sbatch
-from llmd_supervisor.core.retry import Quarantined
+from llmd_supervisor.core.retry_policy import Quarantined
 from llmd_supervisor.core.spec import RunSpec
 from llmd_supervisor.core.summary import (
     ArchiveInfo,
@@ -68,7 +68,7 @@ from llmd_supervisor.errors import (
 )
 from llmd_supervisor.supervision.access import sees_all
 from llmd_supervisor.supervision.log_follow import READ_CHUNK, Growth, first_of, read_new
-from llmd_supervisor.supervision.verify import utcnow
+from llmd_supervisor.supervision.verify_job import utcnow
 from llmd_supervisor.supervision.views import (
     HandleView,
     cut,

@@ -19,7 +19,7 @@ from llmd_supervisor.adapters import archive, jobfiles
 from llmd_supervisor.adapters.journal import Journal, RunMeta
 from llmd_supervisor.adapters.slurm import SlurmClient
 from llmd_supervisor.core.config import ClusterConfig, Config, Limits, PollConfig
-from llmd_supervisor.core.foreign import ForeignSpec
+from llmd_supervisor.core.foreign_spec import ForeignSpec
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.lifecycle import Run, Submit, Submitted, new_run, step
 from llmd_supervisor.core.spec import RunSpec, load_spec

@@ -19,12 +19,12 @@ import pytest
 
 from llmd_supervisor.adapters.control_protocol import OPS, Peer, Request
 from llmd_supervisor.cli.run_commands import _print_summary, list_table
-from llmd_supervisor.core import foreign
+from llmd_supervisor.core import foreign_spec as foreign
 from llmd_supervisor.core.config import Config
-from llmd_supervisor.core.foreign import ForeignSpec, Watch
+from llmd_supervisor.core.foreign_spec import ForeignSpec, Watch
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.lifecycle import Run, RunState, Transition, new_run
-from llmd_supervisor.core.retry import Quarantined
+from llmd_supervisor.core.retry_policy import Quarantined
 from llmd_supervisor.core.spec import RunSpec, load_spec
 from llmd_supervisor.core.summary import (
     LogChunk,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from llmd_supervisor.core.lifecycle import RunState
-from llmd_supervisor.core.retry import Evidence, NodeFailure, quarantine
+from llmd_supervisor.core.retry_policy import Evidence, NodeFailure, quarantine
 from llmd_supervisor.core.slurm_parse import JobState
 from llmd_supervisor.errors import RemoteError
 from llmd_supervisor.node import common

@@ -1,4 +1,4 @@
-"""Foreign specs (`core.foreign`): what `submit --script` and `adopt` accept, and how a
+"""Foreign specs (`core.foreign_spec`): what `submit --script` and `adopt` accept, and how a
 foreign job's files are named (`core.layout` with a `Watch`)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core import foreign
-from llmd_supervisor.core.foreign import ForeignSpec, MarkerFormat, Watch
+from llmd_supervisor.core import foreign_spec as foreign
+from llmd_supervisor.core.foreign_spec import ForeignSpec, MarkerFormat, Watch
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.marker import MarkerStatus, read_marker
 from llmd_supervisor.errors import SpecError

@@ -40,7 +40,7 @@ from llmd_supervisor.core.lifecycle import (
     new_run,
     step,
 )
-from llmd_supervisor.core.retry import Evidence, NodeFailure
+from llmd_supervisor.core.retry_policy import Evidence, NodeFailure
 from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import JournalConflict, JournalError
 
@@ -421,7 +421,7 @@ async def test_a_version_1_journal_migrates_and_keeps_its_runs(tmp_path: Path) -
         assert again.run == left
 
 
-# --- node failures (core.retry's quarantine) -------------------------------------------------
+# --- node failures (core.retry_policy's quarantine) ----------------------------------------
 
 
 def _failure(node: str, run_id: str, minutes: float, **changes: object) -> NodeFailure:

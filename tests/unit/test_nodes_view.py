@@ -14,7 +14,7 @@ from llmd_supervisor.adapters.control_protocol import Peer
 from llmd_supervisor.cli.launch import nodes_table
 from llmd_supervisor.cli.run_commands import _print_summary
 from llmd_supervisor.core.config import Config
-from llmd_supervisor.core.retry import (
+from llmd_supervisor.core.retry_policy import (
     Evidence,
     NodeFailure,
     Quarantined,

@@ -13,7 +13,7 @@ import pytest
 
 from llmd_supervisor.adapters.result_parser import PARSERS
 from llmd_supervisor.core.config import Limits, load_config
-from llmd_supervisor.core.foreign import Watch
+from llmd_supervisor.core.foreign_spec import Watch
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.results import Point, ResultProblem
 from llmd_supervisor.core.spec import RunSpec, load_spec

@@ -1,4 +1,4 @@
-"""Retries and quarantine, pure (`core.retry`, `core.usage`, `lifecycle` Retry/Held/
+"""Retries and quarantine, pure (`core.retry_policy`, `core.usage`, `lifecycle` Retry/Held/
 HoldExpired). Issue 3.2 items 1 and 3: one user's job alone never keeps a node from
 another user's runs; one inferred failure quarantines nothing; a retry that could only be
 placed on nodes it must keep out is not retried; a hold has a deadline."""
@@ -27,7 +27,7 @@ from llmd_supervisor.core.lifecycle import (
     plan,
     step,
 )
-from llmd_supervisor.core.retry import (
+from llmd_supervisor.core.retry_policy import (
     Decision,
     Evidence,
     Exclusion,

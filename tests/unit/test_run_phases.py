@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from llmd_supervisor.core.foreign import load as load_foreign
+from llmd_supervisor.core.foreign_spec import load as load_foreign
 from llmd_supervisor.core.lifecycle import (
     Archived,
     Held,
@@ -26,7 +26,7 @@ from llmd_supervisor.core.lifecycle import (
     Verified,
     WatchersStopped,
 )
-from llmd_supervisor.core.retry import Evidence, NodeFailure
+from llmd_supervisor.core.retry_policy import Evidence, NodeFailure
 from llmd_supervisor.core.slurm_parse import JobState, parse_scontrol_job
 from llmd_supervisor.core.spec import RunSpec
 from llmd_supervisor.core.verdict import Outcome

@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from llmd_supervisor.core.verdict import Outcome, SlurmQuery, Source
-from llmd_supervisor.supervision.verify import QUERY_GRACE_S, verify_job
+from llmd_supervisor.supervision.verify_job import QUERY_GRACE_S, verify_job
 
 
 class Hung:

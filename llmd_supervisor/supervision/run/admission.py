@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from llmd_supervisor.core import foreign as foreign_spec
+from llmd_supervisor.core import foreign_spec as foreign_spec
 from llmd_supervisor.core.config import Config
-from llmd_supervisor.core.foreign import ForeignSpec
+from llmd_supervisor.core.foreign_spec import ForeignSpec
 from llmd_supervisor.core.paths import check_canonical, check_log_dir
 from llmd_supervisor.core.spec import RunSpec, check_daemon_dirs, load_spec
 from llmd_supervisor.errors import SlurmCommandError, SpecError

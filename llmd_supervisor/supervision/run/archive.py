@@ -15,7 +15,7 @@ import anyio
 import structlog
 
 from llmd_supervisor.adapters import archive
-from llmd_supervisor.core.foreign import ForeignSpec
+from llmd_supervisor.core.foreign_spec import ForeignSpec
 from llmd_supervisor.core.gpus import RoleGpus
 from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.core.lifecycle import Archived

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from llmd_supervisor.adapters.journal import Journal, RunMeta
 from llmd_supervisor.core.config import Config
-from llmd_supervisor.core.foreign import ForeignSpec
+from llmd_supervisor.core.foreign_spec import ForeignSpec
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.lifecycle import Run
 from llmd_supervisor.core.spec import RunSpec

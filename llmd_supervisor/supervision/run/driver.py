@@ -10,7 +10,7 @@ so whatever the journal holds after a crash or a supervision retry, `plan` of it
 to (re)do, and every step is idempotent:
 
 A run is of a spec the daemon renders (`core.spec`), or of a foreign job
-(`core.foreign`): a user's batch script submitted as it is, or a job submitted without
+(`core.foreign_spec`): a user's batch script submitted as it is, or a job submitted without
 the daemon and adopted, which is journaled straight into `pending` with its job id.
 
   accepted     -> journal `submitting` with the unique job name, then sbatch
@@ -46,9 +46,9 @@ import structlog
 from llmd_supervisor.adapters import archive
 from llmd_supervisor.adapters.journal import Journal, RunMeta, StoredRun
 from llmd_supervisor.adapters.slurm import CommandRunner
-from llmd_supervisor.core import foreign as foreign_spec
+from llmd_supervisor.core import foreign_spec as foreign_spec
 from llmd_supervisor.core.config import Config
-from llmd_supervisor.core.foreign import ForeignSpec
+from llmd_supervisor.core.foreign_spec import ForeignSpec
 from llmd_supervisor.core.health import NodeHealth
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.lifecycle import (
@@ -74,7 +74,7 @@ from llmd_supervisor.core.lifecycle import (
     step,
 )
 from llmd_supervisor.core.render import render_sbatch
-from llmd_supervisor.core.retry import Quarantined, quarantine
+from llmd_supervisor.core.retry_policy import Quarantined, quarantine
 from llmd_supervisor.core.spec import RunSpec, load_spec
 from llmd_supervisor.errors import (
     IllegalTransition,
@@ -111,7 +111,7 @@ from llmd_supervisor.supervision.run.records import (
     Transition,
     attempt_entry_of,
 )
-from llmd_supervisor.supervision.verify import utcnow
+from llmd_supervisor.supervision.verify_job import utcnow
 
 log = structlog.get_logger("llmd_supervisor.runs")
 

@@ -1,4 +1,4 @@
-"""Retries and node quarantine around a run's submissions (`core.retry` decides).
+"""Retries and node quarantine around a run's submissions (`core.retry_policy` decides).
 
 * Before each submission: the nodes it excludes (those every earlier attempt of the run
   implicated, and those quarantined for everyone or for the run's owner) and whether the
@@ -9,7 +9,7 @@
   (`nodes release`), after HOLD_RECHECK_S, or at the deadline, when it ends `failed`
   (`HoldExpired`, with its last attempt's evidence: `expire_hold`).
 * After each verdict: a failure counted for every implicated node (its owner, its
-  evidence: `core.retry`; once per attempt), the retry decision (a retry that could not
+  evidence: `core.retry_policy`; once per attempt), the retry decision (a retry that could not
   be placed is none, and the run's reason says why), the attempt's history entry
   (`attempt.ended`: outcome, cause, implicated nodes, the decision, node- and
   GPU-hours), its own receipt in the archive (``attempt<N>/receipt.json``), and, when
@@ -36,7 +36,7 @@ from llmd_supervisor.adapters import archive
 from llmd_supervisor.core.cause import Diagnosis
 from llmd_supervisor.core.config import Limits
 from llmd_supervisor.core.lifecycle import Held, HoldExpired, Retry
-from llmd_supervisor.core.retry import (
+from llmd_supervisor.core.retry_policy import (
     Decision,
     Exclusion,
     NodeFailure,
@@ -67,7 +67,7 @@ from llmd_supervisor.supervision.run.records import (
     held_submission,
     of_kind,
 )
-from llmd_supervisor.supervision.verify import VerifyResult
+from llmd_supervisor.supervision.verify_job import VerifyResult
 
 log = structlog.get_logger("llmd_supervisor.runs")
 
@@ -305,7 +305,7 @@ def _journaled(entry: AttemptEntry) -> Decision | None:
 
 async def _quarantine(ctx: RunContext, diagnosis: Diagnosis) -> None:
     """Count a failure for every node the diagnosis implicates, against the run's owner
-    and with its evidence (`core.retry` says for whom it keeps the node out)."""
+    and with its evidence (`core.retry_policy` says for whom it keeps the node out)."""
     counted = failures_of(diagnosis)
     if not counted:
         return

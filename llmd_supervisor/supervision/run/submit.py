@@ -14,7 +14,7 @@ import anyio
 import structlog
 
 from llmd_supervisor.adapters.slurm import NameLookup
-from llmd_supervisor.core.foreign import ForeignSpec
+from llmd_supervisor.core.foreign_spec import ForeignSpec
 from llmd_supervisor.core.lifecycle import SubmitFailed, Submitted
 from llmd_supervisor.core.render import render_sbatch
 from llmd_supervisor.errors import SlurmCommandError, SupervisorError

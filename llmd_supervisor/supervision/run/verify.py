@@ -1,6 +1,6 @@
 """Verifying: the verdict on the attempt's job, why it did not succeed, and what follows.
 
-Evidence is collected through the cluster's poller (`supervision.verify.verify_job`)
+Evidence is collected through the cluster's poller (`supervision.verify_job.verify_job`)
 until the pure verdict is final; an attempt ended early because an agent hung is a
 failure, not a cancel; the diagnosis (`core.cause`) names the cause and the nodes. Then
 `retries` records the attempt's end and decides on a retry. The receipt is built once,
@@ -49,7 +49,7 @@ from llmd_supervisor.supervision.run.records import (
     RunPart,
     of_attempt,
 )
-from llmd_supervisor.supervision.verify import VerifyResult, verify_job
+from llmd_supervisor.supervision.verify_job import VerifyResult, verify_job
 
 log = structlog.get_logger("llmd_supervisor.runs")
 

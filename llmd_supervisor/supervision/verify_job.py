@@ -19,7 +19,7 @@ import anyio
 import structlog
 
 from llmd_supervisor.adapters.slurm import CommandResult, SlurmClient
-from llmd_supervisor.core.foreign import MarkerFormat
+from llmd_supervisor.core.foreign_spec import MarkerFormat
 from llmd_supervisor.core.marker import MarkerReading, read_marker, refused_marker
 from llmd_supervisor.core.results import GateResult
 from llmd_supervisor.core.verdict import (
@@ -40,7 +40,7 @@ from llmd_supervisor.core.verdict import (
 )
 from llmd_supervisor.errors import FileRefused, SlurmCommandError
 
-log = structlog.get_logger("llmd_supervisor.supervision.verify")
+log = structlog.get_logger("llmd_supervisor.supervision.verify_job")
 
 # Exit status of `llmd-supervisor verify` (and `wait`) per outcome: 0 only for success.
 EXIT_CODES: dict[Outcome, int] = {
