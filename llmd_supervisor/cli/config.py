@@ -130,18 +130,22 @@ def _local_problems(config: Config) -> list[ConfigError]:
                     f"it resolves to {real} (a symbolic link on its way); list {real} instead",
                 )
             )
-    state = config.state_dir
+    # A root inside the state directory (or the archive) admits no run: the daemon refuses
+    # log directories there (a job would write beside its journal). A root that holds the
+    # state directory (a user's $HOME) is fine: that part of it is refused alone.
     for i, root in enumerate(config.log_roots):
-        if Path(root) == state or Path(root) in state.parents or state in Path(root).parents:
-            problems.append(
-                ConfigError(
-                    f"daemon.log_roots[{i}]",
-                    root,
-                    f"it overlaps daemon.state_dir {str(state)!r}, where the daemon keeps its"
-                    " journal and archives (runs write below their log roots); list a"
-                    " directory apart from it",
+        for key, own in (("state_dir", config.state_dir), ("archive_dir", config.archive_root)):
+            if Path(root) == own or own in Path(root).parents:
+                problems.append(
+                    ConfigError(
+                        f"daemon.log_roots[{i}]",
+                        root,
+                        f"it is inside daemon.{key} {str(own)!r}, where no run's log directory"
+                        " may be (a job would write beside the daemon's own files); list a"
+                        " directory apart from it",
+                    )
                 )
-            )
+                break
     parent = config.state_dir
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent

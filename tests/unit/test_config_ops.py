@@ -268,11 +268,16 @@ name = "a b"
         assert f"Configuration key {key!r}" in line and str(path) in line, line
     assert "use an absolute path" in lines[0] and "e.g. /state" in lines[0]
     path.write_text(
-        f'[daemon]\nstate_dir = "{tmp_path}/runs/state"\nlog_roots = ["{tmp_path}/runs"]\n'
+        f'[daemon]\nstate_dir = "{tmp_path}/state"\nlog_roots = ["{tmp_path}/state/runs"]\n'
     )
     out = cli("config", "check", "--config", str(path))
     assert out.returncode == 2 and "'daemon.log_roots[0]'" in out.stderr
-    assert "overlaps daemon.state_dir" in out.stderr
+    assert "is inside daemon.state_dir" in out.stderr
+    # A root holding the state directory (a user's home) is fine: that part is refused.
+    path.write_text(
+        f'[daemon]\nstate_dir = "{tmp_path}/home/state"\nlog_roots = ["{tmp_path}/home"]\n'
+    )
+    assert "log_roots" not in cli("config", "check", "--config", str(path)).stderr
 
 
 def test_a_toml_syntax_error_names_the_file_and_line_not_its_text(tmp_path: Path) -> None:
