@@ -88,7 +88,8 @@ def _fmt(value: float | int | None) -> str:
 
 
 def _wrapped(text: str) -> list[str]:
-    width = max(60, shutil.get_terminal_size((100, 24)).columns - 2)
+    # On a terminal, its width; into a pipe or a file, 98 columns whatever COLUMNS says.
+    width = max(60, shutil.get_terminal_size().columns - 2) if sys.stdout.isatty() else 98
     return textwrap.wrap(text, width=width, initial_indent="  ", subsequent_indent="      ")
 
 
