@@ -218,21 +218,27 @@ def health_checked(agent: "AgentView", rank: int) -> bool:
     return scope == "all" or (scope == "leaders" and role.is_leader)
 
 
+def raise_if_engine_died(agent: "AgentView") -> None:
+    """LocalFailure if this rank's engine exited before it was healthy (port in use or
+    not: see `died`)."""
+    rc = agent.poll_engine()
+    if rc is not None:
+        raise died(
+            agent,
+            shared.RC_ENGINE_DIED,
+            "engine exited with %s before becoming healthy" % rc_text(rc),
+            "engine",
+            agent.engine_log,
+            agent.port_of(agent.rank),
+        )
+
+
 def wait_own_health(agent: "AgentView", deadline: float) -> None:
     host, port = agent.host_of(agent.rank), agent.port_of(agent.rank)
     last = ""
     while True:
         agent.check_term()
-        rc = agent.poll_engine()
-        if rc is not None:
-            raise died(
-                agent,
-                shared.RC_ENGINE_DIED,
-                "engine exited with %s before becoming healthy" % rc_text(rc),
-                "engine",
-                agent.engine_log,
-                agent.port_of(agent.rank),
-            )
+        raise_if_engine_died(agent)
         last = check_health(host, port, agent.health_path, agent.connect_s, agent.read_s)
         if not last:
             agent.log("engine.healthy", host=host, port=port)
@@ -256,16 +262,7 @@ def wait_all_engines(agent: "AgentView", deadline: float) -> None:
     pending = {r: "not checked yet" for r in ranks}
     while pending:
         agent.check_term()
-        rc = agent.poll_engine()
-        if rc is not None:
-            raise died(
-                agent,
-                shared.RC_ENGINE_DIED,
-                "engine exited with %s before becoming healthy" % rc_text(rc),
-                "engine",
-                agent.engine_log,
-                agent.port_of(agent.rank),
-            )
+        raise_if_engine_died(agent)
         agent.raise_if_others_failed()
         for r in sorted(pending):
             agent.check_term()
