@@ -89,7 +89,10 @@ def receipt_of(archive: Path) -> dict[str, object]:
 def run_results(args: argparse.Namespace, ref: str) -> RunResults:
     """What the daemon's `results` would answer for a finished run, from its archive."""
     archive = archive_of(args, ref)
-    receipt = receipt_of(archive)
+    return _results(archive, receipt_of(archive))
+
+
+def _results(archive: Path, receipt: dict[str, object]) -> RunResults:
     try:
         table = results_table_of(archive / "results.json")
     except ControlError as exc:
@@ -120,7 +123,7 @@ def print_status(args: argparse.Namespace, ref: str, out: IO[str]) -> None:
 
     archive = archive_of(args, ref)
     receipt = receipt_of(archive)
-    results = run_results(args, ref)
+    results = _results(archive, receipt)  # the receipt read once
     attempts = receipt.get("attempts")
     last = attempts[-1] if isinstance(attempts, list) and attempts else {}
     nodes = last.get("nodes") if isinstance(last, dict) else None
