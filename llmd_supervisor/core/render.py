@@ -281,6 +281,19 @@ def render_sbatch(
         f"LOG_DIR={shlex.quote(spec.log_dir)}",
         'JOB_ID="${SLURM_JOB_ID:?llmd: this script must run under sbatch}"',
         f'NODE_DIR="$LOG_DIR/$JOB_ID/{shared.NODE_DIR}"',
+        # A marker of this job id found now was not published by this attempt: an earlier
+        # attempt's (a requeue), or another job's that had the id before the cluster's ids
+        # started again at 1. So is the job directory of a first attempt. Both are set
+        # aside (kept, renamed), never taken for this attempt's.
+        'STALE="stale-$(date +%s)-$$"',
+        f'for old in "$LOG_DIR/{shared.marker_name("$JOB_ID")}" '
+        '"$LOG_DIR/$JOB_ID"; do',
+        '  [ "$old" = "$LOG_DIR/$JOB_ID" ] && [ "${SLURM_RESTART_COUNT:-0}" != 0 ] && continue',
+        '  if [ -e "$old" ] || [ -L "$old" ]; then',
+        '    mv -- "$old" "$old.$STALE" || exit 1',
+        '    echo "llmd: job $JOB_ID: set aside $old (not this attempt\'s) as $old.$STALE" >&2',
+        "  fi",
+        "done",
         'mkdir -p -m 700 -- "$NODE_DIR" || exit 1',
         "",
     ]

@@ -32,9 +32,26 @@ def _result(proc_stdout: str) -> dict[str, object]:
     return data
 
 
+def _plant_stale_runs(cluster: DevCluster, log_dir: Path) -> list[str]:
+    """What a cluster whose job ids started again at 1 leaves in a reused log directory:
+    another job's finished marker (rc 0) and job directory under the ids to come."""
+    log_dir.mkdir(parents=True, mode=0o755)
+    probe = log_dir / "probe.sh"
+    probe.write_text("#!/bin/bash\ntrue\n")
+    last = int(cluster.sbatch(probe, f"--output={log_dir}/probe-%j.out"))
+    ids = [str(last + i) for i in (1, 2, 3)]
+    for job in ids:
+        (log_dir / f".bench_done.{job}").write_text(
+            json.dumps({"rc": 0, "job_id": job, "rank": 2, "reason": "an older job's"})
+        )
+        (log_dir / job / "bench").mkdir(parents=True)
+    return ids
+
+
 def test_demo_run_succeeds_with_verified_receipt_and_identical_logs(
     daemon: Daemon, log_dir: Path, cluster: DevCluster
 ) -> None:
+    planted = _plant_stale_runs(cluster, log_dir)
     proc = daemon.submit(demo_spec(log_dir), "--wait")
     assert proc.returncode == 0, proc.stderr + daemon.log_text()[-3000:]
     result = _result(proc.stdout)
@@ -55,6 +72,11 @@ def test_demo_run_succeeds_with_verified_receipt_and_identical_logs(
     assert rows == [job_id]
     finished = daemon.events("run.finished")
     assert [e["outcome"] for e in finished] == ["succeeded"]
+    # The older job's marker under this id was set aside, never taken for this run's.
+    assert job_id in planted
+    assert json.loads((archive / "marker.json").read_text())["reason"] != "an older job's"
+    assert len(list(log_dir.glob(f".bench_done.{job_id}.stale-*"))) == 1
+    assert len(list(log_dir.glob(f"{job_id}.stale-*/bench"))) == 1
 
 
 def test_failing_bench_point_fails_the_run_naming_rc_and_rank(

@@ -162,7 +162,13 @@ def test_agent_config_values() -> None:
 
 
 def _run_script(
-    script: str, tmp: Path, *, rc: int = 0, sleep: float = 0, term_after: float | None = None
+    script: str,
+    tmp: Path,
+    *,
+    rc: int = 0,
+    sleep: float = 0,
+    term_after: float | None = None,
+    restarts: int = 0,
 ) -> tuple[int, str, list[str]]:
     bindir = tmp / "bin"
     bindir.mkdir(exist_ok=True)
@@ -180,6 +186,7 @@ def _run_script(
         "FAKE_SRUN_ARGV": str(argv_file),
         "FAKE_SRUN_RC": str(rc),
         "FAKE_SRUN_SLEEP": str(sleep),
+        "SLURM_RESTART_COUNT": str(restarts),
     }
     proc = subprocess.Popen(
         ["bash", str(job)],
@@ -250,6 +257,33 @@ def test_requeued_job_rewrites_a_stale_config_privately(tmp_path: Path) -> None:
     assert rc == 0, out
     assert json.loads(stale.read_text())["env"]["common"]["TOKEN"] == "s3cret"
     assert stat.S_IMODE(stale.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_marker_left_under_this_job_id_is_set_aside_never_taken(
+    tmp_path: Path, restarts: int
+) -> None:
+    # Job ids start again at 1 after a cluster's state is reset: the log directory can hold
+    # another job's marker and job directory under this id (or, after a requeue, the
+    # earlier attempt's marker). The node agents must never see them as this attempt's.
+    log_dir = tmp_path / "logs"
+    (log_dir / "99" / "bench").mkdir(parents=True)
+    (log_dir / "99" / "bench" / "c1.json").write_text("{}")
+    (log_dir / ".bench_done.99").write_text('{"rc": 0}')
+    rc, out, _ = _run_script(
+        render_sbatch(spec_with(run={"log_dir": str(log_dir)}), job_name="t"),
+        tmp_path,
+        restarts=restarts,
+    )
+    assert rc == 0, out
+    assert not (log_dir / ".bench_done.99").exists()
+    (marker,) = log_dir.glob(".bench_done.99.stale-*")
+    assert marker.read_text() == '{"rc": 0}'
+    assert f"set aside {log_dir}/.bench_done.99" in out
+    old_results = list(log_dir.glob("99.stale-*/bench/c1.json"))
+    # A first attempt's job directory is another job's; a requeued job keeps its own.
+    assert len(old_results) == (1 if restarts == 0 else 0)
+    assert (log_dir / "99" / "bench" / "c1.json").exists() == (restarts == 1)
 
 
 def test_script_sets_umask_077_and_exports_only_sbatch_environment() -> None:
