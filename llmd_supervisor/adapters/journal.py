@@ -412,6 +412,15 @@ class Journal:
 
     # --- plumbing ---------------------------------------------------------------------------
 
+    async def write(self, operation: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Run ``fn`` in one write transaction (for the stores that share this database:
+        `adapters.campaign_store`); the guarantees above hold for it too."""
+        return await self._call(operation, _write(fn))
+
+    async def read(self, operation: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+        """Run ``fn`` in one read transaction (one snapshot)."""
+        return await self._call(operation, _read(fn))
+
     async def _call(self, operation: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         """Run ``fn`` on the connection in the worker thread, serialised with every other call."""
         return await anyio.to_thread.run_sync(self._call_sync, operation, fn, limiter=self._limiter)

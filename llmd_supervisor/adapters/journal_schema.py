@@ -111,4 +111,61 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         """,
         "DROP TABLE quarantine",
     ),
+    # 4 -> 5: campaigns (adapters.campaign_store): a campaign, its jobs (one recipe's points
+    # each, with the run that runs them) and the ledger of verified points, shared by every
+    # campaign (a point verified once is never paid for again).
+    (
+        """
+        CREATE TABLE campaigns (
+            campaign_id TEXT PRIMARY KEY NOT NULL,
+            name        TEXT NOT NULL,
+            owner_uid   INTEGER NOT NULL,
+            cluster     TEXT NOT NULL,
+            state       TEXT NOT NULL,
+            reason      TEXT NOT NULL,
+            file_text   TEXT NOT NULL,
+            base_text   TEXT NOT NULL,
+            settings    TEXT NOT NULL,  -- JSON object: limits, rerun
+            created_at  TEXT NOT NULL,  -- UTC ISO 8601, fixed width
+            updated_at  TEXT NOT NULL
+        )
+        """,
+        "CREATE INDEX campaigns_by_created ON campaigns (created_at)",
+        """
+        CREATE TABLE campaign_jobs (
+            campaign_id   TEXT NOT NULL REFERENCES campaigns (campaign_id) ON DELETE CASCADE,
+            job_key       TEXT NOT NULL,
+            seq           INTEGER NOT NULL CHECK (seq >= 0),
+            recipe_id     TEXT NOT NULL,
+            topology      TEXT NOT NULL,
+            concurrencies TEXT NOT NULL,  -- JSON array: every point of the job
+            to_run        TEXT NOT NULL,  -- JSON array: the points its run runs
+            matrix_values TEXT NOT NULL,  -- JSON array of [key, value]
+            nodes         INTEGER NOT NULL,
+            gpus          INTEGER NOT NULL,
+            workload      INTEGER NOT NULL,
+            time_limit_s  INTEGER NOT NULL,
+            spec_toml     TEXT NOT NULL,
+            state         TEXT NOT NULL,
+            run_id        TEXT,
+            submissions   INTEGER NOT NULL CHECK (submissions >= 0),  -- runs made for it
+            reason        TEXT NOT NULL,
+            updated_at    TEXT NOT NULL,
+            PRIMARY KEY (campaign_id, job_key),
+            UNIQUE (run_id)
+        )
+        """,
+        """
+        CREATE TABLE verified_points (
+            recipe_id   TEXT NOT NULL,
+            concurrency INTEGER NOT NULL CHECK (concurrency >= 1),
+            run_id      TEXT NOT NULL,
+            campaign_id TEXT,
+            result_file TEXT NOT NULL,  -- the archived result, relative to the run's archive
+            sha256      TEXT NOT NULL,
+            verified_at TEXT NOT NULL,
+            PRIMARY KEY (recipe_id, concurrency)
+        )
+        """,
+    ),
 )

@@ -1,0 +1,142 @@
+"""Campaigns in the journal (adapters.campaign_store) against a real SQLite file."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from llmd_supervisor.adapters.campaign_store import (
+    CampaignStore,
+    StoredCampaign,
+    StoredJob,
+    VerifiedPoint,
+)
+from llmd_supervisor.adapters.journal import Journal
+from llmd_supervisor.errors import JournalConflict, JournalError
+
+T0 = datetime(2026, 12, 3, 10, 0, 0, 123456, tzinfo=UTC)
+
+
+def campaign(campaign_id: str = "c0ffee000001", owner_uid: int = 1000) -> StoredCampaign:
+    return StoredCampaign(
+        campaign_id=campaign_id,
+        name="sweep",
+        owner_uid=owner_uid,
+        cluster="dev",
+        state="running",
+        reason="",
+        file_text='base = "demo.toml"\n',
+        base_text="[run]\n",
+        settings={"limits": {"max_jobs": 2}, "rerun": False},
+        created_at=T0,
+        updated_at=T0,
+    )
+
+
+def job(key: str, seq: int, campaign_id: str = "c0ffee000001") -> StoredJob:
+    return StoredJob(
+        campaign_id=campaign_id,
+        job_key=key,
+        seq=seq,
+        recipe_id=key * 2,
+        topology="2P+2D",
+        concurrencies=(1, 2, 4),
+        to_run=(1, 2, 4),
+        matrix_values=(("topology.prefill_nodes", 2), ("benchmark.isl_osl", [64, 16])),
+        nodes=4,
+        gpus=32,
+        workload=80,
+        time_limit_s=300,
+        spec_toml="[run]\n",
+        state="waiting",
+        run_id=None,
+        submissions=0,
+        reason="",
+        updated_at=T0,
+    )
+
+
+@pytest_asyncio.fixture
+async def store(tmp_path: Path) -> AsyncIterator[CampaignStore]:
+    async with await Journal.open(tmp_path / "journal.db") as j:
+        yield CampaignStore(j)
+
+
+@pytest.mark.asyncio
+async def test_a_campaign_and_its_jobs_go_in_together_and_read_back(store: CampaignStore) -> None:
+    await store.insert(campaign(), [job("b", 1), job("a", 0)])
+    got = await store.get("c0ffee000001")
+    assert got == campaign()
+    jobs = await store.jobs("c0ffee000001")
+    assert [j.job_key for j in jobs] == ["a", "b"]  # expansion order, not insertion order
+    assert jobs[0] == job("a", 0)
+    assert [c.campaign_id for c in await store.campaigns(owner_uid=1000)] == ["c0ffee000001"]
+    assert await store.campaigns(owner_uid=1001) == []
+
+
+@pytest.mark.asyncio
+async def test_a_campaign_id_taken_and_a_bad_job_leave_nothing_behind(
+    store: CampaignStore,
+) -> None:
+    await store.insert(campaign(), [job("a", 0)])
+    with pytest.raises(JournalConflict, match="already holds campaign c0ffee000001"):
+        await store.insert(campaign(), [])
+    # Two jobs with one key: the whole campaign is refused, none of it stays.
+    with pytest.raises(JournalError):
+        await store.insert(campaign("c0ffee000002"), [job("a", 0, "c0ffee000002")] * 2)
+    assert await store.get("c0ffee000002") is None
+    assert await store.jobs("c0ffee000002") == []
+
+
+@pytest.mark.asyncio
+async def test_a_job_gets_its_run_id_and_points_and_counts_its_runs(store: CampaignStore) -> None:
+    await store.insert(campaign(), [job("a", 0)])
+    await store.set_job(
+        "c0ffee000001", "a", state="submitted", reason="", run_id="0123456789ab", to_run=(4, 1)
+    )
+    (a,) = await store.jobs("c0ffee000001")
+    assert (a.state, a.run_id, a.to_run, a.submissions) == ("submitted", "0123456789ab", (1, 4), 1)
+    await store.set_job("c0ffee000001", "a", state="succeeded", reason="done")
+    (a,) = await store.jobs("c0ffee000001")
+    assert (a.state, a.run_id, a.submissions, a.reason) == ("succeeded", "0123456789ab", 1, "done")
+    with pytest.raises(JournalError, match="has no job z"):
+        await store.set_job("c0ffee000001", "z", state="waiting", reason="")
+    await store.set_state("c0ffee000001", "finished", "")
+    got = await store.get("c0ffee000001")
+    assert got is not None and got.state == "finished" and got.updated_at > T0
+    with pytest.raises(JournalError, match="no campaign nope"):
+        await store.set_state("nope", "finished", "")
+
+
+@pytest.mark.asyncio
+async def test_the_ledger_keeps_the_first_proof_and_forgets_on_request(
+    store: CampaignStore,
+) -> None:
+    p = VerifiedPoint("r" * 64, 4, "0123456789ab", "c0ffee000001", "results/c4.json", "ab" * 32, T0)
+    assert await store.add_verified([p]) == 1
+    later = replace(p, run_id="ba9876543210", verified_at=T0 + timedelta(hours=1))
+    assert await store.add_verified([later, replace(p, concurrency=8)]) == 1
+    got = await store.verified(["r" * 64, "x" * 64])
+    assert got[("r" * 64, 4)] == p  # the first proof stays
+    assert set(got) == {("r" * 64, 4), ("r" * 64, 8)}
+    await store.forget_verified([("r" * 64, 4)])
+    assert set(await store.verified(["r" * 64])) == {("r" * 64, 8)}
+    # Many recipes at once (more than SQLite's bound parameters in one statement).
+    assert await store.verified(f"{i:064x}" for i in range(1500)) == {}
+
+
+@pytest.mark.asyncio
+async def test_a_corrupt_job_row_is_a_journal_error_naming_it(
+    store: CampaignStore, tmp_path: Path
+) -> None:
+    await store.insert(campaign(), [job("a", 0)])
+    with sqlite3.connect(tmp_path / "journal.db") as conn:
+        conn.execute("UPDATE campaign_jobs SET concurrencies = '[1, \"x\"]'")
+    with pytest.raises(JournalError, match="not integers"):
+        await store.jobs("c0ffee000001")
