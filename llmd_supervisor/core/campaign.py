@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import json
 import math
 import re
@@ -80,6 +81,8 @@ RECIPE_ID_SCHEMA: Final = 1
 CAMPAIGN_NAME_RE: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
 MAX_GPUS: Final = 1_000_000
 MAX_POINTS: Final = 10_000
+# Combinations looked at per allowed point (the rest must be excluded) before refusing.
+MAX_COMBINATIONS_PER_POINT: Final = 100
 _ENV_ROLES: Final = SPEC_FIELDS["env"]
 
 Values = tuple[tuple[str, object], ...]
@@ -443,13 +446,15 @@ def _excluded(values: Values, excludes: Sequence[Values]) -> bool:
     return any(all(k in have and _same(have[k], v) for k, v in exclude) for exclude in excludes)
 
 
-def _too_many(count: int, max_points: int, how: str) -> CampaignError:
+def _too_many(
+    count: int, max_points: int, what: str = "points", verb: str = "expands to at least"
+) -> CampaignError:
     return CampaignError(
         "matrix",
-        f"{count} points",
-        f"the campaign expands to {how} {count} points ({how} counted before duplicates"
-        f" are merged), more than the limit of {max_points}; remove values or raise"
-        " --max-points",
+        f"{count} {what}",
+        f"the campaign {verb} {count} {what}, more than --max-points allows ({max_points};"
+        " points are (recipe, concurrency) pairs counted before duplicates are merged);"
+        " remove matrix values or raise --max-points",
     )
 
 
@@ -461,18 +466,26 @@ def expand(
     Combinations come in a fixed order: the [matrix] keys in file order (the last key
     varying fastest), the [[zip]] dimensions after them, then the includes. Excluded
     combinations are dropped; a combination with the recipe id and concurrencies of an
-    earlier one is a duplicate of it. Points are counted before duplicates are merged:
-    more than `max_points` is refused before any spec is built when the number of
-    combinations alone is too many, else once their concurrencies are known.
+    earlier one is a duplicate of it. Points are counted before duplicates are merged;
+    more than `max_points` is refused: as soon as the combinations left after the
+    excludes (each has at least one concurrency) are too many, before any spec is
+    built, else once their concurrencies are known. A matrix of more than
+    ``MAX_COMBINATIONS_PER_POINT`` x `max_points` combinations is refused unexamined.
     """
-    combos = math.prod(len(a.rows) for a in campaign.axes) + len(campaign.includes)
-    if combos > max_points:
-        raise _too_many(combos, max_points, "at least")
+    raw = math.prod(len(a.rows) for a in campaign.axes)
+    if raw > MAX_COMBINATIONS_PER_POINT * max_points:  # too many even to look at
+        raise _too_many(raw, max_points, "combinations before excludes", "matrix has")
     points: list[Values] = []
-    for pick in _product(campaign.axes):
-        values = tuple(pair for axis, row in pick for pair in zip(axis.keys, row, strict=True))
+    for pick in itertools.product(*(a.rows for a in campaign.axes)):
+        values = tuple(
+            pair
+            for axis, row in zip(campaign.axes, pick, strict=True)
+            for pair in zip(axis.keys, row, strict=True)
+        )
         if not _excluded(values, campaign.excludes):
             points.append(values)
+            if len(points) + len(campaign.includes) > max_points:  # each has a concurrency
+                raise _too_many(len(points) + len(campaign.includes), max_points)
     points += campaign.includes
 
     variants: list[Variant] = []
@@ -489,7 +502,7 @@ def expand(
             raise CampaignError(exc.field, exc.value, exc.hint, point=values) from None
         before += len(spec.benchmark.concurrencies)
         if before > max_points:
-            raise _too_many(before, max_points, "at least")
+            raise _too_many(before, max_points)
         rid = recipe_id(spec)
         ident = (rid, tuple(sorted(spec.benchmark.concurrencies)))
         if ident in seen:
@@ -498,14 +511,6 @@ def expand(
         seen[ident] = values
         variants.append(Variant(values, spec, data, rid))
     return Expansion(tuple(variants), tuple(duplicates), _jobs(variants), before)
-
-
-def _product(axes: Sequence[Axis]) -> list[tuple[tuple[Axis, tuple[object, ...]], ...]]:
-    """Every combination of one row per axis, the last axis varying fastest."""
-    out: list[tuple[tuple[Axis, tuple[object, ...]], ...]] = [()]
-    for axis in axes:
-        out = [(*prefix, (axis, row)) for prefix in out for row in axis.rows]
-    return out
 
 
 def _jobs(variants: Sequence[Variant]) -> tuple[CampaignJob, ...]:

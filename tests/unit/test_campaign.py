@@ -432,17 +432,29 @@ def test_a_base_value_that_is_not_a_table_is_named() -> None:
         (
             '[matrix]\n"topology.prefill_nodes" = [2, 4, 6]',
             8,
-            "the campaign expands to at least 9 points (at least counted before duplicates"
-            " are merged), more than the limit of 8; remove values or raise --max-points.",
+            "Campaign file field 'matrix' has invalid value '9 points': the campaign expands"
+            " to at least 9 points, more than --max-points allows (8; points are (recipe,"
+            " concurrency) pairs counted before duplicates are merged); remove matrix values"
+            " or raise --max-points.",
         ),
-        # 101 x 100 combinations are refused before any spec is built.
+        # 101 x 100 combinations: refused at the 10001st, before any spec is built.
         (
             '[matrix]\n"engine.port" = '
             + str(list(range(9000, 9101)))
             + '\n"benchmark.input_len" = '
             + str(list(range(1, 101))),
             10_000,
-            "expands to at least 10100 points",
+            "the campaign expands to at least 10001 points, more than --max-points allows (10000;",
+        ),
+        # More than 100 combinations per allowed point are not even looked at.
+        (
+            '[matrix]\n"engine.port" = '
+            + str(list(range(9000, 9040)))
+            + '\n"benchmark.input_len" = '
+            + str(list(range(1, 41))),
+            10,
+            "the campaign matrix has 1600 combinations before excludes, more than"
+            " --max-points allows (10;",
         ),
     ],
 )
@@ -457,6 +469,12 @@ def test_too_many_points_are_refused(text: str, max_points: int, fragment: str) 
 def test_exactly_max_points_is_allowed() -> None:
     e = _expand('[matrix]\n"topology.prefill_nodes" = [2, 4, 6]', max_points=9)
     assert e.points == 9
+    # Excluded combinations do not count.
+    e = _expand(
+        '[matrix]\n"topology.prefill_nodes" = [2, 4, 6]\n[[exclude]]\n"topology.prefill_nodes" = 6',
+        max_points=6,
+    )
+    assert e.points == 6
 
 
 # --- recipe id ----------------------------------------------------------------------------
