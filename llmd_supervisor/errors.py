@@ -72,6 +72,35 @@ class SpecError(SupervisorError):
         super().__init__(f"Run spec field {field!r} has invalid value {value!r}: {hint}.")
 
 
+class CampaignError(SpecError):
+    """A campaign file value is invalid, or one point of its matrix is not a valid run spec.
+
+    `field`, `value` and `hint` are as in SpecError (for a point: the run spec's field).
+    `point` is the offending point's matrix values in file order, or None when the error
+    is about the campaign file itself.
+    """
+
+    def __init__(
+        self,
+        field: str,
+        value: object,
+        hint: str,
+        *,
+        point: Sequence[tuple[str, object]] | None = None,
+    ) -> None:
+        super().__init__(field, value, hint)
+        self.point = None if point is None else tuple(point)
+        if self.point is None:
+            message = f"Campaign file field {field!r} has invalid value {value!r}: {hint}."
+        else:
+            values = ", ".join(f"{k} = {v!r}" for k, v in self.point)
+            message = (
+                f"Campaign file field {field!r} at point {{{values}}}: "
+                f"Run spec field {field!r} has invalid value {value!r}: {hint}."
+            )
+        self.args = (message,)
+
+
 class RemoteError(SupervisorError):
     """An SSH operation on an allocated node failed."""
 

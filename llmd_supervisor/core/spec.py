@@ -105,6 +105,7 @@ __all__ = [
     "PLACEHOLDER_RE",
     "RESERVED_SBATCH_OPTIONS",
     "SERVED_NAME_RE",
+    "SPEC_FIELDS",
     "TIME_RE",
     "Benchmark",
     "Container",
@@ -293,6 +294,8 @@ _TABLES: Final = {
     "recipe": RECIPE_KEYS,
     "standins": STANDINS_KEYS,
 }
+# The tables of a run spec and each one's keys (campaign matrix keys are `<table>.<key>`).
+SPEC_FIELDS: Final = _TABLES
 _REQUIRED_TABLES: Final = ("run", "topology", "model", "engine", "benchmark", "slurm")
 
 

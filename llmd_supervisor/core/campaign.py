@@ -1,0 +1,562 @@
+"""A campaign file and its expansion into jobs (pure, no I/O; DESIGN.md §12).
+
+A campaign is a matrix of benchmark runs over one base run spec::
+
+    name = "demo-sweep"          # optional, [A-Za-z0-9._-]{1,64}; default: the file's stem
+    base = "demo.toml"           # required: the base run spec, relative to this file
+    cluster = "dev"              # optional
+    [limits]                     # see core.campaign_admission.CampaignLimits
+    max_jobs = 2                 # default 4 (1..1000)
+    max_pending = 2              # default max_jobs
+    max_nodes = 16               # default: no cap
+    max_gpus = 128               # default: no cap (counted GPUs)
+    canary_stop_fraction = 0.5   # default 0.5
+    [matrix]                     # every combination of these (keys in file order)
+    "topology.prefill_nodes" = [1, 2]
+    "benchmark.isl_osl" = [[1024, 1024], [8192, 1024]]   # input_len and output_len
+    "benchmark.concurrencies" = [[1, 4, 16, 64]]
+    [[zip]]                      # keys that vary together: one more dimension
+    "benchmark.prompts_multiplier" = [4, 8]
+    "benchmark.point_timeout_s" = [60, 120]
+    [[exclude]]                  # drop every combination matching all of these values
+    "topology.prefill_nodes" = 2
+    "benchmark.isl_osl" = [8192, 1024]
+    [[include]]                  # one extra point: these values over the base spec
+    "topology.prefill_nodes" = 3
+
+A key is a dotted run spec path ``<table>.<key>`` (``SPEC_FIELDS``),
+``env.<role>.<NAME>``, ``benchmark.validity.<key>``, or the alias ``benchmark.isl_osl``.
+``run.log_dir`` is not a key: every run of a campaign writes under the base's log dir.
+
+Expansion applies each combination's values to a copy of the decoded base spec and
+validates it with ``parse_spec``. A **point** is (recipe id, concurrency); the recipe id
+(:func:`recipe_id`) hashes what defines the configuration, not the concurrencies, names,
+partition, account or time limit. Combinations with one recipe id are one **job**: it
+runs the union of their concurrencies. Every error is a
+:class:`~llmd_supervisor.errors.CampaignError` naming the field, the value and the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import itertools
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from llmd_supervisor.core.campaign_admission import CampaignLimits, topology_key
+from llmd_supervisor.core.recipe import recipe_fingerprint
+from llmd_supervisor.core.spec import MAX_NODES, SPEC_FIELDS, RunSpec, parse_spec
+from llmd_supervisor.core.spec_bench import VALIDITY_KEYS
+from llmd_supervisor.core.spec_fields import CONTROL_RE, shown
+from llmd_supervisor.core.spec_toml import decode_toml
+from llmd_supervisor.errors import CampaignError, SpecError
+
+__all__ = [
+    "CAMPAIGN_KEYS",
+    "ISL_OSL",
+    "LIMIT_KEYS",
+    "RECIPE_ID_SCHEMA",
+    "Axis",
+    "CampaignFile",
+    "CampaignJob",
+    "CampaignLimits",
+    "Duplicate",
+    "Expansion",
+    "Variant",
+    "expand",
+    "job_spec",
+    "parse_campaign",
+    "recipe_id",
+]
+
+CAMPAIGN_KEYS: Final = ("name", "base", "cluster", "limits", "matrix", "zip", "exclude", "include")
+LIMIT_KEYS: Final = ("max_jobs", "max_pending", "max_nodes", "max_gpus", "canary_stop_fraction")
+ISL_OSL: Final = "benchmark.isl_osl"
+RECIPE_ID_SCHEMA: Final = 1
+CAMPAIGN_NAME_RE: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
+MAX_GPUS: Final = 1_000_000
+MAX_POINTS: Final = 10_000
+# Combinations looked at per allowed point (the rest must be excluded) before refusing.
+MAX_COMBINATIONS_PER_POINT: Final = 100
+_ENV_ROLES: Final = SPEC_FIELDS["env"]
+
+Values = tuple[tuple[str, object], ...]
+
+
+# --- the file -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One dimension of the matrix: a ``[matrix]`` key (one key) or a ``[[zip]]`` (its
+    keys, varying together). `rows[i]` holds the i-th value of each key, in key order."""
+
+    keys: tuple[str, ...]
+    rows: tuple[tuple[object, ...], ...]
+
+
+@dataclass(frozen=True)
+class CampaignFile:
+    name: str
+    base: str  # as written: relative to the campaign file (the caller resolves it)
+    cluster: str | None
+    limits: CampaignLimits
+    axes: tuple[Axis, ...]  # [matrix] keys in file order, then each [[zip]]
+    excludes: tuple[Values, ...]
+    includes: tuple[Values, ...]
+
+
+def _valid_keys() -> str:
+    """The matrix keys, compactly, for the error naming an unknown one."""
+    tables = [
+        f"{table}.{{{','.join(k for k in keys if (table, k) != ('run', 'log_dir'))}}}"
+        for table, keys in SPEC_FIELDS.items()
+        if table != "env"
+    ]
+    return (
+        "; ".join(tables)
+        + f"; env.{{{','.join(_ENV_ROLES)}}}.<NAME>"
+        + f"; benchmark.validity.{{{','.join(VALIDITY_KEYS)}}}; {ISL_OSL}"
+    )
+
+
+def _check_key(fld: str, key: str, value: object) -> None:
+    """`key` is a run spec path a campaign may set."""
+    if key == "run.log_dir":
+        raise CampaignError(
+            fld,
+            shown(value),
+            "run.log_dir cannot vary: every run of a campaign writes under the base spec's"
+            " log dir; set it in the base spec",
+        )
+    parts = key.split(".")
+    ok = key == ISL_OSL
+    if len(parts) == 2 and parts[0] != "env":
+        ok = ok or parts[1] in SPEC_FIELDS.get(parts[0], ())
+    elif len(parts) == 3:
+        ok = (parts[0] == "env" and parts[1] in _ENV_ROLES and bool(parts[2])) or (
+            parts[:2] == ["benchmark", "validity"] and parts[2] in VALIDITY_KEYS
+        )
+    if not ok:
+        raise CampaignError(
+            fld, key, f"not a run spec field a campaign can set; use one of: {_valid_keys()}"
+        )
+
+
+def _targets(key: str) -> tuple[str, ...]:
+    """The spec paths `key` sets."""
+    return ("benchmark.input_len", "benchmark.output_len") if key == ISL_OSL else (key,)
+
+
+def _check_value(fld: str, key: str, value: object) -> None:
+    """What can be checked of one value before a spec is built: the isl_osl pair."""
+    if key != ISL_OSL:
+        return
+    if (
+        not isinstance(value, list)
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in value)
+    ):
+        raise CampaignError(
+            fld, shown(value), "give benchmark.isl_osl as [input_len, output_len], e.g. [1024, 128]"
+        )
+
+
+def _table(data: Mapping[str, object], key: str, what: str) -> Mapping[str, object]:
+    value = data.get(key, {})
+    if not isinstance(value, Mapping):
+        raise CampaignError(key, shown(value), f"use a table {what}")
+    return value
+
+
+def _tables(data: Mapping[str, object], key: str) -> list[Mapping[str, object]]:
+    value = data.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, Mapping) for v in value):
+        raise CampaignError(key, shown(value), f"use [[{key}]] tables")
+    return value
+
+
+def _int(t: Mapping[str, object], key: str, lo: int, hi: int) -> int | None:
+    value = t.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise CampaignError(f"limits.{key}", value, f"use an integer from {lo} to {hi}")
+    return value
+
+
+def _limits(t: Mapping[str, object]) -> CampaignLimits:
+    for key in t:
+        if key not in LIMIT_KEYS:
+            raise CampaignError(
+                f"limits.{key}", shown(t[key]), f"unknown key; allowed: {', '.join(LIMIT_KEYS)}"
+            )
+    fraction = t.get("canary_stop_fraction", 0.5)
+    if (
+        isinstance(fraction, bool)
+        or not isinstance(fraction, int | float)
+        or not 0.0 <= fraction <= 1.0
+    ):
+        raise CampaignError(
+            "limits.canary_stop_fraction",
+            fraction,
+            "use a share from 0 (stop at the first failed canary) to 1 (never stop)",
+        )
+    return CampaignLimits(
+        max_jobs=_int(t, "max_jobs", 1, 1000) or 4,
+        max_pending=_int(t, "max_pending", 1, 1000),
+        max_nodes=_int(t, "max_nodes", 1, MAX_NODES * 1000),
+        max_gpus=_int(t, "max_gpus", 1, MAX_GPUS),
+        canary_stop_fraction=float(fraction),
+    )
+
+
+def _string(data: Mapping[str, object], key: str, *, required: bool) -> str | None:
+    value = data.get(key)
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value or CONTROL_RE.search(value) or len(value) > 4096:
+        raise CampaignError(key, shown(value), f"give {key} as a non-empty string")
+    return value
+
+
+def _name(fld: str, value: object) -> str:
+    if not isinstance(value, str) or not CAMPAIGN_NAME_RE.fullmatch(value) or value in (".", ".."):
+        raise CampaignError(
+            fld,
+            shown(value),
+            "use 1 to 64 letters, digits and . _ - (not '.' or '..'), e.g. name = \"demo-sweep\"",
+        )
+    return value
+
+
+def _axes(data: Mapping[str, object]) -> tuple[Axis, ...]:
+    axes: list[Axis] = []
+    for key, values in _table(data, "matrix", '[matrix] of "table.key" = [values]').items():
+        fld = f"matrix.{key}"
+        _check_key(fld, key, values)
+        if not isinstance(values, list) or not values:
+            raise CampaignError(fld, shown(values), "give a non-empty list of values")
+        for v in values:
+            _check_value(fld, key, v)
+        axes.append(Axis((key,), tuple((v,) for v in values)))
+    for i, z in enumerate(_tables(data, "zip")):
+        if not z:
+            raise CampaignError(f"zip[{i}]", {}, "give at least one key = [values]")
+        lengths = set()
+        for key, values in z.items():
+            fld = f"zip[{i}].{key}"
+            _check_key(fld, key, values)
+            if not isinstance(values, list) or not values:
+                raise CampaignError(fld, shown(values), "give a non-empty list of values")
+            for v in values:
+                _check_value(fld, key, v)
+            lengths.add(len(values))
+        if len(lengths) > 1:
+            listed = ", ".join(f"{k} has {len(v)}" for k, v in z.items() if isinstance(v, list))
+            raise CampaignError(
+                f"zip[{i}]",
+                f"lists of {sorted(lengths)} values",
+                f"the keys of a zip vary together, so their lists need equal lengths ({listed})",
+            )
+        keys = tuple(z)
+        columns = [z[k] for k in keys]
+        assert all(isinstance(c, list) for c in columns)
+        rows = tuple(zip(*(c for c in columns if isinstance(c, list)), strict=True))
+        axes.append(Axis(keys, rows))
+    seen: dict[str, str] = {}
+    for axis in axes:
+        for key in axis.keys:
+            for target in _targets(key):
+                if target in seen:
+                    raise CampaignError(
+                        key,
+                        target,
+                        f"{seen[target]} already sets {target}; give each spec field in one"
+                        " [matrix] key or [[zip]] only",
+                    )
+                seen[target] = key
+    return tuple(axes)
+
+
+def _points(data: Mapping[str, object], section: str, axis_keys: Sequence[str]) -> list[Values]:
+    out: list[Values] = []
+    for i, t in enumerate(_tables(data, section)):
+        if section == "exclude" and not t:
+            raise CampaignError(
+                f"exclude[{i}]", {}, "an empty exclude would drop every point; give key = value"
+            )
+        for key, value in t.items():
+            fld = f"{section}[{i}].{key}"
+            _check_key(fld, key, value)
+            _check_value(fld, key, value)
+            if section == "exclude" and key not in axis_keys:
+                raise CampaignError(
+                    fld,
+                    shown(value),
+                    f"{key} is not a [matrix] or [[zip]] key, so no point could match;"
+                    f" the keys are: {', '.join(axis_keys) or '(none)'}",
+                )
+        out.append(tuple(t.items()))
+    return out
+
+
+def parse_campaign(text: str, *, default_name: str) -> CampaignFile:
+    """Parse and check a campaign file (TOML text); `default_name` (the file's stem) is
+    its name when the file gives none. The base spec is not read here: see `expand`."""
+    try:
+        data = decode_toml(text)
+    except CampaignError:
+        raise
+    except SpecError as exc:
+        raise CampaignError(exc.field, exc.value, exc.hint) from None
+    for key in data:
+        if key not in CAMPAIGN_KEYS:
+            raise CampaignError(
+                key,
+                shown(data[key]),
+                f"unknown key; allowed at the top level: {', '.join(CAMPAIGN_KEYS)}",
+            )
+    name = _name("name", data["name"]) if "name" in data else _name("name", default_name)
+    base = _string(data, "base", required=True)
+    assert base is not None
+    cluster = None if data.get("cluster") is None else _name("cluster", data["cluster"])
+    axes = _axes(data)
+    axis_keys = [k for a in axes for k in a.keys]
+    return CampaignFile(
+        name=name,
+        base=base,
+        cluster=cluster,
+        limits=_limits(_table(data, "limits", "[limits]")),
+        axes=axes,
+        excludes=tuple(_points(data, "exclude", axis_keys)),
+        includes=tuple(_points(data, "include", axis_keys)),
+    )
+
+
+# --- expansion ----------------------------------------------------------------------------
+
+
+def recipe_id(spec: RunSpec) -> str:
+    """sha256 (hex) of ``{"fingerprint": recipe_fingerprint(spec), "schema": 1}`` as
+    canonical JSON: the configuration a point measures, versioned so a change of what
+    the fingerprint covers cannot make an old verified point look current."""
+    doc = {"schema": RECIPE_ID_SCHEMA, "fingerprint": recipe_fingerprint(spec)}
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode("utf-8")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One distinct combination: its matrix values, its spec and that spec's recipe id."""
+
+    values: Values
+    spec: RunSpec
+    spec_data: dict[str, object]  # the decoded base with `values` applied
+    recipe_id: str
+
+
+@dataclass(frozen=True)
+class Duplicate:
+    """A combination that gave the recipe id and concurrencies of an earlier one."""
+
+    values: Values
+    same_as: Values
+
+
+@dataclass(frozen=True)
+class CampaignJob:
+    """One Slurm job of the campaign: every point of one recipe id."""
+
+    key: str  # the first 12 hex digits of recipe_id: stable across expansions
+    recipe_id: str
+    concurrencies: tuple[int, ...]  # sorted union over the job's variants
+    spec_data: dict[str, object]  # what to submit (benchmark.concurrencies = the above)
+    values: Values  # the first variant's matrix values, for display
+    topology: str
+    nodes: int
+    gpus: int  # counted GPUs: counted_gpus_per_node x nodes (0: unknown)
+    time_limit_s: int
+    workload: int  # input_len + output_len: the canary is the cheapest
+
+
+@dataclass(frozen=True)
+class Expansion:
+    variants: tuple[Variant, ...]
+    duplicates: tuple[Duplicate, ...]
+    jobs: tuple[CampaignJob, ...]
+    points_before_merge: int  # sum of every combination's concurrencies
+
+    @property
+    def points(self) -> int:
+        """Distinct (recipe id, concurrency) points."""
+        return sum(len(j.concurrencies) for j in self.jobs)
+
+    @property
+    def merged_points(self) -> int:
+        """Points two combinations had in common, run once ("N duplicate points merged")."""
+        return self.points_before_merge - self.points
+
+    @property
+    def node_hours_upper_bound(self) -> float:
+        """Every job holding its nodes for its whole time limit."""
+        return sum(j.nodes * j.time_limit_s for j in self.jobs) / 3600
+
+    @property
+    def gpu_hours_upper_bound(self) -> float:
+        """Every job holding its counted GPUs for its whole time limit (0 for no GPUs)."""
+        return sum(max(j.gpus, 0) * j.time_limit_s for j in self.jobs) / 3600
+
+
+def _apply(data: dict[str, object], key: str, value: object, point: Values) -> None:
+    """Set `key` (a dotted spec path, or the isl_osl alias) in `data`, making tables."""
+    if key == ISL_OSL:
+        assert isinstance(value, list)
+        _apply(data, "benchmark.input_len", value[0], point)
+        _apply(data, "benchmark.output_len", value[1], point)
+        return
+    *tables, last = key.split(".")
+    table = data
+    for i, name in enumerate(tables):
+        sub = table.setdefault(name, {})
+        if not isinstance(sub, dict):
+            where = ".".join(tables[: i + 1])
+            raise CampaignError(
+                where,
+                shown(sub),
+                f"the base spec's {where} must be a table to set {key}",
+                point=point,
+            )
+        table = sub
+    table[last] = copy.deepcopy(value)
+
+
+def _same(a: object, b: object) -> bool:
+    """Equal as TOML values (1, 1.0 and true are three values)."""
+    return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def _excluded(values: Values, excludes: Sequence[Values]) -> bool:
+    have = dict(values)
+    return any(all(k in have and _same(have[k], v) for k, v in exclude) for exclude in excludes)
+
+
+def _too_many(
+    count: int, max_points: int, what: str = "points", verb: str = "expands to at least"
+) -> CampaignError:
+    return CampaignError(
+        "matrix",
+        f"{count} {what}",
+        f"the campaign {verb} {count} {what}, more than --max-points allows ({max_points};"
+        " points are (recipe, concurrency) pairs counted before duplicates are merged);"
+        " remove matrix values or raise --max-points",
+    )
+
+
+def expand(
+    campaign: CampaignFile, base: Mapping[str, object], *, max_points: int = MAX_POINTS
+) -> Expansion:
+    """The campaign's variants and jobs over the decoded base spec `base`.
+
+    Combinations come in a fixed order: the [matrix] keys in file order (the last key
+    varying fastest), the [[zip]] dimensions after them, then the includes. Excluded
+    combinations are dropped; a combination with the recipe id and concurrencies of an
+    earlier one is a duplicate of it. Points are counted before duplicates are merged;
+    more than `max_points` is refused: as soon as the combinations left after the
+    excludes (each has at least one concurrency) are too many, before any spec is
+    built, else once their concurrencies are known. A matrix of more than
+    ``MAX_COMBINATIONS_PER_POINT`` x `max_points` combinations is refused unexamined.
+    """
+    raw = math.prod(len(a.rows) for a in campaign.axes)
+    if raw > MAX_COMBINATIONS_PER_POINT * max_points:  # too many even to look at
+        raise _too_many(raw, max_points, "combinations before excludes", "matrix has")
+    points: list[Values] = []
+    for pick in itertools.product(*(a.rows for a in campaign.axes)):
+        values = tuple(
+            pair
+            for axis, row in zip(campaign.axes, pick, strict=True)
+            for pair in zip(axis.keys, row, strict=True)
+        )
+        if not _excluded(values, campaign.excludes):
+            points.append(values)
+            if len(points) + len(campaign.includes) > max_points:  # each has a concurrency
+                raise _too_many(len(points) + len(campaign.includes), max_points)
+    points += campaign.includes
+
+    variants: list[Variant] = []
+    duplicates: list[Duplicate] = []
+    seen: dict[tuple[str, tuple[int, ...]], Values] = {}
+    before = 0
+    for values in points:
+        data = copy.deepcopy(dict(base))
+        for key, value in values:
+            _apply(data, key, value, values)
+        try:
+            spec = parse_spec(data)
+        except SpecError as exc:
+            raise CampaignError(exc.field, exc.value, exc.hint, point=values) from None
+        before += len(spec.benchmark.concurrencies)
+        if before > max_points:
+            raise _too_many(before, max_points)
+        rid = recipe_id(spec)
+        ident = (rid, tuple(sorted(spec.benchmark.concurrencies)))
+        if ident in seen:
+            duplicates.append(Duplicate(values, seen[ident]))
+            continue
+        seen[ident] = values
+        variants.append(Variant(values, spec, data, rid))
+    return Expansion(tuple(variants), tuple(duplicates), _jobs(variants), before)
+
+
+def _jobs(variants: Sequence[Variant]) -> tuple[CampaignJob, ...]:
+    """One job per recipe id, in the order of its first variant."""
+    groups: dict[str, list[Variant]] = {}
+    for v in variants:
+        groups.setdefault(v.recipe_id, []).append(v)
+    jobs = []
+    for rid, group in groups.items():
+        first = group[0]
+        spec = first.spec
+        concs = tuple(sorted({c for v in group for c in v.spec.benchmark.concurrencies}))
+        jobs.append(
+            CampaignJob(
+                key=rid[:12],
+                recipe_id=rid,
+                concurrencies=concs,
+                spec_data=_with_concurrencies(first.spec_data, concs),
+                values=first.values,
+                topology=topology_key(spec),
+                nodes=spec.topology.nodes,
+                gpus=spec.topology.counted_gpus_per_node * spec.topology.nodes,
+                time_limit_s=spec.slurm.time_limit_s,
+                workload=spec.benchmark.input_len + spec.benchmark.output_len,
+            )
+        )
+    return tuple(jobs)
+
+
+def _with_concurrencies(data: Mapping[str, object], concs: Sequence[int]) -> dict[str, object]:
+    out = copy.deepcopy(dict(data))
+    bench = out["benchmark"]
+    assert isinstance(bench, dict)
+    bench["concurrencies"] = list(concs)
+    return out
+
+
+def job_spec(job: CampaignJob, concurrencies: Sequence[int]) -> dict[str, object]:
+    """`job`'s spec dict running only `concurrencies` (its points not verified yet).
+
+    ValueError when `concurrencies` is empty or has one the job does not run.
+    """
+    extra = sorted(set(concurrencies) - set(job.concurrencies))
+    if not concurrencies or extra:
+        raise ValueError(
+            f"job {job.key} runs concurrencies {list(job.concurrencies)}; asked for"
+            f" {list(concurrencies)}"
+        )
+    return _with_concurrencies(job.spec_data, sorted(set(concurrencies)))
