@@ -191,7 +191,8 @@ class CampaignStore:
 
         def work(conn: sqlite3.Connection) -> list[StoredCampaign]:
             rows = conn.execute(
-                f"SELECT {_C_COLUMNS} FROM campaigns WHERE {where} ORDER BY created_at, campaign_id",
+                f"SELECT {_C_COLUMNS} FROM campaigns WHERE {where} "
+                "ORDER BY created_at, campaign_id",
                 params,
             ).fetchall()
             return [self._campaign(r, operation) for r in rows]

@@ -144,6 +144,7 @@ class OpSpec:
 _STR: Final = frozenset({"str"})
 _BOOL: Final = frozenset({"bool"})
 _RUN: Final = ArgSpec(_STR, required=True)
+_CAMPAIGN: Final = ArgSpec(_STR, required=True)  # a campaign id or name
 # None: the daemon's first configured cluster
 _CLUSTER: Final = ArgSpec(frozenset({"str", "null"}), default=None)
 
@@ -193,6 +194,24 @@ OPS: Final[Mapping[str, OpSpec]] = MappingProxyType(
         "wait": OpSpec({"run": _RUN}, streaming=True),
         "archive": OpSpec({"run": _RUN}),
         "results": OpSpec({"run": _RUN}),
+        # campaigns (supervision.campaign.api): a campaign file and its base spec's text
+        "campaign_submit": OpSpec(
+            {
+                "file_text": ArgSpec(_STR, required=True),
+                "base_text": ArgSpec(_STR, required=True),
+                "file_path": ArgSpec(_STR, default=None),  # only for messages
+                "name": ArgSpec(_STR, required=True),  # the default name: the file's stem
+                "dry_run": ArgSpec(_BOOL, default=False),
+                "rerun": ArgSpec(_BOOL, default=False),
+                "max_points": ArgSpec(frozenset({"int"}), default=10_000),
+                "cluster": _CLUSTER,
+            }
+        ),
+        "campaign_list": OpSpec({}),
+        "campaign_status": OpSpec({"campaign": _CAMPAIGN}),
+        "campaign_cancel": OpSpec({"campaign": _CAMPAIGN}),
+        "campaign_wait": OpSpec({"campaign": _CAMPAIGN}, streaming=True),
+        "campaign_results": OpSpec({"campaign": _CAMPAIGN}, streaming=True),
     }
 )
 

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from llmd_supervisor import __version__
+from llmd_supervisor.cli.campaign import add_parsers as add_campaign_parsers
 from llmd_supervisor.cli.config import add_parsers as add_config_parsers
 from llmd_supervisor.cli.report import add_parsers as add_report_parsers
 from llmd_supervisor.cli.results import add_parsers as add_results_parsers
@@ -35,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_parsers(sub)
     add_results_parsers(sub, socket_default)
     add_report_parsers(sub, socket_default)
+    add_campaign_parsers(sub, socket_default)
     return parser
 
 

@@ -286,8 +286,7 @@ def render_sbatch(
         # started again at 1. So is the job directory of a first attempt. Both are set
         # aside (kept, renamed), never taken for this attempt's.
         'STALE="stale-$(date +%s)-$$"',
-        f'for old in "$LOG_DIR/{shared.marker_name("$JOB_ID")}" '
-        '"$LOG_DIR/$JOB_ID"; do',
+        f'for old in "$LOG_DIR/{shared.marker_name("$JOB_ID")}" "$LOG_DIR/$JOB_ID"; do',
         '  [ "$old" = "$LOG_DIR/$JOB_ID" ] && [ "${SLURM_RESTART_COUNT:-0}" != 0 ] && continue',
         '  if [ -e "$old" ] || [ -L "$old" ]; then',
         '    mv -- "$old" "$old.$STALE" || exit 1',

@@ -58,7 +58,6 @@ from llmd_supervisor.core.summary import (
     RunResults,
     RunSummary,
 )
-from llmd_supervisor.core.usage import split as split_usage
 from llmd_supervisor.errors import (
     AdoptRefused,
     ControlError,
@@ -67,14 +66,15 @@ from llmd_supervisor.errors import (
     SupervisorError,
 )
 from llmd_supervisor.supervision.access import sees_all
+from llmd_supervisor.supervision.campaign.api import CampaignOps
 from llmd_supervisor.supervision.log_follow import READ_CHUNK, Growth, first_of, read_new
 from llmd_supervisor.supervision.verify_job import utcnow
 from llmd_supervisor.supervision.views import (
     HandleView,
     cut,
-    results_table_of,
     run_brief,
     run_end,
+    run_results,
     run_summary,
 )
 
@@ -123,10 +123,21 @@ class ControlApi(Generic[H]):
     """Answers control-socket requests from the supervisor's state (a `Handler`)."""
 
     def __init__(
-        self, supervisor: SupervisorView[H], *, clock: Callable[[], datetime] = utcnow
+        self,
+        supervisor: SupervisorView[H],
+        *,
+        clock: Callable[[], datetime] = utcnow,
+        campaigns: CampaignOps | None = None,
     ) -> None:
         self.sup = supervisor
         self.clock = clock
+        self._campaigns = campaigns
+
+    @property
+    def campaigns(self) -> CampaignOps:
+        if self._campaigns is None:
+            raise ControlError("internal", "This daemon serves no campaigns.")
+        return self._campaigns
 
     async def handle(self, request: Request, peer: Peer, send: Send) -> Mapping[str, object]:
         return await HANDLERS[request.op].handler(self, request.args, peer, send)
@@ -342,18 +353,7 @@ class ControlApi(Generic[H]):
         return {"archive": handle.meta.archive_dir, "state": handle.run.state.value}
 
     async def _results(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunResults:
-        handle = self._visible(args, peer)
-        run = handle.run
-        table = await anyio.to_thread.run_sync(results_table_of, handle.layout.results_table)
-        return {
-            "run": run.run_id,
-            "state": run.state.value,
-            "outcome": run.outcome.value if run.outcome else None,
-            "reason": run.reason,
-            "results": table,
-            "usage": split_usage(handle.history),
-            "finished_at": (run_end(run, self.clock()).isoformat() if run.state.is_final else None),
-        }
+        return await run_results(self._visible(args, peer), self.clock())
 
     async def _wait(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunSummary:
         """Stream a summary whenever the run changed visibly (and every WAIT_REFRESH_S)
@@ -460,6 +460,12 @@ HANDLERS: Final[Mapping[str, Op]] = MappingProxyType(
         "wait": Op(ControlApi._wait, streaming=True),
         "archive": Op(ControlApi._archive),
         "results": Op(ControlApi._results),
+        "campaign_submit": Op(lambda api, a, p, s: api.campaigns.submit(a, p, s)),
+        "campaign_list": Op(lambda api, a, p, s: api.campaigns.list(a, p, s)),
+        "campaign_status": Op(lambda api, a, p, s: api.campaigns.status(a, p, s)),
+        "campaign_cancel": Op(lambda api, a, p, s: api.campaigns.cancel(a, p, s)),
+        "campaign_wait": Op(lambda api, a, p, s: api.campaigns.wait(a, p, s), streaming=True),
+        "campaign_results": Op(lambda api, a, p, s: api.campaigns.results(a, p, s), streaming=True),
     }
 )
 

@@ -21,6 +21,7 @@ import anyio.abc
 import structlog
 
 from llmd_supervisor.adapters import remote
+from llmd_supervisor.adapters.campaign_store import CampaignStore
 from llmd_supervisor.adapters.control_server import ControlServer
 from llmd_supervisor.adapters.journal import Journal
 from llmd_supervisor.adapters.metrics import (
@@ -36,8 +37,11 @@ from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.lifecycle import RunState
 from llmd_supervisor.errors import SupervisorError
 from llmd_supervisor.supervision.api import ControlApi
+from llmd_supervisor.supervision.campaign.api import CampaignOps
+from llmd_supervisor.supervision.campaign.runner import Campaigns
 from llmd_supervisor.supervision.cluster import Cluster, build_cluster
 from llmd_supervisor.supervision.run.driver import Hooks, RunHandle, Supervisor
+from llmd_supervisor.supervision.views import run_results
 
 log = structlog.get_logger("llmd_supervisor.supervision.daemon")
 
@@ -46,6 +50,22 @@ Notify = Callable[[str], None]
 
 def _no_notify(_: str) -> None:
     return None
+
+
+def _control_api(supervisor: Supervisor, campaigns: Campaigns) -> ControlApi[RunHandle]:
+    """The control API over the supervisor's runs and its campaigns."""
+
+    async def results_of(run_id: str) -> dict[str, object] | None:
+        handle = supervisor.handles.get(run_id)
+        return None if handle is None else dict(await run_results(handle, supervisor.clock()))
+
+    ops = CampaignOps(
+        campaigns,
+        admin_group=supervisor.config.admin_group,
+        clock=supervisor.clock,
+        run_results=results_of,
+    )
+    return ControlApi(supervisor, campaigns=ops)
 
 
 def lock_state_dir(state_dir: Path) -> int:
@@ -120,6 +140,8 @@ async def _serve(
                 await tg.start(cluster.poller.run)
             supervisor = Supervisor(config, journal, clusters, tg, hooks=hooks)
             resumed = await supervisor.resume_all()
+            campaigns = Campaigns(supervisor, CampaignStore(journal))
+            await campaigns.resume_all()  # after the runs: a campaign follows its runs
             metrics.attach(lambda: run_samples(supervisor.handles), link_counts)
             if config.metrics_listen is not None:
                 await tg.start(serve_metrics, metrics, config.metrics_listen)
@@ -134,7 +156,7 @@ async def _serve(
                 )
             server = ControlServer(
                 config.socket_path,
-                ControlApi(supervisor),
+                _control_api(supervisor, campaigns),
                 mode=config.socket_mode,
                 group=config.socket_group,
             )

@@ -13,6 +13,7 @@ from typing import Final, Protocol
 
 import anyio
 import anyio.lowlevel
+import anyio.to_thread
 
 from llmd_supervisor.adapters.control_protocol import DEFAULT_MAX_MESSAGE
 from llmd_supervisor.core.jobtext import job_text
@@ -24,6 +25,7 @@ from llmd_supervisor.core.summary import (
     NodeView,
     ResultsTable,
     RunBrief,
+    RunResults,
     RunSummary,
     headline,
     read,
@@ -227,3 +229,18 @@ def _last_line(path: Path | None) -> str:
     except OSError:
         return ""
     return job_text(next((line for line in reversed(lines) if line.strip()), ""), SHOWN_LINE_MAX)
+
+
+async def run_results(handle: HandleView, now: datetime) -> RunResults:
+    """A run's `results` reply: its verdict, results table, usage and end."""
+    run = handle.run
+    table = await anyio.to_thread.run_sync(results_table_of, handle.layout.results_table)
+    return {
+        "run": run.run_id,
+        "state": run.state.value,
+        "outcome": run.outcome.value if run.outcome else None,
+        "reason": run.reason,
+        "results": table,
+        "usage": split_usage(handle.history),
+        "finished_at": (run_end(run, now).isoformat() if run.state.is_final else None),
+    }

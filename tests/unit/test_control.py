@@ -201,6 +201,25 @@ GOOD: list[tuple[str, dict[str, object], dict[str, object]]] = [
     ("adopt", {"spec_json": "{}", "cluster": "dev"}, {"spec_json": "{}", "cluster": "dev"}),
     ("nodes", {}, {"release": None, "cluster": None}),
     ("nodes", {"release": "node4"}, {"release": "node4", "cluster": None}),
+    (
+        "campaign_submit",
+        {"file_text": "base = 'b.toml'", "base_text": "", "name": "sweep"},
+        {
+            "file_text": "base = 'b.toml'",
+            "base_text": "",
+            "file_path": None,
+            "name": "sweep",
+            "dry_run": False,
+            "rerun": False,
+            "max_points": 10_000,
+            "cluster": None,
+        },
+    ),
+    ("campaign_list", {}, {}),
+    ("campaign_status", {"campaign": "c1"}, {"campaign": "c1"}),
+    ("campaign_cancel", {"campaign": "c1"}, {"campaign": "c1"}),
+    ("campaign_wait", {"campaign": "c1"}, {"campaign": "c1"}),
+    ("campaign_results", {"campaign": "c1"}, {"campaign": "c1"}),
 ]
 
 
@@ -215,7 +234,8 @@ def test_decode_good_requests_fill_defaults(
 
 def test_every_op_is_covered_by_the_good_table() -> None:
     assert {op for op, _, _ in GOOD} == set(OPS)
-    assert {op for op, spec in OPS.items() if spec.streaming} == {"logs", "wait"}
+    streaming = {op for op, spec in OPS.items() if spec.streaming}
+    assert streaming == {"logs", "wait", "campaign_wait", "campaign_results"}
 
 
 def _bad_arg_cases() -> Iterator[tuple[str, dict[str, object], str]]:
@@ -470,8 +490,9 @@ async def test_unknown_op_is_an_error_reply(sock: Path) -> None:
             assert info.value.code == "unknown_op"
             assert 'Unknown op "frobnicate"' in str(info.value)
             assert (
-                "adopt, archive, cancel, list, logs, nodes, ping, results, status, submit, "
-                "submit_script, wait" in str(info.value)
+                "adopt, archive, campaign_cancel, campaign_list, campaign_results, "
+                "campaign_status, campaign_submit, campaign_wait, cancel, list, logs, nodes, "
+                "ping, results, status, submit, submit_script, wait" in str(info.value)
             )
 
 

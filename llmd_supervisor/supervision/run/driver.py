@@ -244,11 +244,18 @@ class Supervisor:
     # --- entry points ------------------------------------------------------------------
 
     async def submit(
-        self, spec_toml: str, *, owner_uid: int, cluster: str | None = None
+        self,
+        spec_toml: str,
+        *,
+        owner_uid: int,
+        cluster: str | None = None,
+        run_id: str | None = None,
     ) -> RunHandle:
-        """Validate, render, journal as `accepted` and start supervising; SpecError if bad."""
+        """Validate, render, journal as `accepted` and start supervising; SpecError if bad.
+        A campaign chooses the `run_id` (12 hex digits) and journals it first, so that a
+        restart in between finds out whether the run exists; JournalConflict if it does."""
         spec = await self.admit(spec_toml, cluster)
-        run_id = uuid.uuid4().hex[:12]
+        run_id = run_id or uuid.uuid4().hex[:12]
         job_name = f"llmd-{run_id}"
         script = render_sbatch(spec, job_name=job_name)
         return await self._accept(

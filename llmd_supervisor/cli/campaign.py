@@ -1,0 +1,429 @@
+"""``llmd-supervisor campaign ...``: a matrix of runs as one unit of work (DESIGN.md §12).
+
+  campaign submit FILE [--dry-run] [--wait] [--rerun] [--max-points N]
+  campaign status|wait|cancel|results ID
+  campaign list
+
+The client reads the campaign file and its base spec (the daemon may not be able to read
+the user's files) and sends both. `submit --dry-run` prints the expansion (points, jobs,
+GPU-hours upper bound from the time limits) and submits nothing. `wait` (and
+`submit --wait`) print a line whenever the counts change and end with the aggregated
+table and an exit status: 0 every point verified or reused, 10 any point failed, blocked
+or not run, 11 cancelled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import sys
+from collections.abc import Callable, Sequence
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any, cast
+
+from llmd_supervisor.adapters.control_client import ControlClient
+from llmd_supervisor.cli.common import _exits, _run, fit_to_terminal
+from llmd_supervisor.cli.inferencex_agg import write_agg
+from llmd_supervisor.cli.result_values import latency, per_gpu_total
+from llmd_supervisor.cli.results import read_run_results
+from llmd_supervisor.core.campaign import parse_campaign
+from llmd_supervisor.core.summary import PointView, RunResults
+from llmd_supervisor.errors import SpecError
+
+__all__ = ["add_parsers"]
+
+_POINT_ORDER = (
+    "verified",
+    "reused",
+    "running",
+    "queued",
+    "blocked",
+    "failed: workload",
+    "failed: infrastructure",
+    "failed: other",
+    "cancelled",
+)
+
+
+def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[], Path]) -> None:
+    top = sub.add_parser(
+        "campaign",
+        help="run a matrix of benchmark runs as one campaign",
+        description=(
+            "A campaign file names a base run spec and a [matrix] of spec fields; every "
+            "point (recipe, concurrency) is run once and never paid for twice: a point "
+            "verified by any earlier run is reused. See README.md, Campaigns."
+        ),
+    )
+    csub = top.add_subparsers(dest="campaign_op", metavar="OP", required=True)
+
+    def common(name: str, help_: str) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = csub.add_parser(name, help=help_, description=help_)
+        p.add_argument("--json", action="store_true", help="machine-readable output")
+        p.add_argument(
+            "--socket", type=Path, default=socket_default(), help="daemon control socket"
+        )
+        return p
+
+    p = common("submit", "expand a campaign file and submit its points")
+    p.add_argument("file", metavar="FILE", type=Path, help="campaign TOML file")
+    p.add_argument("--dry-run", action="store_true", help="print the expansion, submit nothing")
+    p.add_argument("--wait", action="store_true", help="wait for the campaign to end")
+    p.add_argument("--rerun", action="store_true", help="run verified points again too")
+    p.add_argument(
+        "--max-points",
+        type=int,
+        default=10_000,
+        help="refuse a campaign of more points than this (default 10000)",
+    )
+    p.add_argument("--cluster", default=None, help="configured cluster (default: the first)")
+    p.set_defaults(handler=_cmd_submit)
+    for name, help_ in (
+        ("status", "a campaign's points per state, GPU-hours and ETA"),
+        ("wait", "wait for a campaign to end; exit 0 when every point is verified"),
+        ("cancel", "cancel a campaign: its runs get TERM, nothing more is submitted"),
+    ):
+        p = common(name, help_)
+        p.add_argument("campaign", metavar="ID", help="campaign id or name")
+        p.set_defaults(handler=_cmd_simple)
+    p = common("results", "one row per point, with provenance (run, job, recipe id)")
+    p.add_argument("campaign", metavar="ID", help="campaign id or name")
+    p.add_argument(
+        "--format",
+        choices=("table", "csv", "inferencex-agg", "inferencex-agg-jsonl"),
+        default="table",
+        help="table (default), csv, or InferenceX's aggregate rows",
+    )
+    p.add_argument("--csv", dest="format", action="store_const", const="csv", help="--format csv")
+    p.set_defaults(handler=_cmd_results)
+    p = common("list", "every campaign you may see")
+    p.set_defaults(handler=_cmd_list)
+
+
+# --- submit ---------------------------------------------------------------------------------
+
+
+def _read_text(path: Path, what: str) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"llmd-supervisor campaign: cannot read {what} {path}: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+@_exits
+def _cmd_submit(args: argparse.Namespace) -> int:
+    path: Path = args.file
+    text = _read_text(path, "the campaign file")
+    try:
+        base_name = parse_campaign(text, default_name=_stem(path)).base
+    except SpecError as exc:
+        print(f"llmd-supervisor campaign submit: {path}: {exc}", file=sys.stderr)
+        return 2
+    base = (path.parent / base_name) if not Path(base_name).is_absolute() else Path(base_name)
+    params: dict[str, object] = {
+        "file_text": text,
+        "base_text": _read_text(base, "the base spec"),
+        "file_path": str(path),
+        "name": _stem(path),
+        "dry_run": args.dry_run,
+        "rerun": args.rerun,
+        "max_points": args.max_points,
+        "cluster": args.cluster,
+    }
+
+    async def go() -> dict[str, object]:
+        async with ControlClient(args.socket) as c:
+            return await c.call("campaign_submit", params)
+
+    result = _run("campaign submit", go)
+    if args.dry_run:
+        if args.json:
+            print(json.dumps(result, indent=2, sort_keys=True))
+        else:
+            print("\n".join(_dry_run_lines(result)))
+        return 0
+    campaign = str(result["campaign"])
+    print(f"{_status_line(result)}", file=sys.stderr if args.json or args.wait else sys.stdout)
+    if not args.wait:
+        if args.json:
+            print(json.dumps(result, indent=2, sort_keys=True))
+        return 0
+    return _wait_and_show(args, campaign)
+
+
+def _stem(path: Path) -> str:
+    return (
+        "".join(ch if ch.isalnum() or ch in "._-" else "-" for ch in path.stem)[:64] or "campaign"
+    )
+
+
+def _dry_run_lines(r: dict[str, object]) -> list[str]:
+    lines = [
+        f"campaign {r['name']}: {r['points']} points in {r['jobs']} jobs over "
+        f"{r['topologies']} topologies; {r['jobs_to_run']} jobs to run, "
+        f"{r['reused_points']} points verified before (reused)",
+        f"GPU-hours at most {r['gpu_hours_upper_bound']} (node-hours "
+        f"{r['node_hours_upper_bound']}), from the time limits",
+    ]
+    if r["duplicates_merged"]:
+        lines.append(f"{r['duplicates_merged']} duplicate points merged")
+    jobs = cast(list[dict[str, object]], r["job_list"])
+    rows = [["job", "topology", "concurrencies", "reused", "values"]]
+    for j in jobs:
+        rows.append(
+            [
+                str(j["job"]),
+                str(j["topology"]),
+                ",".join(map(str, cast(list[int], j["concurrencies"]))),
+                ",".join(map(str, cast(list[int], j["reused"]))) or "-",
+                " ".join(
+                    f"{k}={json.dumps(v)}" for k, v in cast(dict[str, object], j["values"]).items()
+                ),
+            ]
+        )
+    lines += fit_to_terminal(_aligned(rows))
+    if len(jobs) < cast(int, r["jobs"]):
+        lines.append(f"... and {cast(int, r['jobs']) - len(jobs)} more jobs")
+    return lines
+
+
+# --- status, wait, cancel, list -------------------------------------------------------------
+
+
+def _status_line(s: dict[str, object]) -> str:
+    points = cast(dict[str, int], s["points"])
+    counts = ", ".join(f"{points[k]} {k}" for k in _POINT_ORDER if points.get(k))
+    line = f"campaign {s['campaign']} ({s['name']}): {s['state']}; {counts or 'no points'}"
+    if s.get("eta_s") is not None:
+        line += f"; ETA {round(cast(float, s['eta_s']) / 60, 1)} min"
+    if s.get("qos"):
+        line += f"; {s['qos']}"
+    return line
+
+
+def _status_lines(s: dict[str, object]) -> list[str]:
+    lines = [_status_line(s)]
+    if s["reason"]:
+        lines.append(f"  reason: {s['reason']}")
+    lines.append(
+        f"  {s['points_total']} points in {s['jobs_total']} jobs; GPU-hours useful "
+        f"{s['gpu_hours_useful']}, lost {s['gpu_hours_lost']}"
+    )
+    for p in cast(list[dict[str, object]], s["problems"]):
+        lines.append(f"  {p['state']}: job {p['job']} ({p['topology']}): {p['reason']}")
+    more = cast(int, s["problems_total"]) - len(cast(list[object], s["problems"]))
+    if more > 0:
+        lines.append(f"  ... and {more} more failed or blocked jobs")
+    return lines
+
+
+@_exits
+def _cmd_simple(args: argparse.Namespace) -> int:
+    if args.campaign_op == "wait":
+        return _wait_and_show(args, args.campaign)
+
+    async def go() -> dict[str, object]:
+        async with ControlClient(args.socket) as c:
+            return await c.call(f"campaign_{args.campaign_op}", {"campaign": args.campaign})
+
+    result = _run(f"campaign {args.campaign_op}", go)
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    else:
+        print("\n".join(_status_lines(result)))
+    return 0
+
+
+def _wait_and_show(args: argparse.Namespace, campaign: str) -> int:
+    async def go() -> dict[str, object]:
+        request = {"campaign": campaign}
+        async with (
+            ControlClient(args.socket) as c,
+            aclosing(c.stream("campaign_wait", request)) as items,
+        ):
+            async for item in items:
+                if "final" in item:
+                    return cast(dict[str, object], item["final"])
+                if not args.json:
+                    print(_status_line(item), file=sys.stderr, flush=True)
+        raise AssertionError("the stream ended without a final item")
+
+    final = _run("campaign wait", go)
+    if args.json:
+        print(json.dumps(final, indent=2, sort_keys=True))
+    else:
+        print("\n".join(_status_lines(final)))
+        jobs, _ = _fetch_results(args.socket, str(final["campaign"]))
+        print("\n".join(fit_to_terminal(_points_table(jobs))))
+    status = final.get("exit_status")
+    return status if isinstance(status, int) else 10
+
+
+@_exits
+def _cmd_list(args: argparse.Namespace) -> int:
+    async def go() -> dict[str, object]:
+        async with ControlClient(args.socket) as c:
+            return await c.call("campaign_list", {})
+
+    result = _run("campaign list", go)
+    campaigns = cast(list[dict[str, object]], result["campaigns"])
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+        return 0
+    rows = [["campaign", "name", "state", "points", "settled", "cluster", "created"]]
+    rows += [
+        [
+            str(c[k])
+            for k in ("campaign", "name", "state", "points", "settled", "cluster", "created_at")
+        ]
+        for c in campaigns
+    ]
+    print("\n".join(fit_to_terminal(_aligned(rows))))
+    return 0
+
+
+# --- results --------------------------------------------------------------------------------
+
+
+def _fetch_results(
+    socket: Path, campaign: str
+) -> tuple[list[dict[str, object]], dict[str, object]]:
+    async def go() -> tuple[list[dict[str, object]], dict[str, object]]:
+        jobs: list[dict[str, object]] = []
+        request = {"campaign": campaign}
+        async with (
+            ControlClient(socket) as c,
+            aclosing(c.stream("campaign_results", request)) as items,
+        ):
+            async for item in items:
+                if "final" in item:
+                    return jobs, cast(dict[str, object], item["final"])
+                jobs.append(item)
+        raise AssertionError("the stream ended without a final item")
+
+    return _run("campaign results", go)
+
+
+def _run_points(job: dict[str, object]) -> dict[tuple[str, int], PointView]:
+    """(run id, concurrency) to its row in that run's results table."""
+    out: dict[tuple[str, int], PointView] = {}
+    for raw in cast(list[object], job["runs"]):
+        r = read_run_results(raw)
+        if r["results"] is not None:
+            for p in r["results"]["points"]:
+                out[(r["run"], p["concurrency"])] = p
+    return out
+
+
+COLUMNS = (
+    "topology",
+    "values",
+    "conc",
+    "state",
+    "run",
+    "tok/s/gpu",
+    "ttft p50 ms",
+    "tpot p50 ms",
+    "recipe",
+    "reason",
+)
+
+
+def point_rows(jobs: Sequence[dict[str, object]]) -> list[dict[str, object]]:
+    """One row per point: its state, provenance and headline numbers."""
+    rows = []
+    for job in jobs:
+        found = _run_points(job)
+        values = values_text(job["values"])
+        for p in cast(list[dict[str, object]], job["points"]):
+            conc = cast(int, p["concurrency"])
+            point = found.get((str(p["run"]), conc))
+            rows.append(
+                {
+                    "campaign": job["campaign"],
+                    "job": job["job"],
+                    "recipe_id": job["recipe_id"],
+                    "topology": job["topology"],
+                    "values": values,
+                    "concurrency": conc,
+                    "state": p["state"],
+                    "run": p["run"],
+                    "reused_from": p["reused_from"],
+                    "total_token_throughput_per_gpu": per_gpu_total(point, None) if point else None,
+                    "output_throughput_per_gpu": point["output_throughput_per_gpu"]
+                    if point
+                    else None,
+                    "ttft_ms_median": latency(point, "ttft", "median") if point else None,
+                    "tpot_ms_median": latency(point, "tpot", "median") if point else None,
+                    "reason": p["reason"],
+                }
+            )
+    return rows
+
+
+def values_text(values: object) -> str:
+    """A point's matrix values, short: `isl_osl=[64,16] prefill_nodes=1` (the
+    concurrencies are the rows' own column)."""
+    assert isinstance(values, dict)
+    return " ".join(
+        f"{k.rsplit('.', 1)[-1]}={json.dumps(v, separators=(',', ':'))}"
+        for k, v in values.items()
+        if k != "benchmark.concurrencies"
+    )
+
+
+def _num(value: object) -> str:
+    return "-" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
+
+
+def _points_table(jobs: Sequence[dict[str, object]]) -> list[str]:
+    rows = [list(COLUMNS)]
+    for r in point_rows(jobs):
+        rows.append(
+            [
+                str(r["topology"]),
+                str(r["values"]),
+                str(r["concurrency"]),
+                str(r["state"]),
+                str(r["run"] or "-"),
+                _num(r["total_token_throughput_per_gpu"]),
+                _num(r["ttft_ms_median"]),
+                _num(r["tpot_ms_median"]),
+                str(r["recipe_id"])[:12],
+                str(r["reason"] or ""),
+            ]
+        )
+    return _aligned(rows)
+
+
+def _aligned(rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+@_exits
+def _cmd_results(args: argparse.Namespace) -> int:
+    jobs, _ = _fetch_results(args.socket, args.campaign)
+    if args.json:
+        print(json.dumps({"points": point_rows(jobs)}, indent=2, sort_keys=True))
+    elif args.format == "csv":
+        rows = point_rows(jobs)
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else ["campaign"])
+        writer.writeheader()
+        writer.writerows(rows)
+        sys.stdout.write(out.getvalue())
+    elif args.format.startswith("inferencex-agg"):
+        runs: dict[str, RunResults] = {}
+        for job in jobs:
+            for raw in cast(list[object], job["runs"]):
+                r = read_run_results(raw)
+                runs[r["run"]] = r
+        write_agg(args.format, runs.values(), sys.stdout, sys.stderr)
+    else:
+        print("\n".join(fit_to_terminal(_points_table(jobs))))
+    return 0

@@ -1,0 +1,159 @@
+"""The control ops of campaigns (`campaign_*` in the protocol's table; `supervision.api`
+dispatches them here).
+
+Access as for runs: a peer sees and acts on its own campaigns; root and the admin group
+on every campaign. A campaign the peer may not see is answered like one that does not
+exist. `campaign_wait` streams the status whenever the campaign changed (and every few
+seconds); `campaign_results` streams one item per job (its points with provenance and the
+results of the runs that proved them), so a 5,000-point campaign never makes one reply
+larger than the message bound.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import datetime
+from typing import Final
+
+import anyio
+
+from llmd_supervisor.adapters.campaign_store import StoredCampaign
+from llmd_supervisor.adapters.control_protocol import Peer, Send, show
+from llmd_supervisor.core.campaign_run import CampaignState
+from llmd_supervisor.errors import ControlError, SpecError
+from llmd_supervisor.supervision.access import sees_all
+from llmd_supervisor.supervision.campaign import views
+from llmd_supervisor.supervision.campaign.runner import Campaigns, limits_of
+
+__all__ = ["CampaignOps"]
+
+WAIT_REFRESH_S: Final = 5.0
+
+RunResultsOf = Callable[[str], Awaitable[dict[str, object] | None]]
+
+
+class CampaignOps:
+    """The campaign ops' handlers, over the daemon's `Campaigns`."""
+
+    def __init__(
+        self,
+        campaigns: Campaigns,
+        *,
+        admin_group: str | None,
+        clock: Callable[[], datetime],
+        run_results: RunResultsOf,
+    ) -> None:
+        self.campaigns = campaigns
+        self.admin_group = admin_group
+        self.clock = clock
+        self.run_results = run_results
+
+    async def _visible(self, args: Mapping[str, object], peer: Peer) -> StoredCampaign:
+        ref = str(args["campaign"])
+        everyone = sees_all(peer, self.admin_group)
+        found = [
+            c
+            for c in await self.campaigns.store.campaigns()
+            if (c.campaign_id == ref or c.name == ref) and (everyone or c.owner_uid == peer.uid)
+        ]
+        if not found:
+            raise ControlError("not_found", f"No campaign {show(ref)} is known to this daemon.")
+        if len(found) > 1:
+            ids = ", ".join(f"{c.campaign_id} ({c.state})" for c in found[:10])
+            raise ControlError(
+                "ambiguous",
+                f"Campaign name {show(ref)} names {len(found)} campaigns: {ids}. "
+                "Name one by its id.",
+            )
+        return found[0]
+
+    async def submit(self, args: Mapping[str, object], peer: Peer, send: Send) -> dict[str, object]:
+        where = str(args["file_path"] or "the campaign file")
+        cluster = args["cluster"]
+        assert cluster is None or isinstance(cluster, str)
+        max_points = args["max_points"]
+        if not isinstance(max_points, int) or max_points < 1:
+            raise ControlError(
+                "bad_request", f"max_points must be a positive integer, not {show(max_points)}."
+            )
+        try:
+            plan = await self.campaigns.plan(
+                str(args["file_text"]),
+                str(args["base_text"]),
+                default_name=str(args["name"]),
+                cluster=cluster,
+                max_points=max_points,
+                rerun=bool(args["rerun"]),
+            )
+        except SpecError as exc:
+            raise ControlError("bad_request", f"{where}: {exc}") from exc
+        if args["dry_run"]:
+            return views.dry_run(plan)
+        c = await self.campaigns.create(plan, owner_uid=peer.uid, cluster=cluster)
+        return await self._status(c)
+
+    async def _status(self, c: StoredCampaign) -> dict[str, object]:
+        jobs = await self.campaigns.store.jobs(c.campaign_id)
+        limits = limits_of(c)
+        _, qos = self.campaigns.backoff(c.campaign_id)
+        return views.status(
+            c,
+            jobs,
+            self.campaigns.sup.handles,
+            max_jobs=limits.max_jobs,
+            qos=qos,
+            now=self.clock(),
+        )
+
+    async def status(self, args: Mapping[str, object], peer: Peer, send: Send) -> dict[str, object]:
+        return await self._status(await self._visible(args, peer))
+
+    async def list(self, args: Mapping[str, object], peer: Peer, send: Send) -> dict[str, object]:
+        everyone = sees_all(peer, self.admin_group)
+        store = self.campaigns.store
+        out = []
+        for c in await store.campaigns(owner_uid=None if everyone else peer.uid):
+            out.append(views.brief(c, await store.jobs(c.campaign_id)))
+        return {"campaigns": out[-500:]}
+
+    async def cancel(self, args: Mapping[str, object], peer: Peer, send: Send) -> dict[str, object]:
+        c = await self._visible(args, peer)
+        await self.campaigns.cancel(c.campaign_id)
+        again = await self.campaigns.store.get(c.campaign_id)
+        return await self._status(again or c)
+
+    async def wait(self, args: Mapping[str, object], peer: Peer, send: Send) -> dict[str, object]:
+        c = await self._visible(args, peer)
+        shown: dict[str, object] | None = None
+        while True:
+            changed = self.campaigns.changed(c.campaign_id)
+            now_c = await self.campaigns.store.get(c.campaign_id)
+            assert now_c is not None
+            summary = await self._status(now_c)
+            if CampaignState(now_c.state).is_final:
+                return summary
+            visible = {k: v for k, v in summary.items() if k not in ("eta_s", "updated_at")}
+            if visible != shown:
+                await send(summary)
+                shown = visible
+            with anyio.move_on_after(WAIT_REFRESH_S):
+                await changed.wait()
+
+    async def results(
+        self, args: Mapping[str, object], peer: Peer, send: Send
+    ) -> dict[str, object]:
+        c = await self._visible(args, peer)
+        jobs = await self.campaigns.store.jobs(c.campaign_id)
+        proofs = await self.campaigns.store.verified(j.recipe_id for j in jobs)
+        cache: dict[str, dict[str, object]] = {}
+        points = 0
+        for j in jobs:
+            for p in (proofs.get((j.recipe_id, conc)) for conc in j.concurrencies):
+                if p is not None and p.run_id not in cache:
+                    got = await self.run_results(p.run_id)
+                    if got is not None:
+                        cache[p.run_id] = got
+            item = views.job_results(c, j, proofs, cache)
+            points += len(j.concurrencies)
+            await send(item)
+        return {"campaign": c.campaign_id, "name": c.name, "state": c.state, "points": points}

@@ -1,0 +1,84 @@
+"""A campaign's points against the archive: proving them and checking old proofs (I/O).
+
+A point (recipe id, concurrency) is verified by a `succeeded` run whose archived
+``results.json`` row for that concurrency is valid; the proof is the archived result
+file's name and sha256 (`verified_of`). A proof is still good only while that file
+exists with the same sha256 (`still_good`): an archive pruned or edited by hand does not
+keep saving GPU-hours. Both read the daemon's own archive (bounded reads).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Final
+
+from llmd_supervisor.adapters.campaign_store import VerifiedPoint
+from llmd_supervisor.core.layout import RESULTS
+from llmd_supervisor.errors import ControlError
+from llmd_supervisor.supervision.views import results_table_of
+
+__all__ = ["still_good", "verified_of"]
+
+RESULT_FILE_MAX: Final = 64 << 20  # an archived result file larger than this proves nothing
+
+
+def _sha256(path: Path) -> str | None:
+    """The file's sha256, None when it is missing, not a regular file or too large."""
+    h = hashlib.sha256()
+    try:
+        with path.open("rb") as f:
+            size = 0
+            while chunk := f.read(1 << 20):
+                size += len(chunk)
+                if size > RESULT_FILE_MAX:
+                    return None
+                h.update(chunk)
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+def verified_of(
+    archive_dir: Path,
+    *,
+    recipe_id: str,
+    concurrencies: Iterable[int],
+    run_id: str,
+    campaign_id: str,
+    now: datetime,
+) -> list[VerifiedPoint]:
+    """The proofs a succeeded run's archive gives for `concurrencies` (valid rows only)."""
+    try:
+        table = results_table_of(archive_dir / "results.json")
+    except ControlError:
+        return []
+    if table is None:
+        return []
+    wanted = set(concurrencies)
+    out = []
+    for row in table["points"]:
+        conc, relative = row["concurrency"], row["file"]  # results/c<N>.json
+        folder, _, name = relative.partition("/")
+        if conc not in wanted or not row["valid"] or folder != RESULTS or not _plain(name):
+            continue
+        digest = _sha256(archive_dir / relative)
+        if digest is not None:
+            out.append(VerifiedPoint(recipe_id, conc, run_id, campaign_id, relative, digest, now))
+    return out
+
+
+def _plain(name: str) -> bool:
+    return name not in ("", ".", "..") and "/" not in name
+
+
+def still_good(points: Sequence[VerifiedPoint], archive_of: dict[str, Path]) -> list[bool]:
+    """For each proof: its run is known (`archive_of`: run id to archive directory) and its
+    archived result file still has the recorded sha256."""
+    out = []
+    for p in points:
+        archive = archive_of.get(p.run_id)
+        out.append(archive is not None and _sha256(archive / p.result_file) == p.sha256)
+    return out

@@ -1,0 +1,451 @@
+"""Campaigns in the daemon: one task per campaign that is not final (DESIGN.md section 12).
+
+`Campaigns.create` expands a campaign file, journals the campaign and all its jobs at
+once (a job whose points are all verified already is `reused` from the start) and starts
+its task; `resume_all` starts the task of every campaign the journal holds as not final
+after a restart. The task (`_drive`) loops: it brings each job's state up to date from its
+run, asks the pure admission (`core.campaign_admission`) what to submit next, and
+submits. It never decides anything itself that the core can decide.
+
+Exactly once: before a job's run exists, the job is journaled with the run id it will get
+(`core.campaign_run.campaign_run_id`); the run is then journaled by the supervisor under
+that id before its sbatch (and reconciled by job name after a crash, as every run). On a
+restart, a job whose run id has no run is submitted under that same id; one whose run
+exists is followed. So a crash at any moment neither loses a point nor submits it twice.
+
+QOS: an sbatch refused for a submit limit (`qos_refusal`) is back-pressure, not a failure:
+the campaign backs off, lowers its cap to the jobs it has in the queue, and submits the
+job again later as a new run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Final
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import structlog
+
+from llmd_supervisor.adapters.campaign_store import (
+    CampaignStore,
+    StoredCampaign,
+    StoredJob,
+    VerifiedPoint,
+)
+from llmd_supervisor.core import campaign as core
+from llmd_supervisor.core.campaign_admission import Admission, CampaignLimits, JobState, admit
+from llmd_supervisor.core.campaign_run import (
+    ACTIVE_JOB_STATES,
+    CampaignState,
+    campaign_run_id,
+    job_state_of,
+    qos_refusal,
+)
+from llmd_supervisor.core.spec_toml import decode_toml
+from llmd_supervisor.core.toml_write import dump_toml
+from llmd_supervisor.errors import IllegalTransition, JournalConflict, SpecError
+from llmd_supervisor.supervision.campaign.points import still_good, verified_of
+from llmd_supervisor.supervision.run.driver import RunHandle, Supervisor
+
+__all__ = ["Campaigns", "Plan"]
+
+log = structlog.get_logger("llmd_supervisor.campaigns")
+
+TICK_S: Final = 2.0  # a campaign looks at its runs at least this often
+QOS_BACKOFF_S: Final = 30.0  # after a submit-limit refusal, nothing is submitted for this long
+
+
+@dataclass(frozen=True)
+class Plan:
+    """An expanded campaign before (or instead of, with --dry-run) it is journaled."""
+
+    file: core.CampaignFile
+    file_text: str
+    base_text: str
+    expansion: core.Expansion
+    reused: Mapping[tuple[str, int], VerifiedPoint]  # points verified before, still good
+    rerun: bool
+
+
+@dataclass
+class _Live:
+    """A campaign's in-memory companion: its change signal and QOS back-off."""
+
+    changed: anyio.Event = field(default_factory=anyio.Event)
+    backoff_until: float = 0.0  # anyio.current_time() before which nothing is submitted
+    qos_cap: int | None = None  # the submit cap a QOS refusal taught
+    qos_reason: str = ""
+    refused: str = ""  # a submit limit an sbatch named since the last step
+
+    def touch(self) -> None:
+        self.changed.set()
+        self.changed = anyio.Event()
+
+
+class Campaigns:
+    """Every campaign of this daemon; the control API's campaign ops talk to it."""
+
+    def __init__(self, supervisor: Supervisor, store: CampaignStore) -> None:
+        self.sup = supervisor
+        self.store = store
+        self.live: dict[str, _Live] = {}
+
+    # --- entry points --------------------------------------------------------------------
+
+    async def plan(
+        self,
+        file_text: str,
+        base_text: str,
+        *,
+        default_name: str,
+        cluster: str | None,
+        max_points: int,
+        rerun: bool,
+    ) -> Plan:
+        """Parse, expand and validate a campaign (CampaignError / SpecError if bad) and find
+        which of its points are verified already."""
+        cf = core.parse_campaign(file_text, default_name=default_name)
+        base = decode_toml(base_text)
+        expansion = await anyio.to_thread.run_sync(
+            lambda: core.expand(cf, base, max_points=max_points)
+        )
+        # The cluster's own checks (log directory, nodes), once per distinct topology.
+        seen: set[str] = set()
+        for job in expansion.jobs:
+            if job.topology not in seen:
+                seen.add(job.topology)
+                await self.sup.admit(dump_toml(job.spec_data), cluster or cf.cluster)
+        reused = {} if rerun else await self._still_verified(j.recipe_id for j in expansion.jobs)
+        return Plan(cf, file_text, base_text, expansion, reused, rerun)
+
+    async def create(self, plan: Plan, *, owner_uid: int, cluster: str | None) -> StoredCampaign:
+        """Journal the planned campaign with all its jobs, then start its task."""
+        campaign_id = uuid.uuid4().hex[:12]
+        now = self.sup.clock()
+        cluster_name = self.sup.config.cluster(cluster or plan.file.cluster).name
+        limits = plan.file.limits
+        stored = StoredCampaign(
+            campaign_id=campaign_id,
+            name=plan.file.name,
+            owner_uid=owner_uid,
+            cluster=cluster_name,
+            state=CampaignState.RUNNING.value,
+            reason="",
+            file_text=plan.file_text,
+            base_text=plan.base_text,
+            settings={"limits": dataclasses.asdict(limits), "rerun": plan.rerun},
+            created_at=now,
+            updated_at=now,
+        )
+        jobs = []
+        for seq, job in enumerate(plan.expansion.jobs):
+            to_run = tuple(c for c in job.concurrencies if (job.recipe_id, c) not in plan.reused)
+            jobs.append(
+                StoredJob(
+                    campaign_id=campaign_id,
+                    job_key=job.key,
+                    seq=seq,
+                    recipe_id=job.recipe_id,
+                    topology=job.topology,
+                    concurrencies=job.concurrencies,
+                    to_run=to_run,
+                    matrix_values=job.values,
+                    nodes=job.nodes,
+                    gpus=job.gpus,
+                    workload=job.workload,
+                    time_limit_s=job.time_limit_s,
+                    spec_toml=dump_toml(job.spec_data),
+                    state=(JobState.WAITING if to_run else JobState.REUSED).value,
+                    run_id=None,
+                    submissions=0,
+                    reason="" if to_run else "every point verified before",
+                    updated_at=now,
+                )
+            )
+        await self.store.insert(stored, jobs)
+        log.info(
+            "campaign.created",
+            campaign_id=campaign_id,
+            name=stored.name,
+            jobs=len(jobs),
+            reused_points=len(plan.reused),
+        )
+        self._start(campaign_id)
+        return stored
+
+    async def resume_all(self) -> int:
+        """Start the task of every campaign not final; after `Supervisor.resume_all`."""
+        count = 0
+        for c in await self.store.campaigns():
+            if not CampaignState(c.state).is_final:
+                self._start(c.campaign_id)
+                count += 1
+        return count
+
+    async def cancel(self, campaign_id: str) -> None:
+        """Stop submitting and cancel the campaign's runs (TERM, grace; as `cancel`)."""
+        c = await self.store.get(campaign_id)
+        if c is None or CampaignState(c.state).is_final:
+            return
+        await self.store.set_state(campaign_id, CampaignState.CANCELLING.value, "cancel requested")
+        self._live(campaign_id).touch()
+
+    def changed(self, campaign_id: str) -> anyio.Event:
+        return self._live(campaign_id).changed
+
+    def backoff(self, campaign_id: str) -> tuple[int | None, str]:
+        live = self.live.get(campaign_id)
+        return (live.qos_cap, live.qos_reason) if live else (None, "")
+
+    # --- the task ------------------------------------------------------------------------
+
+    def _live(self, campaign_id: str) -> _Live:
+        return self.live.setdefault(campaign_id, _Live())
+
+    def _start(self, campaign_id: str) -> None:
+        self._live(campaign_id)
+        self.sup.tg.start_soon(self._drive, campaign_id)
+
+    async def _drive(self, campaign_id: str) -> None:
+        with structlog.contextvars.bound_contextvars(campaign_id=campaign_id):
+            while True:
+                try:
+                    if await self._step(campaign_id):
+                        return
+                except (OSError, SpecError, JournalConflict) as exc:  # logged, tried again
+                    log.error("campaign.step_failed", error=str(exc))
+                live = self._live(campaign_id)
+                with anyio.move_on_after(TICK_S):
+                    await live.changed.wait()
+
+    async def _step(self, campaign_id: str) -> bool:
+        """One look at the campaign; True once it is final."""
+        c = await self.store.get(campaign_id)
+        if c is None:
+            return True
+        state = CampaignState(c.state)
+        if state.is_final:
+            return True
+        live = self._live(campaign_id)
+        jobs = await self.store.jobs(campaign_id)
+        jobs = [await self._refresh(c, j, live) for j in jobs]
+        active = [j for j in jobs if JobState(j.state) in ACTIVE_JOB_STATES]
+        if live.refused:  # keep to what the queue held when the QOS said no
+            live.qos_cap = max(1, len(active))
+            live.qos_reason = (
+                f"sbatch refused a job ({live.refused}): at most {live.qos_cap} queued"
+            )
+            live.backoff_until = anyio.current_time() + QOS_BACKOFF_S
+            live.refused = ""
+            log.warning("campaign.qos_backoff", cap=live.qos_cap, backoff_s=QOS_BACKOFF_S)
+        if state is CampaignState.CANCELLING:
+            return await self._cancelling(c, jobs, active)
+        decision = admit(
+            [_Job(j) for j in jobs],
+            {j.job_key: JobState(j.state) for j in jobs},
+            limits_of(c),
+            qos_cap=live.qos_cap,
+            backoff_until=live.backoff_until,
+            now=anyio.current_time(),
+            failures={j.job_key: j.reason for j in jobs if j.reason},
+        )
+        await self._apply(c, jobs, decision, state)
+        if decision.done:
+            final = CampaignState.STOPPED if decision.stop else CampaignState.FINISHED
+            await self.store.set_state(campaign_id, final.value, decision.stop or "")
+            log.info("campaign.finished", state=final.value, reason=decision.stop or "")
+            live.touch()
+            return True
+        return False
+
+    async def _apply(
+        self,
+        c: StoredCampaign,
+        jobs: Sequence[StoredJob],
+        decision: Admission,
+        state: CampaignState,
+    ) -> None:
+        by_key = {j.job_key: j for j in jobs}
+        for key, reason in decision.block.items():
+            await self.store.set_job(
+                c.campaign_id, key, state=JobState.BLOCKED.value, reason=reason
+            )
+            log.info("campaign.job_blocked", job_key=key, reason=reason)
+        if decision.stop and state is CampaignState.RUNNING:
+            await self.store.set_state(c.campaign_id, CampaignState.STOPPING.value, decision.stop)
+            log.warning("campaign.stopping", reason=decision.stop)
+        if decision.stop:
+            return
+        for key in decision.submit:
+            await self._submit(c, by_key[key])
+        if decision.block or decision.submit:
+            self._live(c.campaign_id).touch()
+
+    async def _submit(self, c: StoredCampaign, job: StoredJob) -> None:
+        """Submit the job's points not verified by now (none left: `reused`)."""
+        verified = await self._still_verified([job.recipe_id])
+        to_run = tuple(
+            x for x in job.to_run if (job.recipe_id, x) not in verified or c.settings.get("rerun")
+        )
+        if not to_run:
+            await self.store.set_job(
+                c.campaign_id,
+                job.job_key,
+                state=JobState.REUSED.value,
+                reason="every point verified meanwhile",
+                to_run=(),
+            )
+            return
+        run_id = campaign_run_id(c.campaign_id, job.job_key, job.submissions + 1)
+        await self.store.set_job(
+            c.campaign_id,
+            job.job_key,
+            state=JobState.SUBMITTED.value,
+            reason="",
+            run_id=run_id,
+            to_run=to_run,
+        )
+        log.info("campaign.job_submitting", job_key=job.job_key, run_id=run_id, points=to_run)
+        await self._submit_run(c, replace(job, run_id=run_id, to_run=to_run))
+
+    async def _submit_run(self, c: StoredCampaign, job: StoredJob) -> RunHandle:
+        assert job.run_id is not None
+        data = decode_toml(job.spec_toml)
+        bench = data["benchmark"]
+        assert isinstance(bench, dict)
+        bench["concurrencies"] = list(job.to_run)
+        return await self.sup.submit(
+            dump_toml(data), owner_uid=c.owner_uid, cluster=c.cluster, run_id=job.run_id
+        )
+
+    async def _refresh(self, c: StoredCampaign, job: StoredJob, live: _Live) -> StoredJob:
+        """The job's state from its run (and its points proven when the run succeeded)."""
+        if job.run_id is None or JobState(job.state) not in ACTIVE_JOB_STATES:
+            return job
+        handle = self.sup.handles.get(job.run_id)
+        if handle is None:  # journaled as submitted, the run never was: submit it now
+            log.info("campaign.job_resubmitted", job_key=job.job_key, run_id=job.run_id)
+            handle = await self._submit_run(c, job)
+        run = handle.run
+        cause = handle.history[-1]["cause"] if handle.history else None
+        new = job_state_of(run.state, run.outcome, cause)
+        refusal = qos_refusal(run.reason) if run.state.is_final else None
+        if refusal is not None and new is not JobState.SUCCEEDED:
+            live.refused = refusal
+            reason = f"sbatch refused it ({refusal}); submitted again after a back-off"
+            log.warning("campaign.qos_refusal", job_key=job.job_key, limit=refusal)
+            await self.store.set_job(
+                c.campaign_id, job.job_key, state=JobState.WAITING.value, reason=reason
+            )
+            return replace(job, state=JobState.WAITING.value, reason=reason)
+        if new.value == job.state:
+            return job
+        reason = run.reason if run.state.is_final else ""
+        if new is JobState.SUCCEEDED:
+            proofs = await anyio.to_thread.run_sync(
+                lambda: verified_of(
+                    handle.layout.archive_dir,
+                    recipe_id=job.recipe_id,
+                    concurrencies=job.to_run,
+                    run_id=run.run_id,
+                    campaign_id=c.campaign_id,
+                    now=self.sup.clock(),
+                )
+            )
+            await self.store.add_verified(proofs)
+            missing = sorted(set(job.to_run) - {p.concurrency for p in proofs})
+            if missing:  # a succeeded run's gate passed every point: only a damaged archive
+                new = JobState.FAILED_OTHER
+                reason = f"the archive of run {run.run_id} proves no result for c={missing}"
+        await self.store.set_job(c.campaign_id, job.job_key, state=new.value, reason=reason)
+        log.info("campaign.job_changed", job_key=job.job_key, state=new.value, reason=reason)
+        return replace(job, state=new.value, reason=reason)
+
+    async def _cancelling(
+        self, c: StoredCampaign, jobs: Sequence[StoredJob], active: Sequence[StoredJob]
+    ) -> bool:
+        for job in jobs:
+            if JobState(job.state) is JobState.WAITING:
+                await self.store.set_job(
+                    c.campaign_id,
+                    job.job_key,
+                    state=JobState.CANCELLED.value,
+                    reason="campaign cancelled",
+                )
+        for job in active:
+            handle = self.sup.handles.get(job.run_id or "")
+            if handle is not None and not handle.run.cancel_requested:
+                with contextlib.suppress(IllegalTransition):  # it ended meanwhile
+                    await self.sup.cancel(handle)
+        if active:
+            return False
+        await self.store.set_state(c.campaign_id, CampaignState.CANCELLED.value, "cancelled")
+        log.info("campaign.cancelled")
+        self._live(c.campaign_id).touch()
+        return True
+
+    async def _still_verified(
+        self, recipe_ids: Iterable[str]
+    ) -> dict[tuple[str, int], VerifiedPoint]:
+        """The ledger's proofs of these recipes whose archived files still match; a proof
+        that no longer does is dropped from the ledger (its point runs again)."""
+        proofs = await self.store.verified(recipe_ids)
+        if not proofs:
+            return {}
+        points = list(proofs.values())
+        archive_of = {
+            p.run_id: Path(h.meta.archive_dir)
+            for p in points
+            if (h := self.sup.handles.get(p.run_id)) is not None
+        }
+        good = await anyio.to_thread.run_sync(still_good, points, archive_of)
+        stale = [(p.recipe_id, p.concurrency) for p, ok in zip(points, good, strict=True) if not ok]
+        if stale:
+            log.warning("campaign.proofs_dropped", points=len(stale))
+            await self.store.forget_verified(stale)
+        return {k: p for (k, p), ok in zip(proofs.items(), good, strict=True) if ok}
+
+
+def limits_of(c: StoredCampaign) -> CampaignLimits:
+    """The campaign's journaled [limits]."""
+    raw = c.settings["limits"]
+    assert isinstance(raw, dict)
+    return CampaignLimits(**raw)
+
+
+@dataclass(frozen=True)
+class _Job:
+    """A journaled job as admission sees it (`core.campaign_admission.AdmissionJob`)."""
+
+    stored: StoredJob
+
+    @property
+    def key(self) -> str:
+        return self.stored.job_key
+
+    @property
+    def topology(self) -> str:
+        return self.stored.topology
+
+    @property
+    def nodes(self) -> int:
+        return self.stored.nodes
+
+    @property
+    def gpus(self) -> int:
+        return self.stored.gpus
+
+    @property
+    def workload(self) -> int:
+        return self.stored.workload
+
+    @property
+    def concurrencies(self) -> tuple[int, ...]:
+        return self.stored.concurrencies
