@@ -139,6 +139,7 @@ class Daemon:
     crash_after: str | None = None  # STATE[:N]: see tests/faults/crash_daemon.py
     daemon_keys: str = ""  # more [daemon] keys (e.g. socket_group)
     replay_socket: Path | None = None  # Slurm commands go to a replayed cluster served here
+    qos_backoff_s: float | None = None  # a campaign's back-off after a QOS refusal (seam)
 
     @property
     def socket(self) -> Path:
@@ -179,13 +180,15 @@ log_format = "json"
         self.starts += 1
         log = open(self.root / f"daemon-{self.starts}.log", "wb")  # noqa: SIM115 - child's
         argv = [sys.executable, "-m", "llmd_supervisor", "daemon"]
-        if self.crash_after is not None or self.replay_socket is not None:
+        if (self.crash_after, self.replay_socket, self.qos_backoff_s) != (None, None, None):
             # the daemon with test seams: a crash point, a replayed cluster (tests/faults)
             argv = [sys.executable, "-m", "tests.faults.crash_daemon"]
             if self.crash_after is not None:
                 argv += ["--crash-after", self.crash_after]
             if self.replay_socket is not None:
                 argv += ["--replay-socket", str(self.replay_socket)]
+            if self.qos_backoff_s is not None:
+                argv += ["--qos-backoff-s", str(self.qos_backoff_s)]
         self.proc = subprocess.Popen(
             [*argv, "--config", str(self.config_path)],
             stdout=log,

@@ -99,6 +99,13 @@ class ReplayError(AssertionError):
 # --- replies ----------------------------------------------------------------------------------
 
 
+QOS_REFUSAL = (
+    "sbatch: error: QOSMaxSubmitJobPerUserLimit\n"
+    "sbatch: error: Batch job submission failed: Job violates accounting/QOS policy "
+    "(job submit limit, user's size and/or time limits)\n"
+)
+
+
 @dataclass(frozen=True)
 class Reply:
     """One scripted answer: what the command prints and how it exits.
@@ -809,6 +816,9 @@ class ReplayCluster:
         # its --output/--error files as slurmd does (the run driver notices a start by them).
         self.touch_files = touch_files
         self.jobs: dict[str, ReplayJob] = {}
+        # A QOS's MaxSubmitJobsPerUser: an sbatch beyond it is refused as slurmctld does
+        # (tests/data/slurm-qos-refusal/SOURCE.md); None: no limit.
+        self.max_submit: int | None = None
         self.calls: list[tuple[str, ...]] = []
         self.stdin: list[bytes | None] = []
         self.envs: list[Mapping[str, str] | None] = []
@@ -996,6 +1006,9 @@ class ReplayCluster:
         names = [a.removeprefix("--job-name=") for a in args if a.startswith("--job-name=")]
         names += re.findall(r"^#SBATCH\s+--job-name=(\S+)", script, re.M)
         name = names[0] if names else "sbatch"
+        queued = [j for j in self.jobs.values() if not j.state.is_terminal]
+        if self.max_submit is not None and len(queued) >= self.max_submit:
+            return Reply(1, "", QOS_REFUSAL)
         options = [a for a in args if a != "--parsable"]
         job = ReplayJob(
             self,

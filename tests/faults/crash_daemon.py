@@ -4,7 +4,8 @@
 ``--crash-after`` SIGKILLs the daemon right after the journal committed the N-th (default
 first) transition into STATE, before anything acted on it; ``cancel_requested`` for STATE
 crashes right after a cancel request was journaled instead. ``--replay-socket`` sends every
-Slurm command to the replayed cluster a test serves there (tests/fakes/replay_service.py).
+Slurm command to the replayed cluster a test serves there (tests/fakes/replay_service.py);
+``--qos-backoff-s`` shortens a campaign's back-off after a QOS submit refusal.
 The production daemon has no such seams; they are injected through `Hooks`."""
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import structlog
 from llmd_supervisor.adapters.log import configure
 from llmd_supervisor.core.config import read_config
 from llmd_supervisor.core.lifecycle import Run
+from llmd_supervisor.supervision.campaign import runner as campaign_runner
 from llmd_supervisor.supervision.daemon import serve
 from llmd_supervisor.supervision.run.driver import Hooks
 from tests.fakes.replay_service import ReplayRunner
@@ -55,7 +57,10 @@ def main() -> int:
     parser.add_argument("--config", type=Path, required=True)
     parser.add_argument("--crash-after", help="STATE or STATE:N")
     parser.add_argument("--replay-socket", type=Path)
+    parser.add_argument("--qos-backoff-s", type=float, help="a campaign's QOS back-off")
     args = parser.parse_args()
+    if args.qos_backoff_s is not None:
+        campaign_runner.QOS_BACKOFF_S = args.qos_backoff_s
     hooks = Hooks()
     if args.crash_after is not None:
         state, _, nth = args.crash_after.partition(":")

@@ -102,3 +102,65 @@ def test_a_bad_campaign_file_names_the_point_and_the_field(daemon: Daemon, tmp_p
     unknown = _files(tmp_path, CAMPAIGN.replace('"benchmark.isl_osl"', '"benchmark.isl"'))
     bad = daemon.cli("campaign", "submit", str(unknown), check=False)
     assert bad.returncode == 2 and "benchmark.isl_osl" in bad.stderr, bad.stderr
+
+
+@pytest.mark.parametrize(
+    "crash_after",
+    [
+        "accepted:2",  # the job's run id journaled and the run inserted, before its sbatch
+        "pending:3",  # an sbatch answered and journaled, the campaign not yet told
+        "verifying:2",  # a run being verified
+    ],
+)
+def test_a_daemon_killed_mid_campaign_submits_no_point_twice_and_loses_none(
+    world: ReplayWorld, tmp_path: Path, crash_after: str
+) -> None:
+    root = tmp_path / "daemon"
+    root.mkdir()
+    d = Daemon(world, root, replay_socket=world.socket, crash_after=crash_after)
+    d.start()
+    try:
+        path = _files(tmp_path)
+        first = d.cli("campaign", "submit", str(path), "--json", check=False, timeout=60)
+        assert first.returncode == 0, first.stderr
+        campaign = str(_json(first.stdout)["campaign"])
+        assert d.proc is not None
+        d.proc.wait(timeout=60)  # SIGKILLed by its crash point
+        assert d.proc.returncode == -9, d.log_text()[-2000:]
+        d.crash_after = None
+        d.start()
+        done = d.cli("campaign", "wait", campaign, "--json", check=False, timeout=240)
+        assert done.returncode == 0, done.stdout + d.log_text()[-3000:]
+        final = _json(done.stdout)
+        assert final["points"] == {**final["points"], "verified": 12}  # every point, once
+        names = world.sbatch_names()
+        assert len(names) == len(set(names)) == 4, names  # no job submitted twice
+    finally:
+        d.stop()
+
+
+def test_a_qos_submit_limit_is_back_pressure_not_a_failure(
+    world: ReplayWorld, tmp_path: Path
+) -> None:
+    # One topology, four recipes, max_jobs 8; the QOS lets 2 jobs be queued at once: after
+    # the canary, 3 are submitted together and one is refused by sbatch.
+    world.call(lambda: setattr(world.cluster, "max_submit", 2))
+    root = tmp_path / "daemon"
+    root.mkdir()
+    d = Daemon(world, root, replay_socket=world.socket, qos_backoff_s=1.0)
+    d.start()
+    try:
+        text = CAMPAIGN.replace("max_jobs = 2", "max_jobs = 8").replace(
+            "[[64, 16], [128, 32]]", "[[64, 16], [96, 16], [128, 32], [160, 32]]"
+        )
+        text = text[: text.index("[[zip]]")]
+        path = _files(tmp_path, text)
+        done = d.cli("campaign", "submit", str(path), "--wait", "--json", check=False, timeout=240)
+        assert done.returncode == 0, done.stderr + d.log_text()[-3000:]
+        final = _json(done.stdout)
+        assert final["points"] == {**final["points"], "verified": 12}
+        refused = d.events("campaign.qos_refusal")
+        assert refused and "QOSMaxSubmitJobPerUserLimit" in str(refused[0]["limit"])
+        assert len(set(world.sbatch_names())) == 4  # each job ran once in the end
+    finally:
+        d.stop()
