@@ -132,7 +132,8 @@ def test_a_daemon_killed_mid_campaign_submits_no_point_twice_and_loses_none(
         done = d.cli("campaign", "wait", campaign, "--json", check=False, timeout=240)
         assert done.returncode == 0, done.stdout + d.log_text()[-3000:]
         final = _json(done.stdout)
-        assert final["points"] == {**final["points"], "verified": 12}  # every point, once
+        assert isinstance(final["points"], dict)
+        assert final["points"]["verified"] == 12  # every point, once
         names = world.sbatch_names()
         assert len(names) == len(set(names)) == 4, names  # no job submitted twice
     finally:
@@ -158,7 +159,8 @@ def test_a_qos_submit_limit_is_back_pressure_not_a_failure(
         done = d.cli("campaign", "submit", str(path), "--wait", "--json", check=False, timeout=240)
         assert done.returncode == 0, done.stderr + d.log_text()[-3000:]
         final = _json(done.stdout)
-        assert final["points"] == {**final["points"], "verified": 12}
+        assert isinstance(final["points"], dict)
+        assert final["points"]["verified"] == 12
         refused = d.events("campaign.qos_refusal")
         assert refused and "QOSMaxSubmitJobPerUserLimit" in str(refused[0]["limit"])
         assert len(set(world.sbatch_names())) == 4  # each job ran once in the end

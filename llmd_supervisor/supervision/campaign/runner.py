@@ -59,7 +59,7 @@ __all__ = ["Campaigns", "Plan"]
 log = structlog.get_logger("llmd_supervisor.campaigns")
 
 TICK_S: Final = 2.0  # a campaign looks at its runs at least this often
-QOS_BACKOFF_S: Final = 30.0  # after a submit-limit refusal, nothing is submitted for this long
+QOS_BACKOFF_S = 30.0  # after a submit-limit refusal, nothing is submitted for this long
 
 
 @dataclass(frozen=True)
