@@ -173,6 +173,7 @@ def _dry_run_lines(r: dict[str, object]) -> list[str]:
         lines.append(f"{r['duplicates_merged']} duplicate points merged")
     jobs = cast(list[dict[str, object]], r["job_list"])
     rows = [["job", "topology", "concurrencies", "reused", "values"]]
+    keys = varying(jobs)
     for j in jobs:
         rows.append(
             [
@@ -180,9 +181,7 @@ def _dry_run_lines(r: dict[str, object]) -> list[str]:
                 str(j["topology"]),
                 ",".join(map(str, cast(list[int], j["concurrencies"]))),
                 ",".join(map(str, cast(list[int], j["reused"]))) or "-",
-                " ".join(
-                    f"{k}={json.dumps(v)}" for k, v in cast(dict[str, object], j["values"]).items()
-                ),
+                values_text(j["values"], keys),
             ]
         )
     lines += fit_to_terminal(_aligned(rows))
@@ -336,9 +335,10 @@ COLUMNS = (
 def point_rows(jobs: Sequence[dict[str, object]]) -> list[dict[str, object]]:
     """One row per point: its state, provenance and headline numbers."""
     rows = []
+    keys = varying(jobs)
     for job in jobs:
         found = _run_points(job)
-        values = values_text(job["values"])
+        values = values_text(job["values"], keys)
         for p in cast(list[dict[str, object]], job["points"]):
             conc = cast(int, p["concurrency"])
             point = found.get((str(p["run"]), conc))
@@ -365,14 +365,23 @@ def point_rows(jobs: Sequence[dict[str, object]]) -> list[dict[str, object]]:
     return rows
 
 
-def values_text(values: object) -> str:
-    """A point's matrix values, short: `isl_osl=[64,16] prefill_nodes=1` (the
-    concurrencies are the rows' own column)."""
+def varying(jobs: Sequence[dict[str, object]]) -> set[str]:
+    """The matrix keys whose values differ between these jobs (the others say nothing
+    about a row; the concurrencies are the rows' own column)."""
+    seen: dict[str, set[str]] = {}
+    for job in jobs:
+        for k, v in cast(dict[str, object], job["values"]).items():
+            seen.setdefault(k, set()).add(json.dumps(v, sort_keys=True))
+    return {k for k, vs in seen.items() if len(vs) > 1 and k != "benchmark.concurrencies"}
+
+
+def values_text(values: object, keys: set[str]) -> str:
+    """A job's matrix values among `keys`, short: `isl_osl=[64,16] prefill_nodes=1`."""
     assert isinstance(values, dict)
     return " ".join(
         f"{k.rsplit('.', 1)[-1]}={json.dumps(v, separators=(',', ':'))}"
         for k, v in values.items()
-        if k != "benchmark.concurrencies"
+        if k in keys
     )
 
 
