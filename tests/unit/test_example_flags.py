@@ -40,7 +40,9 @@ from llmd_supervisor.core.spec import RunSpec, load_spec
 ROOT: Final = Path(__file__).resolve().parents[2]
 DEPLOY: Final = ROOT / "deploy" / "llm-d"
 FLAGS_DIR: Final = ROOT / "tests" / "data" / "upstream" / "flags"
-EXAMPLES: Final = sorted(DEPLOY.glob("*.toml"))
+# The run specs (a campaign file, campaign-*.toml, is a matrix over one of them: its
+# points are checked by tests/unit/test_render.py).
+EXAMPLES: Final = sorted(p for p in DEPLOY.glob("*.toml") if not p.name.startswith("campaign-"))
 
 VLLM_SERVE: Final = "vllm-serve"
 VLLM_BENCH: Final = "vllm-bench-serve"

@@ -21,13 +21,15 @@ from typing import Any
 import pytest
 
 from llmd_supervisor.cli.main import main
+from llmd_supervisor.core.campaign import expand, parse_campaign
 from llmd_supervisor.core.render import (
     agent_config,
     bundled_node_sources,
     render_sbatch,
     stop_timeout_s,
 )
-from llmd_supervisor.core.spec import RunSpec, parse_spec
+from llmd_supervisor.core.spec import RunSpec, load_spec, parse_spec
+from llmd_supervisor.core.toml_write import dump_toml
 from llmd_supervisor.errors import SpecError
 from llmd_supervisor.node import AGENT_FILES, NODE_FILES, STANDIN_FILES
 
@@ -148,8 +150,15 @@ def test_bad_job_name(name: str) -> None:
 def test_rendered_scripts_pass_bash_syntax_check(tmp_path: Path) -> None:
     bash_syntax_ok(render_sbatch(spec_with(), job_name="a"), tmp_path)
     for path in DEPLOY.glob("*.toml"):
-        spec = parse_spec(tomllib.loads(path.read_text()))
-        bash_syntax_ok(render_sbatch(spec, job_name="b"), tmp_path)
+        if path.name.startswith("campaign-"):  # a campaign file: every job it expands to
+            campaign = parse_campaign(path.read_text(), default_name="c")
+            base = tomllib.loads((path.parent / campaign.base).read_text())
+            specs = [load_spec(dump_toml(j.spec_data)) for j in expand(campaign, base).jobs]
+            assert len(specs) == 4, path
+        else:
+            specs = [parse_spec(tomllib.loads(path.read_text()))]
+        for spec in specs:
+            bash_syntax_ok(render_sbatch(spec, job_name="b"), tmp_path)
 
 
 def test_agent_config_values() -> None:
