@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import io
 import json
 import sys
@@ -99,6 +100,12 @@ def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[
     )
     p.add_argument("--csv", dest="format", action="store_const", const="csv", help="--format csv")
     p.set_defaults(handler=_cmd_results)
+    p = common("report", "write the campaign's charts and points as one HTML file")
+    p.add_argument("campaign", metavar="ID", help="campaign id or name")
+    p.add_argument(
+        "-o", "--output", type=Path, required=True, metavar="FILE", help="the HTML file to write"
+    )
+    p.set_defaults(handler=_cmd_report)
     p = common("list", "every campaign you may see")
     p.set_defaults(handler=_cmd_list)
 
@@ -435,4 +442,36 @@ def _cmd_results(args: argparse.Namespace) -> int:
         write_agg(args.format, runs.values(), sys.stdout, sys.stderr)
     else:
         print("\n".join(fit_to_terminal(_points_table(jobs))))
+    return 0
+
+
+@_exits
+def _cmd_report(args: argparse.Namespace) -> int:
+    from llmd_supervisor.adapters.fsutil import write_atomic
+    from llmd_supervisor.cli.campaign_report import render_campaign_report
+    from llmd_supervisor.cli.report import INSTALL_HINT
+
+    try:
+        import matplotlib  # noqa: F401  (checked before the daemon is asked anything)
+    except ImportError:
+        print(INSTALL_HINT, file=sys.stderr)
+        return 2
+
+    async def status() -> dict[str, object]:
+        async with ControlClient(args.socket) as c:
+            return await c.call("campaign_status", {"campaign": args.campaign})
+
+    summary = _run("campaign report", status)
+    jobs, _ = _fetch_results(args.socket, str(summary["campaign"]))
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    text = render_campaign_report(summary, jobs, point_rows(jobs), generated_at=now)
+    try:
+        write_atomic(args.output, text.encode("utf-8", "backslashreplace"))
+    except OSError as exc:
+        print(
+            f"llmd-supervisor campaign report: could not write {args.output}: {exc}.",
+            file=sys.stderr,
+        )
+        return 2
+    print(f"wrote {args.output}")
     return 0

@@ -3,9 +3,15 @@
 #   tests/perf/run.sh            full mode (~20 min): writes tests/perf/report.{json,md}
 #   tests/perf/run.sh --quick    short windows (~5 min)
 #   tests/perf/run.sh --out /tmp/r --only rpc,end,cancel,resume,footprint
+#   tests/perf/run.sh --campaign [--smoke]   the campaign benchmark, on the replayed
+#                                            cluster (tests/perf/campaign.py; no dev cluster)
 # Exit status: 0 when every measurement ran (missed targets included), 1 on harness errors.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=python
 [ -x .venv/bin/python ] && PY=.venv/bin/python
+if [ "${1:-}" = "--campaign" ]; then
+    shift
+    exec "$PY" -m tests.perf.campaign "$@"
+fi
 exec "$PY" -m tests.perf.bench "$@"

@@ -1,0 +1,155 @@
+"""The campaign benchmark, on the replayed cluster (issue 3.5):
+
+    tests/perf/run.sh --campaign [--smoke] [--out tests/perf/campaign-report]
+
+InferenceX's full sweep is 1,355 jobs; this campaign is 5 topologies x 271 ISL/OSL pairs
+= 1,355 jobs of 4 concurrencies each (5,420 points). Measured, each against its target:
+
+- expansion: parse and expand the file, every point validated as a run spec (< 2 s);
+- admission: one decision over every job at max_jobs = 8 (no target: reported);
+- `campaign submit` through a daemon: expansion, the cluster's checks, the journal;
+- `campaign status` through the daemon at 5,420 points while 8 jobs run (< 0.5 s, median
+  of 10 calls);
+- the daemon's RSS then (<= 150 MB).
+
+The daemon reaches Slurm through the replay runner (tests/fakes/replay_world.py), so
+slurmctld's RPCs are not measured here (tests/perf/bench.py measures them for runs).
+`--smoke` runs it all once with 20 jobs (tests/unit/test_perf_campaign_smoke.py); its
+numbers mean nothing. Exit status: 0 when every measurement ran (missed targets
+included), 1 on a harness error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from llmd_supervisor.core.campaign import expand, parse_campaign
+from llmd_supervisor.core.campaign_admission import CampaignLimits, JobState, admit
+from llmd_supervisor.core.spec import load_spec
+from llmd_supervisor.core.spec_toml import decode_toml
+from tests.daemon_helpers import Daemon, demo_spec, stop_started
+from tests.devcluster import REPO
+from tests.fakes.replay_world import replay_world
+from tests.perf.common import machine, proc_mem_kb, say
+
+TARGETS = {"expansion_s": 2.0, "status_s": 0.5, "rss_mb": 150.0}
+
+
+def campaign_text(pairs: int) -> str:
+    """5 topologies x `pairs` ISL/OSL pairs, 4 concurrencies each."""
+    isl_osl = ", ".join(f"[{64 + 8 * i}, {16 + (i % 7)}]" for i in range(pairs))
+    return f"""
+name = "sweep"
+base = "base.toml"
+[limits]
+max_jobs = 8
+[matrix]
+"benchmark.isl_osl" = [{isl_osl}]
+"benchmark.concurrencies" = [[1, 2, 4, 8]]
+[[zip]]
+"topology.prefill_nodes" = [1, 2, 3, 4, 5]
+"topology.prefill_workers" = [1, 2, 3, 4, 5]
+"""
+
+
+def timed(fn: Callable[[], object], reps: int) -> float:
+    """The median wall time of `reps` calls, in seconds."""
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(work: Path, *, smoke: bool) -> dict[str, Any]:
+    pairs = 4 if smoke else 271
+    reps = 1 if smoke else 3
+    base_text = demo_spec(work / "logs")
+    (work / "base.toml").write_text(base_text)
+    text = campaign_text(pairs)
+    (work / "sweep.toml").write_text(text)
+    base = decode_toml(base_text)
+    out: dict[str, Any] = {}
+
+    cf = parse_campaign(text, default_name="sweep")
+    expansion = expand(cf, base)
+    out["jobs"], out["points"] = len(expansion.jobs), expansion.points
+    say(f"[campaign] {out['jobs']} jobs, {out['points']} points")
+    out["expansion_s"] = timed(lambda: expand(parse_campaign(text, default_name="s"), base), reps)
+    states = {j.key: JobState.WAITING for j in expansion.jobs}
+    for canary in {j.topology: j for j in reversed(expansion.jobs)}.values():
+        states[canary.key] = JobState.SUCCEEDED  # every topology open: the widest choice
+    limits = CampaignLimits(max_jobs=8)
+    out["admission_s"] = timed(lambda: admit(expansion.jobs, states, limits), reps)
+
+    benchmark = load_spec((REPO / "deploy" / "llm-d" / "demo.toml").read_text()).benchmark
+    with replay_world(work / "world", benchmark) as world:
+        root = work / "daemon"
+        root.mkdir()
+        d = Daemon(world, root, replay_socket=world.socket)
+        d.start()
+        try:
+            start = time.perf_counter()
+            sub = d.cli("campaign", "submit", str(work / "sweep.toml"), "--json", timeout=600)
+            out["submit_s"] = time.perf_counter() - start
+            campaign = str(json.loads(sub.stdout)["campaign"])
+            time.sleep(1 if smoke else 5)  # jobs submitted and running
+            out["status_s"] = timed(
+                lambda: d.cli("campaign", "status", campaign, "--json"), 1 if smoke else 10
+            )
+            assert d.proc is not None
+            out["rss_mb"] = proc_mem_kb(d.proc.pid).get("VmRSS", 0) / 1024
+            d.cli("campaign", "cancel", campaign)
+        finally:
+            d.stop()
+    return out
+
+
+def report(values: dict[str, Any], smoke: bool) -> dict[str, Any]:
+    met = {k: values.get(k) is not None and values[k] <= limit for k, limit in TARGETS.items()}
+    return {
+        "mode": "smoke" if smoke else "full",
+        "machine": machine(),
+        "values": values,
+        "targets": TARGETS,
+        "met": met,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tests/perf/run.sh --campaign")
+    p.add_argument("--smoke", action="store_true", help="once, 20 jobs (harness check)")
+    p.add_argument("--out", type=Path, default=REPO / "tests" / "perf" / "campaign-report")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="llmd-perf-campaign-") as tmp:
+        try:
+            values = run(Path(tmp), smoke=args.smoke)
+            error = None
+        except Exception:  # a harness error: reported, exit 1
+            values, error = {}, traceback.format_exc()
+        finally:
+            stop_started()
+    result = report(values, args.smoke) | {"error": error}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1, sort_keys=True))
+    for key, limit in TARGETS.items():
+        say(f"[campaign] {key} = {values.get(key)} (target <= {limit}; met: {result['met'][key]})")
+    for key in ("admission_s", "submit_s"):
+        say(f"[campaign] {key} = {values.get(key)}")
+    if error:
+        sys.stderr.write(error)
+    return 1 if error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
