@@ -32,6 +32,7 @@ from typing import Final, Protocol
 
 import anyio
 
+from llmd_supervisor.core.slurm_limits import ASSOC_FORMAT, QOS_FORMAT, submit_limit
 from llmd_supervisor.core.slurm_parse import (
     SACCT_FIELDS,
     SQUEUE_FORMAT,
@@ -249,6 +250,17 @@ class SlurmClient:
             raise SlurmCommandError(acct.argv, acct.returncode, _tail(acct.stderr))
         ids = acct.stdout.split()
         return NameLookup(ids[-1] if ids else None, certain=True)
+
+    async def submit_limit(self) -> int | None:
+        """How many jobs this client's account may have pending or running at once
+        (`core.slurm_limits`), None when sacctmgr gives no limit or cannot answer."""
+        user = await self.account()
+        base = ["sacctmgr", "--noheader", "--parsable2", "show"]
+        assoc = await self._run([*base, "assoc", "where", f"user={user}", f"format={ASSOC_FORMAT}"])
+        qos = await self._run([*base, "qos", f"format={QOS_FORMAT}"])
+        if not (assoc.ok and qos.ok):
+            return None
+        return submit_limit(assoc.stdout, qos.stdout)
 
     async def node_names(self, partition: str | None = None) -> list[str]:
         """The cluster's (or partition's) node names, each once (`sinfo --Node`)."""

@@ -819,6 +819,7 @@ class ReplayCluster:
         # A QOS's MaxSubmitJobsPerUser: an sbatch beyond it is refused as slurmctld does
         # (tests/data/slurm-qos-refusal/SOURCE.md); None: no limit.
         self.max_submit: int | None = None
+        self.limit_in_sacctmgr = True  # False: sacctmgr shows no limit (sbatch still refuses)
         self.calls: list[tuple[str, ...]] = []
         self.stdin: list[bytes | None] = []
         self.envs: list[Mapping[str, str] | None] = []
@@ -982,6 +983,8 @@ class ReplayCluster:
             return self._scontrol(args)
         if program == "scancel":
             return self._scancel(args)
+        if program == "sacctmgr":
+            return self._sacctmgr(args)
         if program == "id":
             if args != ("-un",):
                 raise ReplayError(f"id {args} is not modelled")
@@ -1023,6 +1026,23 @@ class ReplayCluster:
         template = self.captures.text("completed.sbatch.txt")
         captured_id = template.strip()
         return Reply(0, template.replace(captured_id, job.job_id), "")
+
+    def _sacctmgr(self, args: tuple[str, ...]) -> Reply:
+        """`show assoc where user=U format=qos,defaultqos,maxsubmit` and `show qos
+        format=name,maxsubmitpu`, as 22.05 and 24.11 print them (one QOS, `normal`)."""
+        base = ("--noheader", "--parsable2", "show")
+        limit = self.max_submit if self.limit_in_sacctmgr else None
+        if args == (
+            *base,
+            "assoc",
+            "where",
+            f"user={self.user}",
+            "format=qos,defaultqos,maxsubmit",
+        ):
+            return Reply(stdout="normal||\n")
+        if args == (*base, "qos", "format=name,maxsubmitpu"):
+            return Reply(stdout=f"normal|{'' if limit is None else limit}\n")
+        raise ReplayError(f"sacctmgr {args} is not modelled")
 
     def _squeue(self, args: tuple[str, ...]) -> Reply:
         opts, _ = _options("squeue", args, {"noheader", "format", "states", "jobs", "name", "user"})

@@ -140,12 +140,18 @@ def test_a_daemon_killed_mid_campaign_submits_no_point_twice_and_loses_none(
         d.stop()
 
 
-def test_a_qos_submit_limit_is_back_pressure_not_a_failure(
-    world: ReplayWorld, tmp_path: Path
+@pytest.mark.parametrize("in_sacctmgr", [True, False])
+def test_a_qos_submit_limit_is_kept_or_back_pressure_never_a_failure(
+    world: ReplayWorld, tmp_path: Path, in_sacctmgr: bool
 ) -> None:
-    # One topology, four recipes, max_jobs 8; the QOS lets 2 jobs be queued at once: after
-    # the canary, 3 are submitted together and one is refused by sbatch.
-    world.call(lambda: setattr(world.cluster, "max_submit", 2))
+    # One topology, four recipes, max_jobs 8; the QOS lets 2 jobs be queued at once. Read
+    # from sacctmgr, the campaign keeps to it; unseen there, after the canary 3 are
+    # submitted together, one is refused by sbatch, and the campaign backs off.
+    def limit() -> None:
+        world.cluster.max_submit = 2
+        world.cluster.limit_in_sacctmgr = in_sacctmgr
+
+    world.call(limit)
     root = tmp_path / "daemon"
     root.mkdir()
     d = Daemon(world, root, replay_socket=world.socket, qos_backoff_s=1.0)
@@ -162,7 +168,10 @@ def test_a_qos_submit_limit_is_back_pressure_not_a_failure(
         assert isinstance(final["points"], dict)
         assert final["points"]["verified"] == 12
         refused = d.events("campaign.qos_refusal")
-        assert refused and "QOSMaxSubmitJobPerUserLimit" in str(refused[0]["limit"])
+        if in_sacctmgr:
+            assert refused == [] and d.events("campaign.submit_limit")[0]["limit"] == 2
+        else:
+            assert refused and "QOSMaxSubmitJobPerUserLimit" in str(refused[0]["limit"])
         assert len(set(world.sbatch_names())) == 4  # each job ran once in the end
     finally:
         d.stop()

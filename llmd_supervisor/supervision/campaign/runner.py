@@ -48,18 +48,25 @@ from llmd_supervisor.core.campaign_run import (
     job_state_of,
     qos_refusal,
 )
+from llmd_supervisor.core.lifecycle import RunState
 from llmd_supervisor.core.spec_toml import decode_toml
 from llmd_supervisor.core.toml_write import dump_toml
-from llmd_supervisor.errors import IllegalTransition, JournalConflict, SpecError
+from llmd_supervisor.errors import IllegalTransition, SupervisorError
 from llmd_supervisor.supervision.campaign.points import still_good, verified_of
 from llmd_supervisor.supervision.run.driver import RunHandle, Supervisor
 
 __all__ = ["Campaigns", "Plan"]
 
+# A run whose job counts against a submit limit (pending or running in Slurm).
+_QUEUED: Final = frozenset(
+    {RunState.SUBMITTING, RunState.PENDING, RunState.RUNNING, RunState.FINISHING}
+)
+
 log = structlog.get_logger("llmd_supervisor.campaigns")
 
 TICK_S: Final = 2.0  # a campaign looks at its runs at least this often
 QOS_BACKOFF_S = 30.0  # after a submit-limit refusal, nothing is submitted for this long
+QOS_REFRESH_S: Final = 300.0  # sacctmgr's submit limit is read again this often
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ class _Live:
     qos_cap: int | None = None  # the submit cap a QOS refusal taught
     qos_reason: str = ""
     refused: str = ""  # a submit limit an sbatch named since the last step
+    submit_limit: int | None = None  # sacctmgr's, for the daemon's account (None: none)
+    limit_read_at: float | None = None  # anyio.current_time() of the last reading
 
     def touch(self) -> None:
         self.changed.set()
@@ -219,7 +228,7 @@ class Campaigns:
                 try:
                     if await self._step(campaign_id):
                         return
-                except (OSError, SpecError, JournalConflict) as exc:  # logged, tried again
+                except (OSError, SupervisorError) as exc:  # logged, tried again
                     log.error("campaign.step_failed", error=str(exc))
                 live = self._live(campaign_id)
                 with anyio.move_on_after(TICK_S):
@@ -251,7 +260,7 @@ class Campaigns:
             [_Job(j) for j in jobs],
             {j.job_key: JobState(j.state) for j in jobs},
             limits_of(c),
-            qos_cap=live.qos_cap,
+            qos_cap=await self._qos_cap(c, live, {j.run_id for j in active}),
             backoff_until=live.backoff_until,
             now=anyio.current_time(),
             failures={j.job_key: j.reason for j in jobs if j.reason},
@@ -264,6 +273,33 @@ class Campaigns:
             live.touch()
             return True
         return False
+
+    async def _qos_cap(self, c: StoredCampaign, live: _Live, own: set[str | None]) -> int | None:
+        """The lower of the cap a refusal taught and what sacctmgr's submit limit leaves
+        beside the daemon's other jobs on the cluster (None: no limit known)."""
+        now = anyio.current_time()
+        cluster = self.sup.clusters.get(c.cluster)
+        if cluster is not None and (
+            live.limit_read_at is None or now - live.limit_read_at >= QOS_REFRESH_S
+        ):
+            live.limit_read_at = now
+            try:
+                live.submit_limit = await cluster.client.submit_limit()
+            except SupervisorError as exc:  # unknown: sbatch's refusal still teaches it
+                log.warning("campaign.submit_limit_unknown", error=str(exc))
+                live.submit_limit = None
+            log.info("campaign.submit_limit", limit=live.submit_limit)
+        caps = [live.qos_cap] if live.qos_cap is not None else []
+        if live.submit_limit is not None:
+            others = sum(
+                1
+                for h in self.sup.handles.values()
+                if h.meta.cluster == c.cluster
+                and h.run.run_id not in own
+                and h.run.state in _QUEUED
+            )
+            caps.append(max(0, live.submit_limit - others))
+        return min(caps) if caps else None
 
     async def _apply(
         self,
