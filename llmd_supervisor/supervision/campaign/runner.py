@@ -314,10 +314,20 @@ class Campaigns:
                 c.campaign_id, key, state=JobState.BLOCKED.value, reason=reason
             )
             log.info("campaign.job_blocked", job_key=key, reason=reason)
-        if decision.stop and state is CampaignState.RUNNING:
-            await self.store.set_state(c.campaign_id, CampaignState.STOPPING.value, decision.stop)
-            log.warning("campaign.stopping", reason=decision.stop)
         if decision.stop:
+            if state is CampaignState.RUNNING:
+                await self.store.set_state(
+                    c.campaign_id, CampaignState.STOPPING.value, decision.stop
+                )
+                log.warning("campaign.stopping", reason=decision.stop)
+            for job in jobs:  # never to be submitted now: said so, not left "queued"
+                if JobState(job.state) is JobState.WAITING and job.job_key not in decision.block:
+                    await self.store.set_job(
+                        c.campaign_id,
+                        job.job_key,
+                        state=JobState.BLOCKED.value,
+                        reason=f"not run: {decision.stop}",
+                    )
             return
         for key in decision.submit:
             await self._submit(c, by_key[key])
