@@ -108,6 +108,8 @@ def test_full_archive_disk_delays_the_outcome_until_space_returns(
     try:
         d = Daemon(world, root, archive_dir=archive, replay_socket=world.socket)
         d.start()
+        # The job runs long enough that a loaded machine's `status` calls see it running.
+        world.call(lambda: setattr(world, "running_s", 10.0))
         try:
             run = _run(d, demo_spec(tmp_path / "logs"))
             d.wait_state(run, {"running"})

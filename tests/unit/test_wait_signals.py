@@ -90,7 +90,7 @@ async def test_a_cancel_not_confirmed_within_the_grace_and_margin_stops_waiting(
     spec = tmp_path / "spec.toml"
     spec.write_text("# the fake daemon takes any spec\n")
     args = ("--socket", str(sock), "--cancel-margin-s", "1.5")
-    with anyio.fail_after(30):
+    with anyio.fail_after(90):  # a client's start-up on a loaded 2-core machine included
         async with daemon(sock, run) as d:
             await d.start()
             async with cli("wait", "r1", *args, tmp_path=tmp_path) as (proc, _, err):
@@ -99,7 +99,7 @@ async def test_a_cancel_not_confirmed_within_the_grace_and_margin_stops_waiting(
                 proc.send_signal(signal.SIGTERM)  # as `timeout` stops it
                 assert await proc.wait() == EXIT_STOPPED, err.read_text()
                 took = anyio.current_time() - t0
-    assert 2.5 <= took < 8, took
+    assert 2.5 <= took < 30, took  # it waited the grace and margin, then stopped
     text = err.read_text()
     assert text.splitlines()[-1] == (
         "llmd-supervisor: run r1 did not end within 2.5 s of its cancel (its grace 1 s + "
