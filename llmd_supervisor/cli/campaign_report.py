@@ -21,8 +21,7 @@ from llmd_supervisor.cli.report import (
     PALETTE,
     Chart,
     Series,
-    _chart_table,
-    _notes,
+    chart_parts,
     chart_svg,
 )
 from llmd_supervisor.cli.result_values import interactivity, latency, per_gpu_total
@@ -126,6 +125,22 @@ def _cell(value: object) -> str:
     return html.escape(job_text(str(value)) if value is not None else "-")
 
 
+_COLUMNS = ("topology", "values", "concurrency", "state", "run", "recipe_id", "reason")
+
+
+def _points_table(title: str, rows: Sequence[dict[str, object]]) -> list[str]:
+    head = "".join(f"<th>{c}</th>" for c in _COLUMNS)
+    return [
+        f"<h2>{title}</h2>",
+        f'<div class="scroll"><table class="points"><tr>{head}</tr>',
+        *(
+            "<tr>" + "".join(f'<td class="text">{_cell(r[c])}</td>' for c in _COLUMNS) + "</tr>"
+            for r in rows
+        ),
+        "</table></div>",
+    ]
+
+
 def render_campaign_report(
     status: dict[str, object],
     jobs: Sequence[dict[str, object]],
@@ -149,28 +164,9 @@ def render_campaign_report(
         f"lost {status['gpu_hours_lost']}.</p>",
         "<h2>Charts</h2>",
     ]
-    for chart in campaign_charts(jobs):
-        if chart.series:
-            parts.append(f'<div class="chart" id="{chart.chart_id}">{svg(chart)}</div>')
-            parts.append(_chart_table(chart))
-        else:
-            parts.append(f'<p class="note">{html.escape(chart.title)}: nothing to plot.</p>')
-        parts += _notes("Not plotted", chart.left_out)
-    columns = ("topology", "values", "concurrency", "state", "run", "recipe_id", "reason")
-    head = "".join(f"<th>{c}</th>" for c in columns)
+    parts += chart_parts(campaign_charts(jobs), svg)
     failed = [r for r in rows if r["state"] not in (*SETTLED, "queued", "running")]
-    parts.append(f"<h2>Failed and blocked points ({len(failed)})</h2>")
-    parts.append(f'<div class="scroll"><table class="points"><tr>{head}</tr>')
-    parts += [
-        "<tr>" + "".join(f'<td class="text">{_cell(r[c])}</td>' for c in columns) + "</tr>"
-        for r in failed
-    ]
-    parts.append("</table></div>")
-    parts.append(f"<h2>Every point ({len(rows)})</h2>")
-    parts.append(f'<div class="scroll"><table class="points"><tr>{head}</tr>')
-    parts += [
-        "<tr>" + "".join(f'<td class="text">{_cell(r[c])}</td>' for c in columns) + "</tr>"
-        for r in rows
-    ]
-    parts.append("</table></div></body></html>\n")
+    parts += _points_table(f"Failed and blocked points ({len(failed)})", failed)
+    parts += _points_table(f"Every point ({len(rows)})", rows)
+    parts.append("</body></html>\n")
     return "\n".join(parts)

@@ -451,16 +451,24 @@ def render_report(
         )
     parts.append("</ul><h2>Charts</h2>")
     parts += _notes("Left out of every chart", left_out_of_every_chart(runs))
-    for chart in build_charts(runs):
+    parts += chart_parts(build_charts(runs), svg)
+    parts.extend(_run_section(r) for r in runs)
+    parts.append("</body></html>\n")
+    return "\n".join(parts)
+
+
+def chart_parts(charts: Sequence[Chart], svg: Callable[[Chart], str]) -> list[str]:
+    """Each chart's HTML: its SVG and table of plotted points, or that it has nothing to
+    plot, then what it left out."""
+    parts = []
+    for chart in charts:
         if chart.series:
             parts.append(f'<div class="chart" id="{chart.chart_id}">{svg(chart)}</div>')
             parts.append(_chart_table(chart))
         else:
             parts.append(f'<p class="note">{html.escape(chart.title)}: nothing to plot.</p>')
         parts += _notes("Not plotted", chart.left_out)
-    parts.extend(_run_section(r) for r in runs)
-    parts.append("</body></html>\n")
-    return "\n".join(parts)
+    return parts
 
 
 def _notes(head: str, notes: Sequence[str]) -> list[str]:
