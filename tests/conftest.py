@@ -138,6 +138,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             "tests/conftest.py: a test's pass comes from its fixtures; remove the mark or "
             "use the `cluster` fixture:\n  " + "\n  ".join(wrong)
         )
+    items.sort(key=_cluster_pass_position)
+
+
+def _cluster_pass_position(item: pytest.Item) -> int:
+    """Where a test runs in its pass (a stable sort: collection order otherwise).
+
+    Slurm ends a job by TIMEOUT no sooner than a minute after it starts (its smallest time
+    limit, then up to 30 s more for slurmctld's periodic check). test_verify_live submits
+    that job with its other jobs, first in the pass, and checks it after the other
+    tests/cluster tests, so that minute overlaps them instead of being waited for. The
+    campaign tests take whole nodes (``--exclusive``) and would wait for the CPU that job
+    holds: they come after its check; the fault tests, which kill and cut nodes (the job
+    would end NODE_FAIL), after both.
+    """
+    path = item.nodeid.split("::")[0]
+    if path == "tests/cluster/test_verify_live.py":
+        return 2 if "-timeout]" in item.nodeid else 0
+    if path == "tests/cluster/test_campaign.py":
+        return 3
+    if path.startswith("tests/faults/"):
+        return 4
+    return 1
 
 
 @pytest.hookimpl(wrapper=True)

@@ -4,8 +4,8 @@
 # pass:
 #
 #   1. lint and types, then the tests that need no cluster, once, two at a time (pytest
-#      -n 2), beside the first cluster pass (its tests mostly wait for Slurm; its output is
-#      printed after);
+#      -n 2), beside the cluster passes (their tests mostly wait for Slurm; its output is
+#      printed after them);
 #   2. the `slurm_contract` tests (what Slurm itself says or does) on every Slurm version
 #      of LLMD_TEST_SLURM_VERSIONS but the last (default "22.05 24.11": on 22.05);
 #   3. every cluster test on the last version (24.11 by default), once.
@@ -65,7 +65,7 @@ record() { # NAME: add a finished pass to the summary and the exit status
 # all of them fit CI's 90 minutes. LLMD_TEST_SESSION_LIMIT_S set by the caller applies to each.
 limit() { echo "${LLMD_TEST_SESSION_LIMIT_S:-$1}"; }
 fast="lint, types and the tests without the cluster"
-echo "tests/run.sh: $fast (beside the first cluster pass; output below when it ends)" >&2
+echo "tests/run.sh: $fast (beside the cluster passes; its output comes after theirs)" >&2
 {
     if lint; then
         LLMD_TEST_SESSION_LIMIT_S=$(limit 1200) run_pass "$fast" \
@@ -90,14 +90,11 @@ for v in "${versions[@]}"; do
     echo "tests/run.sh: $name" >&2
     LLMD_TEST_SESSION_LIMIT_S=$(limit $secs) run_pass "$name" "${select[@]}" --slurm-version "$v" "$@"
     record "$name"
-    if [ -n "$fast_pid" ]; then
-        wait "$fast_pid" || true
-        fast_pid=
-        echo "tests/run.sh: $fast" >&2
-        cat "$work/fast.log"
-        record "$fast"
-    fi
 done
+wait "$fast_pid" || true
+echo "tests/run.sh: $fast" >&2
+cat "$work/fast.log"
+record "$fast"
 printf 'tests/run.sh: %s\n' "${summary[@]}" >&2
 if [ "$status" -eq 0 ] && [ "$ran" -eq 0 ]; then
     status=5 # no pass ran a test

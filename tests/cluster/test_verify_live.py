@@ -1,7 +1,8 @@
 """`llmd-supervisor verify` against real jobs on the dev cluster, one per producible end.
 
-All jobs are submitted together (the TIMEOUT one needs Slurm's 1-minute minimum), then
-each is verified through the real command line.
+All jobs are submitted together, first in the pass, then each is verified through the real
+command line. The TIMEOUT one needs Slurm's 1-minute minimum: tests/conftest.py runs its
+check after the other tests/cluster tests, so that its minute overlaps them.
 """
 
 from __future__ import annotations
@@ -85,12 +86,16 @@ CASES = {
         "State=NODE_FAIL ExitCode=",  # 0:0 on 22.05, 1:0 on 24.11
     ),
     "timeout": Case(
-        "srun sleep 300\n", ("-N", "1", "--time=1"), 12, "timed_out", "State=TIMEOUT ExitCode=0:0"
+        "srun sleep 300\n",
+        ("-N", "1", "--time=1", "--exclude=node4"),  # node4 goes down for node_fail
+        12,
+        "timed_out",
+        "State=TIMEOUT ExitCode=0:0",
     ),
 }
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ended_jobs(
     cluster: DevCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Path, dict[str, str]]]:
@@ -108,8 +113,9 @@ def ended_jobs(
     cluster.slurm(["scancel", jobs["cancelled"]])
     devcluster("node", "node4", "down", "--reason=test node_fail")
     try:
-        for job in jobs.values():
-            cluster.wait_terminal(job, timeout=150)
+        for name, job in jobs.items():
+            if name != "timeout":  # waited for by its own test, later in the pass
+                cluster.wait_terminal(job)
     finally:
         devcluster("node", "node4", "resume")
     yield log_dir, jobs
@@ -122,6 +128,7 @@ def test_verify_reports_each_real_end(
 ) -> None:
     log_dir, jobs = ended_jobs
     case = CASES[name]
+    cluster.wait_terminal(jobs[name], timeout=150)
     status, receipt = cluster.verify(jobs[name], log_dir, "--timeout", "8")
     assert (status, receipt["outcome"]) == (case.exit_status, case.outcome), receipt["reason"]
     assert case.reason in str(receipt["reason"])
