@@ -148,18 +148,26 @@ def _cluster_pass_position(item: pytest.Item) -> int:
     limit, then up to 30 s more for slurmctld's periodic check). test_verify_live submits
     that job with its other jobs, first in the pass, and checks it after the other
     tests/cluster tests, so that minute overlaps them instead of being waited for. The
-    campaign tests take whole nodes (``--exclusive``) and would wait for the CPU that job
-    holds: they come after its check; the fault tests, which kill and cut nodes (the job
-    would end NODE_FAIL), after both.
+    tests that bring the cluster down and up (the job would be lost) and the campaign
+    tests, whose jobs take whole nodes (``--exclusive``) and would wait for the CPU that
+    job holds, come after its check; the fault tests, which kill and cut nodes (the job
+    would end NODE_FAIL), after all of them.
     """
     path = item.nodeid.split("::")[0]
     if path == "tests/cluster/test_verify_live.py":
         return 2 if "-timeout]" in item.nodeid else 0
-    if path == "tests/cluster/test_campaign.py":
+    if path in AFTER_THE_TIMEOUT:
         return 3
     if path.startswith("tests/faults/"):
         return 4
     return 1
+
+
+AFTER_THE_TIMEOUT = (
+    "tests/cluster/test_campaign.py",  # --exclusive jobs
+    "tests/cluster/test_smoke.py",  # devcluster down, up
+    "tests/cluster/test_verify_no_accounting.py",  # devcluster down, up --no-accounting
+)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,7 +1,9 @@
 """Campaigns on the dev cluster: deploy/llm-d/campaign-demo.toml through the daemon (its
-points verified, never more jobs at once than its limit, then every point reused), and a
-canary that fails for the workload blocking its topology only. The crash, QOS and many
-other cases run on the replayed cluster (tests/unit/test_campaign_replay.py)."""
+points verified, never more jobs at once than its limit, then every point reused), a
+canary that fails for the workload blocking its topology only, a QOS submit limit kept
+with no point failing, and a daemon SIGKILLed at three moments of one campaign. Each
+crash point alone, and many other cases, run on the replayed cluster too
+(tests/unit/test_campaign_replay.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import time
 from datetime import datetime
 from pathlib import Path
 
+import pytest
+
 from tests.daemon_helpers import Daemon, demo_spec
-from tests.devcluster import REPO, DevCluster
+from tests.devcluster import REPO, DevCluster, devcluster
 
 CAMPAIGN_DEMO = REPO / "deploy" / "llm-d" / "campaign-demo.toml"
 
@@ -29,10 +33,11 @@ def _json(text: str) -> dict[str, object]:
     return data
 
 
-def _most_at_once(cluster: DevCluster, job_ids: list[str]) -> int:
-    """The most of these jobs that held an allocation at one moment (sacct's times)."""
+def _most_at_once(cluster: DevCluster, job_ids: list[str], since: str = "Start") -> int:
+    """The most of these jobs that held an allocation (since="Submit": that were queued
+    or running) at one moment, by sacct's times."""
     rows = cluster.slurm(
-        ["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids), "--format=JobIDRaw,Start,End"]
+        ["sacct", "-X", "-n", "-P", "-j", ",".join(job_ids), f"--format=JobIDRaw,{since},End"]
     ).stdout.split()
     spans = []
     for row in rows:
@@ -88,3 +93,82 @@ def test_a_canary_failing_for_the_workload_blocks_its_topology_only(
     blocked = [p for p in problems if p["state"] == "blocked"]
     assert len(blocked) == 1 and "canary" in str(blocked[0]["reason"])
     assert len(json.loads(daemon.cli("list", "--json", "--all").stdout)["runs"]) == 3
+
+
+def _killed(d: Daemon) -> None:
+    assert d.proc is not None
+    d.proc.wait(timeout=180)  # SIGKILLed by its crash point (tests/faults/crash_daemon.py)
+    assert d.proc.returncode == -9, d.log_text()[-3000:]
+
+
+def test_a_daemon_killed_three_times_mid_campaign_submits_no_point_twice_and_loses_none(
+    cluster: DevCluster, tmp_path: Path, shared_tmp: Path
+) -> None:
+    path = _files(shared_tmp, CAMPAIGN_DEMO.read_text(), port=8340)
+    # 1. Killed once the file is expanded: nothing journaled, the client asks again.
+    d = Daemon(cluster, tmp_path, crash_after="expansion")
+    try:
+        d.start()
+        lost = d.cli("campaign", "submit", str(path), "--json", check=False, timeout=60)
+        _killed(d)
+        assert lost.returncode != 0, lost.stdout
+        # 2. Killed right after the second canary's sbatch answered, before the journal
+        # knew its job: the restarted daemon finds that job by its name.
+        d.crash_after = "sbatch:2"
+        d.start()
+        assert _json(d.cli("campaign", "list", "--json").stdout)["campaigns"] == []
+        first = d.cli("campaign", "submit", str(path), "--json", check=False, timeout=60)
+        assert first.returncode == 0, first.stderr
+        campaign = str(_json(first.stdout)["campaign"])
+        _killed(d)
+        # 3. Killed while the first run is being verified.
+        d.crash_after = "verifying"
+        d.start()
+        _killed(d)
+        d.crash_after = None
+        d.start()
+        done = d.cli("campaign", "wait", campaign, "--json", check=False, timeout=600)
+        assert done.returncode == 0, done.stdout + d.log_text()[-3000:]
+        points = _json(done.stdout)["points"]
+        assert isinstance(points, dict) and points["verified"] == 12, points  # none lost
+        runs = json.loads(d.cli("list", "--json", "--all").stdout)["runs"]
+        assert len(runs) == 4, runs
+        for run in runs:  # one Slurm job per run: none submitted twice
+            got = d.status(str(run["run"]))
+            assert cluster.job_ids_named(str(got["job_name"])) == [str(got["slurm_job_id"])]
+    finally:
+        d.stop()
+
+
+QOS = "llmd-test-submit2"
+
+
+@pytest.mark.slurm_contract
+def test_a_qos_submit_limit_below_max_jobs_is_kept_and_no_point_fails(
+    daemon: Daemon, cluster: DevCluster, shared_tmp: Path
+) -> None:
+    # One topology, four recipes, max_jobs 8; root's default QOS lets 2 jobs be queued or
+    # running at once, and Slurm enforces it (sbatch would refuse a third).
+    text = CAMPAIGN_DEMO.read_text().replace("max_jobs = 2", "max_jobs = 8")
+    text = text.replace("[[64, 16], [128, 32]]", "[[64, 16], [96, 16], [128, 32], [160, 32]]")
+    path = _files(shared_tmp, text[: text.index("[[zip]]")], port=8360)
+
+    def sacctmgr(*args: str) -> None:
+        cluster.slurm(["sacctmgr", "-i", *args])
+
+    sacctmgr("add", "qos", QOS, "MaxSubmitJobsPerUser=2")
+    try:
+        sacctmgr("modify", "user", "where", "name=root", "set", f"qos+={QOS}", f"defaultqos={QOS}")
+        devcluster("limits", "enforce")
+        done = daemon.cli("campaign", "submit", str(path), "--wait", "--json", timeout=600)
+    finally:
+        devcluster("limits", "relax")
+        sacctmgr("modify", "user", "where", "name=root", "set", f"qos-={QOS}", "defaultqos=-1")
+        sacctmgr("delete", "qos", QOS)
+    final = _json(done.stdout)
+    assert isinstance(final["points"], dict) and final["points"]["verified"] == 12, final
+    assert daemon.events("campaign.submit_limit")[0]["limit"] == 2
+    runs = json.loads(daemon.cli("list", "--json", "--all").stdout)["runs"]
+    job_ids = [str(daemon.status(str(r["run"]))["slurm_job_id"]) for r in runs]
+    assert len(job_ids) == 4
+    assert _most_at_once(cluster, job_ids, since="Submit") <= 2

@@ -107,7 +107,9 @@ def test_a_bad_campaign_file_names_the_point_and_the_field(daemon: Daemon, tmp_p
 @pytest.mark.parametrize(
     "crash_after",
     [
+        "expansion",  # the file expanded, nothing journaled: the client asks again
         "accepted:2",  # the job's run id journaled and the run inserted, before its sbatch
+        "sbatch:2",  # an sbatch answered, its job not yet journaled
         "pending:3",  # an sbatch answered and journaled, the campaign not yet told
         "verifying:2",  # a run being verified
     ],
@@ -122,13 +124,17 @@ def test_a_daemon_killed_mid_campaign_submits_no_point_twice_and_loses_none(
     try:
         path = _files(tmp_path)
         first = d.cli("campaign", "submit", str(path), "--json", check=False, timeout=60)
-        assert first.returncode == 0, first.stderr
-        campaign = str(_json(first.stdout)["campaign"])
         assert d.proc is not None
         d.proc.wait(timeout=60)  # SIGKILLed by its crash point
         assert d.proc.returncode == -9, d.log_text()[-2000:]
         d.crash_after = None
         d.start()
+        if crash_after == "expansion":  # the client heard nothing, and nothing was kept
+            assert first.returncode != 0, first.stdout
+            assert _json(d.cli("campaign", "list", "--json").stdout)["campaigns"] == []
+            first = d.cli("campaign", "submit", str(path), "--json", check=False, timeout=60)
+        assert first.returncode == 0, first.stderr
+        campaign = str(_json(first.stdout)["campaign"])
         done = d.cli("campaign", "wait", campaign, "--json", check=False, timeout=240)
         assert done.returncode == 0, done.stdout + d.log_text()[-3000:]
         final = _json(done.stdout)
