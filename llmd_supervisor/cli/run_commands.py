@@ -313,7 +313,8 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 
 def _print_summary(r: RunSummary, out: IO[str] | None = None) -> None:
     out = out or sys.stdout
-    print(f"run {r['run']} ({r['job_name']}): {r['state']}", file=out)
+    named = f" {r['name']}" if r.get("name") else ""
+    print(f"run {r['run']}{named} ({r['job_name']}): {r['state']}", file=out)
     print(
         f"  slurm job {r['slurm_job_id'] or '-'}, attempt {r['attempt']}, cluster {r['cluster']}",
         file=out,
@@ -596,28 +597,45 @@ def _wait(args: argparse.Namespace, run: str, *, follow: bool) -> int:
 
 
 def list_table(runs: list[RunBrief]) -> list[str]:
-    """`list`'s lines: one per run with its cluster, Slurm job, owner, start (local time),
-    elapsed time (to its end once it ended), nodes and outcome or reason."""
-    rows = [
-        (
-            r["run"],
-            r["state"],
-            r["cluster"],
-            r["slurm_job_id"] or "-",
-            _user(r["owner_uid"]),
-            datetime.fromisoformat(r["created_at"]).astimezone().strftime("%Y-%m-%d %H:%M"),
-            _duration(r["elapsed_s"]),
-            str(len(r["nodes"])),
-            f"{r['outcome'] or ''} {r['reason']}".strip(),
+    """`list`'s lines: one per run with its name, cluster, Slurm job, owner, start and end
+    (local time; the end's date only when it is not the start's), elapsed time (to its
+    end once it ended), nodes and outcome or reason. A run without a name (a spec without
+    ``[run] name``, or from an older daemon) shows ``-``, as does a run not ended."""
+    rows = []
+    for r in runs:
+        started = datetime.fromisoformat(r["created_at"]).astimezone()
+        rows.append(
+            (
+                r["run"],
+                r.get("name") or "-",
+                r["state"],
+                r["cluster"],
+                r["slurm_job_id"] or "-",
+                _user(r["owner_uid"]),
+                started.strftime("%Y-%m-%d %H:%M"),
+                _ended(started, r.get("finished_at")),
+                _duration(r["elapsed_s"]),
+                str(len(r["nodes"])),
+                f"{r['outcome'] or ''} {r['reason']}".strip(),
+            )
         )
-        for r in runs
-    ]
-    head = ("RUN", "STATE", "CLUSTER", "JOB", "OWNER", "STARTED", "ELAPSED", "NODES", "OUTCOME")
+    head = (
+        "RUN", "NAME", "STATE", "CLUSTER", "JOB", "OWNER", "STARTED", "ENDED", "ELAPSED",
+        "NODES", "OUTCOME",
+    )  # fmt: skip
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head) - 1)]
     return [
         " ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + " " + row[-1]
         for row in [head, *rows]
     ]
+
+
+def _ended(started: datetime, finished_at: str | None) -> str:
+    """A run's end in local time: ``HH:MM`` on the day it started, else with the date."""
+    if not finished_at:
+        return "-"
+    ended = datetime.fromisoformat(finished_at).astimezone()
+    return ended.strftime("%H:%M" if ended.date() == started.date() else "%Y-%m-%d %H:%M")
 
 
 def _user(uid: int) -> str:

@@ -27,6 +27,7 @@ from enum import StrEnum
 from fnmatch import fnmatchcase
 from typing import Final, Literal
 
+from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.errors import SpecError
 from llmd_supervisor.node.common import MARKER_PREFIX
 
@@ -36,6 +37,7 @@ ENV_MAX_BYTES: Final = 256 * 1024
 PATTERNS_MAX: Final = 32
 SBATCH_ARGS_MAX: Final = 64
 DEFAULT_GRACE_S: Final = 30
+NAME_MAX: Final = 64  # characters of the run's name `list` shows
 JOB_ID_PLACEHOLDER: Final = "{job_id}"
 # A marker format given without --marker: the name our agent and `verify --log-dir` use.
 DEFAULT_MARKER: Final = MARKER_PREFIX + JOB_ID_PLACEHOLDER
@@ -156,6 +158,13 @@ class ForeignSpec:
         if self.kind == "adopt":
             return f"adopted job {self.job_id}"
         return f"batch script {self.script_name or '(stdin)'}"
+
+    def name(self) -> str:
+        """What `list` calls the run: the script's file name (escaped: the client's text),
+        or ``adopted-JOBID``."""
+        if self.kind == "adopt":
+            return f"adopted-{self.job_id}"
+        return job_text(posixpath.basename(self.script_name), NAME_MAX)
 
 
 def dump(spec: ForeignSpec, *, with_env_values: bool = True) -> str:

@@ -9,7 +9,8 @@ which execs argv lists; they only have to be free of control characters.
 
 Layout (see ``deploy/llm-d/demo.toml``)::
 
-    [run]        log_dir, sigterm_grace_s, marker_grace_s, coordinator_silence_s
+    [run]        name (what `list` calls the run), log_dir, sigterm_grace_s, marker_grace_s,
+                 coordinator_silence_s
     [topology]   prefill_nodes, decode_nodes, prefill_workers, decode_workers, gpus_per_node,
                  nominal_gpus_per_node
     [model]      path, served_name
@@ -259,12 +260,13 @@ class RunSpec:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     recipe: Recipe = field(default_factory=Recipe)
     standins: bool = False  # the batch script carries the stand-ins (tests, dev cluster)
+    name: str = ""  # [run] name: what `list` and `status` call the run ("" when unnamed)
 
 
 # --- loading ------------------------------------------------------------------------------
 
 _TABLES: Final = {
-    "run": ("log_dir", "sigterm_grace_s", "marker_grace_s", "coordinator_silence_s"),
+    "run": ("name", "log_dir", "sigterm_grace_s", "marker_grace_s", "coordinator_silence_s"),
     "topology": (
         "prefill_nodes",
         "decode_nodes",
@@ -324,6 +326,12 @@ def parse_spec(data: Mapping[str, object]) -> RunSpec:
             f"{slurm.time_limit_s} s) so the TERM can arrive before the limit",
         )
     log_dir = path_field(run, "run.log_dir", required=True) or ""
+    run_name = pattern_field(
+        run,
+        "run.name",
+        NAME_RE,
+        'use 1 to 64 letters, digits and . _ -, first a letter or digit, e.g. name = "dsr1-2p1d"',
+    )
     model = _parse_model(t["model"])
     router = parse_router(t["router"], SERVICE_COMMAND_PLACEHOLDERS)
     container = parse_container(t["container"])
@@ -359,6 +367,7 @@ def parse_spec(data: Mapping[str, object]) -> RunSpec:
         retry=parse_retry(t["retry"]),
         recipe=parse_recipe(t["recipe"]),
         standins=parse_standins(t["standins"]),
+        name=run_name or "",
     )
     check_standins(spec.standins, _commands(spec), _env_tables(spec.env))
     return spec

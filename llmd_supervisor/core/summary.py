@@ -139,7 +139,8 @@ class RunSummary(_RunSummary, total=False):
     its best valid benchmark point once archived (null before; absent from an older
     daemon). `attempts` lists its ended attempts (at most the last 20) and `usage` what
     they cost. `held_until` is set while the run is held for want of nodes (its
-    reason says why): it fails then (ISO 8601, UTC)."""
+    reason says why): it fails then (ISO 8601, UTC). `name` and `finished_at` are
+    RunBrief's."""
 
     headline: Headline | None
     attempts: list[AttemptView]
@@ -148,6 +149,8 @@ class RunSummary(_RunSummary, total=False):
     # it plus a margin (`cli.signals`).
     sigterm_grace_s: int
     held_until: str | None
+    name: str  # as RunBrief's
+    finished_at: str | None
 
 
 class _LatencyView(TypedDict):
@@ -303,10 +306,7 @@ class DryRun(TypedDict):
     script: str
 
 
-class RunBrief(TypedDict):
-    """A run as ``list`` shows it: bounded in size (no history, no health, no log line;
-    `reason` cut to 200 characters, `nodes` to 256 names)."""
-
+class _RunBrief(TypedDict):
     run: str
     job_name: str
     state: str
@@ -322,6 +322,17 @@ class RunBrief(TypedDict):
     created_at: str
     elapsed_s: float
     archive: str
+
+
+class RunBrief(_RunBrief, total=False):
+    """A run as ``list`` shows it: bounded in size (no history, no health, no log line;
+    `reason` cut to 200 characters, `nodes` to 256 names). `name` is its spec's
+    ``[run] name`` ("" when it has none), its batch script's file name or
+    ``adopted-JOBID``; `finished_at` when it ended (ISO 8601 UTC; null while it runs).
+    Both are absent from an older daemon."""
+
+    name: str
+    finished_at: str | None
 
 
 class _RunPage(TypedDict):

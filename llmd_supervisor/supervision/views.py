@@ -90,6 +90,8 @@ class HandleView(Protocol):
     def sigterm_grace_s(self) -> int: ...
     @property
     def held_until(self) -> datetime | None: ...
+    @property
+    def name(self) -> str: ...
 
 
 # --------------------------------------------------------------------------- summaries
@@ -205,6 +207,8 @@ def run_brief(h: HandleView, now: datetime) -> RunBrief:
         "created_at": h.meta.created_at.isoformat(),
         "elapsed_s": round((run_end(run, now) - h.meta.created_at).total_seconds(), 1),
         "archive": h.meta.archive_dir,
+        "name": h.name,
+        "finished_at": run_end(run, now).isoformat() if run.state.is_final else None,
     }
 
 

@@ -134,7 +134,7 @@ def test_defaults() -> None:
             'base = "d.toml"\n[matrix]\n"topology.prefil_nodes" = [1]',
             "matrix.topology.prefil_nodes",
             "has invalid value 'topology.prefil_nodes': not a run spec field a campaign can"
-            " set; use one of: run.{sigterm_grace_s,marker_grace_s,coordinator_silence_s};"
+            " set; use one of: run.{name,sigterm_grace_s,marker_grace_s,coordinator_silence_s};"
             " topology.{prefill_nodes,decode_nodes,",
         ),
         (

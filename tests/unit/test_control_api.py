@@ -72,6 +72,7 @@ class Handle:
     history: list[dict[str, object]] = field(default_factory=list)
     sigterm_grace_s: int = 30
     held_until: datetime | None = None
+    name: str = ""
 
     @property
     def layout(self) -> RunLayout:
@@ -252,24 +253,58 @@ async def test_list_shows_runs_in_flight_and_recent_ends_and_all_shows_the_rest(
     sup: Supervisor,
 ) -> None:
     """`list` and `list --all` printed the same thing: now `list` leaves out runs that
-    ended more than a day ago; its table names cluster, job, owner, start and elapsed."""
-    sup.add("live", job_id="7")
+    ended more than a day ago; its table names the run, its cluster, job, owner, start,
+    end and elapsed time."""
+    sup.add("live", job_id="7").name = "dsr1-2p1d"
     for run_id, ended_after in (("recent", timedelta(hours=30)), ("old", timedelta(hours=1))):
         h = sup.add(run_id, state=RunState.FAILED)
         end = Transition(RunState.FAILED, T0 + ended_after, "Archived")
         h.run = dataclasses.replace(h.run, transitions=(*h.run.transitions, end), reason="x")
+    sup.handles["old"].name = "adopted-4711"
     api = ControlApi(sup, clock=lambda: T0 + timedelta(hours=36))
     brief = read(RunList, await api.handle(request("list"), ME, no_stream))["runs"]
     assert [r["run"] for r in brief] == ["live", "recent"]
+    assert [(r.get("name"), r.get("finished_at")) for r in brief] == [
+        ("dsr1-2p1d", None),
+        ("", (T0 + timedelta(hours=30)).isoformat()),
+    ]
     every = read(RunList, await api.handle(request("list", all=True), ME, no_stream))["runs"]
     assert [r["run"] for r in every] == ["live", "old", "recent"]  # by start, then id
     head, *lines = list_table(every)
     assert head.split() == [
-        "RUN", "STATE", "CLUSTER", "JOB", "OWNER", "STARTED", "ELAPSED", "NODES", "OUTCOME"
+        "RUN", "NAME", "STATE", "CLUSTER", "JOB", "OWNER", "STARTED", "ENDED", "ELAPSED",
+        "NODES", "OUTCOME",
     ]  # fmt: skip
-    assert lines[0].split()[:4] == ["live", "running", "dev", "7"]
+    assert lines[0].split()[:5] == ["live", "dsr1-2p1d", "running", "dev", "7"]
+    assert lines[1].split()[:2] == ["old", "adopted-4711"]
+    assert lines[2].split()[:2] == ["recent", "-"]  # a spec without [run] name
+    started = T0.astimezone()
+    ended = [(T0 + timedelta(hours=h)).astimezone() for h in (1, 30)]
+
+    def cell(line: str, column: str) -> str:
+        return line[head.index(column) :].split()[0]
+
+    assert cell(lines[0], "ENDED") == "-"  # still running
+    # The end's date only when it is not the start's.
+    same_day = ended[0].date() == started.date()
+    assert cell(lines[1], "ENDED") == ended[0].strftime("%H:%M" if same_day else "%Y-%m-%d")
+    assert lines[2][head.index("ENDED") :].startswith(ended[1].strftime("%Y-%m-%d %H:%M"))
     assert "36h00m" in lines[0] and "1h00m" in lines[1] and "30h00m" in lines[2]
     assert lines[1][head.index("OUTCOME") :] == "x"  # columns aligned
+
+
+def test_list_reads_an_older_daemons_briefs() -> None:
+    """A brief without `name` and `finished_at` (an older daemon) lists with "-"."""
+    brief = {
+        "run": "r1", "job_name": "llmd-r1", "state": "succeeded", "outcome": "succeeded",
+        "reason": "ok", "slurm_job_id": "9", "attempt": 1, "nodes": ["node1"],
+        "nodes_healthy": 0, "cancel_requested": False, "cluster": "dev", "owner_uid": ME.uid,
+        "created_at": T0.isoformat(), "elapsed_s": 90.0, "archive": "/a/r1",
+    }  # fmt: skip
+    (run,) = read(RunList, {"runs": [brief]})["runs"]
+    head, line = list_table([run])
+    assert line.split()[:2] == ["r1", "-"]
+    assert line[head.index("ENDED") :].startswith("- ")
 
 
 @pytest.mark.asyncio

@@ -189,3 +189,12 @@ def test_the_roles_gpus_round_trip() -> None:
     s = spec(prefill_gpus=16, decode_gpus=8)
     assert foreign.load(foreign.dump(s)) == s
     assert (s.prefill_gpus, s.decode_gpus) == (16, 8)
+
+
+def test_a_foreign_run_is_named_by_its_script_or_its_job() -> None:
+    """`list`'s NAME: the script's file name (escaped, bounded), or adopted-JOBID."""
+    assert spec(script_name="run_dsr1.sbatch").name() == "run_dsr1.sbatch"
+    assert spec(script_name="jobs/\x1b[2Jx.sh").name() == "\\x1b[2Jx.sh"
+    assert len(spec(script_name="a" * 255).name()) == foreign.NAME_MAX
+    assert spec(script_name="").name() == ""  # from stdin
+    assert spec(kind="adopt", script="", job_id="4711").name() == "adopted-4711"

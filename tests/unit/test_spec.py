@@ -76,6 +76,11 @@ def test_demo_spec_parses() -> None:
     assert math.isinf(spec.benchmark.request_rate)
     assert spec.slurm.requeue is False
     assert spec.sigterm_grace_s == 10
+    assert spec.name == "demo"  # what `list` calls its runs
+
+
+def test_a_spec_without_a_name_is_unnamed() -> None:
+    assert parse_spec(demo(run__name=None)).name == ""
 
 
 def test_example_gpu_specs_parse() -> None:
@@ -142,6 +147,10 @@ def test_unknown_keys_are_named_with_the_allowed_ones(data: dict[str, Any], fiel
         ({"run__sigterm_grace_s": True}, "run.sigterm_grace_s", "integer"),
         ({"run__sigterm_grace_s": 400}, "run.sigterm_grace_s", "shorter than slurm.time_limit"),
         ({"run__marker_grace_s": -1}, "run.marker_grace_s", "seconds"),
+        ({"run__name": "my run"}, "run.name", "letters, digits and . _ -"),
+        ({"run__name": ".."}, "run.name", "first a letter or digit"),
+        ({"run__name": "x" * 65}, "run.name", "1 to 64"),
+        ({"run__name": 7}, "run.name", "letters"),
         ({"topology__prefill_nodes": 0}, "topology.prefill_nodes", "integer from 1"),
         ({"topology__decode_nodes": "2"}, "topology.decode_nodes", "integer"),
         ({"topology__prefill_workers": 3}, "topology.prefill_workers", "divisible"),

@@ -196,6 +196,12 @@ class RunHandle:
         return self.spec.sigterm_grace_s
 
     @property
+    def name(self) -> str:
+        """What `list` calls the run: its spec's [run] name, its script's file name or
+        ``adopted-JOBID`` ("" for a spec without a name)."""
+        return self.spec.name if isinstance(self.spec, RunSpec) else self.spec.name()
+
+    @property
     def coordinator_rank(self) -> int:
         """The rank that writes the marker (a foreign job's: the first node's view)."""
         return self.spec.topology.coordinator_rank if isinstance(self.spec, RunSpec) else 0
