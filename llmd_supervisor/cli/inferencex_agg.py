@@ -15,24 +15,61 @@ from collections.abc import Iterable
 from typing import IO
 
 from llmd_supervisor.cli.result_values import (
-    STATS,
-    interactivity,
-    latency,
+    field_of,
     no_results_reason,
     per_gpu_total,
 )
 from llmd_supervisor.core.results import LATENCIES
-from llmd_supervisor.core.summary import Deployment, RunResults
+from llmd_supervisor.core.summary import Deployment, PointView, RunResults
 
-__all__ = ["AGG_DEPLOYMENT_FIELDS", "AGG_STATS", "inferencex_agg", "write_agg"]
+__all__ = [
+    "AGG_DEPLOYMENT_FIELDS",
+    "AGG_POWER",
+    "AGG_STATS",
+    "agg_latencies",
+    "inferencex_agg",
+    "write_agg",
+]
 
-# The statistics of each latency a row carries (InferenceX's also has every percentile
-# its client was asked for, e.g. p90 and p99.9: the results table keeps p99 only).
-AGG_STATS = (*STATS, "std")
+# The statistics of each latency besides its percentiles, as the client names them.
+AGG_STATS = ("mean", "median", "std")
 
-# The identifying fields of InferenceX's aggregate, null when a run's table has no
-# deployment (a foreign job, or a table an older daemon wrote): see core.summary.Deployment.
+# The identifying fields of InferenceX's aggregate, null when a run's table does not say
+# them (a foreign job's result files did not declare them, or an older daemon wrote the
+# table): see core.summary.Deployment and DeclaredDeployment.
 AGG_DEPLOYMENT_FIELDS: tuple[str, ...] = tuple(sorted(Deployment.__required_keys__))
+
+# What InferenceX's power step (utils/aggregate_power*.py) adds to an aggregate without
+# valid power telemetry: its schema version, and that the power numbers are not valid
+# (none is written). We measure no power.
+AGG_POWER: dict[str, object] = {"power_metric_schema_version": 2, "power_valid": 0}
+
+
+def agg_latencies(point: PointView) -> dict[str, float | None]:
+    """`point`'s latencies as InferenceX's aggregate has them: for each statistic the
+    client reported (mean, median, std, each percentile: p90, p99, p99.9, ...) of TTFT,
+    TPOT, ITL and E2EL, ``<stat>_<metric>`` in seconds, and of TPOT also
+    ``<stat>_intvty`` = 1000 / TPOT in ms (tokens/s per user; std too, as InferenceX
+    turns every TPOT key into one). What the client did not report is left out, as
+    InferenceX leaves out what its result file lacks; an interactivity of a TPOT of 0 is
+    null (InferenceX's division fails there).
+    """
+    out: dict[str, float | None] = {}
+    for metric in LATENCIES:
+        view = field_of(point, f"{metric}_ms")
+        if not isinstance(view, dict):
+            continue
+        values = {s: view.get(s) for s in AGG_STATS}
+        each = view.get("percentiles")
+        # An older daemon's table kept p99 alone.
+        values |= each if isinstance(each, dict) else {"p99": view.get("p99")}
+        for stat, ms in values.items():
+            if not isinstance(ms, int | float) or isinstance(ms, bool):
+                continue
+            out[f"{stat}_{metric}"] = ms / 1000.0
+            if metric == "tpot":
+                out[f"{stat}_intvty"] = 1000.0 / ms if ms else None
+    return out
 
 
 def inferencex_agg(r: RunResults) -> list[dict[str, object]]:
@@ -40,22 +77,28 @@ def inferencex_agg(r: RunResults) -> list[dict[str, object]]:
 
     The deployment's fields (`hw`, `model`, `framework`, `precision`, `isl`, `osl`,
     `disagg`, `is_multinode`, per-role `tp`/`pp`/`ep`/`dp_attention`/`num_workers`,
-    `num_prefill_gpu`, `num_decode_gpu`, `image`, `recipe_fingerprint`, ...; null where
-    unknown); `conc`; `tput_per_gpu` (total tok/s / all GPUs), `output_tput_per_gpu`
-    (output tok/s / decode GPUs), `input_tput_per_gpu` (input tok/s / prefill GPUs), null
-    when the GPU count is unknown; `{mean,median,p99,std}_{ttft,tpot,itl,e2el}` in
-    seconds; `{mean,median,p99,std}_intvty` = 1000 / TPOT (ms). `run` says which run it
-    is (ours).
+    `num_prefill_gpu`, `num_decode_gpu`, `image`, `recipe_fingerprint`, ...): the spec's,
+    or what a foreign job's table says of it (`declared`), null where unknown (an
+    unknown `recipe_fingerprint` is "", as InferenceX writes it unset); `conc`;
+    `tput_per_gpu` (total tok/s / all GPUs), `output_tput_per_gpu` (output tok/s /
+    decode GPUs), `input_tput_per_gpu` (input tok/s / prefill GPUs), null when the GPU
+    count is unknown; the latencies (`agg_latencies`); the power fields of a run without
+    power telemetry (`AGG_POWER`). `run` says which run it is (ours).
     Invalid points are left out (InferenceX writes no aggregate for a failed point).
     """
     table = r["results"]
     if table is None:
         return []
     known = table.get("deployment")
-    unknown = dict.fromkeys(AGG_DEPLOYMENT_FIELDS) | {
-        "num_prefill_gpu": table.get("prefill_gpus"),
-        "num_decode_gpu": table.get("decode_gpus"),
-    }
+    unknown = (
+        dict.fromkeys(AGG_DEPLOYMENT_FIELDS)
+        | {
+            "recipe_fingerprint": "",
+            "num_prefill_gpu": table.get("prefill_gpus"),
+            "num_decode_gpu": table.get("decode_gpus"),
+        }
+        | dict(table.get("declared") or {})
+    )
     out = []
     for p in sorted(table["points"], key=lambda p: p["concurrency"]):
         if not p["valid"]:
@@ -67,14 +110,9 @@ def inferencex_agg(r: RunResults) -> list[dict[str, object]]:
             "tput_per_gpu": per_gpu_total(p, table["gpus"]),
             "output_tput_per_gpu": p["output_throughput_per_gpu"],
             "input_tput_per_gpu": p["input_throughput_per_gpu"],
+            **agg_latencies(p),
+            **AGG_POWER,
         }
-        for m in LATENCIES:
-            for s in AGG_STATS:
-                ms = latency(p, m, s)
-                row[f"{s}_{m}"] = None if ms is None else ms / 1000.0
-        for s in AGG_STATS:
-            # InferenceX turns every TPOT key into one: std_intvty is 1000 / std TPOT too.
-            row[f"{s}_intvty"] = interactivity(p, s)
         out.append(row)
     return out
 
@@ -124,10 +162,14 @@ def write_agg(fmt: str, runs: Iterable[RunResults], out: IO[str], err: IO[str]) 
             )
         deployment = table.get("deployment")
         if deployment is None:
+            said = table.get("declared") or {}
+            unsaid = [k for k in AGG_DEPLOYMENT_FIELDS if k not in said]
+            unsaid = [k for k in unsaid if not (k.startswith("num_") and table.get("decode_gpus"))]
             print(
-                f"llmd-supervisor results: run {r['run']}: its table has no deployment "
-                "(a foreign job, or archived by an older daemon), so hw, model, framework, "
-                "... are null.",
+                f"llmd-supervisor results: run {r['run']}: it was not run from a spec (a "
+                "script or an adopted job, or archived by an older daemon), and its result "
+                f"files do not say {', '.join(unsaid)}, so they are null (recipe_fingerprint "
+                '""): its benchmark client can say them with --metadata KEY=VALUE.',
                 file=err,
             )
             continue

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Final, Literal, TypedDict, get_args
 
+from llmd_supervisor.core.declared import Declared, declared, declared_again
 from llmd_supervisor.core.gpus import ROLE_GPU_KEYS, RoleGpus, declared_roles, per_gpu
 from llmd_supervisor.node import common
 
@@ -36,6 +38,8 @@ if TYPE_CHECKING:  # the parser's child imports this module: it starts within it
 __all__ = [
     "FORMATS",
     "MAX_RESULT_BYTES",
+    "PERCENTILES_MAX",
+    "PERCENTILE_RE",
     "GateResult",
     "Point",
     "PointEvidence",
@@ -59,7 +63,13 @@ FORMATS: Final[tuple[ResultFormat, ...]] = get_args(ResultFormat)
 # A saved result without --save-detailed is a few KiB; with it, per-request arrays.
 MAX_RESULT_BYTES: Final = 64 * 1024 * 1024
 LATENCIES: Final = ("ttft", "tpot", "itl", "e2el")
-STAT_KEYS: Final = ("mean", "median", "p99", "std")  # Stats' fields, in order
+STAT_KEYS: Final = ("mean", "median", "p99", "std")  # Stats' numbers, in order
+# A percentile as both clients name it: ``p`` and --metric-percentiles' value, written
+# without ``.0`` (p90, p99, p99.9); `PERCENTILES_MAX` of them per metric are kept (the
+# lowest; a client asked for more reports the rest nowhere we read).
+PERCENTILE_RE: Final = re.compile(r"p(?:100|[1-9]?[0-9])(?:\.[0-9]{1,6})?")
+_PERCENTILE_KEY_RE: Final = re.compile(rf"({PERCENTILE_RE.pattern})_({'|'.join(LATENCIES)})_ms")
+PERCENTILES_MAX: Final = 16
 
 ProblemKind = Literal[
     "missing",  # no result file
@@ -79,15 +89,24 @@ DETAIL_MAX: Final = 1000
 @dataclass(frozen=True)
 class Stats:
     """One latency metric in milliseconds; None where the client did not report it
-    (``--percentile-metrics`` left it out, or ``--metric-percentiles`` has no 99)."""
+    (``--percentile-metrics`` left it out, or ``--metric-percentiles`` has no 99).
+    `percentiles` holds every percentile it reported, p99 too, by the client's name
+    (``("p90", 41.2), ("p99", 48.0), ("p99.9", 49.1)``), in increasing order."""
 
     mean: float | None = None
     median: float | None = None
     p99: float | None = None
     std: float | None = None  # the population standard deviation (InferenceX keeps it)
+    percentiles: tuple[tuple[str, float], ...] = ()
 
     def as_dict(self) -> LatencyView:
-        return {"mean": self.mean, "median": self.median, "p99": self.p99, "std": self.std}
+        return {
+            "mean": self.mean,
+            "median": self.median,
+            "p99": self.p99,
+            "std": self.std,
+            "percentiles": dict(self.percentiles),
+        }
 
 
 @dataclass(frozen=True)
@@ -110,6 +129,8 @@ class Point:
     itl_ms: Stats = Stats()
     e2el_ms: Stats = Stats()
     role_gpus: RoleGpus | None = None  # what the result file says (ROLE_GPU_KEYS), if anything
+    # The deployment fields it declares in InferenceX's names (`core.declared`).
+    declared: Declared = ()
 
     @property
     def input_throughput(self) -> float:
@@ -246,13 +267,41 @@ def _number(value: object, key: str) -> float:
     return float(value)
 
 
-def _stats(doc: Mapping[str, object], metric: str) -> Stats:
+def _stats(
+    doc: Mapping[str, object], metric: str, percentiles: Mapping[str, Sequence[str]]
+) -> Stats:
+    """`metric`'s statistics in `doc`; `percentiles` names each metric's percentile keys
+    (`_percentile_keys`)."""
     got: list[float | None] = []
     for prefix in STAT_KEYS:
         key = f"{prefix}_{metric}_ms"
         value = doc.get(key)
         got.append(None if value is None else _number(value, key))
-    return Stats(*got)
+    each = []
+    for name in percentiles.get(metric, ()):
+        key = f"{name}_{metric}_ms"
+        if doc[key] is not None:
+            each.append((name, _number(doc[key], key)))
+    mean, median, p99, std = got
+    return Stats(mean, median, p99, std, tuple(each))
+
+
+def _percentile_value(name: str) -> float:
+    return float(name[1:])
+
+
+def _percentile_keys(doc: Mapping[str, object]) -> dict[str, list[str]]:
+    """The percentiles `doc` reports of each latency (``p90`` of ``p90_ttft_ms``), the
+    `PERCENTILES_MAX` lowest of each in increasing order."""
+    found: dict[str, list[str]] = {}
+    for key in doc:
+        m = _PERCENTILE_KEY_RE.fullmatch(key)
+        if m is not None:
+            found.setdefault(m.group(2), []).append(m.group(1))
+    return {
+        metric: sorted(names, key=_percentile_value)[:PERCENTILES_MAX]
+        for metric, names in found.items()
+    }
 
 
 def _point(doc: Mapping[str, object], fmt: ResultFormat) -> Point:
@@ -287,6 +336,7 @@ def _point(doc: Mapping[str, object], fmt: ResultFormat) -> Point:
             ResultProblem("bad_value", f"{conc_key}={_shown(raw_conc)} is not an integer >= 1")
         )
     concurrency = raw_conc if isinstance(raw_conc, int) else None
+    percentiles = _percentile_keys(doc)
     return Point(
         format=fmt,
         concurrency=concurrency,
@@ -301,17 +351,19 @@ def _point(doc: Mapping[str, object], fmt: ResultFormat) -> Point:
         ),
         total_input_tokens=_count(doc, "total_input_tokens", fmt),
         total_output_tokens=_count(doc, "total_output_tokens", fmt),
-        ttft_ms=_stats(doc, "ttft"),
-        tpot_ms=_stats(doc, "tpot"),
-        itl_ms=_stats(doc, "itl"),
-        e2el_ms=_stats(doc, "e2el"),
+        ttft_ms=_stats(doc, "ttft", percentiles),
+        tpot_ms=_stats(doc, "tpot", percentiles),
+        itl_ms=_stats(doc, "itl", percentiles),
+        e2el_ms=_stats(doc, "e2el", percentiles),
         role_gpus=declared_roles(doc),
+        declared=declared(doc),
     )
 
 
 # --- across the parser's process boundary ------------------------------------------------
 
 # The version of what `parsed_to_json` writes; `parsed_from_json` reads only this one.
+# A latency's `percentiles` came later within it: a reader takes a latency without them.
 PARSED_VERSION: Final = 1
 
 
@@ -360,6 +412,7 @@ def parsed_from_json(value: object) -> Point | ResultProblem:
             itl_ms=_stats_of(p.get("itl_ms"), "itl"),
             e2el_ms=_stats_of(p.get("e2el_ms"), "e2el"),
             role_gpus=_role_gpus_of(p.get("role_gpus")),
+            declared=_declared_of(p.get("declared", ())),
         )
     except _Bad as bad:
         raise ValueError(f"not a point: {bad.problem}") from None
@@ -380,15 +433,36 @@ def _role_gpus_of(value: object) -> RoleGpus | None:
     return got
 
 
+def _declared_of(value: object) -> Declared:
+    got = declared_again(value)
+    if got is None:
+        raise _Bad(ResultProblem("bad_value", f"declared={_shown(value)} is not a deployment"))
+    return got
+
+
 def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _stats_of(value: object, metric: str) -> Stats:
-    if not isinstance(value, dict) or set(value) != set(STAT_KEYS):
+    if not isinstance(value, dict) or set(value) - {"percentiles"} != set(STAT_KEYS):
         raise _Bad(ResultProblem("bad_value", f"{metric}_ms={_shown(value)} is not a statistic"))
     got = [value[k] for k in STAT_KEYS]
-    return Stats(*(None if v is None else _number(v, metric) for v in got))
+    each = value.get("percentiles", [])
+    if (
+        not isinstance(each, list)
+        or len(each) > PERCENTILES_MAX
+        or not all(
+            isinstance(pair, list)
+            and len(pair) == 2
+            and isinstance(pair[0], str)
+            and PERCENTILE_RE.fullmatch(pair[0])
+            for pair in each
+        )
+    ):
+        raise _Bad(ResultProblem("bad_value", f"{metric}_ms={_shown(value)} is not a statistic"))
+    mean, median, p99, std = (None if v is None else _number(v, metric) for v in got)
+    return Stats(mean, median, p99, std, tuple((name, _number(v, metric)) for name, v in each))
 
 
 # --- the validity gate -------------------------------------------------------------------

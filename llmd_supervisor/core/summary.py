@@ -22,6 +22,7 @@ from llmd_supervisor.errors import SummaryError
 __all__ = [
     "ArchiveInfo",
     "AttemptView",
+    "DeclaredDeployment",
     "Deployment",
     "DryRun",
     "Headline",
@@ -161,9 +162,12 @@ class _LatencyView(TypedDict):
 
 class LatencyView(_LatencyView, total=False):
     """One latency of a benchmark point, in milliseconds (null where not measured;
-    `std` absent from a table an older daemon wrote)."""
+    `std` absent from a table an older daemon wrote). `percentiles`: every percentile
+    the client reported, p99 too, by its name (``{"p90": ..., "p99": ..., "p99.9":
+    ...}``; absent from an older daemon's table, which kept p99 alone)."""
 
     std: float | None
+    percentiles: dict[str, float]
 
 
 class PointView(TypedDict):
@@ -240,6 +244,41 @@ class Deployment(_Deployment, total=False):
     kv_p2p_transfer: str
 
 
+class DeclaredDeployment(TypedDict, total=False):
+    """A foreign job's deployment in InferenceX's names and types (as `Deployment`), only
+    the fields known: what its result files declare alike (``--metadata KEY=VALUE``, and
+    ``model_id`` as `model`), `disagg` from the roles' GPUs it was given, `is_multinode`
+    from its allocation (`core.declared.known_deployment`)."""
+
+    hw: str
+    image: str
+    model: str
+    infmax_model_prefix: str
+    framework: str
+    precision: str
+    spec_decoding: str
+    recipe_fingerprint: str
+    kv_p2p_transfer: str
+    disagg: bool
+    is_multinode: bool
+    isl: int
+    osl: int
+    prefill_tp: int
+    prefill_pp: int
+    prefill_dcp_size: int
+    prefill_pcp_size: int
+    prefill_ep: int
+    prefill_dp_attention: str
+    prefill_num_workers: int
+    decode_tp: int
+    decode_pp: int
+    decode_dcp_size: int
+    decode_pcp_size: int
+    decode_ep: int
+    decode_dp_attention: str
+    decode_num_workers: int
+
+
 class _ResultsTable(TypedDict):
     format: str  # "vllm" or "inferencex"
     gpus: int | None  # the run's GPUs, when the spec says (per-GPU numbers need it)
@@ -252,11 +291,13 @@ class ResultsTable(_ResultsTable, total=False):
     `prefill_gpus` and `decode_gpus`: the roles' GPUs its per-GPU numbers were divided
     by (null when the split is unknown; absent from an older table, whose per-GPU numbers
     are all divided by `gpus`). `deployment`: the run's configuration in InferenceX's
-    terms (null for a foreign job; absent from an older table)."""
+    terms (null for a foreign job; absent from an older table). `declared`: a foreign
+    job's, as far as it is known (absent otherwise, and from an older table)."""
 
     prefill_gpus: int | None
     decode_gpus: int | None
     deployment: Deployment | None
+    declared: DeclaredDeployment
 
 
 class _RunResults(TypedDict):

@@ -22,6 +22,7 @@ from llmd_supervisor.adapters import jobfiles
 from llmd_supervisor.adapters.jobfiles import RESULT_FILE_MAX, SMALL_FILE_MAX
 from llmd_supervisor.adapters.result_parser import ParseLimits, parse_many
 from llmd_supervisor.core.config import Limits
+from llmd_supervisor.core.declared import known_deployment
 from llmd_supervisor.core.gpus import RoleGpus
 from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.core.layout import RESULTS, RunLayout
@@ -310,12 +311,16 @@ async def read_foreign(
     return out
 
 
-def foreign_table(got: BenchFiles, roles: RoleGpus | None = None) -> ResultsTable:
+def foreign_table(
+    got: BenchFiles, roles: RoleGpus | None = None, nodes: int | None = None
+) -> ResultsTable:
     """`results.json` of a foreign job: a row per archived JSON result file, a point where
     it parsed as vLLM's (or InferenceX's) benchmark result; no validity gate (the job
     defines none). A file's name is the job's text: escaped before it reaches the table.
     `roles`: the GPUs of each role the user gave (--prefill-gpus, --decode-gpus); without
-    them a file's own declaration counts (`core.gpus.ROLE_GPU_KEYS`)."""
+    them a file's own declaration counts (`core.gpus.ROLE_GPU_KEYS`). Its `declared`
+    deployment is what the files, the roles and the job's `nodes` (its allocation's
+    size; None: unknown) say of it (`core.declared.known_deployment`)."""
     evidence: list[PointEvidence] = []
     for name, point in sorted(got.parsed.items()):
         if isinstance(point, Point):
@@ -329,4 +334,9 @@ def foreign_table(got: BenchFiles, roles: RoleGpus | None = None) -> ResultsTabl
                 conc, job_text(name), requested, 0, requested, problem is None, problem, parsed
             )
         )
-    return results_table(evidence, roles)
+    table = results_table(evidence, roles)
+    prefill, decode = table.get("prefill_gpus"), table.get("decode_gpus")
+    split = RoleGpus(prefill, decode) if prefill is not None and decode is not None else None
+    points = [e.point for e in evidence if e.point is not None]
+    table["declared"] = known_deployment((p.declared for p in points), split, nodes)
+    return table

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from llmd_supervisor.core.results import (
     FORMATS,
     MAX_RESULT_BYTES,
+    PERCENTILES_MAX,
     GateResult,
     Point,
     ResultFormat,
@@ -102,6 +103,8 @@ def test_real_files_parse(
     assert p.request_throughput == pytest.approx(completed / p.duration_s)
     assert p.total_token_throughput == pytest.approx(sum(tokens) / p.duration_s)
     assert p.input_throughput == pytest.approx(tokens[0] / p.duration_s)
+    # vLLM's files were saved with --metric-percentiles 99, InferenceX's with 90,99,99.9.
+    names = ("p90", "p99", "p99.9") if raw is IX_C32 else ("p99",)
     for metric in ("ttft", "tpot", "itl", "e2el"):
         stats = getattr(p, f"{metric}_ms")
         assert stats == Stats(
@@ -109,6 +112,7 @@ def test_real_files_parse(
             d[f"median_{metric}_ms"],
             d[f"p99_{metric}_ms"],
             d[f"std_{metric}_ms"],
+            tuple((name, d[f"{name}_{metric}_ms"]) for name in names),
         )
 
 
@@ -121,6 +125,29 @@ def test_inferencex_file_read_as_vllm_names_the_fix() -> None:
     got = problem(IX_C32, "vllm")
     assert got.kind == "missing_field"
     assert "'failed'" in got.detail and "result_format = 'inferencex'" in got.detail
+
+
+def test_every_percentile_the_client_reported_is_kept() -> None:
+    """`--metric-percentiles 50,90,99.9,99.99`: each is kept by its name, in order; a
+    name no client writes, or one past PERCENTILES_MAX, is not read."""
+    changes: dict[str, Any] = {
+        "p99_ttft_ms": ...,
+        "p50_ttft_ms": 10.0,
+        **{"p99.99_ttft_ms": 40.0, "p99.9_ttft_ms": 30.0, "p90_ttft_ms": 20.0},
+        **{"p99.x_ttft_ms": 1.0, "p101_ttft_ms": 1.0, "p90_ttft_s": 1.0, "pp90_ttft_ms": 1.0},
+    }
+    p = point(**changes)
+    assert p.ttft_ms.p99 is None
+    assert p.ttft_ms.percentiles == (
+        ("p50", 10.0), ("p90", 20.0), ("p99.9", 30.0), ("p99.99", 40.0)
+    )  # fmt: skip
+    many_keys: dict[str, Any] = {f"p{n}_itl_ms": float(n) for n in range(30, 60)}
+    many = point(**many_keys)
+    assert [name for name, _ in many.itl_ms.percentiles] == [
+        f"p{n}" for n in range(30, 30 + PERCENTILES_MAX)
+    ]
+    assert problem(doc(p90_e2el_ms="slow")).kind == "bad_value"
+    assert point(p90_e2el_ms=None).e2el_ms.percentiles == (("p99", p.e2el_ms.p99),)
 
 
 def test_optional_parts_of_a_real_result() -> None:
@@ -235,11 +262,28 @@ def _crossed(**changes: Any) -> dict[str, Any]:
         _crossed(duration_s=None),
         _crossed(ttft_ms={"mean": 1.0}),
         _crossed(tpot_ms={"mean": "slow", "median": None, "p99": None}),
+        _crossed(tpot_ms={"mean": 1.0, "median": None, "p99": None, "std": None, "x": 1}),
+        *(
+            _crossed(
+                tpot_ms={"mean": 1.0, "median": None, "p99": None, "std": None, "percentiles": v}
+            )
+            for v in ({"p90": 1.0}, [["p90"]], [["p90", -1.0]], [["90", 1.0]], [["p1", 1.0]] * 17)
+        ),
     ],
 )
 def test_anything_else_is_refused_at_the_process_boundary(value: object) -> None:
     with pytest.raises(ValueError, match=r"^(not a|neither)"):
         parsed_from_json(value)
+
+
+def test_a_latency_without_percentiles_crosses_the_process_boundary() -> None:
+    """What a parser of an older install sends: the latencies without `percentiles`."""
+    value = _crossed()
+    for metric in ("ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"):
+        del value["point"][metric]["percentiles"]
+    got = parsed_from_json(value)
+    assert isinstance(got, Point) and got.ttft_ms.percentiles == ()
+    assert got.ttft_ms.p99 == point().ttft_ms.p99
 
 
 def test_a_problem_detail_is_bounded_at_the_process_boundary() -> None:
@@ -424,12 +468,15 @@ def test_results_table_schema() -> None:
     assert ok["total_token_throughput_per_gpu"] == pytest.approx(p.total_token_throughput / 8)
     assert ok["input_throughput"] == pytest.approx(p.total_token_throughput - p.output_throughput)
     assert ok["input_throughput_per_gpu"] == pytest.approx(ok["input_throughput"] / 8)
-    assert set(ok["ttft_ms"]) == {"mean", "median", "p99", "std"}
+    assert set(ok["ttft_ms"]) == {"mean", "median", "p99", "std", "percentiles"}
+    assert ok["ttft_ms"]["percentiles"] == {"p99": ok["ttft_ms"]["p99"]}
     assert bad["valid"] is False and bad["file"] == "results/c4.json"
     assert bad["problem"].startswith("unparsable result (not_json")
     assert all(bad[k] is None for k in ROW_KEYS - {"concurrency", "file", "valid", "problem"} - {
         "ttft_ms", "tpot_ms", "itl_ms", "e2el_ms"})  # fmt: skip
-    assert bad["e2el_ms"] == {"mean": None, "median": None, "p99": None, "std": None}
+    assert bad["e2el_ms"] == {
+        "mean": None, "median": None, "p99": None, "std": None, "percentiles": {}
+    }  # fmt: skip
     json.dumps(table, allow_nan=False)
 
 

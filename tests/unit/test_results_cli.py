@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.cli.inferencex_agg import AGG_DEPLOYMENT_FIELDS, AGG_STATS, inferencex_agg
+from llmd_supervisor.cli.inferencex_agg import (
+    AGG_DEPLOYMENT_FIELDS,
+    AGG_POWER,
+    AGG_STATS,
+    inferencex_agg,
+    write_agg,
+)
 from llmd_supervisor.cli.main import main
 from llmd_supervisor.cli.results import (
     EXIT_REGRESSION,
@@ -317,17 +323,18 @@ def test_a_baseline_without_results_is_a_request_error() -> None:
 
 # --- InferenceX's aggregate fields --------------------------------------------------------
 
+# What a table of an older daemon holds of each latency: mean, median and p99.
 AGG_FIELDS = {
     "run",
     "conc",
     "tput_per_gpu",
     "output_tput_per_gpu",
     "input_tput_per_gpu",
-    *(f"{s}_{m}" for s in AGG_STATS for m in ("ttft", "tpot", "itl", "e2el")),
+    *(f"{s}_{m}" for s in ("mean", "median", "p99") for m in ("ttft", "tpot", "itl", "e2el")),
     "mean_intvty",
     "median_intvty",
     "p99_intvty",
-    "std_intvty",
+    *AGG_POWER,
 }
 
 
@@ -337,8 +344,12 @@ def test_inferencex_agg_names_and_units() -> None:
     rows = inferencex_agg(read_run_results(run_8gpu()))
     assert [r["conc"] for r in rows] == list(CONCURRENCIES)
     assert all(set(r) == AGG_FIELDS | set(AGG_DEPLOYMENT_FIELDS) for r in rows)
-    # A table without a deployment (an older daemon's): its fields are there, null.
-    assert all(rows[0][k] is None for k in AGG_DEPLOYMENT_FIELDS)
+    # A table without a deployment (an older daemon's): its fields are there, null, and
+    # the fingerprint "" as InferenceX writes it unset.
+    assert all(rows[0][k] is None for k in AGG_DEPLOYMENT_FIELDS if k != "recipe_fingerprint")
+    assert rows[0]["recipe_fingerprint"] == ""
+    # No power telemetry: InferenceX's power step records it as not valid.
+    assert (rows[0]["power_metric_schema_version"], rows[0]["power_valid"]) == (2, 0)
     c64 = rows[2]
     assert c64["tput_per_gpu"] == pytest.approx(48000.0 / 8)
     assert c64["output_tput_per_gpu"] == pytest.approx(24000.0 / 8)
@@ -350,6 +361,71 @@ def test_inferencex_agg_names_and_units() -> None:
     assert c64["median_intvty"] == pytest.approx(1000.0 / 16.0)
     assert c64["p99_intvty"] == pytest.approx(1000.0 / 48.0)
     assert "intvty" not in c64  # InferenceX has no bare key (see SOURCE.md)
+
+
+def test_inferencex_agg_carries_every_statistic_the_client_reported_and_no_other() -> None:
+    """Each percentile of the table (`--metric-percentiles 90,99,99.9`) and std, in
+    seconds, and interactivity for each TPOT one; a latency the client did not report
+    (vLLM's default --percentile-metrics has no e2el) is left out, as InferenceX leaves
+    it out; an interactivity of a TPOT of 0 is null."""
+    r = run_8gpu()
+    point = r["results"]["points"][2]  # type: ignore[index]
+    for metric in ("ttft", "tpot", "itl"):
+        view = point[f"{metric}_ms"]
+        view["std"] = 2.0
+        view["percentiles"] = {"p90": 20.0, "p99": view["p99"], "p99.9": 60.0}
+    point["tpot_ms"]["percentiles"]["p90"] = 0.0
+    point["e2el_ms"] = {"mean": None, "median": None, "p99": None, "std": None, "percentiles": {}}
+    row = inferencex_agg(read_run_results(r))[2]
+    assert {k for k in row if k.endswith(("_ttft", "_tpot", "_itl", "_e2el", "_intvty"))} == {
+        f"{s}_{m}"
+        for s in (*AGG_STATS, "p90", "p99", "p99.9")
+        for m in ("ttft", "tpot", "itl", "intvty")
+    }
+    assert row["p99.9_ttft"] == pytest.approx(0.060) and row["std_itl"] == pytest.approx(0.002)
+    assert row["p99_tpot"] == pytest.approx(0.048)
+    assert row["p99.9_intvty"] == pytest.approx(1000.0 / 60.0)
+    assert row["p90_tpot"] == 0.0 and row["p90_intvty"] is None
+
+
+def test_a_foreign_jobs_rows_say_what_its_files_declared_and_null_for_the_rest() -> None:
+    """A `submit --script` run with --prefill-gpus 16 --decode-gpus 8 on 3 nodes, whose
+    client said --metadata hw=h200 prefill_tp=8 decode_tp=8: those fields, `disagg` from
+    the roles, `is_multinode` from the nodes; nothing else guessed."""
+    r = run_8gpu()
+    r["results"] |= {  # type: ignore[operator]
+        "gpus": 24,
+        "prefill_gpus": 16,
+        "decode_gpus": 8,
+        "deployment": None,
+        "declared": {
+            "model": "deepseek-ai/DeepSeek-R1-0528",
+            "hw": "h200",
+            "prefill_tp": 8,
+            "decode_tp": 8,
+            "disagg": True,
+            "is_multinode": True,
+        },
+    }
+    (row, *_) = inferencex_agg(read_run_results(r))
+    assert {k: row[k] for k in AGG_DEPLOYMENT_FIELDS if row[k] not in (None, "")} == {
+        "model": "deepseek-ai/DeepSeek-R1-0528",
+        "hw": "h200",
+        "prefill_tp": 8,
+        "decode_tp": 8,
+        "disagg": True,
+        "is_multinode": True,
+        "num_prefill_gpu": 16,
+        "num_decode_gpu": 8,
+    }
+    assert row["recipe_fingerprint"] == "" and row["prefill_ep"] is None
+    assert "kv_p2p_transfer" not in row and "router" not in row  # InferenceX's optional ones
+    err = io.StringIO()
+    write_agg("inferencex-agg", [read_run_results(r)], io.StringIO(), err)
+    said = err.getvalue()
+    assert "its result files do not say decode_dcp_size, decode_dp_attention," in said
+    assert "hw," not in said and "num_prefill_gpu" not in said
+    assert "--metadata KEY=VALUE" in said
 
 
 def test_the_roles_gpus_are_named_beside_the_count() -> None:
@@ -373,7 +449,7 @@ def test_inferencex_agg_output_skips_invalid_points_and_says_so() -> None:
     assert rows[0]["median_tpot"] == pytest.approx(0.012)
     assert "run 7c1d0e02bb: left out the invalid points c=1." in err
     assert "the GPU count is unknown" in err
-    assert "its table has no deployment" in err
+    assert "it was not run from a spec" in err
     assert "run 9e4b7a03cc: its archive holds no results table" in err
 
     status, out, _ = _show(runs, format="inferencex-agg-jsonl")

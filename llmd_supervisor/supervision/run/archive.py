@@ -127,7 +127,7 @@ async def _bench_evidence(ctx: RunContext) -> dict[str, bytes]:
         roles = None
         if spec.prefill_gpus is not None and spec.decode_gpus is not None:
             roles = RoleGpus(spec.prefill_gpus, spec.decode_gpus)
-        table = bench_files.foreign_table(got, roles)
+        table = bench_files.foreign_table(got, roles, len(ctx.run.nodes) or None)
         return {**got.archived, "results.json": (json.dumps(table, indent=1) + "\n").encode()}
     found = await bench_files.read_all(files, layout, job_id, spec, refused, limits)
     table = results_table(
