@@ -378,7 +378,8 @@ def _evidence_table(r: RunResults) -> str:
 
 def run_title(r: RunResults) -> str:
     """What a run was: model, topology (xPyD and GPUs), ISL/OSL and when it ended, from
-    its results table's deployment (the parts it does not say are left out)."""
+    its results table's deployment, or what a foreign job's result files declared (the
+    parts it does not say are left out)."""
     table = r["results"]
     d = table.get("deployment") if table is not None else None
     parts = []
@@ -389,8 +390,18 @@ def run_title(r: RunResults) -> str:
             gpus = f", {d['num_prefill_gpu']}+{d['num_decode_gpu']} GPUs"
         parts.append(f"{d['prefill_num_workers']}P{d['decode_num_workers']}D{gpus}")
         parts.append(f"ISL {d['isl']} / OSL {d['osl']}")
-    elif table is not None and table["gpus"]:
-        parts.append(gpu_text(table))
+    elif table is not None:  # a foreign job: what its result files declared
+        said = table.get("declared") or {}
+        if "model" in said:
+            parts.append(said["model"])
+        workers = (said.get("prefill_num_workers"), said.get("decode_num_workers"))
+        topology = f"{workers[0]}P{workers[1]}D" if None not in workers else ""
+        if table["gpus"]:
+            topology = f"{topology}, {gpu_text(table)}" if topology else gpu_text(table)
+        if topology:
+            parts.append(topology)
+        if "isl" in said and "osl" in said:
+            parts.append(f"ISL {said['isl']} / OSL {said['osl']}")
     ended = r.get("finished_at")
     if ended:
         parts.append(f"ended {ended[:16].replace('T', ' ')} UTC")

@@ -153,3 +153,18 @@ def test_a_foreign_jobs_table_and_rows_carry_its_declared_deployment() -> None:
     p2 = point(**METADATA, num_prefill_gpu="8", num_decode_gpu="8")
     table = bench_files.foreign_table(bench_files.BenchFiles(parsed={"c.json": p2}), None, 2)
     assert (table.get("prefill_gpus"), table.get("declared", {}).get("disagg")) == (8, True)
+
+
+def test_the_report_titles_a_foreign_job_with_what_its_files_declared() -> None:
+    from llmd_supervisor.cli.report import run_title
+
+    p = point(**METADATA)
+    table = bench_files.foreign_table(bench_files.BenchFiles(parsed={"c.json": p}), None, 3)
+    reply = {"run": "r1", "state": "succeeded", "outcome": "succeeded", "reason": ""}
+    r = read_run_results(reply | {"results": json.loads(json.dumps(table))})
+    assert run_title(r) == f"{VLLM_C4['model_id']} · 2P1D · ISL 1024 / OSL 1024"
+    table = bench_files.foreign_table(bench_files.BenchFiles(parsed={"c.json": p}), RoleGpus(16, 8))
+    r = read_run_results(reply | {"results": json.loads(json.dumps(table))})
+    assert run_title(r) == (
+        f"{VLLM_C4['model_id']} · 2P1D, 24 GPUs (16 prefill + 8 decode) · ISL 1024 / OSL 1024"
+    )
