@@ -14,10 +14,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import tomllib
 from pathlib import Path
 from typing import IO
 
+from llmd_supervisor.core.foreign_spec import ForeignSpec, Watch
 from llmd_supervisor.core.jobtext import job_text
+from llmd_supervisor.core.spec import NAME_RE
 from llmd_supervisor.core.summary import RunResults, read
 from llmd_supervisor.core.summary import UsageView as Usage
 from llmd_supervisor.core.usage import split as split_usage
@@ -117,6 +120,33 @@ def _results(archive: Path, receipt: dict[str, object]) -> RunResults:
         raise OfflineError(f"{archive}: {exc}") from None
 
 
+SPEC_MAX = 1 << 20  # bytes of an archived spec.toml or foreign.json read for the run's name
+
+
+def run_name(archive: Path) -> str:
+    """What `list` calls the archived run (`[run] name` of its ``spec.toml``, its script's
+    file name or ``adopted-JOBID`` from its ``foreign.json``); "" when it says none or
+    cannot be read."""
+    try:
+        if (archive / "spec.toml").is_file():
+            with (archive / "spec.toml").open("rb") as f:
+                run = tomllib.loads(f.read(SPEC_MAX).decode("utf-8")).get("run")
+            name = run.get("name") if isinstance(run, dict) else None
+            return name if isinstance(name, str) and NAME_RE.fullmatch(name) else ""
+        with (archive / "foreign.json").open("rb") as f:
+            body = json.loads(f.read(SPEC_MAX)).get("foreign")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    if not isinstance(body, dict) or body.get("kind") not in ("script", "adopt"):
+        return ""
+    return ForeignSpec(
+        kind=body["kind"],
+        watch=Watch(str(archive)),
+        script_name=str(body.get("script_name") or ""),
+        job_id=str(body.get("job_id")),
+    ).name()
+
+
 def print_status(args: argparse.Namespace, ref: str, out: IO[str]) -> None:
     """`status` of a finished run from its archive: its job, nodes, outcome, best point."""
     from llmd_supervisor.cli.result_values import gpu_text
@@ -127,7 +157,12 @@ def print_status(args: argparse.Namespace, ref: str, out: IO[str]) -> None:
     attempts = receipt.get("attempts")
     last = attempts[-1] if isinstance(attempts, list) and attempts else {}
     nodes = last.get("nodes") if isinstance(last, dict) else None
-    print(f"run {archive.name}: {results['outcome']} (from its archive; no daemon asked)", file=out)
+    name = run_name(archive)
+    print(
+        f"run {archive.name}{f' {name}' if name else ''}: {results['outcome']} (from its"
+        " archive; no daemon asked)",
+        file=out,
+    )
     print(
         f"  slurm job {job_text(str(receipt.get('job_id', '-')))},"
         f" attempt {receipt.get('attempt', '-')}",

@@ -38,6 +38,7 @@ from llmd_supervisor.cli.result_values import (
     latency,
     no_results_reason,
     per_gpu_total,
+    points_text,
 )
 from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.core.results import LATENCIES
@@ -427,7 +428,7 @@ def _run_section(r: RunResults) -> str:
     table = r["results"]
     meta = "no results table"
     if table is not None:
-        meta = f"{table['format']} client, {gpu_text(table)}, {len(table['points'])} points"
+        meta = f"{table['format']} client, {gpu_text(table)}, {points_text(len(table['points']))}"
     return (
         f'<section id="run-{html.escape(r["run"], quote=True)}">'
         f"<h2>Run {html.escape(r['run'])}</h2>"

@@ -49,6 +49,11 @@ def gpu_text(table: ResultsTable) -> str:
     return f"{gpus} GPUs ({prefill} prefill + {decode} decode)"
 
 
+def points_text(n: int) -> str:
+    """`1 point`, `3 points`."""
+    return f"{n} point" if n == 1 else f"{n} points"
+
+
 def interactivity(point: ResultPoint, stat: str = "median") -> float | None:
     """InferenceX's interactivity: 1000 / TPOT (ms), tokens per second per user."""
     tpot = latency(point, "tpot", stat)

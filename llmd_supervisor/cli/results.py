@@ -32,6 +32,7 @@ from llmd_supervisor.cli.result_values import (
     latency,
     no_results_reason,
     per_gpu_total,
+    points_text,
     verdict_line,
 )
 from llmd_supervisor.core.results import LATENCIES, NUMBER_FIELDS
@@ -128,7 +129,7 @@ def _block(r: RunResults, *, label: str = "") -> str:
         return "\n".join(lines) + "\n"
     gpus = table["gpus"]
     points = sorted(table["points"], key=lambda p: p["concurrency"])
-    lines.append(f"  {table['format']} client, {gpu_text(table)}, {len(points)} points")
+    lines.append(f"  {table['format']} client, {gpu_text(table)}, {points_text(len(points))}")
     head = ["conc", "prompts", "done", "failed", "req/s", "out tok/s", "tot tok/s"]
     widths = [6, 8, 7, 7, 8, 10, 10]
     if gpus:

@@ -94,6 +94,37 @@ def test_status_from_the_archive_says_so_and_a_missing_run_names_where_it_looked
     assert sneaky.returncode == 2 and "is not a run id" in sneaky.stderr
 
 
+def test_status_from_the_archive_names_the_run_as_list_does(tmp_path: Path) -> None:
+    """`[run] name` of its spec.toml; a script's file name or adopted-JOBID from its
+    foreign.json; nothing for an unnamed, unreadable or odd one."""
+    from llmd_supervisor.cli.offline import run_name
+
+    archive = tmp_path / "a"
+    archive.mkdir()
+    assert run_name(archive) == ""
+    (archive / "spec.toml").write_text('[run]\nname = "dsr1-2p1d"\nlog_dir = "/x"\n')
+    assert run_name(archive) == "dsr1-2p1d"
+    for text in ('[run]\nname = "a b"\n', "[run]\nname = 7\n", "[run\n", "run = 1\n"):
+        (archive / "spec.toml").write_text(text)
+        assert run_name(archive) == "", text
+    (archive / "spec.toml").unlink()
+    body = {"kind": "script", "script_name": "job\x1b.sbatch", "job_id": None}
+    (archive / "foreign.json").write_text(json.dumps({"foreign": body}))
+    assert run_name(archive) == "job\\x1b.sbatch"
+    body = {"kind": "adopt", "script_name": "", "job_id": "4711"}
+    (archive / "foreign.json").write_text(json.dumps({"foreign": body}))
+    assert run_name(archive) == "adopted-4711"
+    for text in ("[]", '{"foreign": {"kind": "other"}}', "{"):
+        (archive / "foreign.json").write_text(text)
+        assert run_name(archive) == "", text
+
+
+def test_status_from_the_archive_shows_the_name(state: Path) -> None:
+    (state / "archive" / RUN / "spec.toml").write_text('[run]\nname = "demo"\n')
+    out = cli("status", RUN, "--state-dir", str(state))
+    assert f"run {RUN} demo: succeeded (from its archive; no daemon asked)" in out.stdout
+
+
 def test_report_from_the_archive_writes_the_file(state: Path, tmp_path: Path) -> None:
     out = tmp_path / "report.html"
     got = cli("report", RUN, "--state-dir", str(state), "-o", str(out))

@@ -528,3 +528,9 @@ def test_a_wide_number_widens_its_column_instead_of_shifting_the_rest() -> None:
     ends = {len(line) for line in lines}
     assert len(ends) == 1  # every row as long: the columns line up
     assert [line.rstrip()[-1] for line in lines] == ["U", "5", "6"]
+
+
+def test_one_point_is_one_point() -> None:
+    r = run_8gpu()
+    r["results"]["points"] = r["results"]["points"][:1]  # type: ignore[index]
+    assert "  vllm client, 8 GPUs, 1 point\n" in render_text([read_run_results(r)])
