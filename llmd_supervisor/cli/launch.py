@@ -123,19 +123,33 @@ def foreign_spec_json(
 
 
 def nodes_table(view: NodesView) -> list[str]:
-    """`nodes` as text: a line per node with failures counted."""
-    lines = [
-        f"{'CLUSTER':10} {'NODE':12} {'FOR':9} {'FAILS':>5} {'STATE':11} {'UNTIL':25} RUN / REASON"
-    ]
+    """`nodes` as text: a line per node with failures counted, in columns as wide as
+    their widest cell (the last, run and reason, as long as it is)."""
+    head = ("CLUSTER", "NODE", "FOR", "FAILS", "STATE", "UNTIL", "RUN / REASON")
+    rows = [head]
     for q in view["nodes"]:
-        state = "quarantined" if q["active"] else "counted"
         owner = q.get("owner_uid")
-        scope = "everyone" if owner is None else f"uid {owner}"
-        lines.append(
-            f"{q['cluster']:10} {q['node']:12} {scope:9} {q['failures']:>5} {state:11} "
-            f"{q['until'][:25]:25} {q['run'] or '-'} {q['reason']}".rstrip()
+        rows.append(
+            (
+                q["cluster"],
+                q["node"],
+                "everyone" if owner is None else f"uid {owner}",
+                str(q["failures"]),
+                "quarantined" if q["active"] else "counted",
+                q["until"],
+                f"{q['run'] or '-'} {q['reason']}".rstrip(),
+            )
         )
-    return lines
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
+    return [
+        " ".join(
+            cell.rjust(w) if i == 3 else cell.ljust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=False))
+        )
+        + " "
+        + row[-1]
+        for row in rows
+    ]
 
 
 def checked_spec(args: argparse.Namespace, kind: Literal["script", "adopt"]) -> str:

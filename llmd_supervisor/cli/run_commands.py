@@ -306,7 +306,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     if args.node is not None:
         said = "released" if view["released"] else "had no failures counted; nothing to release"
         print(f"node {args.node}: {said}", file=sys.stderr)
-    for line in launch.nodes_table(view):
+    for line in fit_to_terminal(launch.nodes_table(view)):
         print(line)
     return 0
 

@@ -94,6 +94,8 @@ async def test_the_nodes_table_says_for_whom_a_node_is_kept_out(tmp_path: Path) 
     assert lines[1].split()[:5] == ["dev", "node1", "everyone", "2", "quarantined"]
     assert lines[3].split()[:6] == ["dev", "node2", "uid", "1001", "2", "quarantined"]
     assert lines[4].split()[6:] == ["-", "(another", "user's", "run)"]
+    # Columns as wide as their cells: the until times (32 characters) do not push it out.
+    assert lines[4][lines[0].index("RUN / REASON") :] == "- (another user's run)"
 
 
 def test_a_held_runs_summary_says_until_when() -> None:
@@ -108,3 +110,23 @@ def test_a_held_runs_summary_says_until_when() -> None:
     out = io.StringIO()
     _print_summary(read(RunSummary, summary), out)
     assert "  held until 2026-01-02T03:34:05+00:00: waiting: the job needs 4" in out.getvalue()
+
+
+def test_the_nodes_table_keeps_its_columns_with_long_names() -> None:
+    """Node names longer than 12 characters pushed the later columns out of line."""
+    entry = {
+        "cluster": "prod-h200", "failures": 3, "active": True, "reason": "NODE_FAIL",
+        "run": "a8c78661894a", "since": "2026-01-02T03:04:05+00:00",
+        "until": "2026-01-02T09:04:05+00:00", "owner_uid": None,
+    }  # fmt: skip
+    view = read(
+        NodesView,
+        {
+            "nodes": [entry | {"node": "gpu-node-0001.example.org"}, entry | {"node": "n2"}],
+            "released": False,
+        },
+    )
+    head, *lines = nodes_table(view)
+    at = head.index("RUN / REASON")
+    assert [line[at:] for line in lines] == ["a8c78661894a NODE_FAIL"] * 2
+    assert [line[head.index("STATE") :].split()[0] for line in lines] == ["quarantined"] * 2
