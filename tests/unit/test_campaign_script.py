@@ -1,10 +1,13 @@
 """Campaigns over a batch script (core.campaign_script, core.campaign.expand_script): the
-file, its points, their recipe ids, and the `submit --script` spec of each job's run."""
+file, its points, their recipe ids, the `submit --script` spec of each job's run, and the
+points a script run's archive proves (supervision.campaign.points)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from datetime import UTC, datetime
+from pathlib import Path
 
 import pytest
 
@@ -25,7 +28,10 @@ from llmd_supervisor.core.campaign_script import (
     recipe_sbatch_args,
     time_limit_of,
 )
+from llmd_supervisor.core.results import Point, ResultProblem
 from llmd_supervisor.errors import CampaignError, SpecError
+from llmd_supervisor.supervision.bench_files import BenchFiles, foreign_table
+from llmd_supervisor.supervision.campaign.points import still_good, verified_of
 
 SCRIPT = """#!/bin/bash
 #SBATCH --ntasks-per-node=1
@@ -607,3 +613,43 @@ def test_a_journaled_job_of_another_version_is_refused() -> None:
         ScriptJob.from_json(json.dumps(doc))
     with pytest.raises(SpecError, match="not a script campaign's job"):
         ScriptJob.from_json("{}")
+
+
+# --- a script run's archive proves its points -----------------------------------------------
+
+
+def _point(concurrency: int) -> Point:
+    return Point("vllm", concurrency, 8, 8, 0, 1.0, 8.0, 64.0, 1088.0, 1024, 64)
+
+
+def test_a_script_runs_nested_result_files_prove_points_and_duplicates_prove_nothing(
+    tmp_path: Path,
+) -> None:
+    # As a --script run archives them: results/<path below the log directory>.
+    parsed: dict[str, Point | ResultProblem] = {
+        "results/results/77/ix_c4.json": _point(4),
+        "results/results/77/ix_c8.json": _point(8),
+        "results/results/a_c16.json": _point(16),  # two files for c=16: whose is it?
+        "results/results/b_c16.json": _point(16),
+    }
+    for name in parsed:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(f"the result file {name}")
+    (tmp_path / "results.json").write_text(json.dumps(foreign_table(BenchFiles(parsed=parsed))))
+    proofs = verified_of(
+        tmp_path,
+        recipe_id="r" * 64,
+        concurrencies=[4, 8, 16],
+        run_id="run1",
+        campaign_id="c1",
+        now=datetime.now(UTC),
+    )
+    assert [(p.concurrency, p.result_file) for p in proofs] == [
+        (4, "results/results/77/ix_c4.json"),
+        (8, "results/results/77/ix_c8.json"),
+    ]
+    first = tmp_path / proofs[0].result_file
+    assert proofs[0].sha256 == hashlib.sha256(first.read_bytes()).hexdigest()
+    assert still_good(proofs, {"run1": tmp_path}) == [True, True]
+    first.write_text("edited by hand")
+    assert still_good(proofs, {"run1": tmp_path}) == [False, True]

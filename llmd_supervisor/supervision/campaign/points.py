@@ -12,6 +12,7 @@ keep saving GPU-hours. Both read the daemon's own archive (bounded reads).
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -52,14 +53,17 @@ def verified_of(
     campaign_id: str,
     now: datetime,
 ) -> list[VerifiedPoint]:
-    """The proofs a succeeded run's archive gives for `concurrencies` (valid rows only)."""
+    """The proofs a succeeded run's archive gives for `concurrencies` (valid rows only). A
+    concurrency with more than one row (a `--script` run whose result patterns matched
+    another job's files too) proves nothing: which file is the run's own is not known."""
     try:
         table = results_table_of(archive_dir / "results.json")
     except ControlError:
         return []
     if table is None:
         return []
-    wanted = set(concurrencies)
+    rows = Counter(row["concurrency"] for row in table["points"])
+    wanted = {c for c in concurrencies if rows[c] == 1}
     out = []
     for row in table["points"]:
         conc, relative = row["concurrency"], row["file"]  # results/c<N>.json

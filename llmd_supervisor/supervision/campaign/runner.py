@@ -507,7 +507,10 @@ class Campaigns:
             missing = sorted(set(job.to_run) - {p.concurrency for p in proofs})
             if missing:  # a succeeded run's gate passed every point: only a damaged archive
                 new = JobState.FAILED_OTHER
-                reason = f"the archive of run {run.run_id} proves no result for c={missing}"
+                reason = (
+                    f"the archive of run {run.run_id} proves no result for c={missing} (no"
+                    " valid result file for it, or more than one)"
+                )
         await self.store.set_job(c.campaign_id, job.job_key, state=new.value, reason=reason)
         log.info("campaign.job_changed", job_key=job.job_key, state=new.value, reason=reason)
         return replace(job, state=new.value, reason=reason)
