@@ -691,6 +691,7 @@ def expand_script(
             script_name=script_name,
             script_sha256=digest,
             campaign_dir=campaign_dir,
+            values=group[0].values,
         )
         concs = tuple(sorted({c for v in group for c in v.concurrencies}))
         jobs.append(

@@ -36,6 +36,10 @@ path exports (`foreign_spec.env_refused`), not ``SBATCH_*`` (sbatch would read t
 options) and not ``concurrency_env``: a job's run gets that variable, its concurrencies
 joined by the separator.
 
+Every job runs in the one ``chdir``: ``{env.NAME}`` in a ``logs`` or ``results`` pattern
+stands for the job's value of NAME, so that each job's patterns match its own files
+(``results = ["logs/{env.RESULT_FILENAME}_c*.json"]``), as ``{job_id}`` does.
+
 The recipe id (`script_recipe_id`) hashes the script's sha256, the environment, the nodes,
 the GPUs and the sbatch options, leaving out names, partition, account, QOS, time limit and
 output files. A job is journaled as a `ScriptJob` (JSON); its run's `submit --script` spec
@@ -47,6 +51,7 @@ from __future__ import annotations
 import hashlib
 import json
 import posixpath
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -90,6 +95,7 @@ MAX_CONCURRENCY: Final = 100_000  # as benchmark.concurrencies
 TOPOLOGY_ENV_MAX: Final = 16
 ENV_VALUE_MAX: Final = 32 * 1024
 SUBJECT: Final = "Launcher"  # a point's errors name a launcher field, not a run spec's
+_ENV_PLACEHOLDER: Final = re.compile(r"\{env\.([^{}]*)\}")  # in logs and results patterns
 # sbatch options that change where, how long or under which name a job runs, not what it
 # measures: left out of the recipe id (long names, then their short letters).
 _NOT_RECIPE_LONG: Final = (
@@ -160,17 +166,52 @@ def _strings(t: Mapping[str, object], key: str) -> list[str]:
 
 
 def _patterns(t: Mapping[str, object], key: str) -> tuple[str, ...]:
+    """`logs` or `results`: patterns as `submit --script` takes them, where ``{env.NAME}``
+    stands for the job's variable NAME (checked with each job's values: `script_job`)."""
     found = _strings(t, key)
     if len(found) > foreign_spec.PATTERNS_MAX:
         raise CampaignError(
             _fld(key), shown(found), f"give at most {foreign_spec.PATTERNS_MAX} patterns"
         )
     for pattern in found:
+        for name in _ENV_PLACEHOLDER.findall(pattern):
+            if not ENV_NAME_RE.fullmatch(name):
+                raise CampaignError(
+                    _fld(key), pattern, f"{{env.{name}}} does not name a variable: {{env.NAME}}"
+                )
         try:
-            check_pattern(f"--{key}", pattern)
+            check_pattern(f"--{key}", _ENV_PLACEHOLDER.sub("x", pattern))
         except SpecError as exc:
             raise _as_campaign(_fld(key), exc) from None
     return tuple(found)
+
+
+def _with_env(
+    key: str, patterns: Sequence[str], env: Mapping[str, str], point: Values
+) -> tuple[str, ...]:
+    """`patterns` with each ``{env.NAME}`` replaced by the job's value of NAME."""
+
+    def value(m: re.Match[str]) -> str:
+        if m.group(1) not in env:
+            raise CampaignError(
+                _fld(key),
+                m.group(0),
+                f"the job has no variable {m.group(1)}; set it in [launcher.env] or the matrix",
+                point=point,
+                subject=SUBJECT,
+            )
+        return env[m.group(1)]
+
+    out = []
+    for pattern in patterns:
+        done = _ENV_PLACEHOLDER.sub(value, pattern)
+        try:
+            check_pattern(f"--{key}", done)
+        except SpecError as exc:
+            why = f"with the job's variables it is {done!r}: {exc.hint}"
+            raise CampaignError(_fld(key), pattern, why, point=point, subject=SUBJECT) from None
+        out.append(done)
+    return tuple(out)
 
 
 def concurrencies_of(fld: str, value: object, point: Values | None = None) -> tuple[int, ...]:
@@ -647,19 +688,22 @@ def script_job(
     script_name: str,
     script_sha256: str,
     campaign_dir: str,
+    values: Values = (),
 ) -> ScriptJob:
-    """The job of `point`: the launcher's paths under `campaign_dir` (the campaign file's
-    absolute directory), its sbatch options after ``--nodes``."""
+    """The job of `point` (`values`: its matrix values, for errors): the launcher's paths
+    under `campaign_dir` (the campaign file's absolute directory), its patterns with the
+    job's variables, its sbatch options after ``--nodes``."""
     chdir = _under(campaign_dir, launcher.chdir, posixpath.normpath(campaign_dir))
+    env = dict(point.env)
     return ScriptJob(
         script_name=script_name,
         script_sha256=script_sha256,
         chdir=chdir,
         log_dir=_under(campaign_dir, launcher.log_dir, chdir),
-        logs=launcher.logs,
+        logs=_with_env("logs", launcher.logs, env, values),
         marker=launcher.marker,
         marker_format=launcher.marker_format,
-        results=launcher.results,
+        results=_with_env("results", launcher.results, env, values),
         job_name_prefix=launcher.job_name_prefix,
         sbatch_args=(f"--nodes={point.nodes}", *launcher.sbatch_args),
         prefill_gpus=launcher.prefill_gpus,

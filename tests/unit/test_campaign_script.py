@@ -653,3 +653,48 @@ def test_a_script_runs_nested_result_files_prove_points_and_duplicates_prove_not
     assert still_good(proofs, {"run1": tmp_path}) == [True, True]
     first.write_text("edited by hand")
     assert still_good(proofs, {"run1": tmp_path}) == [False, True]
+
+
+def test_env_placeholders_give_each_job_its_own_patterns() -> None:
+    c = _script_campaign(
+        MINIMAL + '\nresults = ["logs/{env.NAME}_c*.json"]\nlogs = ["{env.NAME}/{job_id}.log"]',
+        '[matrix]\n"env.NAME" = ["isl1k", "isl8k"]',
+    )
+    jobs = [j.script_job for j in _expand(c).jobs]
+    assert [(j.results, j.logs) for j in jobs if j is not None] == [
+        (("logs/isl1k_c*.json",), ("isl1k/{job_id}.log",)),
+        (("logs/isl8k_c*.json",), ("isl8k/{job_id}.log",)),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("launcher", "rest", "field", "point", "fragment"),
+    [
+        (
+            MINIMAL + '\nresults = ["{env.NAME}_c*.json"]',
+            '[matrix]\n"env.OTHER" = ["a"]',
+            "launcher.results",
+            (("env.OTHER", "a"),),
+            "the job has no variable NAME; set it in [launcher.env] or the matrix",
+        ),
+        (
+            MINIMAL + '\nresults = ["{env.NAME}_c*.json"]',
+            '[matrix]\n"env.NAME" = ["../up"]',
+            "launcher.results",
+            (("env.NAME", "../up"),),
+            "with the job's variables it is '../up_c*.json': use a pattern relative",
+        ),
+    ],
+)
+def test_env_placeholders_are_checked_with_each_jobs_values(
+    launcher: str, rest: str, field: str, point: tuple[tuple[str, object], ...], fragment: str
+) -> None:
+    with pytest.raises(CampaignError) as err:
+        _expand(_script_campaign(launcher, rest))
+    assert (err.value.field, err.value.point) == (field, point)
+    assert fragment in str(err.value), str(err.value)
+
+
+def test_an_env_placeholder_names_a_variable() -> None:
+    with pytest.raises(CampaignError, match=r"\{env\.1A\} does not name a variable"):
+        _script_campaign(MINIMAL + '\nresults = ["{env.1A}.json"]')
