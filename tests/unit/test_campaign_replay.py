@@ -215,6 +215,16 @@ def launcher_world(tmp_path: Path) -> Iterator[ReplayWorld]:
         yield w
 
 
+def _script_files(tmp_path: Path) -> Path:
+    """The campaign file beside its copy of the launcher's job.slurm."""
+    work = tmp_path / "ix"
+    work.mkdir()
+    shutil.copy(LAUNCHER / "job.slurm", work / "job.slurm")
+    path = work / "sweep.toml"
+    path.write_text(SCRIPT_CAMPAIGN % LAUNCHER)
+    return path
+
+
 def test_a_script_campaign_passes_its_values_as_environment_and_reuses_every_point(
     launcher_world: ReplayWorld, tmp_path: Path
 ) -> None:
@@ -224,11 +234,8 @@ def test_a_script_campaign_passes_its_values_as_environment_and_reuses_every_poi
     d = Daemon(world, root, replay_socket=world.socket)
     d.start()
     try:
-        work = tmp_path / "ix"
-        work.mkdir()
-        shutil.copy(LAUNCHER / "job.slurm", work / "job.slurm")
-        path = work / "sweep.toml"
-        path.write_text(SCRIPT_CAMPAIGN % LAUNCHER)
+        path = _script_files(tmp_path)
+        work = path.parent
 
         dry = d.cli("campaign", "submit", str(path), "--dry-run")
         assert "4 points in 2 jobs over 1 topologies; 2 jobs to run" in dry.stdout, dry.stdout
@@ -277,5 +284,35 @@ def test_a_script_campaign_passes_its_values_as_environment_and_reuses_every_poi
         assert again.returncode == 0, again.stderr
         assert re.search(r"finished; 4 reused", again.stdout), again.stdout
         assert len(world.sbatch_names()) == 2
+    finally:
+        d.stop()
+
+
+def test_a_daemon_killed_mid_script_campaign_submits_no_job_twice(
+    launcher_world: ReplayWorld, tmp_path: Path
+) -> None:
+    # Killed once the second job's run is journaled, before its sbatch: the restarted
+    # daemon submits that run under its journaled id (as a `submit --script` run), once.
+    world = launcher_world
+    root = tmp_path / "daemon"
+    root.mkdir()
+    d = Daemon(world, root, replay_socket=world.socket, crash_after="accepted:2")
+    d.start()
+    try:
+        path = _script_files(tmp_path)
+        first = d.cli("campaign", "submit", str(path), "--json", check=False, timeout=60)
+        assert first.returncode == 0, first.stderr
+        campaign = str(_json(first.stdout)["campaign"])
+        assert d.proc is not None
+        d.proc.wait(timeout=60)
+        assert d.proc.returncode == -9, d.log_text()[-2000:]
+        d.crash_after = None
+        d.start()
+        done = d.cli("campaign", "wait", campaign, "--json", check=False, timeout=240)
+        assert done.returncode == 0, done.stdout + d.log_text()[-3000:]
+        points = _json(done.stdout)["points"]
+        assert isinstance(points, dict) and points["verified"] == 4
+        names = world.sbatch_names()
+        assert len(names) == len(set(names)) == 2, names
     finally:
         d.stop()
