@@ -22,6 +22,7 @@ PURE_MODULES = [
     "llmd_supervisor.core.cause",
     "llmd_supervisor.core.campaign",
     "llmd_supervisor.core.campaign_admission",
+    "llmd_supervisor.core.campaign_script",
     "llmd_supervisor.core.toml_write",
 ]
 FORBIDDEN = ["anyio", "asyncssh", "sqlite3", "subprocess", "socket", "asyncio", "structlog"]

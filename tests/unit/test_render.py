@@ -152,6 +152,7 @@ def test_rendered_scripts_pass_bash_syntax_check(tmp_path: Path) -> None:
     for path in DEPLOY.glob("*.toml"):
         if path.name.startswith("campaign-"):  # a campaign file: every job it expands to
             campaign = parse_campaign(path.read_text(), default_name="c")
+            assert campaign.base is not None, path
             base = tomllib.loads((path.parent / campaign.base).read_text())
             specs = [load_spec(dump_toml(j.spec_data)) for j in expand(campaign, base).jobs]
             assert len(specs) == 4, path
