@@ -384,14 +384,22 @@ def test_cli_render_bad_spec_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "'job_name'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", ["llmd_supervisor.core.spec", "llmd_supervisor.core.render"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "llmd_supervisor.core.spec",
+        "llmd_supervisor.core.render",
+        "llmd_supervisor.core.node_archive",
+    ],
+)
 def test_spec_and_render_import_no_io_machinery(module: str) -> None:
+    # -I ignores PYTHONPATH: the checkout under test goes first on the path by hand.
     probe = (
-        "import importlib, json, sys; importlib.import_module(sys.argv[1]);"
-        " print(json.dumps(sorted(sys.modules)))"
+        "import importlib, json, sys; sys.path.insert(0, sys.argv[2]);"
+        " importlib.import_module(sys.argv[1]); print(json.dumps(sorted(sys.modules)))"
     )
     out = subprocess.run(
-        [sys.executable, "-I", "-c", probe, module],
+        [sys.executable, "-I", "-c", probe, module, str(DEPLOY.parents[1])],
         capture_output=True,
         text=True,
         check=True,
@@ -512,7 +520,7 @@ def test_the_demo_script_carries_the_stand_ins() -> None:
 
 @pytest.mark.parametrize("standins", [False, True])
 def test_the_archive_holds_the_bundled_files_and_the_table_says_which(standins: bool) -> None:
-    spec = spec_with(standins={"enabled": standins}) if standins else _example(EXAMPLES[0])
+    spec = spec_with() if standins else _example(EXAMPLES[0])  # the demo opts in
     script = render_sbatch(spec, job_name="t")
     files = unpacked(script)
     sources = bundled_node_sources()
