@@ -75,7 +75,8 @@ class SpecError(SupervisorError):
 class CampaignError(SpecError):
     """A campaign file value is invalid, or one point of its matrix is not a valid run spec.
 
-    `field`, `value` and `hint` are as in SpecError (for a point: the run spec's field).
+    `field`, `value` and `hint` are as in SpecError (for a point: the run spec's field, or
+    the launcher's in a script campaign: `subject` says which).
     `point` is the offending point's matrix values in file order, or None when the error
     is about the campaign file itself.
     """
@@ -87,6 +88,7 @@ class CampaignError(SpecError):
         hint: str,
         *,
         point: Sequence[tuple[str, object]] | None = None,
+        subject: str = "Run spec",
     ) -> None:
         super().__init__(field, value, hint)
         self.point = None if point is None else tuple(point)
@@ -96,7 +98,7 @@ class CampaignError(SpecError):
             values = ", ".join(f"{k} = {v!r}" for k, v in self.point)
             message = (
                 f"Campaign file field {field!r} at point {{{values}}}: "
-                f"Run spec field {field!r} has invalid value {value!r}: {hint}."
+                f"{subject} field {field!r} has invalid value {value!r}: {hint}."
             )
         self.args = (message,)
 

@@ -98,15 +98,23 @@ def sbatch_plain(cluster: DevCluster, run_dir: Path, *, lines: int) -> str:
 
 def launcher_finish(job: ReplayJob, run_dir: Path) -> None:
     """What the launcher's ranks leave at the end of a replayed job (tests/cluster/launcher/
-    server.sh, rc 0): a log per rank, the coordinator's result files, then the int marker."""
+    server.sh, rc 0): a log per rank, the coordinator's result files (one per concurrency
+    of the job's BENCH_MAX_CONCURRENCY, default 4x8; below results/<job id>/ with
+    IX_RESULTS_BY_JOB), then the int marker."""
+    env = job.env or {}
+    concurrencies = env.get("BENCH_MAX_CONCURRENCY", "4x8").split("x")
     for rank in (0, 1):
-        lines = "".join(f"rank {rank}: engine step {i}\n" for i in range(1, 21))
+        lines = f"rank {rank} on replayed: serving {env.get('IX_MODEL', '')}\n"
+        lines += "".join(f"rank {rank}: engine step {i}\n" for i in range(1, 21))
+        if rank == 0:
+            lines += f"rank 0: benchmarking concurrencies {' '.join(concurrencies)}\n"
         (run_dir / f"slurm_job-{job.job_id}_rank_{rank}.log").write_text(lines)
     sample = (LAUNCHER / "result.json").read_text()
-    (run_dir / "results").mkdir(exist_ok=True)
-    for c in (4, 8):
-        doc = sample.replace('"max_concurrency": 4', f'"max_concurrency": {c}')
-        (run_dir / "results" / f"ix_c{c}.json").write_text(doc)
+    results = run_dir / "results" / (job.job_id if env.get("IX_RESULTS_BY_JOB") else "")
+    results.mkdir(parents=True, exist_ok=True)
+    for c in concurrencies:
+        doc = sample.replace('"max_concurrency": 4', f'"max_concurrency": {int(c)}')
+        (results / f"ix_c{c}.json").write_text(doc)
     (run_dir / f".bench_done.{job.job_id}").write_text("0\n")
 
 

@@ -195,11 +195,17 @@ OPS: Final[Mapping[str, OpSpec]] = MappingProxyType(
         "archive": OpSpec({"run": _RUN}),
         "results": OpSpec({"run": _RUN}),
         # campaigns (supervision.campaign.api): a campaign file and its base spec's text
+        # (or its batch script's)
         "campaign_submit": OpSpec(
             {
                 "file_text": ArgSpec(_STR, required=True),
                 "base_text": ArgSpec(_STR, required=True),
                 "file_path": ArgSpec(_STR, default=None),  # only for messages
+                # the campaign file's absolute directory: a script campaign's paths
+                "file_dir": ArgSpec(frozenset({"str", "null"}), default=None),
+                # --export-env of a script campaign: the client's environment as a JSON
+                # object of strings (None: the runs get what a job gets of the daemon's)
+                "export_env_json": ArgSpec(frozenset({"str", "null"}), default=None),
                 "name": ArgSpec(_STR, required=True),  # the default name: the file's stem
                 "dry_run": ArgSpec(_BOOL, default=False),
                 "rerun": ArgSpec(_BOOL, default=False),

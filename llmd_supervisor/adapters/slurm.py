@@ -45,6 +45,7 @@ DEFAULT_TIMEOUT_S = 30.0
 # What the Slurm commands (and so, through sbatch, the jobs) see of the daemon's environment.
 PASSED_ENV: Final = ("PATH", "HOME", "USER", "LOGNAME", "LANG", "LC_ALL", "TZ", "SLURM_CONF")
 FIXED_ENV: Final = {"SLURM_UMASK": "0077"}
+DAEMON_ENV: Final = ("SLURM_CONF",)  # kept from the daemon's own under an exported environment
 
 
 def command_env(
@@ -138,7 +139,10 @@ class LocalRunner:
             # The program is the one the daemon's PATH names, never the client's.
             found = shutil.which(command[0], path=self._env.get("PATH")) if command else None
             command[:1] = [found] if found else command[:1]
-            run_env = {**env, **FIXED_ENV, **self._configured}
+            # Which cluster sbatch talks to stays the daemon's choice (its SLURM_CONF,
+            # configured or its own), never the exported environment's.
+            own = {k: self._env[k] for k in DAEMON_ENV if k in self._env}
+            run_env = {**env, **FIXED_ENV, **own, **self._configured}
         try:
             with anyio.fail_after(time_limit):
                 proc = await anyio.run_process(

@@ -1,12 +1,15 @@
 """``llmd-supervisor campaign ...``: a matrix of runs as one unit of work (DESIGN.md §12).
 
-  campaign submit FILE [--dry-run] [--wait] [--rerun] [--max-points N]
+  campaign submit FILE [--export-env] [--dry-run] [--wait] [--rerun] [--max-points N]
   campaign status|wait|cancel|results ID
   campaign list
 
-The client reads the campaign file and its base spec (the daemon may not be able to read
-the user's files) and sends both. `submit --dry-run` prints the expansion (points, jobs,
-GPU-hours upper bound from the time limits) and submits nothing. `wait` (and
+The client reads the campaign file and its base spec, or its batch script (the daemon may
+not be able to read the user's files), and sends both, with the file's directory (a script
+campaign's paths are relative to it) and, with `--export-env`, this shell's environment
+(a script campaign's runs are submitted from it). `submit --dry-run` prints the expansion
+(points, jobs, GPU-hours upper bound from the time limits; a script campaign's variables
+per job) and submits nothing. `wait` (and
 `submit --wait`) print a line whenever the counts change and end with the aggregated
 table and an exit status: 0 every point verified or reused, 10 any point failed, blocked
 or not run, 11 cancelled.
@@ -19,6 +22,8 @@ import csv
 import datetime
 import io
 import json
+import os
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 from contextlib import aclosing
@@ -30,6 +35,7 @@ from llmd_supervisor.cli.common import _exits, _run, fit_to_terminal
 from llmd_supervisor.cli.inferencex_agg import write_agg
 from llmd_supervisor.cli.result_values import latency, per_gpu_total
 from llmd_supervisor.cli.results import read_run_results
+from llmd_supervisor.core import foreign_spec
 from llmd_supervisor.core.campaign import parse_campaign
 from llmd_supervisor.core.summary import PointView, RunResults
 from llmd_supervisor.errors import SpecError
@@ -54,8 +60,9 @@ def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[
         "campaign",
         help="run a matrix of benchmark runs as one campaign",
         description=(
-            "A campaign file names a base run spec and a [matrix] of spec fields; every "
-            "point (recipe, concurrency) is run once and never paid for twice: a point "
+            "A campaign file names a base run spec and a [matrix] of spec fields (or a "
+            "batch script and a [matrix] of its environment variables); every point "
+            "(recipe, concurrency) is run once and never paid for twice: a point "
             "verified by any earlier run is reused. See README.md, Campaigns."
         ),
     )
@@ -72,6 +79,12 @@ def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[
     p = common("submit", "expand a campaign file and submit its points")
     p.add_argument("file", metavar="FILE", type=Path, help="campaign TOML file")
     p.add_argument("--dry-run", action="store_true", help="print the expansion, submit nothing")
+    p.add_argument(
+        "--export-env",
+        action="store_true",
+        help="a script campaign's runs get this shell's environment, its variables over it "
+        "(journaled, owner-only), as submit --script --export-env",
+    )
     p.add_argument("--wait", action="store_true", help="wait for the campaign to end")
     p.add_argument("--rerun", action="store_true", help="run verified points again too")
     p.add_argument(
@@ -121,20 +134,67 @@ def _read_text(path: Path, what: str) -> str:
         raise SystemExit(2) from None
 
 
+def _read_script(path: Path) -> str:
+    """The batch script as it is on disk (no newline translation: its sha256 is part of
+    every recipe id), at most foreign_spec.SCRIPT_MAX bytes."""
+    try:
+        with path.open("rb") as f:
+            data = f.read(foreign_spec.SCRIPT_MAX + 1)
+        if len(data) > foreign_spec.SCRIPT_MAX:
+            raise ValueError(f"larger than {foreign_spec.SCRIPT_MAX} bytes")
+        return data.decode("utf-8")
+    except (OSError, ValueError) as exc:
+        print(
+            f"llmd-supervisor campaign: cannot read the batch script {path}: {exc}",
+            file=sys.stderr,
+        )
+        raise SystemExit(2) from None
+
+
+def _exported(args: argparse.Namespace, script: bool) -> str | None:
+    """This shell's environment as JSON (--export-env), the names left out said once."""
+    if not args.export_env:
+        return None
+    if not script:
+        print(
+            "llmd-supervisor campaign submit: --export-env is for a campaign over a batch "
+            'script (script = "job.slurm"); a run spec sets its variables in its [env]',
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    try:
+        _, dropped = foreign_spec.exported_env(dict(os.environ))
+    except SpecError as exc:
+        print(f"llmd-supervisor campaign submit: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if dropped:
+        print(
+            "llmd-supervisor campaign submit: not exported (they would change what sbatch "
+            f"runs or how): {', '.join(dropped)}",
+            file=sys.stderr,
+        )
+    return json.dumps(dict(os.environ))
+
+
 @_exits
 def _cmd_submit(args: argparse.Namespace) -> int:
     path: Path = args.file
     text = _read_text(path, "the campaign file")
     try:
-        base_name = parse_campaign(text, default_name=_stem(path)).base
+        cf = parse_campaign(text, default_name=_stem(path))
     except SpecError as exc:
         print(f"llmd-supervisor campaign submit: {path}: {exc}", file=sys.stderr)
         return 2
-    base = (path.parent / base_name) if not Path(base_name).is_absolute() else Path(base_name)
+    # The base spec or the script, relative to the campaign file.
+    name = cf.script or cf.base
+    assert name is not None
+    other = path.parent / name if not Path(name).is_absolute() else Path(name)
     params: dict[str, object] = {
         "file_text": text,
-        "base_text": _read_text(base, "the base spec"),
+        "base_text": _read_script(other) if cf.script else _read_text(other, "the base spec"),
         "file_path": str(path),
+        "file_dir": os.path.dirname(os.path.abspath(path)),
+        "export_env_json": _exported(args, cf.script is not None),
         "name": _stem(path),
         "dry_run": args.dry_run,
         "rerun": args.rerun,
@@ -194,7 +254,41 @@ def _dry_run_lines(r: dict[str, object]) -> list[str]:
     lines += fit_to_terminal(_aligned(rows))
     if len(jobs) < cast(int, r["jobs"]):
         lines.append(f"... and {cast(int, r['jobs']) - len(jobs)} more jobs")
+    if r.get("script"):
+        lines += _env_lines(r, jobs)
     return lines
+
+
+def _env_lines(r: dict[str, object], jobs: Sequence[dict[str, object]]) -> list[str]:
+    """A script campaign's variables: those every job shares, then each job's own (with
+    its concurrencies' variable), as shell assignments."""
+    envs = [cast(dict[str, str], j["env"]) for j in jobs if j.get("env") is not None]
+    if not envs:
+        return []
+    conc = str(r["concurrency_env"])
+    shared = {
+        k: v
+        for k, v in envs[0].items()
+        if k != conc and all(e.get(k) == v for e in envs[1:]) and len(envs) > 1
+    }
+    base = "this shell's environment" if r.get("export_env") else "the daemon's environment"
+    lines = [f"{r['script']} runs in {base}, with these variables over it:"]
+    if shared:
+        lines.append(f"  every job: {_assignments(shared)}")
+    for j, env in zip(jobs, envs, strict=False):
+        own = {k: v for k, v in env.items() if k not in shared}
+        lines.append(f"  job {j['job']}: {_assignments(own)}")
+    without = cast(int, r.get("jobs_without_time_limit", 0))
+    if without:
+        lines.append(
+            f"{without} jobs have no --time (in sbatch_args or the script): the GPU-hours"
+            " above count them as 0"
+        )
+    return lines
+
+
+def _assignments(env: dict[str, str]) -> str:
+    return " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
 
 
 # --- status, wait, cancel, list -------------------------------------------------------------
@@ -379,7 +473,8 @@ def varying(jobs: Sequence[dict[str, object]]) -> set[str]:
     for job in jobs:
         for k, v in cast(dict[str, object], job["values"]).items():
             seen.setdefault(k, set()).add(json.dumps(v, sort_keys=True))
-    return {k for k, vs in seen.items() if len(vs) > 1 and k != "benchmark.concurrencies"}
+    concurrencies = ("benchmark.concurrencies", "launcher.concurrencies")
+    return {k for k, vs in seen.items() if len(vs) > 1 and k not in concurrencies}
 
 
 def values_text(values: object, keys: set[str]) -> str:

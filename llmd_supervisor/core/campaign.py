@@ -1,9 +1,11 @@
 """A campaign file and its expansion into jobs (pure, no I/O; DESIGN.md §12).
 
-A campaign is a matrix of benchmark runs over one base run spec::
+A campaign is a matrix of benchmark runs over one base run spec (or over a batch
+script's environment: ``script = "job.slurm"`` and a ``[launcher]`` table instead of
+``base``, see `core.campaign_script`; exactly one of the two)::
 
     name = "demo-sweep"          # optional, [A-Za-z0-9._-]{1,64}; default: the file's stem
-    base = "demo.toml"           # required: the base run spec, relative to this file
+    base = "demo.toml"           # the base run spec, relative to this file
     cluster = "dev"              # optional
     [limits]                     # see core.campaign_admission.CampaignLimits
     max_jobs = 2                 # default 4 (1..1000)
@@ -32,28 +34,35 @@ Expansion applies each combination's values to a copy of the decoded base spec a
 validates it with ``parse_spec``. A **point** is (recipe id, concurrency); the recipe id
 (:func:`recipe_id`) hashes what defines the configuration, not the concurrencies, names,
 partition, account or time limit. Combinations with one recipe id are one **job**: it
-runs the union of their concurrencies. Every error is a
+runs the union of their concurrencies. A script campaign expands the same way
+(`expand_script`), its points' keys and recipe ids being `core.campaign_script`'s. Every
+error is a
 :class:`~llmd_supervisor.errors.CampaignError` naming the field, the value and the fix.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import itertools
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from llmd_supervisor.core import campaign_script as script_campaign
+from llmd_supervisor.core import foreign_spec
 from llmd_supervisor.core.campaign_admission import CampaignLimits, topology_key
+from llmd_supervisor.core.campaign_script import Launcher, ScriptJob, ScriptPoint
 from llmd_supervisor.core.recipe import recipe_fingerprint
 from llmd_supervisor.core.spec import MAX_NODES, SPEC_FIELDS, RunSpec, parse_spec
 from llmd_supervisor.core.spec_bench import VALIDITY_KEYS
 from llmd_supervisor.core.spec_fields import CONTROL_RE, shown
 from llmd_supervisor.core.spec_toml import decode_toml
+from llmd_supervisor.core.toml_write import dump_toml
 from llmd_supervisor.errors import CampaignError, SpecError
 
 __all__ = [
@@ -69,12 +78,17 @@ __all__ = [
     "Expansion",
     "Variant",
     "expand",
+    "expand_script",
     "job_spec",
+    "job_text",
     "parse_campaign",
     "recipe_id",
 ]
 
-CAMPAIGN_KEYS: Final = ("name", "base", "cluster", "limits", "matrix", "zip", "exclude", "include")
+CAMPAIGN_KEYS: Final = (
+    "name", "base", "script", "cluster", "limits", "launcher", "matrix", "zip", "exclude",
+    "include",
+)  # fmt: skip
 LIMIT_KEYS: Final = ("max_jobs", "max_pending", "max_nodes", "max_gpus", "canary_stop_fraction")
 ISL_OSL: Final = "benchmark.isl_osl"
 RECIPE_ID_SCHEMA: Final = 1
@@ -86,6 +100,15 @@ MAX_COMBINATIONS_PER_POINT: Final = 100
 _ENV_ROLES: Final = SPEC_FIELDS["env"]
 
 Values = tuple[tuple[str, object], ...]
+Check = Callable[[str, str, object], None]  # (field, key, value): CampaignError if bad
+
+
+@dataclass(frozen=True)
+class _Keys:
+    """How a campaign's matrix keys and their values are checked (run spec or script)."""
+
+    key: Check  # the key (the value only shown)
+    value: Check  # one value of the key
 
 
 # --- the file -----------------------------------------------------------------------------
@@ -103,12 +126,16 @@ class Axis:
 @dataclass(frozen=True)
 class CampaignFile:
     name: str
-    base: str  # as written: relative to the campaign file (the caller resolves it)
+    # As written: relative to the campaign file (the caller resolves them). Exactly one of
+    # `base` (a run spec) and `script` (a batch script, with its `launcher`) is set.
+    base: str | None
     cluster: str | None
     limits: CampaignLimits
     axes: tuple[Axis, ...]  # [matrix] keys in file order, then each [[zip]]
     excludes: tuple[Values, ...]
     includes: tuple[Values, ...]
+    script: str | None = None
+    launcher: Launcher | None = None
 
 
 def _valid_keys() -> str:
@@ -235,15 +262,15 @@ def _name(fld: str, value: object) -> str:
     return value
 
 
-def _axes(data: Mapping[str, object]) -> tuple[Axis, ...]:
+def _axes(data: Mapping[str, object], check: _Keys) -> tuple[Axis, ...]:
     axes: list[Axis] = []
     for key, values in _table(data, "matrix", '[matrix] of "table.key" = [values]').items():
         fld = f"matrix.{key}"
-        _check_key(fld, key, values)
+        check.key(fld, key, values)
         if not isinstance(values, list) or not values:
             raise CampaignError(fld, shown(values), "give a non-empty list of values")
         for v in values:
-            _check_value(fld, key, v)
+            check.value(fld, key, v)
         axes.append(Axis((key,), tuple((v,) for v in values)))
     for i, z in enumerate(_tables(data, "zip")):
         if not z:
@@ -251,11 +278,11 @@ def _axes(data: Mapping[str, object]) -> tuple[Axis, ...]:
         lengths = set()
         for key, values in z.items():
             fld = f"zip[{i}].{key}"
-            _check_key(fld, key, values)
+            check.key(fld, key, values)
             if not isinstance(values, list) or not values:
                 raise CampaignError(fld, shown(values), "give a non-empty list of values")
             for v in values:
-                _check_value(fld, key, v)
+                check.value(fld, key, v)
             lengths.add(len(values))
         if len(lengths) > 1:
             listed = ", ".join(f"{k} has {len(v)}" for k, v in z.items() if isinstance(v, list))
@@ -277,14 +304,16 @@ def _axes(data: Mapping[str, object]) -> tuple[Axis, ...]:
                     raise CampaignError(
                         key,
                         target,
-                        f"{seen[target]} already sets {target}; give each spec field in one"
+                        f"{seen[target]} already sets {target}; give each field in one"
                         " [matrix] key or [[zip]] only",
                     )
                 seen[target] = key
     return tuple(axes)
 
 
-def _points(data: Mapping[str, object], section: str, axis_keys: Sequence[str]) -> list[Values]:
+def _points(
+    data: Mapping[str, object], section: str, axis_keys: Sequence[str], check: _Keys
+) -> list[Values]:
     out: list[Values] = []
     for i, t in enumerate(_tables(data, section)):
         if section == "exclude" and not t:
@@ -293,8 +322,8 @@ def _points(data: Mapping[str, object], section: str, axis_keys: Sequence[str]) 
             )
         for key, value in t.items():
             fld = f"{section}[{i}].{key}"
-            _check_key(fld, key, value)
-            _check_value(fld, key, value)
+            check.key(fld, key, value)
+            check.value(fld, key, value)
             if section == "exclude" and key not in axis_keys:
                 raise CampaignError(
                     fld,
@@ -323,20 +352,78 @@ def parse_campaign(text: str, *, default_name: str) -> CampaignFile:
                 f"unknown key; allowed at the top level: {', '.join(CAMPAIGN_KEYS)}",
             )
     name = _name("name", data["name"]) if "name" in data else _name("name", default_name)
-    base = _string(data, "base", required=True)
-    assert base is not None
+    base = _string(data, "base", required=False)
+    script = _string(data, "script", required=False)
+    if base is not None and script is not None:
+        raise CampaignError(
+            "script",
+            shown(script),
+            "give base (a run spec to vary) or script (a batch script whose environment"
+            " varies), not both",
+        )
+    launcher = None
+    check = _Keys(_check_key, _check_value)
+    if script is not None:
+        launcher = script_campaign.parse_launcher(
+            _table(data, "launcher", "[launcher] (a script campaign's settings)")
+        )
+        check = _Keys(functools.partial(_check_script_key, launcher=launcher), _any_value)
+    elif base is None:
+        raise CampaignError(
+            "base",
+            None,
+            'give base = "spec.toml" (a run spec to vary) or script = "job.slurm" (a batch'
+            " script whose environment varies, with a [launcher] table), relative to the"
+            " campaign file",
+        )
+    elif "launcher" in data:
+        raise CampaignError(
+            "launcher",
+            shown(data["launcher"]),
+            'only a campaign over a batch script (script = "job.slurm") has a [launcher];'
+            " remove it, or give script instead of base",
+        )
     cluster = None if data.get("cluster") is None else _name("cluster", data["cluster"])
-    axes = _axes(data)
+    axes = _axes(data, check)
     axis_keys = [k for a in axes for k in a.keys]
+    excludes = tuple(_points(data, "exclude", axis_keys, check))
+    includes = tuple(_points(data, "include", axis_keys, check))
+    if launcher is not None:
+        _check_topology_env(launcher, [*axis_keys, *(k for i in includes for k, _ in i)])
     return CampaignFile(
         name=name,
         base=base,
         cluster=cluster,
         limits=_limits(_table(data, "limits", "[limits]")),
         axes=axes,
-        excludes=tuple(_points(data, "exclude", axis_keys)),
-        includes=tuple(_points(data, "include", axis_keys)),
+        excludes=excludes,
+        includes=includes,
+        script=script,
+        launcher=launcher,
     )
+
+
+def _check_script_key(fld: str, key: str, value: object, *, launcher: Launcher) -> None:
+    script_campaign.check_key(fld, key, value, launcher)
+
+
+def _any_value(fld: str, key: str, value: object) -> None:
+    """A script campaign's values are checked per point (`campaign_script.point_of`)."""
+
+
+def _check_topology_env(launcher: Launcher, keys: Sequence[str]) -> None:
+    """Every name of launcher.topology_env is set by [launcher.env] or a matrix key."""
+    known = {name for name, _ in launcher.env} | {
+        k.removeprefix("env.") for k in keys if k.startswith("env.")
+    }
+    for name in launcher.topology_env:
+        if name not in known:
+            raise CampaignError(
+                "launcher.topology_env",
+                name,
+                f"neither [launcher.env] nor a matrix key (env.{name}) sets it; set it there"
+                " or remove it from topology_env",
+            )
 
 
 # --- expansion ----------------------------------------------------------------------------
@@ -353,12 +440,19 @@ def recipe_id(spec: RunSpec) -> str:
 
 @dataclass(frozen=True)
 class Variant:
-    """One distinct combination: its matrix values, its spec and that spec's recipe id."""
+    """One distinct combination: its matrix values, its spec (a script campaign's: its
+    point) and that spec's recipe id."""
 
     values: Values
-    spec: RunSpec
-    spec_data: dict[str, object]  # the decoded base with `values` applied
+    spec: RunSpec | ScriptPoint
+    spec_data: dict[str, object]  # the decoded base with `values` applied ({}: a script's)
     recipe_id: str
+
+    @property
+    def concurrencies(self) -> tuple[int, ...]:
+        if isinstance(self.spec, ScriptPoint):
+            return self.spec.concurrencies
+        return self.spec.benchmark.concurrencies
 
 
 @dataclass(frozen=True)
@@ -381,8 +475,10 @@ class CampaignJob:
     topology: str
     nodes: int
     gpus: int  # counted GPUs: counted_gpus_per_node x nodes (0: unknown)
-    time_limit_s: int
-    workload: int  # input_len + output_len: the canary is the cheapest
+    time_limit_s: int  # 0: unknown (a script's without --time)
+    workload: int  # input_len + output_len: the canary is the cheapest (a script's: 0)
+    # A script campaign's job: what it submits (`spec_data` is then empty).
+    script_job: ScriptJob | None = None
 
 
 @dataclass(frozen=True)
@@ -458,20 +554,9 @@ def _too_many(
     )
 
 
-def expand(
-    campaign: CampaignFile, base: Mapping[str, object], *, max_points: int = MAX_POINTS
-) -> Expansion:
-    """The campaign's variants and jobs over the decoded base spec `base`.
-
-    Combinations come in a fixed order: the [matrix] keys in file order (the last key
-    varying fastest), the [[zip]] dimensions after them, then the includes. Excluded
-    combinations are dropped; a combination with the recipe id and concurrencies of an
-    earlier one is a duplicate of it. Points are counted before duplicates are merged;
-    more than `max_points` is refused: as soon as the combinations left after the
-    excludes (each has at least one concurrency) are too many, before any spec is
-    built, else once their concurrencies are known. A matrix of more than
-    ``MAX_COMBINATIONS_PER_POINT`` x `max_points` combinations is refused unexamined.
-    """
+def _combinations(campaign: CampaignFile, max_points: int) -> list[Values]:
+    """The matrix's combinations left after the excludes, then the includes (see
+    `expand`); CampaignError when they are more than `max_points` allows."""
     raw = math.prod(len(a.rows) for a in campaign.axes)
     if raw > MAX_COMBINATIONS_PER_POINT * max_points:  # too many even to look at
         raise _too_many(raw, max_points, "combinations before excludes", "matrix has")
@@ -486,13 +571,50 @@ def expand(
             points.append(values)
             if len(points) + len(campaign.includes) > max_points:  # each has a concurrency
                 raise _too_many(len(points) + len(campaign.includes), max_points)
-    points += campaign.includes
+    return points + list(campaign.includes)
 
-    variants: list[Variant] = []
-    duplicates: list[Duplicate] = []
-    seen: dict[tuple[str, tuple[int, ...]], Values] = {}
-    before = 0
-    for values in points:
+
+class _Merge:
+    """Variants and duplicates as combinations come, counting points before the merge."""
+
+    def __init__(self, max_points: int) -> None:
+        self.max_points = max_points
+        self.variants: list[Variant] = []
+        self.duplicates: list[Duplicate] = []
+        self.seen: dict[tuple[str, tuple[int, ...]], Values] = {}
+        self.before = 0
+
+    def add(self, variant: Variant) -> None:
+        self.before += len(variant.concurrencies)
+        if self.before > self.max_points:
+            raise _too_many(self.before, self.max_points)
+        ident = (variant.recipe_id, tuple(sorted(variant.concurrencies)))
+        if ident in self.seen:
+            self.duplicates.append(Duplicate(variant.values, self.seen[ident]))
+            return
+        self.seen[ident] = variant.values
+        self.variants.append(variant)
+
+
+def expand(
+    campaign: CampaignFile, base: Mapping[str, object], *, max_points: int = MAX_POINTS
+) -> Expansion:
+    """The campaign's variants and jobs over the decoded base spec `base`.
+
+    Combinations come in a fixed order: the [matrix] keys in file order (the last key
+    varying fastest), the [[zip]] dimensions after them, then the includes. Excluded
+    combinations are dropped; a combination with the recipe id and concurrencies of an
+    earlier one is a duplicate of it. Points are counted before duplicates are merged;
+    more than `max_points` is refused: as soon as the combinations left after the
+    excludes (each has at least one concurrency) are too many, before any spec is
+    built, else once their concurrencies are known. A matrix of more than
+    ``MAX_COMBINATIONS_PER_POINT`` x `max_points` combinations is refused unexamined.
+    ValueError for a script campaign (`expand_script`).
+    """
+    if campaign.launcher is not None:
+        raise ValueError(f"campaign {campaign.name} is over a script: use expand_script")
+    merge = _Merge(max_points)
+    for values in _combinations(campaign, max_points):
         data = copy.deepcopy(dict(base))
         for key, value in values:
             _apply(data, key, value, values)
@@ -500,17 +622,108 @@ def expand(
             spec = parse_spec(data)
         except SpecError as exc:
             raise CampaignError(exc.field, exc.value, exc.hint, point=values) from None
-        before += len(spec.benchmark.concurrencies)
-        if before > max_points:
-            raise _too_many(before, max_points)
-        rid = recipe_id(spec)
-        ident = (rid, tuple(sorted(spec.benchmark.concurrencies)))
-        if ident in seen:
-            duplicates.append(Duplicate(values, seen[ident]))
-            continue
-        seen[ident] = values
-        variants.append(Variant(values, spec, data, rid))
-    return Expansion(tuple(variants), tuple(duplicates), _jobs(variants), before)
+        merge.add(Variant(values, spec, data, recipe_id(spec)))
+    return Expansion(
+        tuple(merge.variants), tuple(merge.duplicates), _jobs(merge.variants), merge.before
+    )
+
+
+# The `submit --script` options a campaign's launcher fields stand for.
+_LAUNCHER_FIELD: Final = {
+    "--log-dir": "launcher.log_dir",
+    "--chdir": "launcher.chdir",
+    "--logs": "launcher.logs",
+    "--marker": "launcher.marker",
+    "--marker-format": "launcher.marker_format",
+    "--results": "launcher.results",
+    "--job-name-prefix": "launcher.job_name_prefix",
+    "--prefill-gpus": "launcher.prefill_gpus",
+    "--decode-gpus": "launcher.decode_gpus",
+    "SBATCH-ARGS": "launcher.sbatch_args",
+    "--export-env": "launcher.env",
+}
+
+
+def expand_script(
+    campaign: CampaignFile,
+    script: str,
+    *,
+    script_name: str,
+    campaign_dir: str,
+    max_points: int = MAX_POINTS,
+) -> Expansion:
+    """A script campaign's variants and jobs, as `expand` makes a run spec campaign's:
+    `script` is the batch script's text (`script_name` its file name), `campaign_dir` the
+    campaign file's absolute directory (the launcher's paths are relative to it).
+
+    The first job's `submit --script` spec is checked as `submit --script` checks one
+    (the script's first line and #SBATCH lines too); an error names the launcher field.
+    ValueError for a run spec campaign (`expand`).
+    """
+    launcher = campaign.launcher
+    if launcher is None:
+        raise ValueError(f"campaign {campaign.name} is over a run spec: use expand")
+    if not campaign_dir.startswith("/"):
+        raise CampaignError(
+            "script",
+            shown(campaign_dir),
+            "the campaign file's directory must be known as an absolute path (the launcher's"
+            " paths are relative to it); submit it with this version's client",
+        )
+    digest = hashlib.sha256(script.encode("utf-8")).hexdigest()
+    merge = _Merge(max_points)
+    for values in _combinations(campaign, max_points):
+        point = script_campaign.point_of(launcher, values)
+        merge.add(
+            Variant(values, point, {}, script_campaign.script_recipe_id(digest, launcher, point))
+        )
+    time_limit_s = script_campaign.time_limit_of(launcher.sbatch_args, script)
+    groups: dict[str, list[Variant]] = {}
+    for v in merge.variants:
+        groups.setdefault(v.recipe_id, []).append(v)
+    jobs = []
+    for rid, group in groups.items():
+        first = group[0].spec
+        assert isinstance(first, ScriptPoint)
+        job = script_campaign.script_job(
+            launcher,
+            first,
+            script_name=script_name,
+            script_sha256=digest,
+            campaign_dir=campaign_dir,
+            values=group[0].values,
+        )
+        concs = tuple(sorted({c for v in group for c in v.concurrencies}))
+        jobs.append(
+            CampaignJob(
+                key=rid[:12],
+                recipe_id=rid,
+                concurrencies=concs,
+                spec_data={},
+                values=group[0].values,
+                topology=script_campaign.topology_of(launcher, first),
+                nodes=first.nodes,
+                gpus=first.nodes * first.gpus_per_node,
+                time_limit_s=time_limit_s,
+                workload=0,
+                script_job=job,
+            )
+        )
+    if jobs:
+        _check_as_submitted(jobs[0], script)
+    return Expansion(tuple(merge.variants), tuple(merge.duplicates), tuple(jobs), merge.before)
+
+
+def _check_as_submitted(job: CampaignJob, script: str) -> None:
+    """`job`'s run spec passes `submit --script`'s checks (CampaignError naming the
+    launcher field, or the script)."""
+    assert job.script_job is not None
+    text = job.script_job.foreign_json(script, {}, job.concurrencies)
+    try:
+        foreign_spec.load(text)
+    except SpecError as exc:
+        fld = "script" if exc.field == "--script" else _LAUNCHER_FIELD.get(exc.field, exc.field)
+        raise CampaignError(fld, exc.value, exc.hint) from None
 
 
 def _jobs(variants: Sequence[Variant]) -> tuple[CampaignJob, ...]:
@@ -522,7 +735,8 @@ def _jobs(variants: Sequence[Variant]) -> tuple[CampaignJob, ...]:
     for rid, group in groups.items():
         first = group[0]
         spec = first.spec
-        concs = tuple(sorted({c for v in group for c in v.spec.benchmark.concurrencies}))
+        assert isinstance(spec, RunSpec)
+        concs = tuple(sorted({c for v in group for c in v.concurrencies}))
         jobs.append(
             CampaignJob(
                 key=rid[:12],
@@ -548,11 +762,20 @@ def _with_concurrencies(data: Mapping[str, object], concs: Sequence[int]) -> dic
     return out
 
 
+def job_text(job: CampaignJob) -> str:
+    """What the journal keeps as the job's spec: a run spec's TOML, or a script job's JSON
+    (`campaign_script.is_script_job` tells them apart)."""
+    return job.script_job.to_json() if job.script_job is not None else dump_toml(job.spec_data)
+
+
 def job_spec(job: CampaignJob, concurrencies: Sequence[int]) -> dict[str, object]:
     """`job`'s spec dict running only `concurrencies` (its points not verified yet).
 
-    ValueError when `concurrencies` is empty or has one the job does not run.
+    ValueError when `concurrencies` is empty or has one the job does not run (or the job
+    is a script campaign's: its runs are `ScriptJob.foreign_json`).
     """
+    if job.script_job is not None:
+        raise ValueError(f"job {job.key} runs a batch script, not a run spec")
     extra = sorted(set(concurrencies) - set(job.concurrencies))
     if not concurrencies or extra:
         raise ValueError(

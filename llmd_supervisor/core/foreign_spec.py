@@ -44,7 +44,7 @@ DEFAULT_MARKER: Final = MARKER_PREFIX + JOB_ID_PLACEHOLDER
 
 _PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 _JOB_ID = re.compile(r"[1-9][0-9]{0,11}")
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+ENV_NAME_RE: Final = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")  # a shell variable's name
 # One part of a pattern: plain characters and the glob wildcards, nothing a shell or
 # Slurm would expand differently.
 _PART = re.compile(r"[A-Za-z0-9._+\-*?\[\]{}=,@%]{1,255}")
@@ -215,9 +215,7 @@ def load(text: str) -> ForeignSpec:
     fmt = _choice("--marker-format", body.get("marker_format", "none"))
     marker = _opt_str("--marker", body.get("marker"))
     if marker is not None:
-        check_pattern("--marker", marker)
-        if _WILDCARDS & set(marker):
-            raise SpecError("--marker", marker, "name one file (no wildcards)")
+        check_marker(marker)
     if fmt is not MarkerFormat.NONE and marker is None:
         marker = DEFAULT_MARKER  # the name `verify --log-dir` looks for
     watch = Watch(
@@ -239,16 +237,16 @@ def load(text: str) -> ForeignSpec:
     if kind == "adopt" and (job_id is None or not _JOB_ID.fullmatch(job_id)):
         raise SpecError("JOBID", job_id, "give the numeric Slurm job id (e.g. 4711)")
     prefix = _opt_str("--job-name-prefix", body.get("job_name_prefix"))
-    if prefix is not None and not _PREFIX.fullmatch(prefix):
-        raise SpecError("--job-name-prefix", prefix, "use 1-64 letters, digits, '.', '_' or '-'")
+    if prefix is not None:
+        check_job_name_prefix(prefix)
     chdir = _opt_str("--chdir", body.get("chdir"))
     if chdir is not None and (not chdir.startswith("/") or posixpath.normpath(chdir) != chdir):
         raise SpecError("--chdir", chdir, "use an absolute path in normal form")
     grace = body.get("sigterm_grace_s", DEFAULT_GRACE_S)
     if type(grace) is not int or not 0 <= grace <= 3600:
         raise SpecError("sigterm_grace_s", grace, "an integer from 0 to 3600")
-    env, dropped = _env(body.get("env"))
-    prefill_gpus, decode_gpus = _role_gpus(body.get("prefill_gpus"), body.get("decode_gpus"))
+    env, dropped = exported_env(body.get("env"))
+    prefill_gpus, decode_gpus = check_role_gpus(body.get("prefill_gpus"), body.get("decode_gpus"))
     return ForeignSpec(
         kind=kind,
         watch=watch,
@@ -269,7 +267,7 @@ def load(text: str) -> ForeignSpec:
 GPUS_MAX: Final = 1_000_000
 
 
-def _role_gpus(prefill: object, decode: object) -> tuple[int | None, int | None]:
+def check_role_gpus(prefill: object, decode: object) -> tuple[int | None, int | None]:
     """--prefill-gpus and --decode-gpus: both or neither, whole numbers (decode > 0)."""
     if prefill is None and decode is None:
         return None, None
@@ -283,6 +281,18 @@ def _role_gpus(prefill: object, decode: object) -> tuple[int | None, int | None]
             )
     assert isinstance(prefill, int) and isinstance(decode, int)
     return prefill, decode
+
+
+def check_marker(marker: str) -> None:
+    """SpecError unless `marker` is a pattern (`check_pattern`) naming one file."""
+    check_pattern("--marker", marker)
+    if _WILDCARDS & set(marker):
+        raise SpecError("--marker", marker, "name one file (no wildcards)")
+
+
+def check_job_name_prefix(prefix: str) -> None:
+    if not _PREFIX.fullmatch(prefix):
+        raise SpecError("--job-name-prefix", prefix, "use 1-64 letters, digits, '.', '_' or '-'")
 
 
 def check_pattern(option: str, pattern: str) -> None:
@@ -395,23 +405,37 @@ def _check_sbatch_arg(arg: str) -> None:
         raise refuse("give each short flag in a word of its own")
 
 
-def _env(value: object) -> tuple[dict[str, str] | None, tuple[str, ...]]:
+def env_refused(name: str) -> bool:
+    """Whether an exported environment leaves `name` out: it would change what sbatch
+    executes or how it names, places or exports the job (`LD_*`, `BASH_ENV`, `SLURM_*`,
+    ...)."""
+    return name in _ENV_DROPPED or name.startswith(_ENV_DROPPED_PREFIXES)
+
+
+def env_bytes(env: Mapping[str, str]) -> int:
+    """What `env` counts against ENV_MAX_BYTES: NAME=value and a terminator per variable."""
+    return sum(len(name) + len(val.encode()) + 2 for name, val in env.items())
+
+
+def exported_env(value: object) -> tuple[dict[str, str] | None, tuple[str, ...]]:
+    """An environment to export as `--export-env` takes it: the variables kept, and the
+    names left out (not shell names, not text, or `env_refused`); SpecError when it is
+    too large."""
     if value is None:
         return None, ()
     if not isinstance(value, dict) or len(value) > ENV_MAX_VARS:
         raise SpecError("--export-env", type(value).__name__, f"at most {ENV_MAX_VARS} variables")
     env: dict[str, str] = {}
     dropped: list[str] = []
-    size = 0
     for name, val in value.items():
-        if not isinstance(val, str) or not _ENV_NAME.fullmatch(name) or "\0" in val:
+        if not isinstance(val, str) or not ENV_NAME_RE.fullmatch(name) or "\0" in val:
             dropped.append(str(name)[:128])
             continue
-        if name in _ENV_DROPPED or name.startswith(_ENV_DROPPED_PREFIXES):
+        if env_refused(name):
             dropped.append(name)
             continue
-        size += len(name) + len(val.encode()) + 2
         env[name] = val
+    size = env_bytes(env)
     if size > ENV_MAX_BYTES:
         raise SpecError(
             "--export-env", f"{size} bytes", f"the environment exported is at most {ENV_MAX_BYTES}"

@@ -1,12 +1,17 @@
 """Render a validated run spec into a self-contained sbatch script (pure).
 
-The script carries the node agent (``node.AGENT_FILES``) and its JSON config inside
-quoted heredocs (no expansion, no quoting concerns for their content), and the stand-ins
-(``node.STANDIN_FILES``) only when the spec opts in (``[standins] enabled = true``). At job
-start the batch shell writes them to ``<log_dir>/<job_id>/node/`` on the shared file
-system -- the log directory must be shared anyway, since the completion marker lives
-there -- and runs one ``srun`` task per node. The script exits with srun's rc and never
-calls ``scancel``.
+The script carries the node agent (``node.AGENT_FILES``), and the stand-ins
+(``node.STANDIN_FILES``) only when the spec opts in (``[standins] enabled = true``), as one
+gzip'd tar (`core.node_archive`), base64-encoded in a quoted heredoc, with a table of
+every file's path, size and sha256 in comments above it; the agent's JSON config follows
+as a readable quoted heredoc (no expansion, no quoting concerns for its content). At job
+start the batch shell checks the archive's sha256 (a mismatch exits with
+``RC_NODE_FILES`` before anything is unpacked), unpacks it with ``base64 -d`` and
+``tar -xzf`` (coreutils and tar: the batch shell runs outside any container, so no
+python3 is assumed there) into ``<log_dir>/<job_id>/node/`` on the shared file system --
+the log directory must be shared anyway, since the completion marker lives there -- and
+runs one ``srun`` task per node. The script exits with srun's rc and never calls
+``scancel``.
 
 Secrets stay private: the job's variables come only from the spec's ``[env]`` tables (in
 ``config.json``, mode 0600, read by the agent). ``--export=ALL`` hands the job exactly
@@ -23,10 +28,10 @@ or from ``scancel --signal=TERM``, and the job's exit status stays srun's.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import math
-import posixpath
 import re
 import shlex
 from collections.abc import Mapping
@@ -35,6 +40,7 @@ from importlib import resources
 
 from llmd_supervisor import __version__
 from llmd_supervisor.core.layout import batch_log_patterns
+from llmd_supervisor.core.node_archive import NodeArchive, check_path, pack
 from llmd_supervisor.core.spec import JOB_NAME_RE, ContainerKind, RunSpec
 from llmd_supervisor.core.spec_services import Service
 from llmd_supervisor.errors import SpecError
@@ -234,9 +240,58 @@ def _heredoc(target: str, name: str, content: str) -> str:
 def _q_node(path: str) -> str:
     """A path in the node directory as the batch shell spells it (the paths are ours:
     letters, digits, ``_``, ``.`` and ``/``)."""
-    if not re.fullmatch(r"[A-Za-z0-9_./]+", path) or ".." in path:
-        raise ValueError(f"unexpected node file path {path!r}")
-    return f'"$NODE_DIR/{path}"'
+    return f'"$NODE_DIR/{check_path(path)}"'
+
+
+def node_archive(spec: RunSpec, sources: Mapping[str, str] | None = None) -> NodeArchive:
+    """The archive of `node_files` of `spec` the batch script carries (by default the
+    files shipped with this package)."""
+    sources = bundled_node_sources() if sources is None else sources
+    files = node_files(spec)
+    missing = [n for n in files if n not in sources]
+    if missing:
+        raise ValueError(f"node sources lack {', '.join(missing)}")
+    return pack({name: sources[name] for name in files})
+
+
+# The archive while the batch shell checks and unpacks it (removed once unpacked).
+_ARCHIVE_TMP = _q_node(".node_files.tar.gz")
+
+
+def _node_files_part(archive: NodeArchive) -> list[str]:
+    """The script's lines that carry the node files: their table, the archive (base64, in
+    a heredoc whose delimiter has a ``_``, which base64 never writes) and its unpacking."""
+    width = max(len(f.path) for f in archive.files)
+    delim = f"LLMD_EOF_NODE_FILES_{archive.sha256[:16]}"
+    encoded = base64.encodebytes(archive.data).decode("ascii")  # lines of 76 characters
+    rc = shared.RC_NODE_FILES
+    return [
+        "# The node files, unpacked into $NODE_DIR before anything runs (path, bytes, sha256):",
+        *(f"#   {f.path:<{width}} {f.size:>7}  {f.sha256}" for f in archive.files),
+        f"# They travel as one gzip'd tar of {len(archive.data)} bytes, base64 below; to list",
+        "# it from a saved script: awk '/^LLMD_EOF_NODE_FILES_/{f=0} f; /^base64 -d /{f=1}'"
+        " job.sbatch | base64 -d | tar -tvzf -",
+        f"NODE_FILES_SHA256={archive.sha256}",
+        f"base64 -d > {_ARCHIVE_TMP} <<'{delim}'",
+        encoded + delim,
+        "b64_rc=$?",
+        f"got=$(sha256sum < {_ARCHIVE_TMP}); got=${{got%% *}}",
+        'if [ "$b64_rc" != 0 ] || [ "$got" != "$NODE_FILES_SHA256" ]; then',
+        "  echo \"llmd: job $JOB_ID: the node files' archive in this batch script is damaged"
+        " (base64 -d rc $b64_rc, sha256 ${got:-unknown}, expected $NODE_FILES_SHA256);"
+        f' nothing unpacked, no node agent started (exit {rc})" >&2',
+        f"  rm -f -- {_ARCHIVE_TMP}",
+        f"  exit {rc}",
+        "fi",
+        # -m: the files get the time they were unpacked, not the archive's mtime 0; the
+        # modes are the archive's under this shell's umask 077, the owner is the job's user.
+        f'tar -xzmf {_ARCHIVE_TMP} -C "$NODE_DIR" --no-same-owner --no-same-permissions || {{',
+        '  echo "llmd: job $JOB_ID: could not unpack the node files into $NODE_DIR" >&2',
+        "  exit 1",
+        "}",
+        f"rm -f -- {_ARCHIVE_TMP}",
+        "",
+    ]
 
 
 def render_sbatch(
@@ -253,11 +308,7 @@ def render_sbatch(
     ``[standins] enabled = true`` gets no stand-in. Raises ``SpecError`` for a bad job
     name. The log directory must exist before submission (sbatch opens --output there).
     """
-    sources = bundled_node_sources() if node_sources is None else node_sources
-    files = node_files(spec)
-    missing = [n for n in files if n not in sources]
-    if missing:
-        raise ValueError(f"node sources lack {', '.join(missing)}")
+    archive = node_archive(spec, node_sources)
     config = json.dumps(agent_config(spec), indent=1, sort_keys=True)
     t = spec.topology
     lines = ["#!/bin/bash"]
@@ -296,9 +347,7 @@ def render_sbatch(
         'mkdir -p -m 700 -- "$NODE_DIR" || exit 1',
         "",
     ]
-    subdirs = sorted({posixpath.dirname(n) for n in files} - {""})
-    body = [f"mkdir -p -m 700 -- {' '.join(_q_node(d) for d in subdirs)}\n"] if subdirs else []
-    body += [_heredoc(_q_node(name), name, sources[name]) for name in files]
+    body = ["\n".join(_node_files_part(archive))]
     # The config carries the spec's [env] values (tokens): only the job's user may read
     # it, so it is created afresh under umask 077 (a requeued job finds the old one).
     body.append('rm -f -- "$NODE_DIR/config.json"\n')

@@ -49,6 +49,7 @@ __all__ = [
     "Stats",
     "Validity",
     "gate",
+    "judge_alone",
     "min_completed",
     "parse_any",
     "parse_result",
@@ -566,6 +567,17 @@ def _judge(
     if not got.duration_s > 0:
         return got, f"duration {got.duration_s:g} s (must be > 0)"
     return got, None
+
+
+def judge_alone(point: Point, validity: Validity = Validity()) -> str | None:
+    """Why a result file that stands alone is not a valid point (None when it is): the gate
+    against the requests the file itself says were sent (a `--script` job's files, whose
+    run has no spec to say how many)."""
+    requested = point.num_prompts
+    need = min_completed(validity.min_completed_fraction, requested)
+    max_failed = validity.max_failed if validity.max_failed is not None else requested - need
+    conc = point.concurrency if point.concurrency is not None else 0
+    return _judge(conc, point, requested, need, max_failed, validity)[1]
 
 
 def gate(

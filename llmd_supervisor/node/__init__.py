@@ -1,9 +1,9 @@
 """Node-side code that runs inside the allocation (stdlib only, Python 3.9+).
 
-The batch script rendered by :mod:`llmd_supervisor.core.render` embeds the agent's files
-verbatim and writes them into the run's job directory on the shared file system,
-``<log_dir>/<job_id>/node/`` (`AGENT_FILES`: where each goes there, and which file of this
-package it is):
+The batch script rendered by :mod:`llmd_supervisor.core.render` carries the agent's files
+unchanged, in one gzip'd tar listed file by file in its comments, and unpacks them into
+the run's job directory on the shared file system, ``<log_dir>/<job_id>/node/``
+(`AGENT_FILES`: where each goes there, and which file of this package it is):
 
 * ``agent.py`` -- the launcher srun runs (``agent/__main__.py``);
 * ``llmd_node/`` -- this package as the agent imports it there: ``common.py`` (the names

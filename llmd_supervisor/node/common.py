@@ -66,6 +66,9 @@ ENDPOINTS_FILE = "endpoints.yaml"
 # Exit codes of the agent (and so of srun and the job), beside the marker's own rc.
 RC_OK = 0
 RC_CONFIG = 64
+# (the batch shell, before any agent) the node files' archive in the batch script does
+# not match its sha256, or base64 could not decode it: nothing was unpacked or started
+RC_NODE_FILES = 65
 RC_INTERNAL = 70
 RC_ENGINE_START = 71
 RC_ENGINE_UNHEALTHY = 72

@@ -35,6 +35,7 @@ from llmd_supervisor.core.results import (
     ResultProblem,
     Validity,
     gate,
+    judge_alone,
     results_table,
 )
 from llmd_supervisor.core.spec import RunSpec
@@ -315,8 +316,9 @@ def foreign_table(
     got: BenchFiles, roles: RoleGpus | None = None, nodes: int | None = None
 ) -> ResultsTable:
     """`results.json` of a foreign job: a row per archived JSON result file, a point where
-    it parsed as vLLM's (or InferenceX's) benchmark result; no validity gate (the job
-    defines none). A file's name is the job's text: escaped before it reaches the table.
+    it parsed as vLLM's (or InferenceX's) benchmark result, valid when it passes the
+    default validity gate against the requests it says were sent (`judge_alone`: the job
+    has no spec to say more). A file's name is the job's text: escaped before it reaches the table.
     `roles`: the GPUs of each role the user gave (--prefill-gpus, --decode-gpus); without
     them a file's own declaration counts (`core.gpus.ROLE_GPU_KEYS`). Its `declared`
     deployment is what the files, the roles and the job's `nodes` (its allocation's
@@ -324,7 +326,7 @@ def foreign_table(
     evidence: list[PointEvidence] = []
     for name, point in sorted(got.parsed.items()):
         if isinstance(point, Point):
-            conc, problem = point.concurrency or 0, None
+            conc, problem = point.concurrency or 0, judge_alone(point)
             requested = point.num_prompts
         else:
             conc, problem, requested = 0, str(point), 0

@@ -427,6 +427,7 @@ class ReplayJob:
         steps: Iterable[Step] = (),
         lag_accounting: bool = False,
         user: str | None = None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.cluster = cluster
         self.job_id = job_id
@@ -435,6 +436,9 @@ class ReplayJob:
         self.step_name: str | None = None  # the srun steps' name (srun --job-name); None: captured
         self.script = script  # the batch script sbatch read from stdin
         self.options = tuple(options)  # sbatch's argv options
+        # The environment sbatch ran in when it was not the daemon's (`submit --export-env`,
+        # a script campaign's variables): the job's, as sbatch's --export=ALL hands it on.
+        self.env = None if env is None else dict(env)
         self.signals: list[str] = []  # every scancel, in order: "TERM", ..., "KILL"
         # Reactions to scancel: they replace the rest of the timeline. Plain scancel
         # cancels at once by default; --signal=TERM changes nothing unless scripted (the
@@ -952,7 +956,7 @@ class ReplayCluster:
         if failure is not None and not failure.applied:
             reply = failure
         else:
-            reply = self._answer(args, stdin)
+            reply = self._answer(args, stdin, env)
             if failure is not None:
                 reply = failure
         if reply.timeout:
@@ -971,10 +975,12 @@ class ReplayCluster:
         self._next_id += 1
         return job_id
 
-    def _answer(self, argv: tuple[str, ...], stdin: bytes | None) -> Reply:
+    def _answer(
+        self, argv: tuple[str, ...], stdin: bytes | None, env: Mapping[str, str] | None = None
+    ) -> Reply:
         program, args = argv[0], argv[1:]
         if program == "sbatch":
-            return self._sbatch(args, stdin)
+            return self._sbatch(args, stdin, env)
         if program == "squeue":
             return self._squeue(args)
         if program == "sacct":
@@ -1001,7 +1007,9 @@ class ReplayCluster:
             return Reply(stdout=os.path.realpath(args[2]) + "\n")
         raise ReplayError(f"the replayed cluster does not know {program!r} ({argv})")
 
-    def _sbatch(self, args: tuple[str, ...], stdin: bytes | None) -> Reply:
+    def _sbatch(
+        self, args: tuple[str, ...], stdin: bytes | None, env: Mapping[str, str] | None = None
+    ) -> Reply:
         opts, _ = _options("sbatch", args, None)
         if "parsable" not in opts:
             raise ReplayError("sbatch without --parsable: its text was not captured")
@@ -1021,6 +1029,7 @@ class ReplayCluster:
             options=options,
             steps=self._expected.pop(name, ()),
             lag_accounting=self.lag_accounting_on_submit,
+            env=env,
         )
         self.jobs[job.job_id] = job
         template = self.captures.text("completed.sbatch.txt")

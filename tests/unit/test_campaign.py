@@ -102,9 +102,10 @@ def test_defaults() -> None:
             'base = "d.toml"\nbogus = 1',
             "bogus",
             "Campaign file field 'bogus' has invalid value 1: unknown key; allowed at the top"
-            " level: name, base, cluster, limits, matrix, zip, exclude, include.",
+            " level: name, base, script, cluster, limits, launcher, matrix, zip, exclude,"
+            " include.",
         ),
-        ("name = 'x'", "base", "give base as a non-empty string"),
+        ("name = 'x'", "base", 'give base = "spec.toml" (a run spec to vary) or script ='),
         ('base = ""', "base", "give base as a non-empty string"),
         ('base = "d.toml"\nname = "a b"', "name", "use 1 to 64 letters, digits and . _ -"),
         ('base = "d.toml"\nname = ".."', "name", "not '.' or '..'"),

@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from llmd_supervisor.core.spec import load_spec
 from tests.daemon_helpers import Daemon, demo_spec
-from tests.fakes.replay_world import ReplayWorld
+from tests.devcluster import REPO
+from tests.fakes.replay_world import ReplayWorld, replay_world
+from tests.foreign_helpers import LAUNCHER, cli, launcher_finish
 
 CAMPAIGN = """
 name = "sweep"
@@ -179,5 +183,142 @@ def test_a_qos_submit_limit_is_kept_or_back_pressure_never_a_failure(
         else:
             assert refused and "QOSMaxSubmitJobPerUserLimit" in str(refused[0]["limit"])
         assert len(set(world.sbatch_names())) == 4  # each job ran once in the end
+    finally:
+        d.stop()
+
+
+# --- a campaign over a batch script ---------------------------------------------------------
+
+SCRIPT_CAMPAIGN = """
+name = "ix-sweep"
+script = "job.slurm"                 # a copy of tests/cluster/launcher/job.slurm
+[limits]
+max_jobs = 2
+[launcher]
+chdir = "run"
+logs = ["slurm_job-{job_id}_rank_*.log"]
+marker = ".bench_done.{job_id}"
+marker_format = "int"
+results = ["results/{job_id}/*.json"]
+job_name_prefix = "ixc"
+sbatch_args = ["--time=00:04:00"]
+nodes = 2
+concurrency_env = "BENCH_MAX_CONCURRENCY"
+concurrencies = [1, 4]
+[launcher.env]
+LAUNCHER_DIR = "%s"
+IX_RESULTS_BY_JOB = 1
+[matrix]
+"env.IX_MODEL" = ["test/model-a", "test/model-b"]
+"""
+
+
+@pytest.fixture
+def launcher_world(tmp_path: Path) -> Iterator[ReplayWorld]:
+    """A replayed site whose jobs end as the launcher's (tests/cluster/launcher) do."""
+    benchmark = load_spec((REPO / "deploy" / "llm-d" / "demo.toml").read_text()).benchmark
+    with replay_world(tmp_path / "world", benchmark, finish=launcher_finish) as w:
+        yield w
+
+
+def _script_files(tmp_path: Path) -> Path:
+    """The campaign file beside its copy of the launcher's job.slurm."""
+    work = tmp_path / "ix"
+    work.mkdir()
+    shutil.copy(LAUNCHER / "job.slurm", work / "job.slurm")
+    path = work / "sweep.toml"
+    path.write_text(SCRIPT_CAMPAIGN % LAUNCHER)
+    return path
+
+
+def test_a_script_campaign_passes_its_values_as_environment_and_reuses_every_point(
+    launcher_world: ReplayWorld, tmp_path: Path
+) -> None:
+    world = launcher_world
+    root = tmp_path / "daemon"
+    root.mkdir()
+    d = Daemon(world, root, replay_socket=world.socket)
+    d.start()
+    try:
+        path = _script_files(tmp_path)
+        work = path.parent
+
+        dry = d.cli("campaign", "submit", str(path), "--dry-run")
+        assert "4 points in 2 jobs over 1 topologies; 2 jobs to run" in dry.stdout, dry.stdout
+        assert f"every job: LAUNCHER_DIR={LAUNCHER} IX_RESULTS_BY_JOB=1" in dry.stdout
+        assert re.search(
+            r"job [0-9a-f]{12}: IX_MODEL=test/model-a BENCH_MAX_CONCURRENCY=1x4", dry.stdout
+        )
+        assert world.sbatch_names() == []
+
+        argv = [
+            "campaign",
+            "submit",
+            str(path),
+            "--export-env",
+            "--wait",
+            "--socket",
+            str(d.socket),
+        ]
+        done = cli(d, *argv, env={"IX_CLIENT_SHELL": "yes"})
+        assert done.returncode == 0, done.stderr + d.log_text()[-3000:]
+        assert re.search(r"finished; 4 verified", done.stdout), done.stdout
+        jobs = world.call(
+            lambda: [(j.name, j.env or {}, j.options) for j in world.cluster.jobs.values()]
+        )
+        assert len(jobs) == 2 and all(name.startswith("ixc-") for name, _, _ in jobs)
+        assert sorted(env["IX_MODEL"] for _, env, _ in jobs) == ["test/model-a", "test/model-b"]
+        for _, env, options in jobs:
+            assert env["BENCH_MAX_CONCURRENCY"] == "1x4"
+            assert env["LAUNCHER_DIR"] == str(LAUNCHER) and env["IX_RESULTS_BY_JOB"] == "1"
+            assert env["IX_CLIENT_SHELL"] == "yes"  # --export-env: the client's shell under it
+            assert f"--chdir={work / 'run'}" in options and "--nodes=2" in options
+
+        # Every point from the archived results of the two runs, with its provenance.
+        campaign = re.search(r"campaign ([0-9a-f]{12})", done.stdout)
+        assert campaign is not None
+        result = d.cli("campaign", "results", campaign.group(1), "--json")
+        rows = _json(result.stdout)["points"]
+        assert isinstance(rows, list)
+        assert sorted((r["values"], r["concurrency"], r["state"]) for r in rows) == [
+            (f'IX_MODEL="test/model-{m}"', c, "verified") for m in "ab" for c in (1, 4)
+        ]
+        assert len({r["run"] for r in rows}) == 2
+
+        # The same file again (without --export-env): nothing runs, every point reused.
+        again = d.cli("campaign", "submit", str(path), "--wait", check=False, timeout=60)
+        assert again.returncode == 0, again.stderr
+        assert re.search(r"finished; 4 reused", again.stdout), again.stdout
+        assert len(world.sbatch_names()) == 2
+    finally:
+        d.stop()
+
+
+def test_a_daemon_killed_mid_script_campaign_submits_no_job_twice(
+    launcher_world: ReplayWorld, tmp_path: Path
+) -> None:
+    # Killed once the second job's run is journaled, before its sbatch: the restarted
+    # daemon submits that run under its journaled id (as a `submit --script` run), once.
+    world = launcher_world
+    root = tmp_path / "daemon"
+    root.mkdir()
+    d = Daemon(world, root, replay_socket=world.socket, crash_after="accepted:2")
+    d.start()
+    try:
+        path = _script_files(tmp_path)
+        first = d.cli("campaign", "submit", str(path), "--json", check=False, timeout=60)
+        assert first.returncode == 0, first.stderr
+        campaign = str(_json(first.stdout)["campaign"])
+        assert d.proc is not None
+        d.proc.wait(timeout=60)
+        assert d.proc.returncode == -9, d.log_text()[-2000:]
+        d.crash_after = None
+        d.start()
+        done = d.cli("campaign", "wait", campaign, "--json", check=False, timeout=240)
+        assert done.returncode == 0, done.stdout + d.log_text()[-3000:]
+        points = _json(done.stdout)["points"]
+        assert isinstance(points, dict) and points["verified"] == 4
+        names = world.sbatch_names()
+        assert len(names) == len(set(names)) == 2, names
     finally:
         d.stop()

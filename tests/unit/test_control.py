@@ -208,6 +208,8 @@ GOOD: list[tuple[str, dict[str, object], dict[str, object]]] = [
             "file_text": "base = 'b.toml'",
             "base_text": "",
             "file_path": None,
+            "file_dir": None,
+            "export_env_json": None,
             "name": "sweep",
             "dry_run": False,
             "rerun": False,

@@ -24,6 +24,7 @@ from llmd_supervisor.core.results import (
     PointEvidence,
     Validity,
     gate,
+    judge_alone,
     parse_result,
     parsed_from_json,
     parsed_to_json,
@@ -254,3 +255,24 @@ def test_the_fingerprint_is_the_configuration_but_the_concurrency() -> None:
         data = copy.deepcopy(DEMO)
         data.setdefault(table, {})[key] = value
         assert recipe_fingerprint(parse_spec(data)) != base, (table, key)
+
+
+@pytest.mark.parametrize(
+    ("keys", "problem"),
+    [
+        ({}, None),
+        ({"completed": 20, "failed": 20}, "20 of 40 requests completed (min 38)"),
+        ({"completed": 38, "failed": 2}, None),
+        ({"max_concurrency": None}, "result for the wrong concurrency (max_concurrency none"),
+        ({"total_output_tokens": 0}, "0 output tokens (min 1)"),
+    ],
+)
+def test_a_script_jobs_result_file_passes_the_default_gate_against_its_own_count(
+    keys: Mapping[str, object], problem: str | None
+) -> None:
+    # A --script job has no spec: what the file says was sent is what it is judged by, so
+    # a file whose requests mostly failed never proves a campaign point.
+    p = parse_result(_with(VLLM_C4, **keys), "vllm")
+    assert isinstance(p, Point)
+    got = judge_alone(p)
+    assert (got is None) == (problem is None) and (problem or "") in (got or ""), got

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -23,12 +24,18 @@ PURE_MODULES = [
     "llmd_supervisor.core.cause",
     "llmd_supervisor.core.campaign",
     "llmd_supervisor.core.campaign_admission",
+    "llmd_supervisor.core.campaign_script",
     "llmd_supervisor.core.toml_write",
+    "llmd_supervisor.core.node_archive",
 ]
 FORBIDDEN = ["anyio", "asyncssh", "sqlite3", "subprocess", "socket", "asyncio", "structlog"]
 
+# The checkout under test, first on the path (-I ignores PYTHONPATH: without it the probe
+# would import whichever copy of the package is installed).
+ROOT = str(Path(__file__).resolve().parents[2])
 PROBE = """
 import importlib, json, sys
+sys.path.insert(0, sys.argv[2])
 importlib.import_module(sys.argv[1])
 print(json.dumps(sorted(sys.modules)))
 """
@@ -38,7 +45,7 @@ print(json.dumps(sorted(sys.modules)))
 def test_pure_module_imports_no_io(module: str) -> None:
     # A fresh interpreter, so modules imported by pytest itself do not count.
     result = subprocess.run(
-        [sys.executable, "-I", "-c", PROBE, module],
+        [sys.executable, "-I", "-c", PROBE, module, ROOT],
         capture_output=True,
         text=True,
         check=True,

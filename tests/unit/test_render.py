@@ -1,18 +1,24 @@
 """The rendered sbatch script: options, srun line, syntax, and what it does when run.
 
 The execution tests run the script with bash and a fake ``srun`` on PATH (it records its
-argv and exits with a chosen rc); no Slurm is involved.
+argv and exits with a chosen rc); no Slurm is involved. What the script carries for the
+node directory is read by unpacking its archive here, never by grepping its text.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
+import gzip
+import hashlib
+import io
 import json
 import os
 import signal
 import stat
 import subprocess
 import sys
+import tarfile
 import time
 import tomllib
 from pathlib import Path
@@ -32,6 +38,7 @@ from llmd_supervisor.core.spec import RunSpec, load_spec, parse_spec
 from llmd_supervisor.core.toml_write import dump_toml
 from llmd_supervisor.errors import SpecError
 from llmd_supervisor.node import AGENT_FILES, NODE_FILES, STANDIN_FILES
+from llmd_supervisor.node.common import RC_NODE_FILES
 
 pytestmark = [pytest.mark.timeout(30)]
 
@@ -54,6 +61,31 @@ def spec_with(**tables: dict[str, Any]) -> RunSpec:
 
 def sbatch_lines(script: str) -> list[str]:
     return [ln.removeprefix("#SBATCH ") for ln in script.splitlines() if ln.startswith("#SBATCH")]
+
+
+def _archive_lines(script: str) -> tuple[int, int]:
+    """(first, end) indices of the archive's base64 lines in the script's lines."""
+    lines = script.splitlines()
+    (start,) = [i for i, ln in enumerate(lines) if ln.startswith("base64 -d > ")]
+    delim = lines[start].split("<<'", 1)[1].removesuffix("'")
+    return start + 1, lines.index(delim, start + 1)
+
+
+def archive_of(script: str) -> bytes:
+    """The node files' archive the script carries (its base64 heredoc, decoded)."""
+    first, end = _archive_lines(script)
+    return base64.b64decode("".join(script.splitlines()[first:end]), validate=True)
+
+
+def unpacked(script: str) -> dict[str, bytes]:
+    """Every file of the script's archive by its path in the node directory."""
+    files: dict[str, bytes] = {}
+    with tarfile.open(fileobj=io.BytesIO(archive_of(script)), mode="r:gz") as tar:
+        for member in tar.getmembers():
+            handle = tar.extractfile(member)
+            if handle is not None:
+                files[member.name] = handle.read()
+    return files
 
 
 def bash_syntax_ok(script: str, tmp: Path) -> None:
@@ -152,6 +184,7 @@ def test_rendered_scripts_pass_bash_syntax_check(tmp_path: Path) -> None:
     for path in DEPLOY.glob("*.toml"):
         if path.name.startswith("campaign-"):  # a campaign file: every job it expands to
             campaign = parse_campaign(path.read_text(), default_name="c")
+            assert campaign.base is not None, path
             base = tomllib.loads((path.parent / campaign.base).read_text())
             specs = [load_spec(dump_toml(j.spec_data)) for j in expand(campaign, base).jobs]
             assert len(specs) == 4, path
@@ -215,7 +248,8 @@ def _run_script(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return proc.returncode, out, argv_file.read_text().splitlines()
+    argv = argv_file.read_text().splitlines() if argv_file.exists() else []
+    return proc.returncode, out, argv
 
 
 def test_script_unpacks_node_files_and_exits_with_srun_rc(tmp_path: Path) -> None:
@@ -237,12 +271,15 @@ def test_script_unpacks_node_files_and_exits_with_srun_rc(tmp_path: Path) -> Non
     assert not pwned.exists()
     node_dir = log_dir / "99" / "node"
     for name in NODE_FILES:
-        assert (node_dir / name).read_text() == bundled_node_sources()[name]
+        assert (node_dir / name).read_bytes() == bundled_node_sources()[name].encode(), name
+    written = sorted(str(p.relative_to(node_dir)) for p in node_dir.rglob("*") if p.is_file())
+    assert written == sorted([*NODE_FILES, "config.json"])  # and no archive left behind
     config = json.loads((node_dir / "config.json").read_text())
     assert config == json.loads(json.dumps(agent_config(spec)))
-    # The config holds the [env] values (tokens); the script runs under umask 077.
+    # The config holds the [env] values (tokens); the script runs under umask 077, and
+    # the archive's 0644/0755 are unpacked under it.
     assert stat.S_IMODE((node_dir / "config.json").stat().st_mode) == 0o600
-    for path in (log_dir / "99", node_dir, *node_dir.iterdir()):
+    for path in (log_dir / "99", node_dir, *node_dir.rglob("*")):
         assert stat.S_IMODE(path.stat().st_mode) & 0o077 == 0, path
     assert config["env"]["decode"]["EVIL"] == evil
     assert argv[-4:] == [
@@ -299,7 +336,8 @@ def test_script_sets_umask_077_and_exports_only_sbatch_environment() -> None:
     script = render_sbatch(spec_with(), job_name="t")
     lines = script.splitlines()
     assert "umask 077" in lines and "umask 022" not in lines
-    assert lines.index("umask 077") < next(i for i, ln in enumerate(lines) if "cat >" in ln)
+    first_write = next(i for i, ln in enumerate(lines) if ln.startswith(("cat >", "base64 -d")))
+    assert lines.index("umask 077") < first_write
     assert sbatch_lines(script).count("--export=ALL") == 1
 
 
@@ -347,14 +385,22 @@ def test_cli_render_bad_spec_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "'job_name'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", ["llmd_supervisor.core.spec", "llmd_supervisor.core.render"])
+@pytest.mark.parametrize(
+    "module",
+    [
+        "llmd_supervisor.core.spec",
+        "llmd_supervisor.core.render",
+        "llmd_supervisor.core.node_archive",
+    ],
+)
 def test_spec_and_render_import_no_io_machinery(module: str) -> None:
+    # -I ignores PYTHONPATH: the checkout under test goes first on the path by hand.
     probe = (
-        "import importlib, json, sys; importlib.import_module(sys.argv[1]);"
-        " print(json.dumps(sorted(sys.modules)))"
+        "import importlib, json, sys; sys.path.insert(0, sys.argv[2]);"
+        " importlib.import_module(sys.argv[1]); print(json.dumps(sorted(sys.modules)))"
     )
     out = subprocess.run(
-        [sys.executable, "-I", "-c", probe, module],
+        [sys.executable, "-I", "-c", probe, module, str(DEPLOY.parents[1])],
         capture_output=True,
         text=True,
         check=True,
@@ -397,10 +443,13 @@ def test_gpu_examples_render(example: str, expected: str) -> None:
 
 # The demo's batch script before the stand-ins became opt-in (every script carried them,
 # with 51 LLMD_FAKE_ lines), measured: 168,962 bytes; the examples' were 170,085 (pyxis)
-# and 170,248 (docker). A production script now carries the agent (its readable source, so
-# that a site can review it: about 100 KB), its config and the shell around them, and
-# nothing else.
+# and 170,248 (docker). With the agent's readable source in heredocs, a production script
+# was still about 121 KB. It now carries the agent as one gzip'd tar (base64: about 45 KB
+# for 112 KB of source), the table of its files, the config and the shell around them:
+# about 54 KB, a third of the old size. Issue 3.3's quarter (41 KB) is not met: the
+# agent's unchanged source alone, compressed and encoded, is more than that.
 DEMO_RENDER_BYTES_BEFORE = 168_962
+PRODUCTION_MAX_BYTES = DEMO_RENDER_BYTES_BEFORE // 3
 SCRIPT_AROUND_MAX = 8192  # the #SBATCH lines, the heredocs' framing, the srun line
 EXAMPLES = sorted(DEPLOY.glob("example-vllm-*.toml"))
 
@@ -414,12 +463,29 @@ def _example(path: Path, log_dir: Path | None = None) -> RunSpec:
 
 
 def _written(script: str) -> list[str]:
-    """The node directory's files the script writes (``cat > "$NODE_DIR/..."``)."""
-    return [
+    """The node directory's files the script writes: its archive's, and the heredocs'
+    (``cat > "$NODE_DIR/..."``), sorted."""
+    heredocs = [
         ln.split('"$NODE_DIR/', 1)[1].split('"', 1)[0]
         for ln in script.splitlines()
         if ln.startswith('cat > "$NODE_DIR/')
     ]
+    return sorted([*unpacked(script), *heredocs])
+
+
+def _table(script: str) -> dict[str, tuple[int, str]]:
+    """The script's table of its node files: path -> (bytes, sha256)."""
+    lines = script.splitlines()
+    head = lines.index(
+        "# The node files, unpacked into $NODE_DIR before anything runs (path, bytes, sha256):"
+    )
+    table: dict[str, tuple[int, str]] = {}
+    for line in lines[head + 1 :]:
+        if not line.startswith("#   "):
+            break
+        path, size, digest = line.removeprefix("#   ").split()
+        table[path] = (int(size), digest)
+    return table
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -427,28 +493,107 @@ def test_a_production_script_carries_the_agent_and_no_stand_in(path: Path) -> No
     spec = _example(path)
     assert not spec.standins
     script = render_sbatch(spec, job_name="prod")
+    files = unpacked(script)
     assert "LLMD_FAKE_" not in script
-    assert _written(script) == [*AGENT_FILES, "config.json"]
+    assert not [name for name, data in files.items() if b"LLMD_FAKE_" in data]
+    assert _written(script) == sorted([*AGENT_FILES, "config.json"])
     sources = bundled_node_sources()
     for name in STANDIN_FILES:  # not one line of stand-in code either
-        head = next(ln for ln in sources[name].splitlines() if ln.strip())
-        assert head not in script, name
-    agent = sum(len(sources[name].encode()) for name in AGENT_FILES)
+        head = next(ln for ln in sources[name].splitlines() if ln.strip()).encode()
+        assert head not in script.encode(), name
+        assert not [n for n, data in files.items() if head in data], name
+    archive = archive_of(script)
     config = len(json.dumps(agent_config(spec), indent=1, sort_keys=True).encode())
+    table = sum(len(ln) + 1 for ln in script.splitlines() if ln.startswith("#   "))
     size = len(script.encode())
-    assert size <= agent + config + SCRIPT_AROUND_MAX, (size, agent, config)
-    # Issue 3.3 asked for a quarter of the old size; the agent's readable source alone is
-    # more than that (not met: see the issue's note). What is checked is that nothing but
-    # the agent is there (above) and that the script stays well below the old one.
-    assert size < DEMO_RENDER_BYTES_BEFORE * 0.75, size
+    encoded = len(base64.encodebytes(archive))
+    assert size <= encoded + config + table + SCRIPT_AROUND_MAX, (size, encoded, config)
+    assert size <= PRODUCTION_MAX_BYTES, size
 
 
 def test_the_demo_script_carries_the_stand_ins() -> None:
     spec = spec_with()
     assert spec.standins and agent_config(spec)["standins"] is True
     script = render_sbatch(spec, job_name="demo")
-    assert _written(script) == [*NODE_FILES, "config.json"]
-    assert "LLMD_FAKE_" in script
+    assert _written(script) == sorted([*NODE_FILES, "config.json"])
+    assert any(b"LLMD_FAKE_" in data for data in unpacked(script).values())
+
+
+@pytest.mark.parametrize("standins", [False, True])
+def test_the_archive_holds_the_bundled_files_and_the_table_says_which(standins: bool) -> None:
+    spec = spec_with() if standins else _example(EXAMPLES[0])  # the demo opts in
+    script = render_sbatch(spec, job_name="t")
+    files = unpacked(script)
+    sources = bundled_node_sources()
+    assert files == {name: sources[name].encode() for name in files}
+    assert sorted(files) == sorted(NODE_FILES if standins else AGENT_FILES)
+    assert _table(script) == {
+        name: (len(data), hashlib.sha256(data).hexdigest()) for name, data in files.items()
+    }
+    digest = hashlib.sha256(archive_of(script)).hexdigest()
+    assert f"NODE_FILES_SHA256={digest}" in script.splitlines()
+    # The heredoc's delimiter has a "_", which base64 never writes: no line of the
+    # archive can end the heredoc early.
+    first, end = _archive_lines(script)
+    delim = script.splitlines()[end]
+    assert "_" in delim and delim not in script.splitlines()[first:end]
+
+
+def test_the_archive_is_deterministic() -> None:
+    spec = _example(EXAMPLES[0])
+    script = render_sbatch(spec, job_name="t")
+    assert render_sbatch(spec, job_name="t") == script
+    archive = archive_of(script)
+    assert archive[:2] == b"\x1f\x8b" and archive[4:8] == b"\0\0\0\0"  # gzip, mtime 0
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(archive)), mode="r:") as tar:
+        members = tar.getmembers()
+    assert [m.name for m in members] == sorted(m.name for m in members)
+    assert [m.name for m in members if m.isdir()] == ["llmd_node", "llmd_node/agent"]
+    for m in members:
+        assert (m.mtime, m.uid, m.gid, m.uname, m.gname) == (0, 0, 0, "", ""), m.name
+        assert m.mode == (0o755 if m.isdir() else 0o644), m.name
+        assert m.isdir() or m.isfile(), m.name
+
+
+def test_the_listing_command_in_the_script_reads_its_archive(tmp_path: Path) -> None:
+    script = render_sbatch(_example(EXAMPLES[0]), job_name="t")
+    (line,) = [ln for ln in script.splitlines() if "awk '" in ln]
+    command = line.split(": ", 1)[1].replace("tar -tvzf -", "cat")
+    (tmp_path / "job.sbatch").write_text(script)
+    proc = subprocess.run(
+        ["bash", "-c", command], cwd=tmp_path, capture_output=True, timeout=20, check=True
+    )
+    assert proc.stdout == archive_of(script)
+
+
+def _damage(script: str, how: str) -> str:
+    lines = script.splitlines(keepends=True)
+    first, end = _archive_lines(script)
+    middle = (first + end) // 2
+    text = lines[middle]
+    if how == "flipped":  # still base64, other bytes
+        lines[middle] = ("B" if text[10] == "A" else "A").join((text[:10], text[11:]))
+    elif how == "not-base64":
+        lines[middle] = text[:10] + "*" + text[11:]
+    else:  # a line lost
+        del lines[middle]
+    return "".join(lines)
+
+
+@pytest.mark.parametrize("how", ["flipped", "not-base64", "lost"])
+def test_a_damaged_archive_stops_the_job_before_anything_runs(tmp_path: Path, how: str) -> None:
+    log_dir = tmp_path / "logs"
+    log_dir.mkdir()
+    script = render_sbatch(_example(EXAMPLES[0], log_dir), job_name="t")
+    damaged = _damage(script, how)
+    assert damaged != script
+    rc, out, argv = _run_script(damaged, tmp_path)
+    assert rc == RC_NODE_FILES == 65, out
+    digest = hashlib.sha256(archive_of(script)).hexdigest()
+    assert "llmd: job 99: the node files' archive in this batch script is damaged" in out
+    assert f"expected {digest}); nothing unpacked, no node agent started (exit 65)" in out
+    assert argv == []  # srun never ran
+    assert list((log_dir / "99" / "node").iterdir()) == []
 
 
 def test_a_production_script_unpacks_a_runnable_agent(tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ larger than the message bound.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import Final
@@ -19,6 +20,7 @@ import anyio
 
 from llmd_supervisor.adapters.campaign_store import StoredCampaign
 from llmd_supervisor.adapters.control_protocol import Peer, Send, show
+from llmd_supervisor.core import foreign_spec
 from llmd_supervisor.core.campaign_run import CampaignState
 from llmd_supervisor.errors import ControlError, SpecError
 from llmd_supervisor.supervision.access import sees_all
@@ -30,6 +32,19 @@ __all__ = ["CampaignOps"]
 WAIT_REFRESH_S: Final = 5.0
 
 RunResultsOf = Callable[[str], Awaitable[dict[str, object] | None]]
+
+
+def _exported(text: object) -> dict[str, str] | None:
+    """The client's environment of `--export-env` (a JSON object of strings), filtered as
+    `submit --script --export-env` filters it; SpecError when it is not one."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(str(text))
+    except ValueError as exc:
+        raise SpecError("--export-env", str(text)[:40], f"not a JSON object ({exc})") from None
+    env, _ = foreign_spec.exported_env(value)
+    return env
 
 
 class CampaignOps:
@@ -76,6 +91,8 @@ class CampaignOps:
             raise ControlError(
                 "bad_request", f"max_points must be a positive integer, not {show(max_points)}."
             )
+        file_dir = args["file_dir"]
+        assert file_dir is None or isinstance(file_dir, str)
         try:
             plan = await self.campaigns.plan(
                 str(args["file_text"]),
@@ -84,6 +101,8 @@ class CampaignOps:
                 cluster=cluster,
                 max_points=max_points,
                 rerun=bool(args["rerun"]),
+                file_dir=file_dir,
+                export_env=_exported(args["export_env_json"]),
             )
         except SpecError as exc:
             raise ControlError("bad_request", f"{where}: {exc}") from exc

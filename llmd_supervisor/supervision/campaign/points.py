@@ -2,7 +2,9 @@
 
 A point (recipe id, concurrency) is verified by a `succeeded` run whose archived
 ``results.json`` row for that concurrency is valid; the proof is the archived result
-file's name and sha256 (`verified_of`). A proof is still good only while that file
+file's name and sha256 (`verified_of`). A rendered run's result files are
+``results/c<N>.json``; a `--script` run's keep their path below its log directory
+(``results/results/ix_c4.json``). A proof is still good only while that file
 exists with the same sha256 (`still_good`): an archive pruned or edited by hand does not
 keep saving GPU-hours. Both read the daemon's own archive (bounded reads).
 """
@@ -10,6 +12,7 @@ keep saving GPU-hours. Both read the daemon's own archive (bounded reads).
 from __future__ import annotations
 
 import hashlib
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -50,19 +53,22 @@ def verified_of(
     campaign_id: str,
     now: datetime,
 ) -> list[VerifiedPoint]:
-    """The proofs a succeeded run's archive gives for `concurrencies` (valid rows only)."""
+    """The proofs a succeeded run's archive gives for `concurrencies` (valid rows only). A
+    concurrency with more than one row (a `--script` run whose result patterns matched
+    another job's files too) proves nothing: which file is the run's own is not known."""
     try:
         table = results_table_of(archive_dir / "results.json")
     except ControlError:
         return []
     if table is None:
         return []
-    wanted = set(concurrencies)
+    rows = Counter(row["concurrency"] for row in table["points"])
+    wanted = {c for c in concurrencies if rows[c] == 1}
     out = []
     for row in table["points"]:
         conc, relative = row["concurrency"], row["file"]  # results/c<N>.json
         folder, _, name = relative.partition("/")
-        if conc not in wanted or not row["valid"] or folder != RESULTS or not _plain(name):
+        if conc not in wanted or not row["valid"] or folder != RESULTS or not _below(name):
             continue
         digest = _sha256(archive_dir / relative)
         if digest is not None:
@@ -70,8 +76,9 @@ def verified_of(
     return out
 
 
-def _plain(name: str) -> bool:
-    return name not in ("", ".", "..") and "/" not in name
+def _below(name: str) -> bool:
+    """`name` is a relative path that stays below its folder (no '', '.' or '..' part)."""
+    return not name.startswith("/") and all(p not in ("", ".", "..") for p in name.split("/"))
 
 
 def still_good(points: Sequence[VerifiedPoint], archive_of: dict[str, Path]) -> list[bool]:

@@ -16,12 +16,21 @@ exists is followed. So a crash at any moment neither loses a point nor submits i
 QOS: an sbatch refused for a submit limit (`qos_refusal`) is back-pressure, not a failure:
 the campaign backs off, lowers its cap to the jobs it has in the queue, and submits the
 job again later as a new run.
+
+A campaign over a batch script (`core.campaign_script`) keeps the script's text as its
+base and submits each job's run as `submit --script` does (`Supervisor.submit_script`,
+the same exactly-once run id), in the environment of the client that submitted the
+campaign with ``--export-env`` (journaled with the campaign, owner-only), else in what a
+job gets of the daemon's own (`adapters.slurm.command_env`), with the job's variables over
+it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
+import posixpath
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -39,7 +48,9 @@ from llmd_supervisor.adapters.campaign_store import (
     StoredJob,
     VerifiedPoint,
 )
+from llmd_supervisor.adapters.slurm import command_env
 from llmd_supervisor.core import campaign as core
+from llmd_supervisor.core import foreign_spec
 from llmd_supervisor.core.campaign_admission import Admission, CampaignLimits, JobState, admit
 from llmd_supervisor.core.campaign_run import (
     ACTIVE_JOB_STATES,
@@ -48,10 +59,11 @@ from llmd_supervisor.core.campaign_run import (
     job_state_of,
     qos_refusal,
 )
+from llmd_supervisor.core.campaign_script import ScriptJob, is_script_job
 from llmd_supervisor.core.lifecycle import RunState
 from llmd_supervisor.core.spec_toml import decode_toml
 from llmd_supervisor.core.toml_write import dump_toml
-from llmd_supervisor.errors import IllegalTransition, SupervisorError
+from llmd_supervisor.errors import CampaignError, IllegalTransition, SupervisorError
 from llmd_supervisor.supervision.campaign.points import still_good, verified_of
 from llmd_supervisor.supervision.run.driver import RunHandle, Supervisor
 
@@ -75,10 +87,11 @@ class Plan:
 
     file: core.CampaignFile
     file_text: str
-    base_text: str
+    base_text: str  # the base spec's text, or the batch script's
     expansion: core.Expansion
     reused: Mapping[tuple[str, int], VerifiedPoint]  # points verified before, still good
     rerun: bool
+    export_env: Mapping[str, str] | None = None  # a script campaign's --export-env
 
 
 @dataclass
@@ -117,10 +130,33 @@ class Campaigns:
         cluster: str | None,
         max_points: int,
         rerun: bool,
+        file_dir: str | None = None,
+        export_env: Mapping[str, str] | None = None,
     ) -> Plan:
         """Parse, expand and validate a campaign (CampaignError / SpecError if bad) and find
-        which of its points are verified already."""
+        which of its points are verified already. A script campaign's `base_text` is the
+        script, `file_dir` the campaign file's directory, `export_env` the client's
+        environment (``--export-env``, filtered as `submit --script` filters it)."""
         cf = core.parse_campaign(file_text, default_name=default_name)
+        if cf.launcher is None:
+            if export_env is not None:
+                raise CampaignError(
+                    "--export-env",
+                    "set",
+                    "a campaign over a run spec sets its variables in the spec's [env];"
+                    " --export-env is for a campaign over a batch script",
+                )
+            expansion = await self._expand_spec(cf, base_text, cluster, max_points)
+        else:
+            expansion = await self._expand_script(
+                cf, base_text, cluster, max_points, file_dir, export_env
+            )
+        reused = {} if rerun else await self._still_verified(j.recipe_id for j in expansion.jobs)
+        return Plan(cf, file_text, base_text, expansion, reused, rerun, export_env)
+
+    async def _expand_spec(
+        self, cf: core.CampaignFile, base_text: str, cluster: str | None, max_points: int
+    ) -> core.Expansion:
         base = decode_toml(base_text)
         expansion = await anyio.to_thread.run_sync(
             lambda: core.expand(cf, base, max_points=max_points)
@@ -131,8 +167,55 @@ class Campaigns:
             if job.topology not in seen:
                 seen.add(job.topology)
                 await self.sup.admit(dump_toml(job.spec_data), cluster or cf.cluster)
-        reused = {} if rerun else await self._still_verified(j.recipe_id for j in expansion.jobs)
-        return Plan(cf, file_text, base_text, expansion, reused, rerun)
+        return expansion
+
+    async def _expand_script(
+        self,
+        cf: core.CampaignFile,
+        script: str,
+        cluster: str | None,
+        max_points: int,
+        file_dir: str | None,
+        export_env: Mapping[str, str] | None,
+    ) -> core.Expansion:
+        assert cf.script is not None
+        cluster_cfg = self.sup.config.cluster(cluster or cf.cluster)
+        if cluster_cfg.login_host is not None:
+            raise CampaignError(
+                "script",
+                cf.script,
+                f"cluster {cluster_cfg.name!r} runs sbatch on its login host over SSH, where"
+                " a script campaign's variables would show in the command line; run the"
+                " daemon (or the user service) on the login node",
+            )
+        expansion = await anyio.to_thread.run_sync(
+            lambda: core.expand_script(
+                cf,
+                script,
+                script_name=posixpath.basename(cf.script or ""),
+                campaign_dir=file_dir or "",
+                max_points=max_points,
+            )
+        )
+        base_env = _base_env(export_env)
+        for job in expansion.jobs:
+            assert job.script_job is not None
+            size = foreign_spec.env_bytes({**base_env, **job.script_job.env_of(job.concurrencies)})
+            if size > foreign_spec.ENV_MAX_BYTES:
+                raise CampaignError(
+                    "launcher.env",
+                    f"{size} bytes",
+                    f"job {job.key}'s environment (with the one exported) is more than"
+                    f" {foreign_spec.ENV_MAX_BYTES} bytes; export less or set fewer variables",
+                    point=job.values,
+                    subject="Launcher",
+                )
+        if expansion.jobs:  # the cluster's own checks (the log directory) of the first job
+            first = expansion.jobs[0]
+            assert first.script_job is not None
+            text = first.script_job.foreign_json(script, base_env, first.concurrencies)
+            await self.sup.admit_foreign(text, cluster or cf.cluster, "script")
+        return expansion
 
     async def create(self, plan: Plan, *, owner_uid: int, cluster: str | None) -> StoredCampaign:
         """Journal the planned campaign with all its jobs, then start its task."""
@@ -149,7 +232,12 @@ class Campaigns:
             reason="",
             file_text=plan.file_text,
             base_text=plan.base_text,
-            settings={"limits": dataclasses.asdict(limits), "rerun": plan.rerun},
+            settings={
+                "limits": dataclasses.asdict(limits),
+                "rerun": plan.rerun,
+                # the client's environment of a script campaign's runs (None: the daemon's)
+                "export_env": None if plan.export_env is None else dict(plan.export_env),
+            },
             created_at=now,
             updated_at=now,
         )
@@ -170,7 +258,7 @@ class Campaigns:
                     gpus=job.gpus,
                     workload=job.workload,
                     time_limit_s=job.time_limit_s,
-                    spec_toml=dump_toml(job.spec_data),
+                    spec_toml=core.job_text(job),
                     state=(JobState.WAITING if to_run else JobState.REUSED).value,
                     run_id=None,
                     submissions=0,
@@ -363,6 +451,16 @@ class Campaigns:
 
     async def _submit_run(self, c: StoredCampaign, job: StoredJob) -> RunHandle:
         assert job.run_id is not None
+        if is_script_job(job.spec_toml):
+            exported = c.settings.get("export_env")
+            text = ScriptJob.from_json(job.spec_toml).foreign_json(
+                c.base_text,
+                _base_env(exported if isinstance(exported, dict) else None),
+                job.to_run,
+            )
+            return await self.sup.submit_script(
+                text, owner_uid=c.owner_uid, cluster=c.cluster, run_id=job.run_id
+            )
         data = decode_toml(job.spec_toml)
         bench = data["benchmark"]
         assert isinstance(bench, dict)
@@ -409,7 +507,10 @@ class Campaigns:
             missing = sorted(set(job.to_run) - {p.concurrency for p in proofs})
             if missing:  # a succeeded run's gate passed every point: only a damaged archive
                 new = JobState.FAILED_OTHER
-                reason = f"the archive of run {run.run_id} proves no result for c={missing}"
+                reason = (
+                    f"the archive of run {run.run_id} proves no result for c={missing} (no"
+                    " valid result file for it, or more than one)"
+                )
         await self.store.set_job(c.campaign_id, job.job_key, state=new.value, reason=reason)
         log.info("campaign.job_changed", job_key=job.job_key, state=new.value, reason=reason)
         return replace(job, state=new.value, reason=reason)
@@ -457,6 +558,16 @@ class Campaigns:
             log.warning("campaign.proofs_dropped", points=len(stale))
             await self.store.forget_verified(stale)
         return {k: p for (k, p), ok in zip(proofs.items(), good, strict=True) if ok}
+
+
+def _base_env(exported: Mapping[str, object] | None) -> dict[str, str]:
+    """What a script campaign's runs are submitted from: the client's exported environment
+    (filtered as `submit --script --export-env` filters it), else what a `submit --script`
+    job gets of the daemon's own (the configured variables are added by the runner)."""
+    if exported is None:
+        exported = command_env(os.environ)
+    env, _ = foreign_spec.exported_env(dict(exported))
+    return env or {}
 
 
 def limits_of(c: StoredCampaign) -> CampaignLimits:

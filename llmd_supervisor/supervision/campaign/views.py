@@ -10,6 +10,7 @@ from statistics import median
 from typing import Final
 
 from llmd_supervisor.adapters.campaign_store import StoredCampaign, StoredJob, VerifiedPoint
+from llmd_supervisor.core.campaign import CampaignJob
 from llmd_supervisor.core.campaign_admission import JobState
 from llmd_supervisor.core.campaign_run import (
     ACTIVE_JOB_STATES,
@@ -135,14 +136,27 @@ def status(
     }
 
 
+def _job_env(job: CampaignJob, to_run: Sequence[int]) -> dict[str, str] | None:
+    """The variables a script campaign's job gets from the campaign (None: a spec's)."""
+    if job.script_job is None:
+        return None
+    return job.script_job.env_of(to_run or job.concurrencies)
+
+
 def dry_run(plan: Plan) -> dict[str, object]:
-    """What `campaign submit --dry-run` prints: the expansion before anything is submitted."""
+    """What `campaign submit --dry-run` prints: the expansion before anything is submitted
+    (a script campaign's jobs with the variables each gets: `env`)."""
     e = plan.expansion
     points = sum(len(j.concurrencies) for j in e.jobs)
     reused = sum(1 for j in e.jobs for c in j.concurrencies if (j.recipe_id, c) in plan.reused)
+    launcher = plan.file.launcher
     return {
         "dry_run": True,
         "name": plan.file.name,
+        "script": plan.file.script,
+        "concurrency_env": launcher.concurrency_env if launcher else None,
+        "export_env": plan.export_env is not None,
+        "jobs_without_time_limit": sum(1 for j in e.jobs if j.time_limit_s <= 0),
         "points": points,
         "jobs": len(e.jobs),
         "jobs_to_run": sum(
@@ -161,6 +175,9 @@ def dry_run(plan: Plan) -> dict[str, object]:
                 "values": dict(j.values),
                 "concurrencies": list(j.concurrencies),
                 "reused": [c for c in j.concurrencies if (j.recipe_id, c) in plan.reused],
+                "env": _job_env(
+                    j, [c for c in j.concurrencies if (j.recipe_id, c) not in plan.reused]
+                ),
             }
             for j in e.jobs[:200]
         ],

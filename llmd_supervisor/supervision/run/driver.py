@@ -269,12 +269,18 @@ class Supervisor:
         )
 
     async def submit_script(
-        self, spec_json: str, *, owner_uid: int, cluster: str | None = None
+        self,
+        spec_json: str,
+        *,
+        owner_uid: int,
+        cluster: str | None = None,
+        run_id: str | None = None,
     ) -> RunHandle:
         """A user's own batch script (`submit --script`), submitted exactly once as it is,
-        named uniquely; SpecError if its options are bad."""
+        named uniquely; SpecError if its options are bad. A campaign chooses the `run_id`
+        as for `submit`."""
         spec = await self.admit_foreign(spec_json, cluster, "script")
-        run_id = uuid.uuid4().hex[:12]
+        run_id = run_id or uuid.uuid4().hex[:12]
         run = new_run(run_id, spec.job_name(run_id), self.clock())
         text = foreign_spec.dump(spec)
         return await self._accept(run, spec, text, spec.script, owner_uid, cluster)
