@@ -160,6 +160,13 @@ def write_agg(fmt: str, runs: Iterable[RunResults], out: IO[str], err: IO[str]) 
                 "tok/s by the decode GPUs, input tok/s by the prefill GPUs).",
                 file=err,
             )
+        elif table.get("prefill_gpus") == 0:
+            print(
+                f"llmd-supervisor results: run {r['run']}: it has no prefill GPU, so the "
+                "per-GPU fields are null (InferenceX divides a disaggregated run's numbers "
+                "only with at least one prefill GPU).",
+                file=err,
+            )
         deployment = table.get("deployment")
         if deployment is None:
             said = table.get("declared") or {}

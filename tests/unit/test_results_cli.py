@@ -534,3 +534,12 @@ def test_one_point_is_one_point() -> None:
     r = run_8gpu()
     r["results"]["points"] = r["results"]["points"][:1]  # type: ignore[index]
     assert "  vllm client, 8 GPUs, 1 point\n" in render_text([read_run_results(r)])
+
+
+def test_no_prefill_gpu_is_said_beside_the_null_per_gpu_fields() -> None:
+    """`--prefill-gpus 0 --decode-gpus 8`: the per-GPU fields are null, and stderr says why."""
+    r = run_unknown_gpus()
+    r["results"] |= {"gpus": 8, "prefill_gpus": 0, "decode_gpus": 8}  # type: ignore[operator]
+    err = io.StringIO()
+    write_agg("inferencex-agg", [read_run_results(r)], io.StringIO(), err)
+    assert "run 7c1d0e02bb: it has no prefill GPU, so the per-GPU fields are null" in err.getvalue()
