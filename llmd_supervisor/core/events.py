@@ -18,9 +18,10 @@ secrets, so none can be sent). `encode` turns it into the body every destination
 - **Size**: a body is at most `MAX_BODY_BYTES`. A larger one is trimmed, in this order,
   until it fits: the per-point detail (``points`` of a run, ``problems`` of a campaign)
   is dropped (the best point, and a finished point's own numbers, stay); long texts are
-  cut; long lists are cut; last, ``data`` keeps only the subject's identifiers. Each step
-  taken is named in ``trimmed`` (``"points"``, ``"text"``, ``"lists"``, ``"data"``), which
-  is ``[]`` for an untrimmed body.
+  cut; long lists are cut; last, ``data`` keeps only the subject's identifiers. What was
+  done is named in ``trimmed``: ``"points"`` (per-point detail dropped), ``"text"`` (a
+  text cut, ending in ``...``), ``"lists"`` (a list cut), ``"data"`` (identifiers only);
+  it is ``[]`` for an untrimmed body.
 - **Ids** (`event_id`): ``evt_`` and 26 base32 characters of the SHA-256 of (schema,
   type, subject, seq). The subject is what the event is about (``run/<id>``,
   ``campaign/<id>``, ``node/<cluster>/<node>``, ``ping/<destination>``) and `seq` the
@@ -361,19 +362,20 @@ def encode(event: Event, max_bytes: int = MAX_BODY_BYTES) -> bytes:
     if len(body) <= max_bytes:
         return body
     detail = _DETAIL.get(type(event.facts), ())
-    trimmed = ["points"] if any(data[k] for k in detail) else []
+    dropped = ["points"] if any(data[k] for k in detail) else []
     data = {k: ([] if k in detail else v) for k, v in data.items()}
-    body = _body(event, data, trimmed)
+    body = _body(event, data, dropped)
     if len(body) <= max_bytes:
         return body
-    trimmed = [*trimmed, "text"]
     for text_limit, list_limit in _SHRINK_STEPS:
-        if list_limit is not None and "lists" not in trimmed:
-            trimmed = [*trimmed, "lists"]
-        body = _body(event, _shrink(data, text_limit, list_limit), trimmed)
+        cut = _Cut()
+        shrunk = _shrink(data, text_limit, list_limit, cut)
+        body = _body(event, shrunk, dropped + cut.marks())
         if len(body) <= max_bytes:
             return body
-    body = _body(event, _shrink(_minimal(event.facts), 64, 0), [*trimmed, "data"])
+    cut = _Cut()
+    minimal = _shrink(_minimal(event.facts), 64, None, cut)
+    body = _body(event, minimal, [*dropped, *cut.marks(), "data"])
     if len(body) > max_bytes:
         raise ValueError(f"max_bytes {max_bytes} cannot hold even the event's identifiers")
     return body
@@ -406,14 +408,29 @@ def _body(event: Event, data: object, trimmed: list[str]) -> bytes:
     )
 
 
-def _shrink(value: object, text_limit: int, list_limit: int | None) -> object:
+@dataclass
+class _Cut:
+    """What one shrinking pass cut (for the body's ``trimmed``)."""
+
+    text: bool = False
+    lists: bool = False
+
+    def marks(self) -> list[str]:
+        return ["text"] * self.text + ["lists"] * self.lists
+
+
+def _shrink(value: object, text_limit: int, list_limit: int | None, cut: _Cut) -> object:
     if isinstance(value, str):
-        return value if len(value) <= text_limit else value[: max(text_limit - 3, 1)] + "..."
+        if len(value) <= text_limit:
+            return value
+        cut.text = True
+        return value[: max(text_limit - 3, 1)] + "..."
     if isinstance(value, Mapping):
-        return {k: _shrink(v, text_limit, list_limit) for k, v in value.items()}
+        return {k: _shrink(v, text_limit, list_limit, cut) for k, v in value.items()}
     if isinstance(value, list):
         kept = value if list_limit is None else value[:list_limit]
-        return [_shrink(v, text_limit, list_limit) for v in kept]
+        cut.lists = cut.lists or len(kept) < len(value)
+        return [_shrink(v, text_limit, list_limit, cut) for v in kept]
     return value
 
 
