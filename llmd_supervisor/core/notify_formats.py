@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from datetime import UTC
 from email.message import EmailMessage
 from email.utils import format_datetime
-from typing import Final
+from typing import Final, NotRequired, TypedDict
 
 from llmd_supervisor.core.events import (
     CampaignFacts,
@@ -51,6 +51,9 @@ __all__ = [
     "SLACK_SECTION_MAX",
     "SLACK_TEXT_MAX",
     "SUBJECT_MAX",
+    "SlackBlock",
+    "SlackMessage",
+    "SlackText",
     "Summary",
     "mail_message",
     "slack_escape",
@@ -73,6 +76,27 @@ NODES_SHOWN: Final = 8
 _ENTITIES: Final = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
 _LABEL: Final = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _DOMAIN: Final = re.compile(rf"{_LABEL}(?:\.{_LABEL})*")
+
+
+class SlackText(TypedDict):
+    type: str  # "mrkdwn"
+    text: str
+
+
+class SlackBlock(TypedDict):
+    type: str  # "section" | "context"
+    text: NotRequired[SlackText]  # section
+    fields: NotRequired[list[SlackText]]  # section
+    elements: NotRequired[list[SlackText]]  # context
+
+
+class SlackMessage(TypedDict):
+    """The JSON object POSTed to an incoming webhook."""
+
+    text: str  # what the notification shows
+    blocks: list[SlackBlock]
+    unfurl_links: bool
+    unfurl_media: bool
 
 
 @dataclass(frozen=True)
@@ -162,7 +186,7 @@ def _campaign(f: CampaignFacts) -> tuple[list[tuple[str, str]], list[tuple[str, 
         paragraphs.append(("Best point", _point(f.best)))
     if f.problems:
         lines = [
-            f"{job_text(p.state, 32)} {job_text(p.recipe, 12)} c={p.concurrency}: "
+            f"{job_text(p.state, 32)} {job_text(p.recipe, 64)[:12]} c={p.concurrency}: "
             f"{job_text(p.reason, 300)}"
             for p in f.problems[:PROBLEMS_SHOWN]
         ]
@@ -262,21 +286,19 @@ def _mrkdwn(text: str, limit: int) -> str:
     return "".join(out) + "…"
 
 
-def _section(text: str) -> dict[str, object]:
+def _section(text: str) -> SlackBlock:
     return {"type": "section", "text": {"type": "mrkdwn", "text": text}}
 
 
-def _labelled(label: str, text: str) -> dict[str, object]:
+def _labelled(label: str, text: str) -> SlackBlock:
     head = f"*{label}*\n"
     return _section(head + _mrkdwn(text, SLACK_SECTION_MAX - len(head)))
 
 
-def slack_message(event: Event) -> dict[str, object]:
+def slack_message(event: Event) -> SlackMessage:
     """The JSON object POSTed to a Slack incoming webhook for `event`."""
     s = summary(event)
-    blocks: list[dict[str, object]] = [
-        _section("*" + _mrkdwn(s.title, SLACK_SECTION_MAX - 2) + "*")
-    ]
+    blocks: list[SlackBlock] = [_section("*" + _mrkdwn(s.title, SLACK_SECTION_MAX - 2) + "*")]
     if s.fields:
         blocks.append(
             {
@@ -320,7 +342,7 @@ def mail_message(event: Event, sender: str, to: Sequence[str], domain: str) -> E
     msg["To"] = ", ".join(to)
     subject = s.title if len(s.title) <= SUBJECT_MAX else s.title[: SUBJECT_MAX - 3] + "..."
     msg["Subject"] = SUBJECT_PREFIX + subject
-    msg["Date"] = format_datetime(event.at.astimezone(UTC), usegmt=True)
+    msg["Date"] = format_datetime(event.at.astimezone(UTC))
     msg["Message-ID"] = f"<{event.id}@{domain}>"
     msg["Auto-Submitted"] = "auto-generated"
     msg.set_content(_mail_body(s), charset="utf-8")

@@ -7,7 +7,7 @@ import base64
 import hashlib
 import json
 from dataclasses import replace
-from datetime import UTC, datetime, timedelta, timezone
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from hypothesis import given, settings
@@ -20,7 +20,6 @@ from llmd_supervisor.core.events import (
     CampaignProblem,
     Event,
     EventType,
-    Links,
     Owner,
     PingFacts,
     PointCounts,
@@ -28,7 +27,6 @@ from llmd_supervisor.core.events import (
     ProgressGate,
     QuarantineFacts,
     RunFacts,
-    RunRef,
     SlurmFacts,
     Timing,
     encode,
@@ -37,48 +35,7 @@ from llmd_supervisor.core.events import (
     make_event,
     progress_gate,
 )
-
-T0 = datetime(2025, 6, 1, 12, 0, 0, tzinfo=UTC)
-SHA = "ab" * 32
-RUN = RunRef(
-    id="r-0001",
-    name="demo",
-    owner="alice",
-    owner_uid=1001,
-    cluster="dev",
-    spec_name="demo.toml",
-    spec_sha256=SHA,
-)
-BEST = PointFacts(
-    concurrency=32,
-    valid=True,
-    completed=320,
-    num_prompts=320,
-    total_token_throughput=12345.5,
-    output_throughput=6000.25,
-    ttft_ms_median=120.0,
-    tpot_ms_median=12.5,
-)
-FINISHED = RunFacts(
-    run=RUN,
-    state="succeeded",
-    attempt=1,
-    slurm=SlurmFacts(job_id="4242", state="COMPLETED", exit_code="0:0", nodes=("n1", "n2")),
-    timing=Timing(
-        submitted_at=T0,
-        started_at=T0 + timedelta(seconds=30),
-        finished_at=T0 + timedelta(hours=1, seconds=30),
-    ),
-    outcome="succeeded",
-    cause=None,
-    reason="State=COMPLETED ExitCode=0:0, marker rc=0",
-    evidence=("sacct: COMPLETED 0:0 (2 reads agree)", "marker rc=0 rank 1"),
-    gpu_hours_useful=8.0,
-    gpu_hours_lost=0.0,
-    best=BEST,
-    points=(replace(BEST, concurrency=4, total_token_throughput=100.0), BEST),
-    links=Links(archive="/var/lib/llmd-supervisor/archive/r-0001", report=None, dashboard=None),
-)
+from tests.events_helpers import BEST, FINISHED, RUN, SHA, T0
 
 
 def _body(etype: EventType, facts: object, seq: int | str = 7) -> dict[str, object]:
