@@ -215,20 +215,20 @@ def parse_events(table: Mapping[str, object]) -> EventsConfig:
                 "events.destination", len(raw), f"configure at most {DESTINATIONS_MAX} of them"
             )
         )
-    found: list[Destination] = []
+    found: list[tuple[int, Destination]] = []  # (index in the file, destination)
     for i, entry in enumerate(raw):
         prefix = f"events.destination[{i}]"
         if not isinstance(entry, dict):
             problems.append(ConfigError(prefix, entry, "each entry must be a table"))
             continue
         try:
-            found.append(_destination(prefix, entry))
+            found.append((i, _destination(prefix, entry)))
         except ConfigErrors as many:
             problems += many.problems
         except ConfigError as exc:
             problems.append(exc)
     seen: set[str] = set()
-    for i, d in enumerate(found):
+    for i, d in found:
         if d.name in seen:
             problems.append(
                 ConfigError(
@@ -238,7 +238,7 @@ def parse_events(table: Mapping[str, object]) -> EventsConfig:
         seen.add(d.name)
     if problems:
         raise ConfigErrors(problems)
-    return EventsConfig(destinations=tuple(found))
+    return EventsConfig(destinations=tuple(d for _, d in found))
 
 
 def _destination(prefix: str, t: Mapping[str, object]) -> Destination:
@@ -259,12 +259,12 @@ def _destination(prefix: str, t: Mapping[str, object]) -> Destination:
         raise ConfigErrors(
             [*problems, ConfigError(f"{prefix}.kind", raw_kind, "use webhook, slack or mail")]
         ) from None
-    for key in t:
+    for key, value in t.items():
         if key not in _KEYS[kind]:
             problems.append(
                 ConfigError(
                     f"{prefix}.{key}",
-                    shown_url(t[key]) if key == "url" and isinstance(t[key], str) else t[key],
+                    shown_url(value) if key == "url" and isinstance(value, str) else value,
                     f"not a key of a {kind.value} destination; allowed: {', '.join(_KEYS[kind])}",
                 )
             )
