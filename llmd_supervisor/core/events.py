@@ -27,16 +27,13 @@ secrets, so none can be sent). `encode` turns it into the body every destination
   ``campaign/<id>``, ``node/<cluster>/<node>``, ``ping/<destination>``) and `seq` the
   position, in that subject's journaled history, of the transition the event reports:
 
-  ============================  ====================================================
-  type                          seq
-  ============================  ====================================================
-  run.submitted/started/finished  the index of the run's journaled transition
-  run.point_finished            ``"<attempt>:<concurrency>"`` (a point ends once per attempt)
-  campaign.progress             the campaign's progress counter, journaled with it
-  campaign.finished             the index of the campaign's journaled transition
-  node.quarantined              the id of the journaled failure that quarantined it
-  test.ping                     the id of the journaled ping request
-  ============================  ====================================================
+  * run.submitted, run.started, run.finished: the index of the run's journaled
+    transition (its row in the run's transition history);
+  * run.point_finished: ``"<attempt>:<concurrency>"`` (a point ends once per attempt);
+  * campaign.progress: the campaign's progress counter, journaled with the event;
+  * campaign.finished: the index of the campaign's journaled transition;
+  * node.quarantined: the id of the journaled failure that quarantined the node;
+  * test.ping: the id of the journaled ping request.
 
   Deriving the event again from the journal after a crash gives the same id, so a
   receiver's dedupe by ``webhook-id`` holds across restarts; two transitions never share
@@ -244,7 +241,7 @@ class CampaignFacts:
     owner_uid: int
     cluster: str | None
     points: PointCounts
-    outcome: str | None = None  # campaign.finished: e.g. "complete", "incomplete"
+    outcome: str | None = None  # campaign.finished: its final CampaignState value
     reason: str = ""
     gpu_hours_useful: float | None = None
     gpu_hours_lost: float | None = None
@@ -634,12 +631,13 @@ def describe(event: Event) -> str:
     f = event.facts
     if isinstance(f, RunFacts):
         what = _RUN_VERBS[event.type](f)
-        return f"run {_name(f.run.name)} ({_name(f.run.id)}) of {_name(f.run.owner)} {what}"
+        owner = _name(f.run.owner) or f"uid {f.run.owner_uid}"
+        return f"run {_name(f.run.name)} ({_name(f.run.id)}) of {owner} {what}"
     if isinstance(f, CampaignFacts):
         c = f.points
         counts = f"{c.verified}/{c.total} points verified"
-        if event.type is EventType.CAMPAIGN_FINISHED:
-            return f"campaign {_name(f.name)} finished ({_opt(f.outcome, NAME_MAX)}): {counts}"
+        if event.type is EventType.CAMPAIGN_FINISHED:  # finished, stopped or cancelled
+            return f"campaign {_name(f.name)} {_opt(f.outcome, NAME_MAX) or 'finished'}: {counts}"
         return f"campaign {_name(f.name)}: {counts}, {c.running} running, {c.failed} failed"
     if isinstance(f, QuarantineFacts):
         scope = (
@@ -647,6 +645,10 @@ def describe(event: Event) -> str:
         )
         return f"node {_name(f.node)} on {_name(f.cluster)} quarantined for {scope}"
     return f"test event for destination {_name(f.destination)}, asked by {_name(f.requested_by)}"
+
+
+def _job(f: RunFacts) -> str:
+    return _opt(f.slurm.job_id, NAME_MAX) or "not known yet"
 
 
 def _finished(f: RunFacts) -> str:
@@ -661,8 +663,8 @@ def _point_done(f: RunFacts) -> str:
 
 
 _RUN_VERBS: Final[Mapping[EventType, Callable[[RunFacts], str]]] = {
-    EventType.RUN_SUBMITTED: lambda f: f"submitted as job {_opt(f.slurm.job_id, NAME_MAX)}",
-    EventType.RUN_STARTED: lambda f: f"started (job {_opt(f.slurm.job_id, NAME_MAX)})",
+    EventType.RUN_SUBMITTED: lambda f: f"submitted as job {_job(f)}",
+    EventType.RUN_STARTED: lambda f: f"started (job {_job(f)})",
     EventType.RUN_POINT_FINISHED: _point_done,
     EventType.RUN_FINISHED: _finished,
 }

@@ -192,15 +192,20 @@ def test_slack_messages_of_the_other_events() -> None:
     assert m["text"] == "campaign sweep: 5/12 points verified, 2 running, 1 failed"
     problems = "failed 0123456789ab c=32: benchmark c=32: 0 of 320"
     assert _section(f"*Failed and blocked points*\n{problems}") in m["blocks"]
-    done = replace(campaign, outcome="incomplete", reason="1 point failed, 1 blocked")
+    done = replace(campaign, outcome="stopped", reason="2 of 3 canaries failed")
     m = slack_message(make_event(EventType.CAMPAIGN_FINISHED, done, T0, 9))
-    assert m["text"] == "campaign sweep finished (incomplete): 5/12 points verified"
+    assert m["text"] == "campaign sweep stopped: 5/12 points verified"
+    m = slack_message(make_event(EventType.CAMPAIGN_FINISHED, replace(done, outcome=None), T0, 9))
+    assert m["text"] == "campaign sweep finished: 5/12 points verified"
     q = QuarantineFacts("dev", "n3", None, None, 1, "NODE_FAIL", T0, T0 + timedelta(hours=6))
     m = slack_message(make_event(EventType.NODE_QUARANTINED, q, T0, 5))
     assert m["text"] == "node n3 on dev quarantined for everyone"
     mine = replace(q, owner="bob", owner_uid=1002)
     m = slack_message(make_event(EventType.NODE_QUARANTINED, mine, T0, 5))
     assert m["text"] == "node n3 on dev quarantined for runs of bob"
+    nameless = replace(FINISHED, run=replace(RUN, owner=""), slurm=SlurmFacts())
+    m = slack_message(make_event(EventType.RUN_SUBMITTED, nameless, T0, 1))
+    assert m["text"] == "run demo (r-0001) of uid 1001 submitted as job not known yet"
     ping = slack_message(make_event(EventType.TEST_PING, PingFacts("team", "root"), T0, 1))
     assert ping["text"] == "test event for destination team, asked by root"
     blocks = ping["blocks"]
