@@ -58,7 +58,10 @@ __all__ = [
 
 _NAME: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
 _USER: Final = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]{0,63}\$?")
-_ADDRESS: Final = re.compile(r"[^\s@<>,;:\"()\[\]\\]{1,64}@[A-Za-z0-9](?:[A-Za-z0-9.-]{0,252})")
+_LABEL: Final = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+# A plain address: a local part without spaces or the characters of a display name, a
+# group or a list; then a host name.
+_ADDRESS: Final = re.compile(rf"[^\s@<>,;:\"()\[\]\\]{{1,64}}@{_LABEL}(?:\.{_LABEL})*")
 _LOOPBACK: Final = frozenset({"127.0.0.1", "::1", "localhost"})
 DESTINATIONS_MAX: Final = 64
 RECIPIENTS_MAX: Final = 50

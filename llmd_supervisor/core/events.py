@@ -640,9 +640,8 @@ def describe(event: Event) -> str:
             return f"campaign {_name(f.name)} {_opt(f.outcome, NAME_MAX) or 'finished'}: {counts}"
         return f"campaign {_name(f.name)}: {counts}, {c.running} running, {c.failed} failed"
     if isinstance(f, QuarantineFacts):
-        scope = (
-            "everyone" if f.owner_uid is None else f"runs of {_name(f.owner or str(f.owner_uid))}"
-        )
+        whose = _name(f.owner) if f.owner else f"uid {f.owner_uid}"
+        scope = "everyone" if f.owner_uid is None else f"runs of {whose}"
         return f"node {_name(f.node)} on {_name(f.cluster)} quarantined for {scope}"
     return f"test event for destination {_name(f.destination)}, asked by {_name(f.requested_by)}"
 

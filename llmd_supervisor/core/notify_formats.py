@@ -119,10 +119,11 @@ def summary(event: Event) -> Summary:
     elif isinstance(f, CampaignFacts):
         fields, paragraphs = _campaign(f)
     elif isinstance(f, QuarantineFacts):
+        whose = f.owner or f"uid {f.owner_uid}"
         fields = [
             ("Cluster", f.cluster),
             ("Node", f.node),
-            ("Kept out of", "everyone's runs" if f.owner_uid is None else f"runs of {f.owner}"),
+            ("Kept out of", "everyone's runs" if f.owner_uid is None else f"runs of {whose}"),
             ("Failures counted", str(f.failures)),
             ("Until", iso(f.until)),
         ]

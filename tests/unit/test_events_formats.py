@@ -203,6 +203,10 @@ def test_slack_messages_of_the_other_events() -> None:
     mine = replace(q, owner="bob", owner_uid=1002)
     m = slack_message(make_event(EventType.NODE_QUARANTINED, mine, T0, 5))
     assert m["text"] == "node n3 on dev quarantined for runs of bob"
+    uid_only = replace(q, owner=None, owner_uid=1004)
+    m = slack_message(make_event(EventType.NODE_QUARANTINED, uid_only, T0, 5))
+    assert m["text"] == "node n3 on dev quarantined for runs of uid 1004"
+    assert _field("Kept out of", "runs of uid 1004") in m["blocks"][1]["fields"]
     nameless = replace(FINISHED, run=replace(RUN, owner=""), slurm=SlurmFacts())
     m = slack_message(make_event(EventType.RUN_SUBMITTED, nameless, T0, 1))
     assert m["text"] == "run demo (r-0001) of uid 1001 submitted as job not known yet"
