@@ -185,6 +185,11 @@ WEBHOOK = 'name = "ci"\nkind = "webhook"\nsecret_file = "/etc/x.whsec"\n'
             "use a plain address",
         ),
         (
+            _one('name = "m"\nkind = "mail"\nto = ["a@b..org"]\n'),
+            "events.destination[0].to",
+            "use a plain address",
+        ),
+        (
             _one('name = "m"\nkind = "mail"\nto = ["<a@b.org>"]\n'),
             "events.destination[0].to",
             "use a plain address",
