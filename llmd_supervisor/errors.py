@@ -270,3 +270,30 @@ class SummaryError(SupervisorError):
         self.where = where
         self.why = why
         super().__init__(f"The daemon's {kind} is not what this client expects: {where} {why}.")
+
+
+class WebhookSecretError(SupervisorError):
+    """A Standard Webhooks signing secret (a destination's ``secret_file``) is not usable.
+
+    The message names the file, the line and what is wrong with the value (its length,
+    its prefix or its encoding), never the secret itself.
+    """
+
+    def __init__(self, source: str, line: int | None, why: str) -> None:
+        self.source = source
+        self.line = line
+        self.why = why
+        where = source if line is None else f"{source} line {line}"
+        super().__init__(
+            f"Webhook secret in {where} is not usable: {why}; the secret itself is not shown."
+        )
+
+
+class WebhookSignatureError(SupervisorError):
+    """A signed webhook request did not verify (Standard Webhooks 1.0): a header is
+    missing or malformed, its timestamp is outside the tolerance, or no signature
+    matches any of the keys."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+        super().__init__(f"Webhook request does not verify: {why}.")
