@@ -20,7 +20,7 @@ import json
 import shutil
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypedDict
 
@@ -406,7 +406,7 @@ def fetch_results(command: str, args: argparse.Namespace, refs: Sequence[str]) -
             raise _Exit(2) from None
     socket_path: Path = args.socket
 
-    async def go() -> list[dict[str, object]]:
+    async def go() -> list[Mapping[str, object]]:
         async with ControlClient(socket_path) as c:
             return [await c.call("results", {"run": ref}) for ref in refs]
 

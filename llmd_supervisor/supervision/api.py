@@ -359,12 +359,13 @@ class ControlApi(Generic[H]):
         """Stream a summary whenever the run changed visibly (and every WAIT_REFRESH_S)
         until it is final; the final summary is the result."""
         handle = self._visible(args, peer)
-        shown: dict[str, object] | None = None
+        shown: RunSummary | None = None
         refresh_at = 0.0
         while not handle.run.state.is_final:
             changed = handle.changed  # taken before reading: a change after it sets it
             summary = run_summary(handle, self.clock())
-            visible = {k: v for k, v in summary.items() if k != "elapsed_s"}
+            visible = summary.copy()  # what a client shows: the time alone is not a change
+            visible["elapsed_s"] = 0.0
             now = anyio.current_time()
             if visible != shown or now >= refresh_at:
                 await send(summary)
