@@ -50,6 +50,30 @@ class _RunHead(TypedDict):
     reason: str
 
 
+class RegressionView(TypedDict):
+    """One `Regression` in ``results --json --baseline``'s ``regressions``."""
+
+    run: str
+    concurrency: int | None
+    kind: str
+    detail: str
+    baseline: float | None
+    value: float | None
+    change_pct: float | None
+
+
+class _ResultsDoc(TypedDict):
+    runs: list[RunResults]
+
+
+class ResultsDoc(_ResultsDoc, total=False):
+    """What ``results --json`` prints: the runs' results, and with ``--baseline`` the
+    baseline's and what regressed."""
+
+    baseline: RunResults
+    regressions: list[RegressionView]
+
+
 class ResultsError(SupervisorError):
     """The results cannot be compared as asked."""
 
@@ -226,7 +250,7 @@ def render_json(
     baseline: RunResults | None = None,
     regressions: Sequence[Regression] | None = None,
 ) -> str:
-    doc: dict[str, object] = {"runs": list(runs)}
+    doc: ResultsDoc = {"runs": list(runs)}
     if baseline is not None:
         doc["baseline"] = baseline
     if regressions is not None:
@@ -253,8 +277,16 @@ class Regression:
         where = f"run {self.run}" + ("" if self.concurrency is None else f" c={self.concurrency}")
         return f"REGRESSION {where}: {self.detail}"
 
-    def as_dict(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
+    def as_dict(self) -> RegressionView:
+        return {
+            "run": self.run,
+            "concurrency": self.concurrency,
+            "kind": self.kind,
+            "detail": self.detail,
+            "baseline": self.baseline,
+            "value": self.value,
+            "change_pct": self.change_pct,
+        }
 
 
 # (kind, what, unit, how the value is read, +1: a rise is worse, -1: a drop is worse)
