@@ -4,7 +4,7 @@
 table (`HANDLERS`, keyed by op name) that is checked against the protocol's `OPS` when this
 module is imported: an op without a handler, a handler without an op, or a streaming
 mismatch raises there, not at the first request. Results and stream items are the typed
-structures of `llmd_supervisor.core.summary`.
+structures of `llmd_supervisor.core.summary` (the campaign ops': `core.campaign_views`).
 
 Access: a peer sees and acts on its own runs; root and the admin group on every run
 (`supervision.access`). A run the peer may not see is answered exactly like a run that does
