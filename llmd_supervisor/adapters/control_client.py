@@ -106,8 +106,11 @@ class ControlClient:
         if stream is not None:
             await stream.aclose()
 
-    async def call(self, op: str, args: Mapping[str, object] | None = None) -> dict[str, object]:
+    async def call(self, op: str, args: Mapping[str, object] | None = None) -> Mapping[str, object]:
         """Send one request and return its result; raise `ControlError` on an error reply.
+
+        The result is a JSON object as it was decoded: its shape is the op's, which the
+        caller checks (`core.summary.read`).
 
         Stream items of a streaming op are discarded (so this does not return for
         ``logs`` with ``follow``).
@@ -122,8 +125,9 @@ class ControlClient:
 
     async def stream(
         self, op: str, args: Mapping[str, object] | None = None
-    ) -> AsyncGenerator[dict[str, object], None]:
-        """Send one request; yield its stream items, then ``{"final": result}`` last.
+    ) -> AsyncGenerator[Mapping[str, object], None]:
+        """Send one request; yield its stream items, then ``{"final": result}`` last
+        (decoded JSON objects, unchecked as `call`'s result).
 
         Raises `ControlError` on an error reply (the connection stays usable unless the
         code is ``too_large``). A stream item never has a top-level ``"final"`` key (the
@@ -193,7 +197,7 @@ class ControlClient:
                 self._busy = False
                 raise ControlError(code, message)
 
-    async def _receive(self, request_id: int) -> dict[str, object]:
+    async def _receive(self, request_id: int) -> Mapping[str, object]:
         """Read one reply line for `request_id`."""
         assert self._reader is not None
         try:
@@ -303,7 +307,7 @@ async def resumable_stream(
     reconnect: Reconnect,
     on_lost: Callable[[str], None] = _ignore,
     max_message: int = DEFAULT_MAX_MESSAGE,
-) -> AsyncGenerator[dict[str, object], None]:
+) -> AsyncGenerator[Mapping[str, object], None]:
     """Like `ControlClient.stream`, but reconnecting and re-sending the request when the
     daemon goes away (see `connection_lost`) until it answers again or the window passes.
 
@@ -338,7 +342,7 @@ async def call_retrying(
     reconnect: Reconnect,
     resend: bool,
     on_lost: Callable[[str], None] = _ignore,
-) -> dict[str, object]:
+) -> Mapping[str, object]:
     """One request, retried while the daemon cannot be reached.
 
     With ``resend=False`` (ops that must not run twice, like ``submit``) only a failure to
@@ -356,7 +360,7 @@ async def call_retrying(
             await retry.failed(exc)
 
 
-async def list_all(client: ControlClient, *, all_runs: bool) -> dict[str, object]:
+async def list_all(client: ControlClient, *, all_runs: bool) -> Mapping[str, object]:
     """Every page of ``list`` on one connection, as one ``{"runs": [...]}`` result."""
     runs: list[object] = []
     after: object = None

@@ -49,8 +49,9 @@ page, null on the last. ``logs`` chunks carry ``encoding``: ``"utf-8"`` when the
 are valid UTF-8 (``data`` is the text), else ``"base64"`` (``data`` is the bytes in
 base64), so any file round-trips byte for byte and every chunk fits the bound.
 
-The shapes of results and stream items are `llmd_supervisor.core.summary`'s typed
-structures; changing one of them changes the protocol version (adding an optional field
+The shapes of results and stream items are the typed structures of
+`llmd_supervisor.core.summary` (runs) and `llmd_supervisor.core.campaign_views`
+(campaigns); changing one of them changes the protocol version (adding an optional field
 does not: readers drop keys they do not know).
 
 This module is pure (no sockets): `control_server` serves it, `control_client` speaks it.

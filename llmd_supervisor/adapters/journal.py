@@ -326,15 +326,18 @@ class Journal:
 
         await self._call(operation, _write(work))
 
-    async def events(self, run_id: str) -> list[dict[str, object]]:
-        """The run's events in the order they were added: ``{"at": iso, "kind": ..., **fields}``."""
+    async def events(self, run_id: str) -> list[Mapping[str, object]]:
+        """The run's events in the order they were added: ``{"at": iso, "kind": ..., **fields}``.
+
+        The fields are what `add_event` was given, free-form per kind (and as an older
+        daemon wrote them): their reader checks them (`supervision.run.records`)."""
         operation = f"read the events of run {run_id}"
 
-        def work(conn: sqlite3.Connection) -> list[dict[str, object]]:
+        def work(conn: sqlite3.Connection) -> list[Mapping[str, object]]:
             rows = conn.execute(
                 "SELECT at, kind, fields FROM events WHERE run_id = ? ORDER BY id", (run_id,)
             ).fetchall()
-            out: list[dict[str, object]] = []
+            out: list[Mapping[str, object]] = []
             for at, kind, fields in rows:
                 decoded = decode_json(fields, dict, self._path, operation)
                 out.append({"at": at, "kind": kind, **decoded})
@@ -342,12 +345,12 @@ class Journal:
 
         return await self._call(operation, _read(work))
 
-    async def events_of_kind(self, kind: str) -> dict[str, list[dict[str, object]]]:
-        """Every run's events of one kind (one query for all runs), by run id."""
+    async def events_of_kind(self, kind: str) -> dict[str, list[Mapping[str, object]]]:
+        """Every run's events of one kind (one query for all runs), by run id (as `events`)."""
         operation = f"read the {kind!r} events"
 
-        def work(conn: sqlite3.Connection) -> dict[str, list[dict[str, object]]]:
-            out: dict[str, list[dict[str, object]]] = {}
+        def work(conn: sqlite3.Connection) -> dict[str, list[Mapping[str, object]]]:
+            out: dict[str, list[Mapping[str, object]]] = {}
             for run_id, at, fields in conn.execute(
                 "SELECT run_id, at, fields FROM events WHERE kind = ? ORDER BY id", (kind,)
             ):

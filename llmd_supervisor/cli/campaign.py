@@ -25,19 +25,26 @@ import json
 import os
 import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import aclosing
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from llmd_supervisor.adapters.control_client import ControlClient
-from llmd_supervisor.cli.common import _exits, _run, fit_to_terminal
+from llmd_supervisor.cli.campaign_points import point_rows, values_text, varying
+from llmd_supervisor.cli.common import _exits, _read, _run, fit_to_terminal
 from llmd_supervisor.cli.inferencex_agg import write_agg
-from llmd_supervisor.cli.result_values import latency, per_gpu_total
-from llmd_supervisor.cli.results import read_run_results
 from llmd_supervisor.core import foreign_spec
 from llmd_supervisor.core.campaign import parse_campaign
-from llmd_supervisor.core.summary import PointView, RunResults
+from llmd_supervisor.core.campaign_views import (
+    CampaignDryRun,
+    CampaignJobResults,
+    CampaignList,
+    CampaignResultsDone,
+    CampaignStatus,
+    DryRunJob,
+)
+from llmd_supervisor.core.summary import RunResults
 from llmd_supervisor.errors import SpecError
 
 __all__ = ["add_parsers"]
@@ -202,24 +209,25 @@ def _cmd_submit(args: argparse.Namespace) -> int:
         "cluster": args.cluster,
     }
 
-    async def go() -> dict[str, object]:
+    async def go() -> Mapping[str, object]:
         async with ControlClient(args.socket) as c:
             return await c.call("campaign_submit", params)
 
     result = _run("campaign submit", go)
     if args.dry_run:
+        plan = _read("campaign submit", CampaignDryRun, result)
         if args.json:
-            print(json.dumps(result, indent=2, sort_keys=True))
+            print(json.dumps(plan, indent=2, sort_keys=True))
         else:
-            print("\n".join(_dry_run_lines(result)))
+            print("\n".join(_dry_run_lines(plan)))
         return 0
-    campaign = str(result["campaign"])
-    print(f"{_status_line(result)}", file=sys.stderr if args.json or args.wait else sys.stdout)
+    status = _read("campaign submit", CampaignStatus, result)
+    print(f"{_status_line(status)}", file=sys.stderr if args.json or args.wait else sys.stdout)
     if not args.wait:
         if args.json:
-            print(json.dumps(result, indent=2, sort_keys=True))
+            print(json.dumps(status, indent=2, sort_keys=True))
         return 0
-    return _wait_and_show(args, campaign)
+    return _wait_and_show(args, status["campaign"])
 
 
 def _stem(path: Path) -> str:
@@ -228,7 +236,7 @@ def _stem(path: Path) -> str:
     )
 
 
-def _dry_run_lines(r: dict[str, object]) -> list[str]:
+def _dry_run_lines(r: CampaignDryRun) -> list[str]:
     lines = [
         f"campaign {r['name']}: {r['points']} points in {r['jobs']} jobs over "
         f"{r['topologies']} topologies; {r['jobs_to_run']} jobs to run, "
@@ -238,47 +246,48 @@ def _dry_run_lines(r: dict[str, object]) -> list[str]:
     ]
     if r["duplicates_merged"]:
         lines.append(f"{r['duplicates_merged']} duplicate points merged")
-    jobs = cast(list[dict[str, object]], r["job_list"])
+    jobs = r["job_list"]
     rows = [["job", "topology", "concurrencies", "reused", "values"]]
-    keys = varying(jobs)
+    keys = varying(j["values"] for j in jobs)
     for j in jobs:
         rows.append(
             [
-                str(j["job"]),
-                str(j["topology"]),
-                ",".join(map(str, cast(list[int], j["concurrencies"]))),
-                ",".join(map(str, cast(list[int], j["reused"]))) or "-",
+                j["job"],
+                j["topology"],
+                ",".join(map(str, j["concurrencies"])),
+                ",".join(map(str, j["reused"])) or "-",
                 values_text(j["values"], keys),
             ]
         )
     lines += fit_to_terminal(_aligned(rows))
-    if len(jobs) < cast(int, r["jobs"]):
-        lines.append(f"... and {cast(int, r['jobs']) - len(jobs)} more jobs")
-    if r.get("script"):
+    if len(jobs) < r["jobs"]:
+        lines.append(f"... and {r['jobs'] - len(jobs)} more jobs")
+    if r["script"]:
         lines += _env_lines(r, jobs)
     return lines
 
 
-def _env_lines(r: dict[str, object], jobs: Sequence[dict[str, object]]) -> list[str]:
+def _env_lines(r: CampaignDryRun, jobs: Sequence[DryRunJob]) -> list[str]:
     """A script campaign's variables: those every job shares, then each job's own (with
     its concurrencies' variable), as shell assignments."""
-    envs = [cast(dict[str, str], j["env"]) for j in jobs if j.get("env") is not None]
+    with_env = [(j, j["env"]) for j in jobs if j["env"] is not None]
+    envs = [env for _, env in with_env]
     if not envs:
         return []
-    conc = str(r["concurrency_env"])
+    conc = r["concurrency_env"]
     shared = {
         k: v
         for k, v in envs[0].items()
         if k != conc and all(e.get(k) == v for e in envs[1:]) and len(envs) > 1
     }
-    base = "this shell's environment" if r.get("export_env") else "the daemon's environment"
+    base = "this shell's environment" if r["export_env"] else "the daemon's environment"
     lines = [f"{r['script']} runs in {base}, with these variables over it:"]
     if shared:
         lines.append(f"  every job: {_assignments(shared)}")
-    for j, env in zip(jobs, envs, strict=False):
+    for j, env in with_env:
         own = {k: v for k, v in env.items() if k not in shared}
         lines.append(f"  job {j['job']}: {_assignments(own)}")
-    without = cast(int, r.get("jobs_without_time_limit", 0))
+    without = r["jobs_without_time_limit"]
     if without:
         lines.append(
             f"{without} jobs have no --time (in sbatch_args or the script): the GPU-hours"
@@ -287,25 +296,25 @@ def _env_lines(r: dict[str, object], jobs: Sequence[dict[str, object]]) -> list[
     return lines
 
 
-def _assignments(env: dict[str, str]) -> str:
+def _assignments(env: Mapping[str, str]) -> str:
     return " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
 
 
 # --- status, wait, cancel, list -------------------------------------------------------------
 
 
-def _status_line(s: dict[str, object]) -> str:
-    points = cast(dict[str, int], s["points"])
+def _status_line(s: CampaignStatus) -> str:
+    points = s["points"]
     counts = ", ".join(f"{points[k]} {k}" for k in _POINT_ORDER if points.get(k))
     line = f"campaign {s['campaign']} ({s['name']}): {s['state']}; {counts or 'no points'}"
-    if s.get("eta_s") is not None:
-        line += f"; ETA {round(cast(float, s['eta_s']) / 60, 1)} min"
-    if s.get("qos"):
+    if s["eta_s"] is not None:
+        line += f"; ETA {round(s['eta_s'] / 60, 1)} min"
+    if s["qos"]:
         line += f"; {s['qos']}"
     return line
 
 
-def _status_lines(s: dict[str, object]) -> list[str]:
+def _status_lines(s: CampaignStatus) -> list[str]:
     lines = [_status_line(s)]
     if s["reason"]:
         lines.append(f"  reason: {s['reason']}")
@@ -313,9 +322,9 @@ def _status_lines(s: dict[str, object]) -> list[str]:
         f"  {s['points_total']} points in {s['jobs_total']} jobs; GPU-hours useful "
         f"{s['gpu_hours_useful']}, lost {s['gpu_hours_lost']}"
     )
-    for p in cast(list[dict[str, object]], s["problems"]):
+    for p in s["problems"]:
         lines.append(f"  {p['state']}: job {p['job']} ({p['topology']}): {p['reason']}")
-    more = cast(int, s["problems_total"]) - len(cast(list[object], s["problems"]))
+    more = s["problems_total"] - len(s["problems"])
     if more > 0:
         lines.append(f"  ... and {more} more failed or blocked jobs")
     return lines
@@ -326,20 +335,21 @@ def _cmd_simple(args: argparse.Namespace) -> int:
     if args.campaign_op == "wait":
         return _wait_and_show(args, args.campaign)
 
-    async def go() -> dict[str, object]:
+    async def go() -> Mapping[str, object]:
         async with ControlClient(args.socket) as c:
             return await c.call(f"campaign_{args.campaign_op}", {"campaign": args.campaign})
 
-    result = _run(f"campaign {args.campaign_op}", go)
+    command = f"campaign {args.campaign_op}"
+    status = _read(command, CampaignStatus, _run(command, go))
     if args.json:
-        print(json.dumps(result, indent=2, sort_keys=True))
+        print(json.dumps(status, indent=2, sort_keys=True))
     else:
-        print("\n".join(_status_lines(result)))
+        print("\n".join(_status_lines(status)))
     return 0
 
 
 def _wait_and_show(args: argparse.Namespace, campaign: str) -> int:
-    async def go() -> dict[str, object]:
+    async def go() -> CampaignStatus:
         request = {"campaign": campaign}
         async with (
             ControlClient(args.socket) as c,
@@ -347,9 +357,10 @@ def _wait_and_show(args: argparse.Namespace, campaign: str) -> int:
         ):
             async for item in items:
                 if "final" in item:
-                    return cast(dict[str, object], item["final"])
+                    return _read("campaign wait", CampaignStatus, item["final"])
                 if not args.json:
-                    print(_status_line(item), file=sys.stderr, flush=True)
+                    status = _read("campaign wait", CampaignStatus, item)
+                    print(_status_line(status), file=sys.stderr, flush=True)
         raise AssertionError("the stream ended without a final item")
 
     final = _run("campaign wait", go)
@@ -357,30 +368,34 @@ def _wait_and_show(args: argparse.Namespace, campaign: str) -> int:
         print(json.dumps(final, indent=2, sort_keys=True))
     else:
         print("\n".join(_status_lines(final)))
-        jobs, _ = _fetch_results(args.socket, str(final["campaign"]))
+        jobs, _ = _fetch_results(args.socket, final["campaign"])
         print("\n".join(fit_to_terminal(_points_table(jobs))))
-    status = final.get("exit_status")
-    return status if isinstance(status, int) else 10
+    status = final["exit_status"]
+    return status if status is not None else 10
 
 
 @_exits
 def _cmd_list(args: argparse.Namespace) -> int:
-    async def go() -> dict[str, object]:
+    async def go() -> Mapping[str, object]:
         async with ControlClient(args.socket) as c:
             return await c.call("campaign_list", {})
 
-    result = _run("campaign list", go)
-    campaigns = cast(list[dict[str, object]], result["campaigns"])
+    listed = _read("campaign list", CampaignList, _run("campaign list", go))
     if args.json:
-        print(json.dumps(result, indent=2, sort_keys=True))
+        print(json.dumps(listed, indent=2, sort_keys=True))
         return 0
     rows = [["campaign", "name", "state", "points", "settled", "cluster", "created"]]
     rows += [
         [
-            str(c[k])
-            for k in ("campaign", "name", "state", "points", "settled", "cluster", "created_at")
+            c["campaign"],
+            c["name"],
+            c["state"],
+            str(c["points"]),
+            str(c["settled"]),
+            c["cluster"],
+            c["created_at"],
         ]
-        for c in campaigns
+        for c in listed["campaigns"]
     ]
     print("\n".join(fit_to_terminal(_aligned(rows))))
     return 0
@@ -391,9 +406,11 @@ def _cmd_list(args: argparse.Namespace) -> int:
 
 def _fetch_results(
     socket: Path, campaign: str
-) -> tuple[list[dict[str, object]], dict[str, object]]:
-    async def go() -> tuple[list[dict[str, object]], dict[str, object]]:
-        jobs: list[dict[str, object]] = []
+) -> tuple[list[CampaignJobResults], CampaignResultsDone]:
+    command = "campaign results"
+
+    async def go() -> tuple[list[CampaignJobResults], CampaignResultsDone]:
+        jobs: list[CampaignJobResults] = []
         request = {"campaign": campaign}
         async with (
             ControlClient(socket) as c,
@@ -401,22 +418,11 @@ def _fetch_results(
         ):
             async for item in items:
                 if "final" in item:
-                    return jobs, cast(dict[str, object], item["final"])
-                jobs.append(item)
+                    return jobs, _read(command, CampaignResultsDone, item["final"])
+                jobs.append(_read(command, CampaignJobResults, item))
         raise AssertionError("the stream ended without a final item")
 
-    return _run("campaign results", go)
-
-
-def _run_points(job: dict[str, object]) -> dict[tuple[str, int], PointView]:
-    """(run id, concurrency) to its row in that run's results table."""
-    out: dict[tuple[str, int], PointView] = {}
-    for raw in cast(list[object], job["runs"]):
-        r = read_run_results(raw)
-        if r["results"] is not None:
-            for p in r["results"]["points"]:
-                out[(r["run"], p["concurrency"])] = p
-    return out
+    return _run(command, go)
 
 
 COLUMNS = (
@@ -433,79 +439,25 @@ COLUMNS = (
 )
 
 
-def point_rows(jobs: Sequence[dict[str, object]]) -> list[dict[str, object]]:
-    """One row per point: its state, provenance and headline numbers."""
-    rows = []
-    keys = varying(jobs)
-    for job in jobs:
-        found = _run_points(job)
-        values = values_text(job["values"], keys)
-        for p in cast(list[dict[str, object]], job["points"]):
-            conc = cast(int, p["concurrency"])
-            point = found.get((str(p["run"]), conc))
-            rows.append(
-                {
-                    "campaign": job["campaign"],
-                    "job": job["job"],
-                    "recipe_id": job["recipe_id"],
-                    "topology": job["topology"],
-                    "values": values,
-                    "concurrency": conc,
-                    "state": p["state"],
-                    "run": p["run"],
-                    "reused_from": p["reused_from"],
-                    "total_token_throughput_per_gpu": per_gpu_total(point, None) if point else None,
-                    "output_throughput_per_gpu": point["output_throughput_per_gpu"]
-                    if point
-                    else None,
-                    "ttft_ms_median": latency(point, "ttft", "median") if point else None,
-                    "tpot_ms_median": latency(point, "tpot", "median") if point else None,
-                    "reason": p["reason"],
-                }
-            )
-    return rows
-
-
-def varying(jobs: Sequence[dict[str, object]]) -> set[str]:
-    """The matrix keys whose values differ between these jobs (the others say nothing
-    about a row; the concurrencies are the rows' own column)."""
-    seen: dict[str, set[str]] = {}
-    for job in jobs:
-        for k, v in cast(dict[str, object], job["values"]).items():
-            seen.setdefault(k, set()).add(json.dumps(v, sort_keys=True))
-    concurrencies = ("benchmark.concurrencies", "launcher.concurrencies")
-    return {k for k, vs in seen.items() if len(vs) > 1 and k not in concurrencies}
-
-
-def values_text(values: object, keys: set[str]) -> str:
-    """A job's matrix values among `keys`, short: `isl_osl=[64,16] prefill_nodes=1`."""
-    assert isinstance(values, dict)
-    return " ".join(
-        f"{k.rsplit('.', 1)[-1]}={json.dumps(v, separators=(',', ':'))}"
-        for k, v in values.items()
-        if k in keys
-    )
-
-
 def _num(value: object) -> str:
     return "-" if value is None else f"{value:.1f}" if isinstance(value, float) else str(value)
 
 
-def _points_table(jobs: Sequence[dict[str, object]]) -> list[str]:
+def _points_table(jobs: Sequence[CampaignJobResults]) -> list[str]:
     rows = [list(COLUMNS)]
     for r in point_rows(jobs):
         rows.append(
             [
-                str(r["topology"]),
-                str(r["values"]),
+                r["topology"],
+                r["values"],
                 str(r["concurrency"]),
-                str(r["state"]),
-                str(r["run"] or "-"),
+                r["state"],
+                r["run"] or "-",
                 _num(r["total_token_throughput_per_gpu"]),
                 _num(r["ttft_ms_median"]),
                 _num(r["tpot_ms_median"]),
-                str(r["recipe_id"])[:12],
-                str(r["reason"] or ""),
+                r["recipe_id"][:12],
+                r["reason"],
             ]
         )
     return _aligned(rows)
@@ -531,8 +483,7 @@ def _cmd_results(args: argparse.Namespace) -> int:
     elif args.format.startswith("inferencex-agg"):
         runs: dict[str, RunResults] = {}
         for job in jobs:
-            for raw in cast(list[object], job["runs"]):
-                r = read_run_results(raw)
+            for r in job["runs"]:
                 runs[r["run"]] = r
         write_agg(args.format, runs.values(), sys.stdout, sys.stderr)
     else:
@@ -552,12 +503,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
         print(INSTALL_HINT, file=sys.stderr)
         return 2
 
-    async def status() -> dict[str, object]:
+    async def status() -> Mapping[str, object]:
         async with ControlClient(args.socket) as c:
             return await c.call("campaign_status", {"campaign": args.campaign})
 
-    summary = _run("campaign report", status)
-    jobs, _ = _fetch_results(args.socket, str(summary["campaign"]))
+    summary = _read("campaign report", CampaignStatus, _run("campaign report", status))
+    jobs, _ = _fetch_results(args.socket, summary["campaign"])
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     text = render_campaign_report(summary, jobs, point_rows(jobs), generated_at=now)
     try:

@@ -13,8 +13,8 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Callable, Sequence
-from typing import cast
 
+from llmd_supervisor.cli.campaign_points import PointRow
 from llmd_supervisor.cli.report import (
     _CSS,
     MAX_VALUE,
@@ -25,7 +25,7 @@ from llmd_supervisor.cli.report import (
     chart_svg,
 )
 from llmd_supervisor.cli.result_values import interactivity, latency, per_gpu_total
-from llmd_supervisor.cli.results import read_run_results
+from llmd_supervisor.core.campaign_views import CampaignJobResults, CampaignStatus
 from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.core.summary import PointView
 
@@ -48,23 +48,22 @@ def pareto(points: Sequence[Point]) -> list[Point]:
     return sorted(best)
 
 
-def _settled_points(job: dict[str, object]) -> list[tuple[PointView, int | None]]:
+def _settled_points(job: CampaignJobResults) -> list[tuple[PointView, int | None]]:
     """The job's verified or reused points' rows (with their run's GPU count)."""
     rows: dict[tuple[str, int], tuple[PointView, int | None]] = {}
-    for raw in cast(list[object], job["runs"]):
-        r = read_run_results(raw)
+    for r in job["runs"]:
         if r["results"] is not None:
             for p in r["results"]["points"]:
                 rows[(r["run"], p["concurrency"])] = (p, r["results"]["gpus"])
     out = []
-    for point in cast(list[dict[str, object]], job["points"]):
-        got = rows.get((str(point["run"]), cast(int, point["concurrency"])))
+    for point in job["points"]:
+        got = rows.get((str(point["run"]), point["concurrency"]))
         if point["state"] in SETTLED and got is not None and got[0]["valid"]:
             out.append(got)
     return out
 
 
-def campaign_charts(jobs: Sequence[dict[str, object]]) -> list[Chart]:
+def campaign_charts(jobs: Sequence[CampaignJobResults]) -> list[Chart]:
     """The report's charts (pure: no matplotlib needed)."""
     by_topology: dict[str, list[Point]] = {}
     per_job: dict[str, dict[str, list[Point]]] = {"ttft": {}, "tpot": {}}
@@ -75,7 +74,7 @@ def campaign_charts(jobs: Sequence[dict[str, object]]) -> list[Chart]:
             x, y = interactivity(p), per_gpu_total(p, gpus)
             if _placeable(x, y):
                 assert x is not None and y is not None
-                by_topology.setdefault(str(job["topology"]), []).append((x, y, p["concurrency"]))
+                by_topology.setdefault(job["topology"], []).append((x, y, p["concurrency"]))
             else:
                 left_out.append(f"job {job['job']} c={p['concurrency']}: no per-GPU value")
             for metric in ("ttft", "tpot"):
@@ -128,13 +127,26 @@ def _cell(value: object) -> str:
 _COLUMNS = ("topology", "values", "concurrency", "state", "run", "recipe_id", "reason")
 
 
-def _points_table(title: str, rows: Sequence[dict[str, object]]) -> list[str]:
+def _cells(r: PointRow) -> tuple[object, ...]:
+    """A row's values under `_COLUMNS`."""
+    return (
+        r["topology"],
+        r["values"],
+        r["concurrency"],
+        r["state"],
+        r["run"],
+        r["recipe_id"],
+        r["reason"],
+    )
+
+
+def _points_table(title: str, rows: Sequence[PointRow]) -> list[str]:
     head = "".join(f"<th>{c}</th>" for c in _COLUMNS)
     return [
         f"<h2>{title}</h2>",
         f'<div class="scroll"><table class="points"><tr>{head}</tr>',
         *(
-            "<tr>" + "".join(f'<td class="text">{_cell(r[c])}</td>' for c in _COLUMNS) + "</tr>"
+            "<tr>" + "".join(f'<td class="text">{_cell(v)}</td>' for v in _cells(r)) + "</tr>"
             for r in rows
         ),
         "</table></div>",
@@ -142,15 +154,15 @@ def _points_table(title: str, rows: Sequence[dict[str, object]]) -> list[str]:
 
 
 def render_campaign_report(
-    status: dict[str, object],
-    jobs: Sequence[dict[str, object]],
-    rows: Sequence[dict[str, object]],
+    status: CampaignStatus,
+    jobs: Sequence[CampaignJobResults],
+    rows: Sequence[PointRow],
     *,
     generated_at: str,
     svg: Callable[[Chart], str] = chart_svg,
 ) -> str:
     """The whole HTML document for one campaign (`rows`: `campaign results`' point rows)."""
-    points = cast(dict[str, int], status["points"])
+    points = status["points"]
     counts = ", ".join(f"{n} {html.escape(k)}" for k, n in points.items() if n)
     title = f"Campaign {status['name']} ({status['campaign']})"
     parts = [

@@ -15,16 +15,17 @@ import argparse
 import json
 import os
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
 from llmd_supervisor.core.foreign_spec import ForeignSpec, Watch
 from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.core.spec import NAME_RE
-from llmd_supervisor.core.summary import RunResults, read
+from llmd_supervisor.core.summary import RunResults
 from llmd_supervisor.core.summary import UsageView as Usage
 from llmd_supervisor.core.usage import split as split_usage
-from llmd_supervisor.errors import ControlError, OfflineError, SummaryError
+from llmd_supervisor.errors import ControlError, OfflineError
 from llmd_supervisor.supervision.views import results_table_of
 
 RECEIPT = "receipt.json"
@@ -71,7 +72,9 @@ def archive_of(args: argparse.Namespace, ref: str) -> Path:
     return found
 
 
-def receipt_of(archive: Path) -> dict[str, object]:
+def receipt_of(archive: Path) -> Mapping[str, object]:
+    """The run's archived receipt: a JSON object with an `outcome`, as whichever daemon
+    version archived it wrote it (its other fields are checked where they are read)."""
     path = archive / RECEIPT
     try:
         with path.open("rb") as f:
@@ -95,7 +98,7 @@ def run_results(args: argparse.Namespace, ref: str) -> RunResults:
     return _results(archive, receipt_of(archive))
 
 
-def _results(archive: Path, receipt: dict[str, object]) -> RunResults:
+def _results(archive: Path, receipt: Mapping[str, object]) -> RunResults:
     try:
         table = results_table_of(archive / "results.json")
     except ControlError as exc:
@@ -103,21 +106,16 @@ def _results(archive: Path, receipt: dict[str, object]) -> RunResults:
     attempts = receipt.get("attempts")
     rows = [a for a in attempts if isinstance(a, dict)] if isinstance(attempts, list) else []
     outcome = str(receipt["outcome"])
-    value: dict[str, object] = {
+    decided_at = receipt.get("decided_at")
+    return {
         "run": archive.name,
         "state": outcome,  # an archived run is final: its state is its outcome
         "outcome": outcome,
         "reason": job_text(str(receipt.get("reason", ""))),
-        "results": table,
+        "results": table,  # checked as it was read
         "usage": split_usage(rows),
-        "finished_at": receipt["decided_at"]
-        if isinstance(receipt.get("decided_at"), str)
-        else None,
+        "finished_at": decided_at if isinstance(decided_at, str) else None,
     }
-    try:
-        return read(RunResults, value)
-    except SummaryError as exc:
-        raise OfflineError(f"{archive}: {exc}") from None
 
 
 SPEC_MAX = 1 << 20  # bytes of an archived spec.toml or foreign.json read for the run's name

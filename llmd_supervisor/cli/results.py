@@ -20,7 +20,7 @@ import json
 import shutil
 import sys
 import textwrap
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any, TypedDict
 
@@ -49,6 +49,30 @@ class _RunHead(TypedDict):
     state: str
     outcome: str | None
     reason: str
+
+
+class RegressionView(TypedDict):
+    """One `Regression` in ``results --json --baseline``'s ``regressions``."""
+
+    run: str
+    concurrency: int | None
+    kind: str
+    detail: str
+    baseline: float | None
+    value: float | None
+    change_pct: float | None
+
+
+class _ResultsDoc(TypedDict):
+    runs: list[RunResults]
+
+
+class ResultsDoc(_ResultsDoc, total=False):
+    """What ``results --json`` prints: the runs' results, and with ``--baseline`` the
+    baseline's and what regressed."""
+
+    baseline: RunResults
+    regressions: list[RegressionView]
 
 
 class ResultsError(SupervisorError):
@@ -227,7 +251,7 @@ def render_json(
     baseline: RunResults | None = None,
     regressions: Sequence[Regression] | None = None,
 ) -> str:
-    doc: dict[str, object] = {"runs": list(runs)}
+    doc: ResultsDoc = {"runs": list(runs)}
     if baseline is not None:
         doc["baseline"] = baseline
     if regressions is not None:
@@ -254,8 +278,16 @@ class Regression:
         where = f"run {self.run}" + ("" if self.concurrency is None else f" c={self.concurrency}")
         return f"REGRESSION {where}: {self.detail}"
 
-    def as_dict(self) -> dict[str, object]:
-        return dataclasses.asdict(self)
+    def as_dict(self) -> RegressionView:
+        return {
+            "run": self.run,
+            "concurrency": self.concurrency,
+            "kind": self.kind,
+            "detail": self.detail,
+            "baseline": self.baseline,
+            "value": self.value,
+            "change_pct": self.change_pct,
+        }
 
 
 # (kind, what, unit, how the value is read, +1: a rise is worse, -1: a drop is worse)
@@ -407,7 +439,7 @@ def fetch_results(command: str, args: argparse.Namespace, refs: Sequence[str]) -
             raise _Exit(2) from None
     socket_path: Path = args.socket
 
-    async def go() -> list[dict[str, object]]:
+    async def go() -> list[Mapping[str, object]]:
         async with ControlClient(socket_path) as c:
             return [await c.call("results", {"run": ref}) for ref in refs]
 

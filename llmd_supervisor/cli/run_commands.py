@@ -25,7 +25,7 @@ import json
 import os
 import pwd
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import aclosing
 from datetime import datetime
 from pathlib import Path
@@ -263,7 +263,7 @@ def cmd_simple(args: argparse.Namespace) -> int:
     else:
         params["run"] = args.run
 
-    async def go() -> dict[str, object]:
+    async def go() -> Mapping[str, object]:
         async with ControlClient(args.socket) as c:
             if args.op == "list":  # every page, fetched one after another
                 return await list_all(c, all_runs=args.all)
@@ -295,7 +295,7 @@ def cmd_nodes(args: argparse.Namespace) -> int:
         return 2
     params = {"release": args.node, "cluster": args.cluster}
 
-    async def go() -> dict[str, object]:
+    async def go() -> Mapping[str, object]:
         async with ControlClient(args.socket) as c:
             return await c.call("nodes", params)
 
@@ -419,12 +419,12 @@ def _waits(args: argparse.Namespace) -> bool:
 
 def _send_submission(
     args: argparse.Namespace, op: str, params: dict[str, object], *, waits: bool
-) -> dict[str, object]:
+) -> Mapping[str, object]:
     # Waiting for a daemon that is not up yet is part of waiting; a broken connection
     # after the request was sent is not retried (it may have been accepted).
     policy = _reconnect(args) if waits else Reconnect(window_s=0)
 
-    async def go() -> dict[str, object]:
+    async def go() -> Mapping[str, object]:
         return await call_retrying(
             args.socket, op, params, reconnect=policy, resend=False, on_lost=_lost(policy)
         )

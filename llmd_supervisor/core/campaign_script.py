@@ -54,7 +54,7 @@ import posixpath
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypedDict
 
 from llmd_supervisor.core import foreign_spec
 from llmd_supervisor.core.foreign_spec import ENV_NAME_RE, check_pattern
@@ -69,6 +69,7 @@ __all__ = [
     "SCRIPT_RECIPE_SCHEMA",
     "Launcher",
     "ScriptJob",
+    "ScriptJobJson",
     "ScriptPoint",
     "check_key",
     "env_text",
@@ -548,6 +549,28 @@ def time_limit_of(sbatch_args: Sequence[str], script: str) -> int:
 # --- the journaled job ----------------------------------------------------------------------
 
 
+class ScriptJobJson(TypedDict):
+    """A `ScriptJob` as `ScriptJob.to_json` journals it (under ``"script_job"``, as the
+    job's spec) and `ScriptJob.from_json` reads it back, checking every field."""
+
+    v: int  # SCRIPT_JOB_VERSION
+    script_name: str
+    script_sha256: str
+    chdir: str
+    log_dir: str
+    logs: list[str]
+    marker: str | None
+    marker_format: str
+    results: list[str]
+    job_name_prefix: str | None
+    sbatch_args: list[str]
+    prefill_gpus: int | None
+    decode_gpus: int | None
+    env: list[list[str]]  # [name, value] pairs, in order
+    concurrency_env: str
+    concurrency_separator: str
+
+
 @dataclass(frozen=True)
 class ScriptJob:
     """What a script campaign's job submits, but the script's text (kept once, with the
@@ -607,7 +630,7 @@ class ScriptJob:
         return json.dumps({"foreign": body}, sort_keys=True)
 
     def to_json(self) -> str:
-        body: dict[str, object] = {
+        body: ScriptJobJson = {
             "v": SCRIPT_JOB_VERSION,
             "script_name": self.script_name,
             "script_sha256": self.script_sha256,

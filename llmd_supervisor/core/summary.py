@@ -15,6 +15,7 @@ import functools
 import math
 import types
 import typing
+from collections.abc import Mapping
 from typing import Literal, NotRequired, TypedDict, TypeVar, Union
 
 from llmd_supervisor.errors import SummaryError
@@ -475,11 +476,18 @@ def _check(tp: object, value: object, kind: str, where: str) -> object:
                 continue
             out[key] = _check(hint, value[key], kind, f"{where}.{key}")
         return out
+    if tp is object:  # any JSON value (a campaign's matrix values): nothing to check
+        return value
     origin = typing.get_origin(tp)
     if origin is NotRequired:
         return _check(typing.get_args(tp)[0], value, kind, where)
     if origin in (Union, types.UnionType):
-        for option in typing.get_args(tp):
+        options = typing.get_args(tp)
+        if value is not None and len(options) == 2 and type(None) in options:
+            # `X | None` holding a value: X's own error names the field that is wrong
+            (option,) = (o for o in options if o is not type(None))
+            return _check(option, value, kind, where)
+        for option in options:
             try:
                 return _check(option, value, kind, where)
             except SummaryError:
@@ -494,7 +502,7 @@ def _check(tp: object, value: object, kind: str, where: str) -> object:
             raise SummaryError(kind, where, f"is {_kind(value)}, not an array")
         (item,) = typing.get_args(tp)
         return [_check(item, v, kind, f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
+    if origin in (dict, Mapping):
         if not isinstance(value, dict):
             raise SummaryError(kind, where, f"is {_kind(value)}, not an object")
         _, item = typing.get_args(tp)

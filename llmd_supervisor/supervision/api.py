@@ -4,7 +4,7 @@
 table (`HANDLERS`, keyed by op name) that is checked against the protocol's `OPS` when this
 module is imported: an op without a handler, a handler without an op, or a streaming
 mismatch raises there, not at the first request. Results and stream items are the typed
-structures of `llmd_supervisor.core.summary`.
+structures of `llmd_supervisor.core.summary` (the campaign ops': `core.campaign_views`).
 
 Access: a peer sees and acts on its own runs; root and the admin group on every run
 (`supervision.access`). A run the peer may not see is answered exactly like a run that does
@@ -359,12 +359,13 @@ class ControlApi(Generic[H]):
         """Stream a summary whenever the run changed visibly (and every WAIT_REFRESH_S)
         until it is final; the final summary is the result."""
         handle = self._visible(args, peer)
-        shown: dict[str, object] | None = None
+        shown: RunSummary | None = None
         refresh_at = 0.0
         while not handle.run.state.is_final:
             changed = handle.changed  # taken before reading: a change after it sets it
             summary = run_summary(handle, self.clock())
-            visible = {k: v for k, v in summary.items() if k != "elapsed_s"}
+            visible = summary.copy()  # what a client shows: the time alone is not a change
+            visible["elapsed_s"] = 0.0
             now = anyio.current_time()
             if visible != shown or now >= refresh_at:
                 await send(summary)

@@ -35,6 +35,7 @@ from llmd_supervisor.adapters.remote import NodeLink
 from llmd_supervisor.adapters.sdnotify import loop_monitor
 from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.lifecycle import RunState
+from llmd_supervisor.core.summary import RunResults
 from llmd_supervisor.errors import SupervisorError
 from llmd_supervisor.supervision.api import ControlApi
 from llmd_supervisor.supervision.campaign.api import CampaignOps
@@ -55,9 +56,9 @@ def _no_notify(_: str) -> None:
 def _control_api(supervisor: Supervisor, campaigns: Campaigns) -> ControlApi[RunHandle]:
     """The control API over the supervisor's runs and its campaigns."""
 
-    async def results_of(run_id: str) -> dict[str, object] | None:
+    async def results_of(run_id: str) -> RunResults | None:
         handle = supervisor.handles.get(run_id)
-        return None if handle is None else dict(await run_results(handle, supervisor.clock()))
+        return None if handle is None else await run_results(handle, supervisor.clock())
 
     ops = CampaignOps(
         campaigns,

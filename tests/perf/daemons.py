@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -90,19 +90,19 @@ log_roots = ["/var/tmp"]
         assert self.proc is not None
         return self.proc.pid
 
-    def ctl(self, op: str, args: dict[str, object] | None = None) -> dict[str, object]:
+    def ctl(self, op: str, args: dict[str, object] | None = None) -> Mapping[str, object]:
         """One control call, answered in-process (no CLI start-up cost)."""
 
-        async def go() -> dict[str, object]:
+        async def go() -> Mapping[str, object]:
             with anyio.fail_after(120):
                 async with ControlClient(self.socket) as c:
                     return await c.call(op, args or {})
 
         return anyio.run(go)
 
-    def submit_many(self, specs: Sequence[str], concurrency: int = 8) -> list[dict[str, object]]:
+    def submit_many(self, specs: Sequence[str], concurrency: int = 8) -> list[Mapping[str, object]]:
         """Submit specs over the control socket, `concurrency` at a time; the run summaries."""
-        results: list[dict[str, object]] = [{} for _ in specs]
+        results: list[Mapping[str, object]] = [{} for _ in specs]
 
         async def one(i: int, limiter: anyio.CapacityLimiter) -> None:
             async with limiter:
@@ -122,7 +122,7 @@ log_roots = ["/var/tmp"]
         return results
 
     def runs(self) -> list[dict[str, object]]:
-        async def go() -> dict[str, object]:
+        async def go() -> Mapping[str, object]:
             with anyio.fail_after(120):
                 async with ControlClient(self.socket) as c:
                     return await list_all(c, all_runs=True)

@@ -3,12 +3,14 @@ the HTML it writes (hostile text escaped)."""
 
 from __future__ import annotations
 
-from llmd_supervisor.cli.campaign import point_rows
+from llmd_supervisor.cli.campaign_points import point_rows
 from llmd_supervisor.cli.campaign_report import campaign_charts, pareto, render_campaign_report
+from llmd_supervisor.core.campaign_views import CampaignJobResults, CampaignStatus
+from llmd_supervisor.core.summary import LatencyView, PointView, RunResults
 
 
-def _point(conc: int, tput: float, tpot: float, *, valid: bool = True) -> dict[str, object]:
-    latency = {"mean": tpot, "median": tpot, "p99": tpot, "std": 0.0}
+def _point(conc: int, tput: float, tpot: float, *, valid: bool = True) -> PointView:
+    latency: LatencyView = {"mean": tpot, "median": tpot, "p99": tpot, "std": 0.0}
     return {
         "concurrency": conc,
         "num_prompts": 4 * conc,
@@ -32,8 +34,8 @@ def _point(conc: int, tput: float, tpot: float, *, valid: bool = True) -> dict[s
     }
 
 
-def _job(key: str, topology: str, run: str, points: list[dict[str, object]]) -> dict[str, object]:
-    results = {
+def _job(key: str, topology: str, run: str, points: list[PointView]) -> CampaignJobResults:
+    results: RunResults = {
         "run": run,
         "state": "succeeded",
         "outcome": "succeeded",
@@ -102,13 +104,26 @@ def test_the_report_escapes_what_a_job_wrote_and_lists_failed_points() -> None:
             "reason": "canary aaa failed: <b>boom</b>",
         }
     ]
-    status: dict[str, object] = {
+    status: CampaignStatus = {
         "campaign": "c0ffee000001",
         "name": "sweep",
         "state": "finished",
+        "reason": "",
+        "cluster": "dev",
+        "owner_uid": 1000,
+        "created_at": "2025-01-01T00:00:00+00:00",
+        "updated_at": "2025-01-01T01:00:00+00:00",
         "points": {"verified": 4, "blocked": 1},
+        "points_total": 5,
+        "jobs": {"blocked": 1, "succeeded": 2},
+        "jobs_total": 3,
         "gpu_hours_useful": 1.5,
         "gpu_hours_lost": 0.0,
+        "eta_s": None,
+        "qos": None,
+        "problems": [],
+        "problems_total": 1,
+        "exit_status": 10,
     }
     text = render_campaign_report(
         status, jobs, point_rows(jobs), generated_at="now", svg=lambda c: f"<svg>{c.chart_id}</svg>"

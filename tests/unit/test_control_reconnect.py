@@ -239,7 +239,7 @@ async def test_a_daemon_that_comes_up_late_is_waited_for(sock: Path) -> None:
     run.finish("succeeded")
     with anyio.fail_after(10):
         async with daemon(sock, run) as d, anyio.create_task_group() as tg:
-            results: list[dict[str, object]] = []
+            results: list[Mapping[str, object]] = []
 
             async def submit() -> None:
                 results.append(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+from collections.abc import Mapping
 from pathlib import Path
 
 import anyio
@@ -68,7 +69,7 @@ class Daemon:
     async def run(self) -> None:
         await serve(self.config, notify=self.notify, hooks=Hooks(runner=self.replay))
 
-    async def call(self, op: str, **args: object) -> dict[str, object]:
+    async def call(self, op: str, **args: object) -> Mapping[str, object]:
         async with ControlClient(self.config.socket_path) as client:
             return await client.call(op, args)
 

@@ -19,6 +19,7 @@ PURE_MODULES = [
     "llmd_supervisor.core.layout",
     "llmd_supervisor.core.summary",
     "llmd_supervisor.core.declared",
+    "llmd_supervisor.core.campaign_views",
     "llmd_supervisor.core.foreign_spec",
     "llmd_supervisor.core.retry_policy",
     "llmd_supervisor.core.usage",

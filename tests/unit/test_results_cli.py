@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import copy
 import csv
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -279,6 +280,8 @@ def test_a_missing_an_invalid_point_and_no_results_are_regressions() -> None:
         "REGRESSION run 3f2a9c01aa c=16: the point is not valid: the result file is not JSON",
         "REGRESSION run 3f2a9c01aa c=64: no point (the baseline has one)",
     ]
+    # --json shows every field of a regression
+    assert [g.as_dict() for g in found] == [dataclasses.asdict(g) for g in found]
     status, out, _ = _show([read_run_results(run_failed())], base, max_regression=50.0)
     assert status == EXIT_REGRESSION
     assert (

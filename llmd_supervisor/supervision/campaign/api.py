@@ -22,6 +22,13 @@ from llmd_supervisor.adapters.campaign_store import StoredCampaign
 from llmd_supervisor.adapters.control_protocol import Peer, Send, show
 from llmd_supervisor.core import foreign_spec
 from llmd_supervisor.core.campaign_run import CampaignState
+from llmd_supervisor.core.campaign_views import (
+    CampaignDryRun,
+    CampaignList,
+    CampaignResultsDone,
+    CampaignStatus,
+)
+from llmd_supervisor.core.summary import RunResults
 from llmd_supervisor.errors import ControlError, SpecError
 from llmd_supervisor.supervision.access import sees_all
 from llmd_supervisor.supervision.campaign import views
@@ -31,7 +38,7 @@ __all__ = ["CampaignOps"]
 
 WAIT_REFRESH_S: Final = 5.0
 
-RunResultsOf = Callable[[str], Awaitable[dict[str, object] | None]]
+RunResultsOf = Callable[[str], Awaitable[RunResults | None]]  # a run's `results` answer
 
 
 def _exported(text: object) -> dict[str, str] | None:
@@ -82,7 +89,9 @@ class CampaignOps:
             )
         return found[0]
 
-    async def submit(self, args: Mapping[str, object], peer: Peer, send: Send) -> dict[str, object]:
+    async def submit(
+        self, args: Mapping[str, object], peer: Peer, send: Send
+    ) -> CampaignDryRun | CampaignStatus:
         where = str(args["file_path"] or "the campaign file")
         cluster = args["cluster"]
         assert cluster is None or isinstance(cluster, str)
@@ -111,7 +120,7 @@ class CampaignOps:
         c = await self.campaigns.create(plan, owner_uid=peer.uid, cluster=cluster)
         return await self._status(c)
 
-    async def _status(self, c: StoredCampaign) -> dict[str, object]:
+    async def _status(self, c: StoredCampaign) -> CampaignStatus:
         jobs = await self.campaigns.store.jobs(c.campaign_id)
         limits = limits_of(c)
         _, qos = self.campaigns.backoff(c.campaign_id)
@@ -124,10 +133,10 @@ class CampaignOps:
             now=self.clock(),
         )
 
-    async def status(self, args: Mapping[str, object], peer: Peer, send: Send) -> dict[str, object]:
+    async def status(self, args: Mapping[str, object], peer: Peer, send: Send) -> CampaignStatus:
         return await self._status(await self._visible(args, peer))
 
-    async def list(self, args: Mapping[str, object], peer: Peer, send: Send) -> dict[str, object]:
+    async def list(self, args: Mapping[str, object], peer: Peer, send: Send) -> CampaignList:
         everyone = sees_all(peer, self.admin_group)
         store = self.campaigns.store
         out = []
@@ -135,15 +144,15 @@ class CampaignOps:
             out.append(views.brief(c, await store.jobs(c.campaign_id)))
         return {"campaigns": out[-500:]}
 
-    async def cancel(self, args: Mapping[str, object], peer: Peer, send: Send) -> dict[str, object]:
+    async def cancel(self, args: Mapping[str, object], peer: Peer, send: Send) -> CampaignStatus:
         c = await self._visible(args, peer)
         await self.campaigns.cancel(c.campaign_id)
         again = await self.campaigns.store.get(c.campaign_id)
         return await self._status(again or c)
 
-    async def wait(self, args: Mapping[str, object], peer: Peer, send: Send) -> dict[str, object]:
+    async def wait(self, args: Mapping[str, object], peer: Peer, send: Send) -> CampaignStatus:
         c = await self._visible(args, peer)
-        shown: dict[str, object] | None = None
+        shown: CampaignStatus | None = None
         while True:
             changed = self.campaigns.changed(c.campaign_id)
             now_c = await self.campaigns.store.get(c.campaign_id)
@@ -151,7 +160,9 @@ class CampaignOps:
             summary = await self._status(now_c)
             if CampaignState(now_c.state).is_final:
                 return summary
-            visible = {k: v for k, v in summary.items() if k not in ("eta_s", "updated_at")}
+            # what a client shows: a new ETA or update time alone is not a change
+            visible = summary.copy()
+            visible["eta_s"], visible["updated_at"] = None, ""
             if visible != shown:
                 await send(summary)
                 shown = visible
@@ -160,11 +171,11 @@ class CampaignOps:
 
     async def results(
         self, args: Mapping[str, object], peer: Peer, send: Send
-    ) -> dict[str, object]:
+    ) -> CampaignResultsDone:
         c = await self._visible(args, peer)
         jobs = await self.campaigns.store.jobs(c.campaign_id)
         proofs = await self.campaigns.store.verified(j.recipe_id for j in jobs)
-        cache: dict[str, dict[str, object]] = {}
+        cache: dict[str, RunResults] = {}
         points = 0
         for j in jobs:
             for p in (proofs.get((j.recipe_id, conc)) for conc in j.concurrencies):

@@ -20,7 +20,17 @@ from llmd_supervisor.core.campaign_run import (
     point_counts,
     point_state,
 )
+from llmd_supervisor.core.campaign_views import (
+    CampaignBrief,
+    CampaignDryRun,
+    CampaignJobResults,
+    CampaignPoint,
+    CampaignProblem,
+    CampaignStatus,
+    MatrixValues,
+)
 from llmd_supervisor.core.lifecycle import RunState
+from llmd_supervisor.core.summary import RunResults
 from llmd_supervisor.core.usage import split as split_usage
 from llmd_supervisor.supervision.campaign.runner import Plan
 from llmd_supervisor.supervision.run.driver import RunHandle
@@ -34,11 +44,11 @@ def _job_view(j: StoredJob) -> JobView:
     return JobView(JobState(j.state), j.concurrencies, j.to_run)
 
 
-def _values(j: StoredJob) -> dict[str, object]:
-    return {k: v for k, v in j.matrix_values}
+def _values(j: StoredJob) -> MatrixValues:
+    return dict(j.matrix_values)
 
 
-def brief(c: StoredCampaign, jobs: Sequence[StoredJob]) -> dict[str, object]:
+def brief(c: StoredCampaign, jobs: Sequence[StoredJob]) -> CampaignBrief:
     """One line of `campaign list`."""
     counts = point_counts(_job_view(j) for j in jobs)
     return {
@@ -71,7 +81,7 @@ def status(
     max_jobs: int,
     qos: str,
     now: datetime,
-) -> dict[str, object]:
+) -> CampaignStatus:
     """`campaign status`: counts per state, GPU-hours useful and lost, an ETA."""
     counts = point_counts(_job_view(j) for j in jobs)
     job_counts = Counter(j.state for j in jobs)
@@ -95,7 +105,7 @@ def status(
     eta = None
     if durations and left and not state.is_final:
         eta = round(median(durations) * -(-left // max(1, max_jobs)), 1)
-    problems = [
+    problems: list[CampaignProblem] = [
         {
             "job": j.job_key,
             "topology": j.topology,
@@ -143,7 +153,7 @@ def _job_env(job: CampaignJob, to_run: Sequence[int]) -> dict[str, str] | None:
     return job.script_job.env_of(to_run or job.concurrencies)
 
 
-def dry_run(plan: Plan) -> dict[str, object]:
+def dry_run(plan: Plan) -> CampaignDryRun:
     """What `campaign submit --dry-run` prints: the expansion before anything is submitted
     (a script campaign's jobs with the variables each gets: `env`)."""
     e = plan.expansion
@@ -188,12 +198,12 @@ def job_results(
     c: StoredCampaign,
     j: StoredJob,
     proofs: Mapping[tuple[str, int], VerifiedPoint],
-    results_of: Mapping[str, dict[str, object]],
-) -> dict[str, object]:
+    results_of: Mapping[str, RunResults],
+) -> CampaignJobResults:
     """One job's points with provenance, and the results of the runs that proved them
     (`results_of`: run id to that run's `results` reply)."""
-    rows = []
-    runs: dict[str, dict[str, object]] = {}
+    rows: list[CampaignPoint] = []
+    runs: dict[str, RunResults] = {}
     for conc in j.concurrencies:
         proof = proofs.get((j.recipe_id, conc))
         state = point_state(JobState(j.state), conc, j.to_run)
