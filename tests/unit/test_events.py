@@ -20,6 +20,7 @@ from llmd_supervisor.core.events import (
     CampaignProblem,
     Event,
     EventType,
+    Links,
     Owner,
     PingFacts,
     PointCounts,
@@ -183,6 +184,84 @@ def test_body_is_canonical_json() -> None:
     again = json.dumps(json.loads(raw), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     assert raw == again.encode("utf-8")
     assert raw == encode(make_event(EventType.RUN_FINISHED, FINISHED, T0, 7))  # deterministic
+
+
+# Pinned before the body was typed (TypedDicts): the bytes of a fully populated run event and
+# campaign event. Receivers verify signatures over these bytes; they must not change.
+_RUN_BYTES = (
+    b'{"data":{"attempt":2,"best_point":{"completed":320,"concurrency":32,"num_prompts":32'
+    b'0,"output_throughput":6000.25,"problem":null,"total_token_throughput":12345.5,"tpot_'
+    b'ms_median":12.5,"ttft_ms_median":120.0,"valid":true},"cause":"benchmark","evidence":'
+    b'["sacct: COMPLETED 0:0 (2 reads agree)","marker rc=0 rank 1"],"gpu_hours":{"lost":0.'
+    b'0,"useful":8.0},"links":{"archive":"/srv/archive/r-0001","dashboard":"https://dash/r'
+    b'-0001","report":"/srv/report.html"},"outcome":"failed","point":{"completed":100,"con'
+    b'currency":64,"num_prompts":320,"output_throughput":6000.25,"problem":"100 of 320 com'
+    b'pleted","total_token_throughput":12345.5,"tpot_ms_median":12.5,"ttft_ms_median":120.'
+    b'0,"valid":false},"points":[{"completed":320,"concurrency":4,"num_prompts":320,"outpu'
+    b't_throughput":6000.25,"problem":null,"total_token_throughput":100.0,"tpot_ms_median"'
+    b':12.5,"ttft_ms_median":120.0,"valid":true},{"completed":320,"concurrency":32,"num_pr'
+    b'ompts":320,"output_throughput":6000.25,"problem":null,"total_token_throughput":12345'
+    b'.5,"tpot_ms_median":12.5,"ttft_ms_median":120.0,"valid":true}],"reason":"State=COMPL'
+    b'ETED ExitCode=0:0, marker rc=0","run":{"cluster":"dev","id":"r-0001","name":"demo","'
+    b'owner":"alice","owner_uid":1001,"spec":{"name":"demo.toml","sha256":"abababababababa'
+    b'babababababababababababababababababababababababab"}},"slurm":{"exit_code":"0:0","job'
+    b'_id":"4242","nodes":["n1","n2"],"state":"COMPLETED"},"state":"failed","timing":{"fin'
+    b'ished_at":"2025-06-01T13:00:30.000Z","queued_s":30.0,"ran_s":3600.0,"started_at":"20'
+    b'25-06-01T12:00:30.000Z","submitted_at":"2025-06-01T12:00:00.000Z"}},"id":"evt_ifkrqd'
+    b'ar5cyokhisfzcmftq4iy","schema":"llmd-supervisor.event/1","timestamp":"2025-06-01T12:'
+    b'00:00.000Z","trimmed":[],"type":"run.finished"}'
+)
+_CAMPAIGN_BYTES = (
+    b'{"data":{"best_point":{"completed":320,"concurrency":32,"num_prompts":320,"output_th'
+    b'roughput":6000.25,"problem":null,"total_token_throughput":12345.5,"tpot_ms_median":1'
+    b'2.5,"ttft_ms_median":120.0,"valid":true},"campaign":{"cluster":"dev","id":"camp-1","'
+    b'name":"sweep","owner":"alice","owner_uid":1001},"gpu_hours":{"lost":2.25,"useful":16'
+    b'.5},"links":{"archive":"/srv/archive","dashboard":"https://dash/camp-1","report":"/s'
+    b'rv/c.html"},"outcome":"finished","points":{"blocked":1,"failed":1,"pending":1,"runni'
+    b'ng":1,"total":6,"verified":2},"problems":[{"concurrency":8,"reason":"oom","recipe":"'
+    b'r-a","state":"failed"},{"concurrency":16,"reason":"r-a failed","recipe":"r-b","state'
+    b'":"blocked"}],"reason":"every point settled"},"id":"evt_bk7rb6oxr4hwobnzl3uxcvyoyu",'
+    b'"schema":"llmd-supervisor.event/1","timestamp":"2025-06-01T12:00:00.000Z","trimmed":'
+    b'[],"type":"campaign.finished"}'
+)
+
+
+def test_fully_populated_bodies_are_byte_for_byte_pinned() -> None:
+    run = replace(
+        FINISHED,
+        state="failed",
+        attempt=2,
+        outcome="failed",
+        cause="benchmark",
+        point=replace(
+            BEST, concurrency=64, valid=False, completed=100, problem="100 of 320 completed"
+        ),
+        links=Links(
+            archive="/srv/archive/r-0001",
+            report="/srv/report.html",
+            dashboard="https://dash/r-0001",
+        ),
+    )
+    campaign = CampaignFacts(
+        id="camp-1",
+        name="sweep",
+        owner="alice",
+        owner_uid=1001,
+        cluster="dev",
+        points=PointCounts(total=6, verified=2, running=1, pending=1, failed=1, blocked=1),
+        outcome="finished",
+        reason="every point settled",
+        gpu_hours_useful=16.5,
+        gpu_hours_lost=2.25,
+        best=BEST,
+        problems=(
+            CampaignProblem("r-a", 8, "failed", "oom"),
+            CampaignProblem("r-b", 16, "blocked", "r-a failed"),
+        ),
+        links=Links(archive="/srv/archive", report="/srv/c.html", dashboard="https://dash/camp-1"),
+    )
+    assert encode(make_event(EventType.RUN_FINISHED, run, T0, 7)) == _RUN_BYTES
+    assert encode(make_event(EventType.CAMPAIGN_FINISHED, campaign, T0, 3)) == _CAMPAIGN_BYTES
 
 
 def test_point_finished_carries_the_point() -> None:
