@@ -4,7 +4,9 @@ An `Event` is one transition worth telling: its `EventType`, a stable id, the ti
 transition and the typed facts it reports (`RunFacts`, `CampaignFacts`,
 `QuarantineFacts`, `PingFacts`; the facts have no field for logs, environment or
 secrets, so none can be sent). `encode` turns it into the body every destination gets
-(webhooks verbatim; Slack and mail format the same facts in `core.notify_formats`)::
+(webhooks verbatim; Slack and mail format the same facts in `core.notify_formats`); its
+shape is the TypedDict `EventBody`, its ``data`` one of `EventData` (`RunData`,
+`CampaignData`, `QuarantineData`, `PingData`) or, trimmed to identifiers, `SubjectData`::
 
     {"schema": "llmd-supervisor.event/1", "type": "run.finished", "id": "evt_...",
      "timestamp": "2025-06-01T12:00:00.000Z", "data": {...}, "trimmed": []}
@@ -50,10 +52,10 @@ import hashlib
 import json
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
-from typing import Final
+from typing import Final, Literal, TypedDict, TypeVar, cast
 
 from llmd_supervisor.core.jobtext import job_text
 
@@ -61,22 +63,45 @@ __all__ = [
     "MAX_BODY_BYTES",
     "PROGRESS_INTERVAL",
     "SCHEMA",
+    "CampaignData",
     "CampaignFacts",
+    "CampaignIds",
     "CampaignProblem",
+    "CampaignRefData",
     "Event",
+    "EventBody",
+    "EventData",
     "EventType",
     "Facts",
+    "GpuHoursData",
+    "IdName",
     "Links",
+    "LinksData",
     "Owner",
+    "PingData",
     "PingFacts",
+    "PingIds",
     "PointCounts",
+    "PointCountsData",
+    "PointData",
     "PointFacts",
+    "ProblemData",
     "ProgressGate",
+    "QuarantineData",
     "QuarantineFacts",
+    "QuarantineIds",
+    "RunData",
     "RunFacts",
+    "RunIds",
     "RunRef",
+    "RunRefData",
+    "SlurmData",
     "SlurmFacts",
+    "SpecData",
+    "SubjectData",
     "Timing",
+    "TimingData",
+    "Trim",
     "canonical_json",
     "describe",
     "encode",
@@ -340,6 +365,191 @@ def make_event(etype: EventType, facts: Facts, at: datetime, seq: int | str) -> 
     return Event(type=etype, id=event_id(etype, subject(facts), seq), at=at, facts=facts)
 
 
+# --- the body's shape -------------------------------------------------------------------
+# Every key is always present (null when not known), so none of these is total=False.
+
+Trim = Literal["points", "text", "lists", "data"]  # an entry of a body's ``trimmed``
+
+
+class PointData(TypedDict):
+    """One benchmark point's headline numbers (``best_point``, ``point``, ``points``)."""
+
+    concurrency: int
+    valid: bool
+    completed: int | None
+    num_prompts: int | None
+    total_token_throughput: float | None  # tokens/s; null also when not finite
+    output_throughput: float | None
+    ttft_ms_median: float | None
+    tpot_ms_median: float | None
+    problem: str | None
+
+
+class LinksData(TypedDict):
+    archive: str | None
+    report: str | None
+    dashboard: str | None
+
+
+class GpuHoursData(TypedDict):
+    useful: float | None
+    lost: float | None
+
+
+class SpecData(TypedDict):
+    name: str
+    sha256: str
+
+
+class RunRefData(TypedDict):
+    id: str
+    name: str
+    owner: str
+    owner_uid: int
+    cluster: str
+    spec: SpecData
+
+
+class SlurmData(TypedDict):
+    job_id: str | None
+    state: str | None
+    exit_code: str | None
+    nodes: list[str]
+
+
+class TimingData(TypedDict):
+    submitted_at: str | None  # ISO 8601, UTC (`iso`)
+    started_at: str | None
+    finished_at: str | None
+    queued_s: float | None  # submitted -> started
+    ran_s: float | None  # started -> finished
+
+
+class RunData(TypedDict):
+    """``data`` of a run.* event."""
+
+    run: RunRefData
+    state: str
+    attempt: int
+    slurm: SlurmData
+    outcome: str | None
+    cause: str | None
+    reason: str
+    evidence: list[str]
+    timing: TimingData
+    gpu_hours: GpuHoursData
+    best_point: PointData | None
+    point: PointData | None  # run.point_finished: the point that finished
+    points: list[PointData]  # per-point detail: dropped first when the body is too large
+    links: LinksData
+
+
+class CampaignRefData(TypedDict):
+    id: str
+    name: str
+    owner: str
+    owner_uid: int
+    cluster: str | None
+
+
+class PointCountsData(TypedDict):
+    total: int
+    verified: int
+    running: int
+    pending: int
+    failed: int
+    blocked: int
+
+
+class ProblemData(TypedDict):
+    """One failed or blocked point of a campaign."""
+
+    recipe: str
+    concurrency: int
+    state: str
+    reason: str
+
+
+class CampaignData(TypedDict):
+    """``data`` of a campaign.* event."""
+
+    campaign: CampaignRefData
+    points: PointCountsData
+    outcome: str | None
+    reason: str
+    gpu_hours: GpuHoursData
+    best_point: PointData | None
+    problems: list[ProblemData]  # per-point detail: dropped first when too large
+    links: LinksData
+
+
+class QuarantineIds(TypedDict):
+    """``data`` of a node.quarantined event cut to its identifiers."""
+
+    cluster: str
+    node: str
+
+
+class QuarantineData(QuarantineIds):
+    """``data`` of a node.quarantined event."""
+
+    owner: str | None
+    owner_uid: int | None
+    scope: Literal["everyone", "owner"]
+    failures: int
+    reason: str
+    since: str
+    until: str
+    run: str | None
+
+
+class PingIds(TypedDict):
+    """``data`` of a test.ping event cut to its identifiers."""
+
+    destination: str
+
+
+class PingData(PingIds):
+    """``data`` of a test.ping event."""
+
+    requested_by: str
+
+
+class IdName(TypedDict):
+    id: str
+    name: str
+
+
+class RunIds(TypedDict):
+    """``data`` of a run.* event cut to its identifiers."""
+
+    run: IdName
+    state: str
+    outcome: str | None
+
+
+class CampaignIds(TypedDict):
+    """``data`` of a campaign.* event cut to its identifiers."""
+
+    campaign: IdName
+
+
+EventData = RunData | CampaignData | QuarantineData | PingData
+# What ``data`` keeps at the last step of trimming (``trimmed`` ends in ``"data"``).
+SubjectData = RunIds | CampaignIds | QuarantineIds | PingIds
+
+
+class EventBody(TypedDict):
+    """The body every destination gets, before it is encoded (`encode`)."""
+
+    schema: str  # SCHEMA
+    type: str  # an EventType value
+    id: str
+    timestamp: str  # ISO 8601, UTC
+    data: EventData | SubjectData
+    trimmed: list[Trim]
+
+
 # --- the body -------------------------------------------------------------------------
 
 
@@ -358,31 +568,28 @@ def encode(event: Event, max_bytes: int = MAX_BODY_BYTES) -> bytes:
     body = _body(event, data, [])
     if len(body) <= max_bytes:
         return body
-    detail = _DETAIL.get(type(event.facts), ())
-    dropped = ["points"] if any(data[k] for k in detail) else []
-    data = {k: ([] if k in detail else v) for k, v in data.items()}
-    body = _body(event, data, dropped)
-    if len(body) <= max_bytes:
-        return body
+    lighter = _without_detail(event.facts)
+    dropped: list[Trim] = []
+    if lighter is not None:
+        dropped = ["points"]
+        data = _data(lighter)
+        body = _body(event, data, dropped)
+        if len(body) <= max_bytes:
+            return body
     for text_limit, list_limit in _SHRINK_STEPS:
         cut = _Cut()
-        shrunk = _shrink(data, text_limit, list_limit, cut)
+        shrunk = _shrunk(data, text_limit, list_limit, cut)
         body = _body(event, shrunk, dropped + cut.marks())
         if len(body) <= max_bytes:
             return body
     cut = _Cut()
-    minimal = _shrink(_minimal(event.facts), 64, None, cut)
+    minimal = _shrunk(_minimal(event.facts), 64, None, cut)
     body = _body(event, minimal, [*dropped, *cut.marks(), "data"])
     if len(body) > max_bytes:
         raise ValueError(f"max_bytes {max_bytes} cannot hold even the event's identifiers")
     return body
 
 
-# The keys of `data` holding per-point detail (dropped first), by kind of facts.
-_DETAIL: Final[Mapping[type, tuple[str, ...]]] = {
-    RunFacts: ("points",),
-    CampaignFacts: ("problems",),
-}
 # (characters per string, items per list); None: lists are kept whole.
 _SHRINK_STEPS: Final[tuple[tuple[int, int | None], ...]] = (
     (256, None),
@@ -392,17 +599,26 @@ _SHRINK_STEPS: Final[tuple[tuple[int, int | None], ...]] = (
 )
 
 
-def _body(event: Event, data: object, trimmed: list[str]) -> bytes:
-    return canonical_json(
-        {
-            "schema": SCHEMA,
-            "type": event.type.value,
-            "id": event.id,
-            "timestamp": iso(event.at),
-            "data": data,
-            "trimmed": trimmed,
-        }
-    )
+def _body(event: Event, data: EventData | SubjectData, trimmed: list[Trim]) -> bytes:
+    value: EventBody = {
+        "schema": SCHEMA,
+        "type": event.type.value,
+        "id": event.id,
+        "timestamp": iso(event.at),
+        "data": data,
+        "trimmed": trimmed,
+    }
+    return canonical_json(value)
+
+
+def _without_detail(facts: Facts) -> Facts | None:
+    """The facts without their per-point detail (``points`` of a run, ``problems`` of a
+    campaign); None when they have none to drop."""
+    if isinstance(facts, RunFacts) and facts.points:
+        return replace(facts, points=())
+    if isinstance(facts, CampaignFacts) and facts.problems:
+        return replace(facts, problems=())
+    return None
 
 
 @dataclass
@@ -412,11 +628,27 @@ class _Cut:
     text: bool = False
     lists: bool = False
 
-    def marks(self) -> list[str]:
-        return ["text"] * self.text + ["lists"] * self.lists
+    def marks(self) -> list[Trim]:
+        marks: list[Trim] = []
+        if self.text:
+            marks.append("text")
+        if self.lists:
+            marks.append("lists")
+        return marks
+
+
+_D = TypeVar("_D", bound=EventData | SubjectData)
+
+
+def _shrunk(data: _D, text_limit: int, list_limit: int | None, cut: _Cut) -> _D:
+    """`data` with every string cut to `text_limit` characters and every list to
+    `list_limit` items: the same keys holding the same types, so it is still a `_D`."""
+    return cast("_D", _shrink(data, text_limit, list_limit, cut))
 
 
 def _shrink(value: object, text_limit: int, list_limit: int | None, cut: _Cut) -> object:
+    # One walk for every part of every kind of data: each is a JSON value here (a TypedDict
+    # is a Mapping[str, object]); `_shrunk` gives the result its type back.
     if isinstance(value, str):
         if len(value) <= text_limit:
             return value
@@ -431,7 +663,7 @@ def _shrink(value: object, text_limit: int, list_limit: int | None, cut: _Cut) -
     return value
 
 
-def _minimal(facts: Facts) -> dict[str, object]:
+def _minimal(facts: Facts) -> SubjectData:
     """Only what says which subject the event is about."""
     if isinstance(facts, RunFacts):
         return {
@@ -446,31 +678,20 @@ def _minimal(facts: Facts) -> dict[str, object]:
     return {"destination": _name(facts.destination)}
 
 
-def _data(facts: Facts) -> dict[str, object]:
+def _data(facts: Facts) -> EventData:
     if isinstance(facts, RunFacts):
         return _run_data(facts)
     if isinstance(facts, CampaignFacts):
         return _campaign_data(facts)
     if isinstance(facts, QuarantineFacts):
-        return {
-            "cluster": _name(facts.cluster),
-            "node": _name(facts.node),
-            "owner": _opt(facts.owner, NAME_MAX),
-            "owner_uid": facts.owner_uid,
-            "scope": "everyone" if facts.owner_uid is None else "owner",
-            "failures": facts.failures,
-            "reason": _text(facts.reason, TEXT_MAX),
-            "since": iso(facts.since),
-            "until": iso(facts.until),
-            "run": _opt(facts.run, NAME_MAX),
-        }
+        return _quarantine_data(facts)
     return {
         "destination": _name(facts.destination),
         "requested_by": _name(facts.requested_by),
     }
 
 
-def _run_data(f: RunFacts) -> dict[str, object]:
+def _run_data(f: RunFacts) -> RunData:
     t = f.timing
     return {
         "run": {
@@ -501,14 +722,14 @@ def _run_data(f: RunFacts) -> dict[str, object]:
             "ran_s": _seconds(t.started_at, t.finished_at),
         },
         "gpu_hours": {"useful": _num(f.gpu_hours_useful), "lost": _num(f.gpu_hours_lost)},
-        "best_point": _point(f.best),
-        "point": _point(f.point),
+        "best_point": _opt_point(f.best),
+        "point": _opt_point(f.point),
         "points": [_point(p) for p in f.points],
         "links": _links(f.links),
     }
 
 
-def _campaign_data(f: CampaignFacts) -> dict[str, object]:
+def _campaign_data(f: CampaignFacts) -> CampaignData:
     c = f.points
     return {
         "campaign": {
@@ -529,7 +750,7 @@ def _campaign_data(f: CampaignFacts) -> dict[str, object]:
         "outcome": _opt(f.outcome, NAME_MAX),
         "reason": _text(f.reason, TEXT_MAX),
         "gpu_hours": {"useful": _num(f.gpu_hours_useful), "lost": _num(f.gpu_hours_lost)},
-        "best_point": _point(f.best),
+        "best_point": _opt_point(f.best),
         "problems": [
             {
                 "recipe": _name(p.recipe),
@@ -543,9 +764,22 @@ def _campaign_data(f: CampaignFacts) -> dict[str, object]:
     }
 
 
-def _point(p: PointFacts | None) -> dict[str, object] | None:
-    if p is None:
-        return None
+def _quarantine_data(f: QuarantineFacts) -> QuarantineData:
+    return {
+        "cluster": _name(f.cluster),
+        "node": _name(f.node),
+        "owner": _opt(f.owner, NAME_MAX),
+        "owner_uid": f.owner_uid,
+        "scope": "everyone" if f.owner_uid is None else "owner",
+        "failures": f.failures,
+        "reason": _text(f.reason, TEXT_MAX),
+        "since": iso(f.since),
+        "until": iso(f.until),
+        "run": _opt(f.run, NAME_MAX),
+    }
+
+
+def _point(p: PointFacts) -> PointData:
     return {
         "concurrency": p.concurrency,
         "valid": p.valid,
@@ -559,7 +793,11 @@ def _point(p: PointFacts | None) -> dict[str, object] | None:
     }
 
 
-def _links(links: Links) -> dict[str, object]:
+def _opt_point(p: PointFacts | None) -> PointData | None:
+    return None if p is None else _point(p)
+
+
+def _links(links: Links) -> LinksData:
     return {
         "archive": _opt(links.archive, LINK_MAX),
         "report": _opt(links.report, LINK_MAX),
