@@ -181,6 +181,40 @@ class JournalConflict(JournalError):
         super().__init__(path, operation, why)
 
 
+class FencedWrite(JournalError):
+    """A shared journal refused a write: the writer's lease epoch is not the cluster's
+    current one (core.fencing). ``lease_epoch`` is None when the cluster has no lease."""
+
+    def __init__(
+        self, location: str, cluster: str, writer_epoch: int | None, lease_epoch: int | None
+    ) -> None:
+        self.cluster = cluster
+        self.writer_epoch = writer_epoch
+        self.lease_epoch = lease_epoch
+        carried = "no epoch" if writer_epoch is None else f"epoch {writer_epoch}"
+        lease = "has no lease" if lease_epoch is None else f"is at epoch {lease_epoch}"
+        super().__init__(
+            location,
+            f"write for cluster {cluster!r}",
+            f"the write carried {carried} but the cluster's lease {lease} (another daemon "
+            "leads it now); this daemon stops acting for the cluster",
+        )
+
+
+class JournalSchemaTooNew(JournalError):
+    """The journal's schema is newer than this daemon's code (core.schema_versions)."""
+
+    def __init__(self, location: str, db_version: int, code_version: int) -> None:
+        self.db_version = db_version
+        self.code_version = code_version
+        super().__init__(
+            location,
+            "be opened",
+            f"the journal's schema is version {db_version}, newer than this daemon's "
+            f"{code_version}; upgrade llmd-supervisor",
+        )
+
+
 class FileRefused(SupervisorError):
     """A file of a job's log directory is not a plain file the daemon may read."""
 

@@ -34,6 +34,10 @@ PURE_MODULES = [
     "llmd_supervisor.core.delivery",
     "llmd_supervisor.core.notify_formats",
     "llmd_supervisor.core.event_routing",
+    "llmd_supervisor.core.lease",
+    "llmd_supervisor.core.fencing",
+    "llmd_supervisor.core.journal_url",
+    "llmd_supervisor.core.schema_versions",
 ]
 FORBIDDEN = ["anyio", "asyncssh", "sqlite3", "subprocess", "socket", "asyncio", "structlog"]
 # A standard-library module a pure module needs may load one of FORBIDDEN without using

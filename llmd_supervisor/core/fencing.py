@@ -1,0 +1,183 @@
+"""The fencing rule: a journal write is accepted only from the cluster's current leader
+(pure; the SQL is executed by the journal adapter).
+
+Every journal write carries the writer's cluster and epoch (`core.lease`); it is accepted
+only if that epoch equals the epoch of the cluster's lease row at the time of the write
+(`check_write`). A leader that stopped acting, or does not know yet that it lost the
+lease, writes with a stale epoch and is refused, whatever it believes.
+
+How PostgreSQL enforces it: a TRIGGER, not a ``WHERE`` clause in each statement.
+
+* A trigger runs for every row any statement inserts, updates or deletes in a fenced
+  table (`FENCED_TABLES`), including statements written after this module: no call site
+  can forget the check, which the issue requires. A ``WHERE EXISTS (...epoch...)`` pattern
+  would have to be repeated by every statement (and ``INSERT ... VALUES`` has no WHERE),
+  and one forgotten statement would be an unfenced write.
+* The writer states its cluster and epoch once per transaction (`SET_WRITER_SQL`,
+  transaction-local settings). A transaction that forgot it is refused (fails closed):
+  an unset setting reads as NULL, and after an earlier transaction of the same session
+  set it, as ''; both are refused.
+* The trigger reads the lease row ``FOR SHARE``. An acquisition updates that row, so it
+  waits for every write transaction that already passed the check to commit, and a write
+  that starts after the acquisition committed reads the new epoch: a stale write either
+  commits before the new leader exists or not at all. (Renewals update the row too and
+  so wait for in-flight writes of their own leader; writes are short, and the daemon's
+  role gets ``idle_in_transaction_session_timeout`` so a stuck one cannot hold renewals
+  for long.)
+* A refusal is ``RAISE`` with SQLSTATE `STALE_EPOCH_SQLSTATE` or `NO_EPOCH_SQLSTATE`,
+  which abort the whole transaction; the adapter maps them to `errors.FencedWrite`.
+
+The lease table itself is not fenced (acquisition and renewal are what change epochs);
+``TRUNCATE`` is not granted to the daemon's role (row triggers do not see it).
+
+SQLite (the single-node default) has no lease: one daemon owns its state directory. Its
+writes carry `SINGLE_NODE_EPOCH` (0) and its "lease" is epoch 0 forever, so the same
+`check_write` accepts them; no SQL is needed there. Epochs of a PostgreSQL lease start at
+1, so a writer that believes it is single-node is refused by a shared journal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+from llmd_supervisor.core.lease import LEASE_TABLE
+
+__all__ = [
+    "CLUSTER_SETTING",
+    "EPOCH_SETTING",
+    "FENCED_TABLES",
+    "FENCE_FUNCTION",
+    "FENCE_FUNCTION_SQL",
+    "NO_EPOCH_SQLSTATE",
+    "SET_WRITER_SQL",
+    "SINGLE_NODE_EPOCH",
+    "STALE_EPOCH_SQLSTATE",
+    "Fence",
+    "FenceVerdict",
+    "Writer",
+    "check_write",
+    "fence_trigger_sql",
+]
+
+SINGLE_NODE_EPOCH: Final = 0  # SQLite's writers and its (implicit) lease
+
+CLUSTER_SETTING: Final = "llmd.cluster"
+EPOCH_SETTING: Final = "llmd.epoch"
+# User-defined SQLSTATEs (class "LD" is not used by PostgreSQL).
+STALE_EPOCH_SQLSTATE: Final = "LD001"
+NO_EPOCH_SQLSTATE: Final = "LD002"
+
+# Every journal table whose rows a leader writes (adapters/journal_schema.py, version 5).
+FENCED_TABLES: Final = (
+    "runs",
+    "transitions",
+    "events",
+    "node_failures",
+    "campaigns",
+    "campaign_jobs",
+    "verified_points",
+)
+
+
+@dataclass(frozen=True)
+class Writer:
+    """Who writes: the cluster a transaction's writes are for, and the epoch its writer
+    acts with (None: the transaction did not say)."""
+
+    cluster: str | None
+    epoch: int | None
+
+
+class Fence(StrEnum):
+    """What the fence decided about one write."""
+
+    ACCEPTED = "accepted"
+    STALE = "stale"  # another epoch than the lease's (or the cluster has no lease)
+    NO_EPOCH = "no_epoch"  # the transaction did not state its cluster and epoch
+
+
+@dataclass(frozen=True)
+class FenceVerdict:
+    fence: Fence
+    why: str
+
+    @property
+    def accepted(self) -> bool:
+        return self.fence is Fence.ACCEPTED
+
+
+def check_write(writer: Writer, lease_epoch: int | None) -> FenceVerdict:
+    """Whether a write by `writer` is accepted when the writer's cluster's lease row has
+    `lease_epoch` (None: the cluster has no lease row)."""
+    if writer.cluster is None or writer.cluster == "" or writer.epoch is None:
+        return FenceVerdict(Fence.NO_EPOCH, "the transaction did not state its cluster and epoch")
+    if lease_epoch is None:
+        return FenceVerdict(
+            Fence.STALE,
+            f"epoch {writer.epoch} for cluster {writer.cluster!r}, which has no lease",
+        )
+    if writer.epoch != lease_epoch:
+        return FenceVerdict(
+            Fence.STALE,
+            f"epoch {writer.epoch} for cluster {writer.cluster!r}, whose lease is at epoch "
+            f"{lease_epoch}",
+        )
+    return FenceVerdict(Fence.ACCEPTED, f"epoch {writer.epoch} is cluster {writer.cluster!r}'s")
+
+
+# --- PostgreSQL ---------------------------------------------------------------------------
+
+# First statement of every write transaction. Parameters: cluster (text), epoch (text:
+# settings are strings). is_local = true: the settings end with the transaction.
+SET_WRITER_SQL: Final = (
+    f"SELECT set_config('{CLUSTER_SETTING}', %(cluster)s, true),"
+    f" set_config('{EPOCH_SETTING}', %(epoch)s, true)"
+)
+
+FENCE_FUNCTION: Final = "llmd_fence"
+
+# check_write, in PL/pgSQL. current_setting(name, true) is NULL when never set.
+FENCE_FUNCTION_SQL: Final = f"""
+CREATE OR REPLACE FUNCTION {FENCE_FUNCTION}() RETURNS trigger
+LANGUAGE plpgsql AS $fence$
+DECLARE
+    writer_cluster text := current_setting('{CLUSTER_SETTING}', true);
+    writer_epoch   text := current_setting('{EPOCH_SETTING}', true);
+    lease_epoch    bigint;
+BEGIN
+    IF coalesce(writer_cluster, '') = '' OR coalesce(writer_epoch, '') = '' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = '{NO_EPOCH_SQLSTATE}',
+            MESSAGE = format('journal write to %s refused: the transaction did not state '
+                             'its cluster and epoch', TG_TABLE_NAME);
+    END IF;
+    SELECT epoch INTO lease_epoch FROM {LEASE_TABLE}
+        WHERE cluster = writer_cluster FOR SHARE;
+    IF lease_epoch IS NULL OR lease_epoch <> writer_epoch::bigint THEN
+        RAISE EXCEPTION USING
+            ERRCODE = '{STALE_EPOCH_SQLSTATE}',
+            MESSAGE = format('journal write to %s refused: epoch %s for cluster %s, whose '
+                             'lease is at epoch %s', TG_TABLE_NAME, writer_epoch,
+                             writer_cluster, coalesce(lease_epoch::text, 'none')),
+            DETAIL = format('cluster=%s writer_epoch=%s lease_epoch=%s', writer_cluster,
+                            writer_epoch, coalesce(lease_epoch::text, ''));
+    END IF;
+    IF TG_OP = 'DELETE' THEN
+        RETURN OLD;
+    END IF;
+    RETURN NEW;
+END
+$fence$
+"""
+
+
+def fence_trigger_sql(table: str) -> str:
+    """The DDL that fences `table` (one of `FENCED_TABLES`)."""
+    if table not in FENCED_TABLES:
+        raise ValueError(f"{table!r} is not a fenced journal table")
+    return (
+        f"CREATE TRIGGER {table}_fence BEFORE INSERT OR UPDATE OR DELETE ON {table} "
+        f"FOR EACH ROW EXECUTE FUNCTION {FENCE_FUNCTION}()"
+    )
