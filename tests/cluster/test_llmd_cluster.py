@@ -43,7 +43,9 @@ WORKERS = [r for r in RANKS if r != COORDINATOR]
 GRACE_S = 10  # demo.toml run.sigterm_grace_s
 # Nodes are shared between jobs (cons_tres, 1 CPU per task) and other engineers run llm-d
 # jobs on port 8200 too: every run of ours gets its own engine port.
-_PORTS = iter(range(20000 + 100 * (os.getpid() % 200), 40000, 10))
+# Engine ports (each job also takes the next three) below Linux's ephemeral range
+# (32768-60999): there, a node's outgoing connection once held a job's port (EADDRINUSE).
+_PORTS = iter(range(20000 + 60 * (os.getpid() % 200), 32760, 10))
 QUEUE_S = 300.0  # other engineers share the cluster: a job may wait for nodes
 
 
