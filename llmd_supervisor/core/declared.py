@@ -15,7 +15,7 @@ The GPUs of each role are `core.gpus.declared_roles`'.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Final, cast
 
 from llmd_supervisor.core.gpus import RoleGpus
@@ -66,27 +66,24 @@ Declared = tuple[tuple[str, str | int | bool], ...]  # (aggregate field, value),
 def declared(doc: Mapping[str, object]) -> Declared:
     """The deployment fields `doc` declares, with InferenceX's names and types, sorted by
     name; `model` from its ``model_id``."""
+    readers: list[tuple[str, str, Callable[[object], str | int | bool | None]]] = [
+        ("model", MODEL_KEY, _text),
+        *((key, key, _text) for key in DECLARED_TEXTS),
+        *((key, key, _flag_text) for key in DECLARED_FLAG_TEXTS),
+        *((key, key, _flag) for key in DECLARED_BOOLS),
+        *((key, key, _int) for key in DECLARED_INTS),
+    ]
     got: dict[str, str | int | bool] = {}
-    model = _text(doc.get(MODEL_KEY))
-    if model is not None:
-        got["model"] = model
-    for key in DECLARED_TEXTS:
-        text = _text(doc.get(key))
-        if text is not None:
-            got[key] = text
-    for key in DECLARED_FLAG_TEXTS:
-        flag = _flag(doc.get(key))
-        if flag is not None:
-            got[key] = "true" if flag else "false"
-    for key in DECLARED_BOOLS:
-        flag = _flag(doc.get(key))
-        if flag is not None:
-            got[key] = flag
-    for key in DECLARED_INTS:
-        number = _int(doc.get(key))
-        if number is not None:
-            got[key] = number
+    for field, key, read in readers:
+        value = read(doc.get(key))
+        if value is not None:
+            got[field] = value
     return tuple(sorted(got.items()))
+
+
+def _flag_text(value: object) -> str | None:
+    flag = _flag(value)
+    return None if flag is None else "true" if flag else "false"
 
 
 def known_deployment(
