@@ -99,7 +99,9 @@ async def test_a_cancel_not_confirmed_within_the_grace_and_margin_stops_waiting(
                 proc.send_signal(signal.SIGTERM)  # as `timeout` stops it
                 assert await proc.wait() == EXIT_STOPPED, err.read_text()
                 took = anyio.current_time() - t0
-    assert 2.5 <= took < 30, took  # it waited the grace and margin, then stopped
+    # It waited the grace and margin, then stopped by itself (the fail_after above bounds
+    # it; a loaded CI machine once took 31.6 s from the signal to the exit).
+    assert took >= 2.5, took
     text = err.read_text()
     assert text.splitlines()[-1] == (
         "llmd-supervisor: run r1 did not end within 2.5 s of its cancel (its grace 1 s + "
