@@ -31,7 +31,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import math
 import re
 import shlex
 from collections.abc import Mapping
@@ -39,15 +38,15 @@ from functools import cache
 from importlib import resources
 
 from llmd_supervisor import __version__
+from llmd_supervisor.core.agent_config import agent_config
 from llmd_supervisor.core.layout import batch_log_patterns
 from llmd_supervisor.core.node_archive import NodeArchive, check_path, pack
+from llmd_supervisor.core.node_source import without_prose
 from llmd_supervisor.core.spec import JOB_NAME_RE, ContainerKind, RunSpec
-from llmd_supervisor.core.spec_services import Service
 from llmd_supervisor.errors import SpecError
 from llmd_supervisor.node import AGENT_FILES, NODE_FILES, STANDIN_FILES
 from llmd_supervisor.node import common as shared
 
-HEARTBEAT_S = shared.HEARTBEAT_S
 # Variables the agent reads inside a docker container (docker run does not inherit env).
 DOCKER_PASS_ENV: tuple[str, ...] = (
     "SLURM_PROCID",
@@ -62,10 +61,11 @@ DOCKER_PASS_ENV: tuple[str, ...] = (
 @cache
 def bundled_node_sources() -> Mapping[str, str]:
     """Every file a batch script may carry, by its path in the node directory
-    (``node.NODE_FILES``), read once from this package (constant data)."""
+    (``node.NODE_FILES``), read once from this package without its prose (constant data;
+    `core.node_source`: same code, same line numbers)."""
     pkg = resources.files("llmd_supervisor")
     return {
-        dest: pkg.joinpath(*src.split("/")).read_text(encoding="utf-8")
+        dest: without_prose(pkg.joinpath(*src.split("/")).read_text(encoding="utf-8"))
         for dest, src in NODE_FILES.items()
     }
 
@@ -74,86 +74,6 @@ def node_files(spec: RunSpec) -> tuple[str, ...]:
     """The node directory's files the batch script of `spec` writes: the agent's, and the
     stand-ins' only when the spec opts in."""
     return tuple(AGENT_FILES) + (tuple(STANDIN_FILES) if spec.standins else ())
-
-
-def stop_timeout_s(grace_s: int) -> float:
-    """How long the agent waits for its engine after TERM before SIGKILL
-    (`node.common.stop_timeout_s`, the agent's own default)."""
-    return shared.stop_timeout_s(grace_s)
-
-
-def agent_config(spec: RunSpec) -> dict[str, object]:
-    """The JSON config the node agent reads (``--config``)."""
-    stop = stop_timeout_s(spec.sigterm_grace_s)
-    b = spec.benchmark
-    return {
-        "version": shared.CONFIG_VERSION,
-        "log_dir": spec.log_dir,
-        "prefill_nodes": spec.topology.prefill_nodes,
-        "decode_nodes": spec.topology.decode_nodes,
-        "prefill_workers": spec.topology.prefill_workers,
-        "decode_workers": spec.topology.decode_workers,
-        "gpus_per_node": spec.topology.gpus_per_node,
-        "model_path": spec.model.path,
-        "served_name": spec.model.served_name,
-        "engine": {
-            "port": spec.engine.port,
-            "port_stride": spec.engine.port_stride,
-            "health_path": spec.engine.health_path,
-            "health_timeout_s": spec.engine.health_timeout_s,
-            "connect_timeout_s": shared.CONNECT_TIMEOUT_S,
-            "read_timeout_s": shared.READ_TIMEOUT_S,
-            "prefill": {
-                "command": list(spec.engine.prefill_command),
-                "health": spec.engine.prefill_health,
-            },
-            "decode": {
-                "command": list(spec.engine.decode_command),
-                "health": spec.engine.decode_health,
-            },
-        },
-        "router": None
-        if spec.router is None
-        else {
-            "port": spec.router.port,
-            "processes": [_service(p) for p in spec.router.processes],
-        },
-        "sidecar": None
-        if spec.sidecar is None
-        else {**_service(spec.sidecar.service), "on": spec.sidecar.on},
-        "bench": {
-            "command": list(b.command),
-            "concurrencies": list(b.concurrencies),
-            "input_len": b.input_len,
-            "output_len": b.output_len,
-            "prompts_multiplier": b.prompts_multiplier,
-            "request_rate": "inf" if math.isinf(b.request_rate) else b.request_rate,
-            "point_timeout_s": b.point_timeout_s,
-        },
-        "env": {
-            "common": dict(spec.env.common),
-            "prefill": dict(spec.env.prefill),
-            "decode": dict(spec.env.decode),
-            "bench": dict(spec.env.bench),
-        },
-        "grace_s": spec.sigterm_grace_s,
-        "stop_timeout_s": stop,
-        "marker_grace_s": spec.marker_grace_s,
-        "coordinator_silence_s": spec.coordinator_silence_s,
-        "heartbeat_s": HEARTBEAT_S,
-        "exit_linger_s": shared.exit_linger_s(stop),
-        "standins": spec.standins,
-    }
-
-
-def _service(service: Service) -> dict[str, object]:
-    return {
-        "name": service.name,
-        "command": list(service.command),
-        "port": service.port,
-        "health_path": service.health_path,
-        "startup_timeout_s": service.startup_timeout_s,
-    }
 
 
 def sbatch_options(spec: RunSpec, *, job_name: str) -> list[str]:

@@ -25,7 +25,7 @@ from typing import Any
 import pytest
 
 import llmd_supervisor
-from llmd_supervisor.core.render import agent_config
+from llmd_supervisor.core.agent_config import agent_config
 from llmd_supervisor.core.spec import load_spec
 from llmd_supervisor.node import NODE_FILES
 
@@ -168,7 +168,8 @@ class LocalRun:
             concurrencies=list(self.concurrencies),
             multiplier=self.multiplier,
         )
-        cfg = agent_config(load_spec(text))
+        # a JSON object the tests change freely (any key, any value)
+        cfg: dict[str, Any] = dict(agent_config(load_spec(text)))
         cfg["heartbeat_s"] = 0.3
         cfg.update(self.config_overrides)
         for role, values in self.env.items():

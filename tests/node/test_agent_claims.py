@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core.render import agent_config
+from llmd_supervisor.core.agent_config import agent_config
 from llmd_supervisor.core.spec import load_spec
 from llmd_supervisor.node.agent.hooks import NoFaults
 from llmd_supervisor.node.agent.run import Agent

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from llmd_supervisor.core.render import agent_config
+from llmd_supervisor.core.agent_config import agent_config
 from llmd_supervisor.core.spec import parse_spec
 from tests.unit.test_spec import demo, spec_error
 
@@ -111,4 +111,4 @@ def test_engine_health_scopes(scope: str) -> None:
     spec = parse_spec(demo(engine__decode_health=scope))
     assert spec.engine.decode_health == scope and spec.engine.prefill_health == "all"
     cfg = agent_config(spec)
-    assert cfg["engine"]["decode"]["health"] == scope  # type: ignore[index]
+    assert cfg["engine"]["decode"]["health"] == scope
