@@ -19,7 +19,7 @@ import json
 import posixpath
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -41,8 +41,6 @@ SMALL_FILE_MAX: Final = 64 << 10
 RESULT_FILE_MAX: Final = 32 << 20
 # Entry names read from one job directory per listing.
 LIST_MAX: Final = 4096
-# What one reader process of `read_many_local` may answer in all (held here at once).
-BATCH_MAX: Final = 64 << 20
 
 _CHUNK = 1 << 20
 _STDERR_KEEP = 4096
@@ -132,68 +130,6 @@ async def read_local(
     with anyio.fail_after(time_limit):
         result = await anyio.run_process(cmd, check=False, stdin=subprocess.DEVNULL)
     return answer(path, result.returncode, result.stdout or result.stderr, limit)
-
-
-async def read_many_local(
-    log_dir: str, paths: Sequence[tuple[str, int]], *, time_limit: float
-) -> dict[str, bytes | FileRefused | None]:
-    """Several files of a job here, each (path, limit): path -> its bytes, None when
-    missing, or the `FileRefused` that says why not. The requests go to reader processes
-    in batches whose limits add up to at most BATCH_MAX (a larger file alone), each batch
-    within `time_limit` (`TimeoutError` otherwise: the reader is killed); what a reader
-    answers is cut into files by offset, each file's bytes copied once."""
-    out: dict[str, bytes | FileRefused | None] = {}
-    if not paths:
-        return out
-    root = split(log_dir, paths[0][0])[0]
-    for batch in batches(paths, BATCH_MAX):
-        requests = b"".join(
-            serve_request("read", split(log_dir, path)[1], limit) for path, limit in batch
-        )
-        with anyio.fail_after(time_limit):
-            result = await anyio.run_process(
-                argv(sys.executable, "serve", root), input=requests, check=False
-            )
-        out.update(cut_answers(result.stdout, batch))
-        await anyio.lowlevel.checkpoint()
-    return out
-
-
-def batches(paths: Sequence[tuple[str, int]], most: int) -> list[list[tuple[str, int]]]:
-    """`paths` in order, in runs whose limits add up to at most `most` (or one path)."""
-    out: list[list[tuple[str, int]]] = []
-    total = 0
-    for path, limit in paths:
-        if not out or total + limit > most:
-            out.append([])
-            total = 0
-        out[-1].append((path, limit))
-        total += limit
-    return out
-
-
-def cut_answers(
-    output: bytes, paths: Sequence[tuple[str, int]]
-) -> dict[str, bytes | FileRefused | None]:
-    """A ``serve`` reader's answers to `paths`' read requests, cut out of its `output` by
-    offset; a path without a complete, believable answer (the reader died, or its length
-    is beyond what was asked) is refused, and so is every path after it."""
-    out: dict[str, bytes | FileRefused | None] = {}
-    pos = 0
-    for i, (path, limit) in enumerate(paths):
-        newline = output.find(b"\n", pos, pos + 64)
-        answered = serve_head(output[pos:newline], "read", limit) if newline >= 0 else None
-        if answered is None or newline + 1 + answered[1] > len(output):
-            why = "the file reader gave no complete answer for it (it ended early)"
-            out.update((p, FileRefused(p, why)) for p, _ in paths[i:])
-            break
-        word, n = answered
-        pos = newline + 1 + n
-        try:
-            out[path] = answer(path, word, output[newline + 1 : pos], limit)
-        except FileRefused as exc:
-            out[path] = exc
-    return out
 
 
 async def list_local(log_dir: str, path: str, *, time_limit: float) -> list[str]:
@@ -297,10 +233,18 @@ class SharedFsNode(LocalFiles):
     def __repr__(self) -> str:
         return f"SharedFsNode({self.host!r})"
 
-    async def read_file(self, log_dir: str, path: str, *, time_limit: float = 10) -> bytes | None:
-        """A small file (marker, status) of the job: like `NodeLink.read_file`."""
-        status, data = await self._ask("read", log_dir, path, SMALL_FILE_MAX, time_limit)
-        return answer(path, status, data)
+    @property
+    def root(self) -> str | None:
+        """The directory its reader child serves (None: no child yet)."""
+        return None if self._server is None else self._server[0]
+
+    async def read_file(
+        self, log_dir: str, path: str, *, time_limit: float = 10, limit: int = SMALL_FILE_MAX
+    ) -> bytes | None:
+        """A file of the job of at most `limit` bytes (the marker, a status file, a
+        result): like `NodeLink.read_file`."""
+        status, data = await self._ask("read", log_dir, path, limit, time_limit)
+        return answer(path, status, data, limit)
 
     async def list_dir(self, log_dir: str, path: str, *, time_limit: float = 10) -> list[str]:
         """A job directory's entry names: like `NodeLink.list_dir`."""
@@ -369,3 +313,35 @@ class SharedFsNode(LocalFiles):
         self.closed = True
         with anyio.CancelScope(shield=True):
             await self._stop()
+
+
+# Reader children kept for the job files seen on this machine (per cluster).
+LOCAL_READERS: Final = 2
+
+
+class LocalReaders:
+    """`size` readers of the job files this machine sees (`SharedFsNode`s, each keeping one
+    ``safe_read.py serve`` child), shared by all runs of a cluster: a run's end reads its
+    marker, results and status files through a child already running instead of starting
+    one per read. A request waits for a free reader and prefers one that already serves
+    the log directory's parent; a reader that fails or times out restarts its child."""
+
+    def __init__(self, size: int = LOCAL_READERS) -> None:
+        self._idle = [SharedFsNode("localhost") for _ in range(size)]
+        self._free = anyio.Semaphore(size)
+
+    @contextlib.asynccontextmanager
+    async def reader(self, log_dir: str) -> AsyncIterator[SharedFsNode]:
+        """A free reader, for as long as the block lasts."""
+        root = split(log_dir, log_dir)[0]
+        async with self._free:
+            i = next((i for i, r in enumerate(self._idle) if r.root == root), -1)
+            reader = self._idle.pop(i)
+            try:
+                yield reader
+            finally:
+                self._idle.append(reader)
+
+    async def aclose(self) -> None:
+        for reader in self._idle:
+            await reader.aclose()

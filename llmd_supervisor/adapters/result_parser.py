@@ -9,6 +9,11 @@ limit. A file over a limit is refused (a `ResultProblem` of kind ``refused`` who
 names the file, the limit and the setting that raises it); the files after it are parsed
 by a fresh child. At most `PARSERS` children run at once in the daemon, so what they may
 take in all is PARSERS x limits.result_parse_memory_bytes.
+
+Within `kept_children` (the daemon's life) a child that parsed at most `KEEP_AFTER_BYTES`
+without a problem stays running for the next `parse_many` (at most `PARSERS` wait so): the
+ten runs of a campaign that end together do not start twenty children. A child that
+refused a file, timed out or ended is never kept.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import math
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -46,10 +51,34 @@ PARSERS: Final = 2
 ANSWER_MAX: Final = 64 << 10
 # A file goes to the child in pieces of this size (each waits for the pipe to drain).
 SEND_CHUNK: Final = 1 << 20
-# CPU seconds a child may use besides its files' time limits (starting, answering).
+# CPU seconds a child may use on a file besides its time limit (starting, answering).
 CPU_SLACK_S: Final = 5
+# A child kept for the next files has parsed at most this much (its memory stays small).
+KEEP_AFTER_BYTES: Final = 8 << 20
 _STDERR_KEEP = 2000
 _SLOTS: RunVar[anyio.CapacityLimiter] = RunVar("llmd_result_parsers")
+_KEPT: RunVar[list[_Child] | None] = RunVar("llmd_result_parsers_kept", default=None)
+
+
+@dataclass
+class _Child:
+    process: anyio.abc.Process
+    answers: BufferedByteReceiveStream
+    memory_bytes: int
+
+
+@contextlib.asynccontextmanager
+async def kept_children() -> AsyncIterator[None]:
+    """Keep parser children between `parse_many` calls within the block; end them after."""
+    kept: list[_Child] = []
+    _KEPT.set(kept)
+    try:
+        yield
+    finally:
+        _KEPT.set(None)
+        with anyio.CancelScope(shield=True):
+            for child in kept:
+                await _stop(child.process)
 
 
 @dataclass(frozen=True)
@@ -92,25 +121,36 @@ def _slots() -> anyio.CapacityLimiter:
         return limiter
 
 
+async def _child(limits: ParseLimits) -> _Child:
+    """A kept child with the same memory limit, else a new one."""
+    kept = _KEPT.get()
+    while kept:
+        child = kept.pop()
+        if child.memory_bytes == limits.memory_bytes and child.process.returncode is None:
+            return child
+        await _stop(child.process)
+    argv = [sys.executable, "-I", "-m", result_parser_child.__name__, str(limits.memory_bytes)]
+    process = await anyio.open_process(argv, stderr=subprocess.PIPE)
+    assert process.stdout is not None
+    return _Child(process, BufferedByteReceiveStream(process.stdout), limits.memory_bytes)
+
+
 async def _one_child(
     items: Sequence[Item], limits: ParseLimits, out: dict[str, Point | ResultProblem]
 ) -> int:
     """Parse `items` in order in one child until it ends; how many were answered (a file
     that ended the child counts, as refused)."""
-    cpu = math.ceil(limits.time_s * len(items)) + CPU_SLACK_S
-    argv = [sys.executable, "-I", "-m", result_parser_child.__name__]
-    process = await anyio.open_process(
-        [*argv, str(limits.memory_bytes), str(cpu)], stderr=subprocess.PIPE
-    )
-    assert process.stdin is not None and process.stdout is not None
-    answers = BufferedByteReceiveStream(process.stdout)
+    cpu = math.ceil(limits.time_s) + CPU_SLACK_S
+    child = await _child(limits)
+    process, answers = child.process, child.answers
+    assert process.stdin is not None
+    keep = False
     try:
         for i, (name, data, formats) in enumerate(items):
             try:
                 with anyio.fail_after(limits.time_s):
-                    await process.stdin.send(
-                        json.dumps([list(formats), len(data)]).encode() + b"\n"
-                    )
+                    head = json.dumps([list(formats), len(data), cpu]).encode()
+                    await process.stdin.send(head + b"\n")
                     for start in range(0, len(data), SEND_CHUNK):  # no 32 MiB pipe buffer
                         await process.stdin.send(data[start : start + SEND_CHUNK])
                     line = await answers.receive_until(b"\n", ANSWER_MAX)
@@ -131,10 +171,20 @@ async def _one_child(
                 out[name] = await _ended(process, name, limits, cpu)
                 return i + 1
             out[name] = _answer(name, line, limits)
+        refused = [n for n, _, _ in items if _is_refused(out[n])]
+        keep = not refused and sum(len(d) for _, d, _ in items) <= KEEP_AFTER_BYTES
         return len(items)
     finally:
-        with anyio.CancelScope(shield=True):
-            await _stop(process)
+        kept = _KEPT.get()
+        if keep and kept is not None and len(kept) < PARSERS:
+            kept.append(child)
+        else:
+            with anyio.CancelScope(shield=True):
+                await _stop(process)
+
+
+def _is_refused(got: Point | ResultProblem) -> bool:
+    return isinstance(got, ResultProblem) and got.kind == "refused"
 
 
 def _answer(name: str, line: bytes, limits: ParseLimits) -> Point | ResultProblem:

@@ -20,6 +20,7 @@ per-file byte offsets, so a client that reconnects resumes exactly where it stop
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -204,7 +205,9 @@ class ControlApi(Generic[H]):
         try:
             if args["dry_run"]:
                 spec = await self.sup.admit(spec_toml, cluster)
-                script = render_sbatch(spec, job_name="llmd-dry-run")
+                script = await anyio.to_thread.run_sync(
+                    functools.partial(render_sbatch, spec, job_name="llmd-dry-run")
+                )
                 return {"dry_run": True, "script": script}
             handle = await self.sup.submit(spec_toml, owner_uid=peer.uid, cluster=cluster)
         except SpecError as exc:

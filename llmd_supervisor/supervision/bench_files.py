@@ -50,6 +50,16 @@ _DEFAULTS = Limits()
 K = TypeVar("K")
 
 
+@dataclass(frozen=True)
+class JudgedFiles:
+    """What a verdict was made from, as verification read it: the marker's bytes (None:
+    missing or refused) and the benchmark's files (None: not read, a foreign job). The
+    archive keeps these, not a later read of files the job's owner can still change."""
+
+    marker: bytes | None
+    bench: BenchFiles | None
+
+
 @dataclass
 class BenchFiles:
     """What was read: per concurrency its result file parsed (None: missing; a refused
@@ -136,7 +146,7 @@ class Budget:
 
 
 def judge(spec: RunSpec, parsed: Mapping[int, Parsed | None]) -> GateResult:
-    """The validity gate on what `read_results` or `read_all` found (pure)."""
+    """The validity gate on what `read_all` found (pure)."""
     bench = spec.benchmark
     return gate(parsed, bench.expected_prompts(), bench.validity, {})
 
@@ -201,18 +211,6 @@ def _result_paths(
     paths = {c: layout.bench_files(job_id, c)[0] for c in concurrencies}
     over = [paths[c] for c in concurrencies[budget.files :]]
     return paths, {p: budget.too_many(p, len(concurrencies)) for p in over}
-
-
-async def read_results(
-    files: RunFiles, layout: RunLayout, job_id: str, spec: RunSpec, limits: Limits = _DEFAULTS
-) -> dict[int, Parsed | None]:
-    """Each configured point's result file read within the run's `Budget` and parsed in
-    the result parser's child, as the validity gate (`judge`) takes it."""
-    budget = Budget(limits)
-    paths, over = _result_paths(layout, job_id, spec, budget)
-    wanted = [(p, RESULT_FILE_MAX) for p in paths.values() if p not in over]
-    got = {**await budget.read(files, layout.log_dir, wanted), **over}
-    return await parse_points(paths, got, (spec.benchmark.result_format,), limits)
 
 
 async def read_statuses(

@@ -87,38 +87,57 @@ class RunFiles(Protocol):
         """Stop the attempt's watchers and make its local log copies complete."""
         ...
 
+    async def aclose(self) -> None:
+        """End what it keeps running (the daemon stops)."""
+        ...
+
 
 class SharedLogDir:
-    """This machine sees the run's log directory."""
+    """This machine sees the run's log directory: its files are read by the cluster's
+    `jobfiles.LocalReaders` (reader children kept running)."""
 
     def __init__(self, time_limit: float = 30.0) -> None:
-        self._time_limit = time_limit  # per read of a small file, or copy of one log
+        self._time_limit = time_limit  # per read of a file, or copy of one log
+        self._readers = jobfiles.LocalReaders()
 
     async def read(
         self, log_dir: str, path: str, limit: int = jobfiles.SMALL_FILE_MAX
     ) -> bytes | None:
         try:
-            return await jobfiles.read_local(
-                log_dir, path, time_limit=self._time_limit, limit=limit
-            )
-        except TimeoutError:
-            log.warning("run.file_unreadable", path=path, error="no answer in time")
+            async with self._readers.reader(log_dir) as reader:
+                return await reader.read_file(
+                    log_dir, path, time_limit=self._time_limit, limit=limit
+                )
+        except RemoteError as exc:  # no answer in time, or the reader ended
+            log.warning("run.file_unreadable", path=path, error=exc.why)
             return None
 
     async def read_many(
         self, log_dir: str, paths: Sequence[tuple[str, int]]
     ) -> dict[str, bytes | FileRefused | None]:
+        out: dict[str, bytes | FileRefused | None] = {}
         try:
-            return await jobfiles.read_many_local(log_dir, paths, time_limit=self._time_limit)
-        except TimeoutError:
-            log.warning("run.file_unreadable", path=log_dir, error="no answer in time")
-            return dict.fromkeys((p for p, _ in paths), None)
+            async with self._readers.reader(log_dir) as reader:
+                for path, limit in paths:
+                    try:
+                        out[path] = await reader.read_file(
+                            log_dir, path, time_limit=self._time_limit, limit=limit
+                        )
+                    except FileRefused as exc:
+                        out[path] = exc
+        except RemoteError as exc:
+            log.warning("run.file_unreadable", path=log_dir, error=exc.why)
+        return {path: out.get(path) for path, _ in paths}
+
+    async def aclose(self) -> None:
+        await self._readers.aclose()
 
     async def list_dir(self, log_dir: str, path: str) -> list[str]:
         try:
-            return await jobfiles.list_local(log_dir, path, time_limit=self._time_limit)
-        except TimeoutError:
-            log.warning("run.file_unreadable", path=path, error="no answer in time")
+            async with self._readers.reader(log_dir) as reader:
+                return await reader.list_dir(log_dir, path, time_limit=self._time_limit)
+        except RemoteError as exc:
+            log.warning("run.file_unreadable", path=path, error=exc.why)
             return []
 
     def local_path(self, path: str) -> Path | None:
@@ -129,7 +148,8 @@ class SharedLogDir:
         # prefixes); each copy is taken over once its tailer lets go of its lock.
         attempt.abandon()
         try:
-            copied = await catch_up(attempt, layout, job_id, self._time_limit)
+            async with self._readers.reader(layout.log_dir) as reader:
+                copied = await catch_up(attempt, layout, job_id, reader, self._time_limit)
         except (OSError, SupervisorError) as exc:
             log.warning("run.catch_up_failed", error=str(exc))
             return CopyState.LOCAL_FAILED
@@ -144,6 +164,9 @@ class ThroughLoginHost:
         self._client = client
         self._host = host
         self._python = python
+
+    async def aclose(self) -> None:
+        """Nothing of its own: its reads use the login host's link (closed with it)."""
 
     async def read(
         self, log_dir: str, path: str, limit: int = jobfiles.SMALL_FILE_MAX
@@ -199,12 +222,17 @@ class ThroughLoginHost:
         return await attempt.drain()
 
 
-async def catch_up(attempt: Attempt, layout: RunLayout, job_id: str, time_limit: float) -> int:
+async def catch_up(
+    attempt: Attempt,
+    layout: RunLayout,
+    job_id: str,
+    reader: jobfiles.SharedFsNode,
+    time_limit: float,
+) -> int:
     """Append to each local copy what its log file (seen through the shared log directory)
     holds beyond it; copies files no tailer saw. Returns the bytes copied. A file that is
     not a plain file of the job, or beyond the copy budget, is skipped (a named event).
-    One reader process serves every file, chunk by chunk (a run's end waits for this)."""
-    reader = jobfiles.SharedFsNode("localhost")
+    `reader` serves every file, chunk by chunk (a run's end waits for this)."""
     copied = 0
 
     def count(n: int) -> None:
@@ -246,8 +274,6 @@ async def catch_up(attempt: Attempt, layout: RunLayout, job_id: str, time_limit:
                     await attempt.refused(exc)
     except (RemoteError, TimeoutError) as exc:  # the reader failed or the FS hangs
         raise OSError(f"copying the logs here failed: {exc}") from None
-    finally:
-        await reader.aclose()
     return copied
 
 

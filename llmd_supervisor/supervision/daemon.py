@@ -20,7 +20,7 @@ import anyio
 import anyio.abc
 import structlog
 
-from llmd_supervisor.adapters import remote
+from llmd_supervisor.adapters import remote, result_parser
 from llmd_supervisor.adapters.campaign_store import CampaignStore
 from llmd_supervisor.adapters.control_server import ControlServer
 from llmd_supervisor.adapters.journal import Journal
@@ -125,11 +125,11 @@ async def _serve(
 ) -> None:
     metrics = Metrics()
     login_links: list[NodeLink] = []
+    clusters: dict[str, Cluster] = {}
     journal = await Journal.open(config.journal_path)
     try:
-        async with anyio.create_task_group() as tg:
+        async with result_parser.kept_children(), anyio.create_task_group() as tg:
             await tg.start(loop_monitor, notify, watchdog_s, metrics.record_lag)
-            clusters: dict[str, Cluster] = {}
             for cluster_config in config.clusters:
                 wrap = functools.partial(
                     InstrumentedRunner, metrics=metrics, cluster=cluster_config.name
@@ -173,6 +173,8 @@ async def _serve(
             tg.cancel_scope.cancel()
     finally:
         with anyio.CancelScope(shield=True):
+            for cluster in clusters.values():
+                await cluster.files.aclose()
             for link in login_links:
                 await link.aclose()
             await journal.aclose()

@@ -69,6 +69,7 @@ class ReplayWorld:
     cluster: ReplayCluster = field(default_factory=lambda: ReplayCluster(touch_files=True))
     pending_s: float = 0.5
     running_s: float = 1.5
+    end_s: float = 0.3  # from the marker to COMPLETED
     ssh: FakeSshServer | None = None
     # What each job does once it runs (a hostile job plants files here), and at its end
     # (default: every point's result file, then the marker, as the demo's coordinator).
@@ -121,7 +122,7 @@ name = "dev"
             Start((HOST,), after=self.pending_s),
             Work(self.plant, after=0.2),
             Work(self.finish or self._finish, after=self.running_s),
-            End(JobState.COMPLETED, after=0.3),
+            End(JobState.COMPLETED, after=self.end_s),
         )
 
     def _finish(self, job: ReplayJob, log_dir: Path) -> None:
@@ -186,4 +187,4 @@ def world(tmp_path: Path) -> Iterator[ReplayWorld]:
         yield w
 
 
-__all__ = ["JobAction", "ReplayWorld", "Work", "replay_world", "world"]
+__all__ = ["TICK_S", "JobAction", "ReplayWorld", "Work", "replay_world", "world"]

@@ -25,6 +25,7 @@ from llmd_supervisor.core.lifecycle import Run, Submit, Submitted, new_run, step
 from llmd_supervisor.core.spec import RunSpec, load_spec
 from llmd_supervisor.errors import IllegalTransition
 from llmd_supervisor.supervision.attempt import Attempt
+from llmd_supervisor.supervision.bench_files import JudgedFiles
 from llmd_supervisor.supervision.cluster import Cluster, SharedLogDir
 from llmd_supervisor.supervision.poller import Poller
 from llmd_supervisor.supervision.run.records import AttemptEntry, JournalEvent
@@ -57,6 +58,7 @@ class FakeRun:
     history: Sequence[AttemptEntry] = ()
     attempt: Attempt | None = None
     scontrol_snapshot: str | None = None
+    judged_files: JudgedFiles | None = None
     version: int = 0
     clock: datetime = T0
     emitted: list[dict[str, object]] = field(default_factory=list)  # {"at", "kind", **fields}

@@ -61,6 +61,8 @@ from tests.perf.common import (
     wait_until,
 )
 from tests.perf.daemons import (
+    ANY_STATES,
+    FINAL_STATES,
     HANG_RANKS,
     PerfDaemon,
     Ports,
@@ -361,7 +363,7 @@ def _wait_job_ids(d: PerfDaemon, runs: list[str]) -> dict[str, dict[str, object]
     """Wait until every run has its Slurm job id; their summaries."""
     deadline = time.monotonic() + 60
     while True:
-        summaries = d.wait_runs(runs, _ANY, 60)
+        summaries = d.wait_runs(runs, ANY_STATES, 60)
         if all(s.get("slurm_job_id") for s in summaries.values()):
             return summaries
         if time.monotonic() > deadline:
@@ -389,7 +391,7 @@ def bench_end(ctx: Ctx, d: PerfDaemon) -> dict[str, Any]:
                 job_id = str(s["slurm_job_id"])
                 ctx.jobs.add(job_id)
                 launcher.track(job_id, str(log_dir / f"{s['job_name']}-{job_id}.out"))
-            finals = d.wait_runs(runs, _FINAL, 180)
+            finals = d.wait_runs(runs, FINAL_STATES, 180)
             ended = [str(s["slurm_job_id"]) for s in finals.values()]
             wait_until(functools.partial(_all_noticed, launcher, ended), 30, "naive loops noticing")
             records = d.records()
@@ -462,34 +464,6 @@ def bench_end(ctx: Ctx, d: PerfDaemon) -> dict[str, Any]:
         k: summary(col(k)) for k in ("project_left_queue_s", "finishing_s", "verify_archive_s")
     }
     return {"rows": rows, "samples": samples, "project_phases": phases}
-
-
-_ANY = {
-    "accepted",
-    "submitting",
-    "pending",
-    "running",
-    "finishing",
-    "verifying",
-    "archiving",
-    "succeeded",
-    "failed",
-    "cancelled",
-    "timed_out",
-    "node_failed",
-    "out_of_memory",
-    "unverified",
-    "submit_failed",
-}
-_FINAL = _ANY - {
-    "accepted",
-    "submitting",
-    "pending",
-    "running",
-    "finishing",
-    "verifying",
-    "archiving",
-}
 
 
 # --- 3. cancel, log latency, throughput -----------------------------------------------------------
@@ -710,7 +684,7 @@ def bench_cancel_and_logs(ctx: Ctx, d: PerfDaemon) -> dict[str, Any]:
         ctx.cluster.slurm(["scancel", base_job])
         times = _wait_sigterms(log_dir, base_job)
         cancel_base.append(max(times) - t0)
-        final = d.wait_runs([run], _FINAL, 120)[run]
+        final = d.wait_runs([run], FINAL_STATES, 120)[run]
         copies = _compare_copies(final, log_dir)
         missing.append(sum(c["lost"] + c["extra"] for c in copies))
         missing_detail += [f"{c['file']} {c['copy']}/{c['remote']}" for c in copies if c["lost"]]
@@ -841,7 +815,7 @@ def bench_resume(ctx: Ctx) -> dict[str, Any]:
     live = runs[:running_n]
     summaries = d.wait_runs(live, {"running"}, 180)
     d.wait_runs(runs[running_n:], {"pending"}, 120)
-    job_ids = {r: str(s["slurm_job_id"]) for r, s in d.wait_runs(runs, _ANY, 10).items()}
+    job_ids = {r: str(s["slurm_job_id"]) for r, s in d.wait_runs(runs, ANY_STATES, 10).items()}
     ctx.jobs.update(job_ids.values())
     probes: list[Path] = []
     for run in live:
@@ -936,7 +910,7 @@ def bench_resume(ctx: Ctx) -> dict[str, Any]:
     # Then cancel the live runs and compare again once final (the end-of-run drain).
     for run in live:
         d.cli("cancel", run)
-    finals = d.wait_runs(live, _FINAL, 120)
+    finals = d.wait_runs(live, FINAL_STATES, 120)
     comparisons: list[dict[str, Any]] = []
     for run in live:
         comparisons += _compare_copies(finals[run], log_dir)

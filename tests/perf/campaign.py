@@ -10,7 +10,11 @@ InferenceX's full sweep is 1,355 jobs; this campaign is 5 topologies x 271 ISL/O
 - `campaign submit` through a daemon: expansion, the cluster's checks, the journal;
 - `campaign status` through the daemon at 5,420 points while 8 jobs run (< 0.5 s, median
   of 10 calls);
-- the daemon's RSS then (<= 150 MB).
+- the daemon's RSS then (<= 150 MB);
+- end detection: 10 runs whose jobs end within the same second, each one's time from its
+  marker (the job's last action) to the daemon's verified outcome (`run.finished`, after
+  verification and the archive), median <= 0.6 s; with its phases (the job seen leaving
+  the queue, the copies finished, verification and archive).
 
 The daemon reaches Slurm through the replay runner (tests/fakes/replay_world.py), so
 slurmctld's RPCs are not measured here (tests/perf/bench.py measures them for runs).
@@ -38,10 +42,14 @@ from llmd_supervisor.core.spec import load_spec
 from llmd_supervisor.core.spec_toml import decode_toml
 from tests.daemon_helpers import Daemon, demo_spec, stop_started
 from tests.devcluster import REPO
-from tests.fakes.replay_world import replay_world
-from tests.perf.common import machine, proc_mem_kb, say
+from tests.fakes.bench_results import finish_job
+from tests.fakes.replay_world import TICK_S, replay_world
+from tests.fakes.slurm_replay import ReplayJob
+from tests.perf.common import machine, proc_mem_kb, say, summary
+from tests.perf.daemons import FINAL_STATES, PerfDaemon, log_time
 
-TARGETS = {"expansion_s": 2.0, "status_s": 0.5, "rss_mb": 150.0}
+TARGETS = {"expansion_s": 2.0, "status_s": 0.5, "rss_mb": 150.0, "end_median_s": 0.6}
+END_RUNS = 10
 
 
 def campaign_text(pairs: int) -> str:
@@ -112,7 +120,72 @@ def run(work: Path, *, smoke: bool) -> dict[str, Any]:
             d.cli("campaign", "cancel", campaign)
         finally:
             d.stop()
+    out["end"] = end_detection(work, 2 if smoke else END_RUNS)
+    out["end_median_s"] = out["end"]["declared_s"]["median"]
     return out
+
+
+def end_detection(work: Path, runs: int) -> dict[str, Any]:
+    """`runs` runs held until all are queued, so that their jobs start, and end, in the same
+    tick of the replayed cluster: per run, the seconds from its marker to `run.finished`."""
+    benchmark = load_spec((REPO / "deploy" / "llm-d" / "demo.toml").read_text()).benchmark
+    marked: dict[str, float] = {}
+
+    def finish(job: ReplayJob, log_dir: Path) -> None:
+        finish_job(log_dir, job.job_id, benchmark)
+        marked[job.job_id] = time.time()
+
+    with (
+        replay_world(work / "end-world", benchmark, finish=finish) as world,
+        tempfile.TemporaryDirectory(dir="/var/tmp", prefix="llmd-perf-end-") as logs,
+    ):
+        world.end_s = TICK_S  # COMPLETED right after the marker, as a real job's end
+        root = work / "end-daemon"
+        root.mkdir()
+        d = PerfDaemon(world, root, replay_socket=world.socket)  # the shipped defaults
+        d.start()
+        try:
+            world.pause()
+            summaries = d.submit_many([demo_spec(Path(logs))] * runs)
+            ids = [str(s["run"]) for s in summaries]
+            jobs = {
+                run: str(s["slurm_job_id"]) for run, s in d.wait_runs(ids, {"pending"}, 60).items()
+            }
+            world.pause(False)
+            # polled over the control socket from here: no client process takes a core
+            d.wait_runs(ids, FINAL_STATES, 300)
+        finally:
+            d.stop()
+    records = d.events("run.finished") + d.events("run.transition")
+
+    def at(run: str, event: str, to: str | None = None) -> float | None:
+        times = [
+            log_time(r)
+            for r in records
+            if r.get("run_id") == run and r["event"] == event and (to is None or r["to"] == to)
+        ]
+        return min(times) if times else None
+
+    samples = []
+    for run, job in jobs.items():
+        done, left = at(run, "run.finished"), at(run, "run.transition", "finishing")
+        verifying = at(run, "run.transition", "verifying")
+        if done is None or left is None or verifying is None or job not in marked:
+            raise RuntimeError(f"run {run} (job {job}) lacks its marker or its transitions")
+        samples.append(
+            {
+                "declared_s": done - marked[job],
+                "left_queue_s": left - marked[job],
+                "finishing_s": verifying - left,
+                "verify_archive_s": done - verifying,
+            }
+        )
+    spread = max(marked[j] for j in jobs.values()) - min(marked[j] for j in jobs.values())
+    return {
+        "runs": runs,
+        "markers_spread_s": spread,
+        **{k: summary([float(s[k]) for s in samples]) for k in samples[0]},
+    }
 
 
 def report(values: dict[str, Any], smoke: bool) -> dict[str, Any]:
@@ -144,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.with_suffix(".json").write_text(json.dumps(result, indent=1, sort_keys=True))
     for key, limit in TARGETS.items():
         say(f"[campaign] {key} = {values.get(key)} (target <= {limit}; met: {result['met'][key]})")
-    for key in ("admission_s", "submit_s"):
+    for key in ("admission_s", "submit_s", "end"):
         say(f"[campaign] {key} = {values.get(key)}")
     if error:
         sys.stderr.write(error)

@@ -12,8 +12,12 @@ from pathlib import Path
 import anyio
 
 from llmd_supervisor.adapters.control_client import ControlClient, list_all
+from llmd_supervisor.core.lifecycle import RunState
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.perf.common import HOLD_RESERVATION
+
+ANY_STATES = {str(s) for s in RunState}
+FINAL_STATES = {str(s) for s in RunState if s.is_final}
 
 # Engine ports reserved for the benchmarks (other sessions use 8200-8699).
 PORT_LO, PORT_HI = 8700, 8799

@@ -99,16 +99,16 @@ async def replayed(tmp_path: Path) -> AsyncIterator[Rig]:
     client = SlurmClient(replay, timeout=5)
     poller = Poller("dev", client, config.poll, squeue_interval_s=0.1)
     journal = await Journal.open(config.journal_path)
+    files = SharedLogDir()
     try:
         async with anyio.create_task_group() as tg:
             await tg.start(poller.run)
-            cluster = Cluster(
-                ClusterConfig("dev"), client, poller, SharedLogDir(), jobfiles.SharedFsNode
-            )
+            cluster = Cluster(ClusterConfig("dev"), client, poller, files, jobfiles.SharedFsNode)
             sup = Supervisor(config, journal, {"dev": cluster}, tg)
             yield Rig(sup, replay, journal, tmp_path)
             tg.cancel_scope.cancel()
     finally:
+        await files.aclose()
         await journal.aclose()
 
 

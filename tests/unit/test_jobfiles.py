@@ -21,6 +21,7 @@ from llmd_supervisor.adapters.tail import CopyBudget, tail_to_local
 from llmd_supervisor.core.config import load_config
 from llmd_supervisor.core.paths import check_canonical, check_log_dir
 from llmd_supervisor.errors import ConfigError, FileRefused, LogCapped, SpecError
+from llmd_supervisor.supervision.cluster import SharedLogDir
 from tests.fakes.hostile import SECRET, plant
 from tests.fakes.hostile_results import write_nested
 
@@ -299,8 +300,10 @@ async def test_many_files_are_read_through_one_reader_each_judged_alone(
     (d / "big.json").write_bytes(b"x" * 10)
     paths = [(str(d / "ok.json"), 100), (str(d / "nope"), 100), (str(d / "big.json"), 3)]
     paths += [(str(d / name), jobfiles.SMALL_FILE_MAX) for name in kinds]
+    files = SharedLogDir(time_limit=20)
     with anyio.fail_after(30):
-        got = await jobfiles.read_many_local(str(d), paths, time_limit=20)
+        got = await files.read_many(str(d), paths)
+    await files.aclose()
     assert got[str(d / "ok.json")] == b'{"completed": 4}'
     assert got[str(d / "nope")] is None
     too_large = got[str(d / "big.json")]
@@ -325,30 +328,38 @@ async def test_sixteen_files_of_32_mib_are_read_without_blocking_the_loop(
 ) -> None:
     """The finding: the answers were cut out of the reader's output by copying what was
     left of it once per file, on the loop (16 x 32 MiB: an 11.4 s stall). Now each file
-    is cut out by its offset, in batches of at most BATCH_MAX bytes (the loop guard of
+    is one answer of a kept reader, received in chunks (the loop guard of
     tests/conftest.py fails this test if a callback holds the loop)."""
     d, names, data = sixteen_large
     paths = [(str(d / "bench" / n), jobfiles.RESULT_FILE_MAX) for n in names]
     paths.insert(3, (str(d / "bench" / "small.json"), 100))
     (d / "bench" / "small.json").write_bytes(b'{"small": 1}')
+    files = SharedLogDir(time_limit=60)
     with anyio.fail_after(120):
-        got = await jobfiles.read_many_local(str(d), paths, time_limit=60)
+        got = await files.read_many(str(d), paths)
+    await files.aclose()
     assert list(got) == [p for p, _ in paths]
     assert got.pop(str(d / "bench" / "small.json")) == b'{"small": 1}'
     assert all(v == data for v in got.values())
 
 
-def test_a_reader_answer_that_lies_about_its_length_is_refused() -> None:
-    """Answers are cut out by offset: a length beyond the output, or beyond the request's
-    limit, refuses that file and those after it instead of reading past them."""
-    out = b"ok 3\nabcok 99\nxy"
-    got = jobfiles.cut_answers(out, [("a", 10), ("b", 100), ("c", 5)])
-    assert got["a"] == b"abc"
-    for path in ("b", "c"):
-        refused = got[path]
-        assert isinstance(refused, FileRefused) and "no complete answer" in refused.why, refused
-    got = jobfiles.cut_answers(b"ok 9999\n" + b"x" * 9999, [("a", 10)])
-    assert isinstance(got["a"], FileRefused)
+@pytest.mark.parametrize(
+    ("head", "op", "limit", "expected"),
+    [
+        (b"ok 3", "read", 10, ("ok", 3)),
+        (b"ok 4106", "read", 10, ("ok", 4106)),  # a reason text may exceed a tiny limit
+        (b"ok 4107", "read", 10, None),  # beyond the request's limit and that slack
+        (b"ok -1", "read", 10, None),
+        (b"ok x", "read", 10, None),
+        (b"ok 2000", "list", 10, ("ok", 2000)),  # up to 10 names of 255 bytes
+    ],
+)
+def test_a_reader_answer_that_lies_about_its_length_is_refused(
+    head: bytes, op: str, limit: int, expected: tuple[str, int] | None
+) -> None:
+    """A reader's answer says its length first: one beyond what the request can have is
+    not believed (the reader is restarted and nothing past it is read)."""
+    assert jobfiles.serve_head(head, op, limit) == expected
 
 
 @pytest.mark.asyncio

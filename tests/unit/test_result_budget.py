@@ -6,10 +6,12 @@ its value (the gate's reason, the foreign table, a `log.refused` event)."""
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
 import pytest
+import pytest_asyncio
 
 from llmd_supervisor.adapters.result_parser import PARSERS
 from llmd_supervisor.core.config import Limits, load_config
@@ -46,6 +48,18 @@ def _results(spec: RunSpec, layout: RunLayout, size: int) -> None:
         point_log.write_bytes(b"x" * size)
 
 
+@pytest_asyncio.fixture
+async def files() -> AsyncIterator[SharedLogDir]:
+    """The cluster's files seen here (its reader children ended after the test)."""
+    shared = SharedLogDir()
+    yield shared
+    await shared.aclose()
+
+
+async def _ignore(exc: FileRefused) -> None:
+    pass
+
+
 @pytest.fixture
 def run(tmp_path: Path) -> tuple[RunSpec, RunLayout]:
     spec = _spec(tmp_path / "L")
@@ -54,13 +68,14 @@ def run(tmp_path: Path) -> tuple[RunSpec, RunLayout]:
 
 @pytest.mark.asyncio
 async def test_result_files_past_the_byte_budget_are_refused_naming_it(
-    run: tuple[RunSpec, RunLayout],
+    run: tuple[RunSpec, RunLayout], files: SharedLogDir
 ) -> None:
     spec, layout = run
     _results(spec, layout, MIB)
     limits = Limits(result_bytes_max_per_run=5 * MIB // 2)
     with anyio.fail_after(60):
-        got = await bench_files.read_results(SharedLogDir(), layout, JOB, spec, limits)
+        found = await bench_files.read_all(files, layout, JOB, spec, _ignore, limits)
+    got = found.results
     assert isinstance(got[1], Point) and isinstance(got[2], Point)
     over = got[4]
     assert isinstance(over, ResultProblem) and over.kind == "refused"
@@ -77,13 +92,14 @@ async def test_result_files_past_the_byte_budget_are_refused_naming_it(
 
 @pytest.mark.asyncio
 async def test_result_files_past_the_count_budget_are_refused_naming_it(
-    run: tuple[RunSpec, RunLayout],
+    run: tuple[RunSpec, RunLayout], files: SharedLogDir
 ) -> None:
     spec, layout = run
     _results(spec, layout, 4096)
     limits = Limits(result_files_max_per_run=2)
     with anyio.fail_after(60):
-        got = await bench_files.read_results(SharedLogDir(), layout, JOB, spec, limits)
+        found = await bench_files.read_all(files, layout, JOB, spec, _ignore, limits)
+    got = found.results
     assert isinstance(got[1], Point) and isinstance(got[2], Point)
     assert got[4] == ResultProblem(
         "refused",
@@ -94,7 +110,7 @@ async def test_result_files_past_the_count_budget_are_refused_naming_it(
 
 @pytest.mark.asyncio
 async def test_the_archive_takes_results_first_and_refuses_what_the_budget_leaves_out(
-    run: tuple[RunSpec, RunLayout],
+    run: tuple[RunSpec, RunLayout], files: SharedLogDir
 ) -> None:
     spec, layout = run
     _results(spec, layout, MIB // 2)  # 1.5 MiB of results, 1.5 MiB of point logs
@@ -105,7 +121,7 @@ async def test_the_archive_takes_results_first_and_refuses_what_the_budget_leave
 
     limits = Limits(result_bytes_max_per_run=2 * MIB)
     with anyio.fail_after(60):
-        got = await bench_files.read_all(SharedLogDir(), layout, JOB, spec, seen, limits)
+        got = await bench_files.read_all(files, layout, JOB, spec, seen, limits)
     assert all(isinstance(got.results[c], Point) for c in (1, 2, 4))
     assert {"results/c1.json", "results/c2.json", "results/c4.json"} <= set(got.archived)
     assert sum(len(v) for v in got.archived.values()) <= limits.result_bytes_max_per_run
@@ -126,7 +142,7 @@ def foreign(tmp_path: Path) -> RunLayout:
 
 @pytest.mark.asyncio
 async def test_a_foreign_job_with_256_result_files_is_read_within_its_budget(
-    foreign: RunLayout,
+    foreign: RunLayout, files: SharedLogDir
 ) -> None:
     """The finding: 256 result files of 32 MiB were read into the daemon (8 GiB), then
     parsed on its loop. Now the first 64 are read (one refusal says how many matched and
@@ -138,7 +154,7 @@ async def test_a_foreign_job_with_256_result_files_is_read_within_its_budget(
         refused.append(exc)
 
     with anyio.fail_after(120):
-        got = await bench_files.read_foreign(SharedLogDir(), foreign, JOB, seen)
+        got = await bench_files.read_foreign(files, foreign, JOB, seen)
     assert len(got.archived) == 64 and len(got.parsed) == 64
     assert [r.path for r in refused] == [f"{foreign.log_dir}/results/n063.json"]
     assert refused[0].why == (
@@ -157,7 +173,7 @@ async def test_a_foreign_job_with_256_result_files_is_read_within_its_budget(
     refused.clear()
     limits = Limits(result_bytes_max_per_run=4 * MIB)
     with anyio.fail_after(120):
-        got = await bench_files.read_foreign(SharedLogDir(), foreign, JOB, seen, limits)
+        got = await bench_files.read_foreign(files, foreign, JOB, seen, limits)
     assert sum(len(v) for v in got.archived.values()) <= 4 * MIB
     assert len(got.archived) == 16 and len(refused) == 1 + 48
     assert all("(limits.result_bytes_max_per_run)" in r.why for r in refused[1:])

@@ -155,7 +155,7 @@ async def test_a_parse_over_its_time_limit_is_refused_and_the_next_file_is_parse
 async def test_a_parser_ended_by_its_cpu_limit_refuses_its_file_and_the_rest_go_on(
     nested: bytes, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(result_parser, "CPU_SLACK_S", -59)  # 30 s x 2 files - 59: 1 CPU s
+    monkeypatch.setattr(result_parser, "CPU_SLACK_S", -29)  # 30 s a file - 29: 1 CPU s
     real = (DATA / "vllm-serve-c4.json").read_bytes()
     vllm: tuple[ResultFormat] = ("vllm",)
     items = [("cpu.json", nested, vllm), ("real.json", real, vllm)]
@@ -193,3 +193,29 @@ async def test_at_most_two_parsers_run_at_once(nested: bytes) -> None:
                     parsers.start_soon(parse_many, items, ParseLimits())
             tg.cancel_scope.cancel()
     assert 0 < max(seen) <= result_parser.PARSERS
+
+
+@pytest.mark.asyncio
+async def test_a_kept_child_parses_the_next_files_and_ends_with_the_block(nested: bytes) -> None:
+    """Within `kept_children` (the daemon), a child that parsed small files without a
+    problem serves the next call; one that refused a file is not kept; none outlives the
+    block."""
+    real = (DATA / "vllm-serve-c4.json").read_bytes()
+    vllm: tuple[ResultFormat] = ("vllm",)
+    with anyio.fail_after(60):
+        async with result_parser.kept_children():
+            first = await parse_many([("a.json", real, vllm)], ParseLimits())
+            kept = _children()
+            assert len(kept) == 1
+            second = await parse_many([("b.json", real, vllm)], ParseLimits())
+            assert _children() == kept  # the same child, no new one
+            assert isinstance(first["a.json"], Point) and second["b.json"] == first["a.json"]
+            limits = ParseLimits(memory_bytes=128 * MIB)  # another limit: a new child
+            hostile = await parse_many([("n.json", nested, vllm)], limits)
+            assert _is_refused(hostile["n.json"])
+            assert _children() == []  # the kept one (other limit) and the refusing one end
+        assert _children() == []
+
+
+def _is_refused(got: Point | ResultProblem) -> bool:
+    return isinstance(got, ResultProblem) and got.kind == "refused"

@@ -17,7 +17,6 @@ import structlog
 from llmd_supervisor.adapters import archive
 from llmd_supervisor.core.foreign_spec import ForeignSpec
 from llmd_supervisor.core.gpus import RoleGpus
-from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.core.lifecycle import Archived
 from llmd_supervisor.core.recipe import deployment_of, role_gpus
 from llmd_supervisor.core.results import results_table
@@ -27,8 +26,6 @@ from llmd_supervisor.supervision.attempt import Attempt, CopyState
 from llmd_supervisor.supervision.run import evidence
 from llmd_supervisor.supervision.run.context import RunContext
 from llmd_supervisor.supervision.run.records import (
-    LOG_REFUSED_EVENT,
-    LogRefusedEvent,
     last_receipt,
 )
 
@@ -56,8 +53,9 @@ async def write_archive(ctx: RunContext) -> Written:
     """Write the archive, retrying with backoff while it fails: the outcome is never
     declared before its evidence is on disk. Cancellation leaves a try that started to
     write finish it (shielded, bounded by `archive_timeout_s`)."""
+    judged = ctx.judged_files
     try:
-        marker = await evidence.marker(ctx)
+        marker = judged.marker if judged is not None else await evidence.marker(ctx)
     except FileRefused:  # not a plain file: the verdict said so, nothing to archive
         marker = None
     attempt = ctx.attempt
@@ -68,7 +66,7 @@ async def write_archive(ctx: RunContext) -> Written:
         # so complete them again (it appends only what a copy lacks).
         attempt = ctx.new_attempt(run.nodes)
         copies = CopyState.LOCAL_FAILED
-    files = await _bench_evidence(ctx)
+    files = await _bench_evidence(ctx, None if judged is None else judged.bench)
     limits = ctx.config.limits
     delay = 1.0
     remote_drains = 0
@@ -109,19 +107,17 @@ async def write_archive(ctx: RunContext) -> Written:
     return Written(attempt, copies)
 
 
-async def _bench_evidence(ctx: RunContext) -> dict[str, bytes]:
+async def _bench_evidence(
+    ctx: RunContext, judged: bench_files.BenchFiles | None
+) -> dict[str, bytes]:
     """The benchmark's raw files, the ranks' status and diagnostics, and `results.json`
-    (empty when no job ran)."""
+    (empty when no job ran): those the verdict was made from (`judged`), else read now
+    (a restart since the verdict, a foreign job)."""
     job_id, spec = ctx.run.slurm_job_id, ctx.spec
     if job_id is None:
         return {}
-
-    async def refused(exc: FileRefused) -> None:
-        fields = LogRefusedEvent(path=job_text(exc.path), reason=job_text(exc.why))
-        log.warning("run.log_refused", **fields)  # the job's names, escaped
-        await ctx.emit(LOG_REFUSED_EVENT, fields)
-
     files, layout, limits = ctx.cluster.files, ctx.layout, ctx.config.limits
+    refused = functools.partial(evidence.report_refused, ctx)
     if isinstance(spec, ForeignSpec):
         got = await bench_files.read_foreign(files, layout, job_id, refused, limits)
         roles = None
@@ -129,7 +125,7 @@ async def _bench_evidence(ctx: RunContext) -> dict[str, bytes]:
             roles = RoleGpus(spec.prefill_gpus, spec.decode_gpus)
         table = bench_files.foreign_table(got, roles, len(ctx.run.nodes) or None)
         return {**got.archived, "results.json": (json.dumps(table, indent=1) + "\n").encode()}
-    found = await bench_files.read_all(files, layout, job_id, spec, refused, limits)
+    found = judged or await bench_files.read_all(files, layout, job_id, spec, refused, limits)
     table = results_table(
         bench_files.judge(spec, found.results),
         role_gpus(spec.topology),

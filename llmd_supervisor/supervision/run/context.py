@@ -20,6 +20,7 @@ from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.core.lifecycle import Run
 from llmd_supervisor.core.spec import RunSpec
 from llmd_supervisor.supervision.attempt import Attempt
+from llmd_supervisor.supervision.bench_files import JudgedFiles
 from llmd_supervisor.supervision.cluster import Cluster
 from llmd_supervisor.supervision.run.records import AttemptEntry, JournalEvent
 
@@ -67,6 +68,11 @@ class RunContext(Protocol):
     @property
     def scontrol_snapshot(self) -> str | None:
         """The last `scontrol show job` record, taken in `finishing`."""
+        ...
+
+    @property
+    def judged_files(self) -> JudgedFiles | None:
+        """What the last verdict was made from (None: no verdict in this process yet)."""
         ...
 
     @property

@@ -33,6 +33,7 @@ Stopping the daemon cancels these loops and never the jobs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ from llmd_supervisor.errors import (
     SupervisorError,
 )
 from llmd_supervisor.supervision.attempt import Attempt
+from llmd_supervisor.supervision.bench_files import JudgedFiles
 from llmd_supervisor.supervision.cluster import Cluster
 from llmd_supervisor.supervision.poller import QueueView
 from llmd_supervisor.supervision.run import (
@@ -152,6 +154,7 @@ class RunHandle:
     # The last `scontrol show job` record (taken in finishing); the archive writes it too,
     # so a snapshot a full disk refused is not lost.
     scontrol_snapshot: str | None = None
+    judged_files: JudgedFiles | None = None  # what the last verdict was made from
     job_files_asked: int = 0
     held_until: datetime | None = None  # held for want of nodes until then (`retries.Hold`)
 
@@ -263,7 +266,10 @@ class Supervisor:
         spec = await self.admit(spec_toml, cluster)
         run_id = run_id or uuid.uuid4().hex[:12]
         job_name = f"llmd-{run_id}"
-        script = render_sbatch(spec, job_name=job_name)
+        # off the loop: the first render reads the node files (~0.5 s), each packs them
+        script = await anyio.to_thread.run_sync(
+            functools.partial(render_sbatch, spec, job_name=job_name)
+        )
         return await self._accept(
             new_run(run_id, job_name, self.clock()), spec, spec_toml, script, owner_uid, cluster
         )
@@ -545,9 +551,11 @@ class Supervisor:
                 judged = await verify.verify(ctx)
                 if judged.entry is not None:
                     h.history.append(judged.entry)
+                h.judged_files = judged.files
                 await self.apply(h, judged.event)
             case WriteArchive():
                 written = await archiving.write_archive(ctx)
+                h.judged_files = None
                 if written.attempt is not None:
                     h.attempt = written.attempt
                     written.attempt.copies = written.copies
@@ -727,6 +735,10 @@ class _Context:
     @property
     def scontrol_snapshot(self) -> str | None:
         return self._h.scontrol_snapshot
+
+    @property
+    def judged_files(self) -> JudgedFiles | None:
+        return self._h.judged_files
 
     @property
     def version(self) -> int:

@@ -1,11 +1,18 @@
-"""What the phases after a job's end read of it: its marker and its allocation's nodes."""
+"""What the phases after a job's end read of it: its marker and its allocation's nodes;
+and how a file the job made unreadable is reported."""
 
 from __future__ import annotations
 
+import structlog
+
+from llmd_supervisor.core.jobtext import job_text
 from llmd_supervisor.core.slurm_parse import parse_scontrol_job
-from llmd_supervisor.errors import SlurmParseError
+from llmd_supervisor.errors import FileRefused, SlurmParseError
 from llmd_supervisor.node.common import expand_hostlist
 from llmd_supervisor.supervision.run.context import RunContext
+from llmd_supervisor.supervision.run.records import LOG_REFUSED_EVENT, LogRefusedEvent
+
+log = structlog.get_logger("llmd_supervisor.runs")
 
 
 async def marker(ctx: RunContext) -> bytes | None:
@@ -42,3 +49,11 @@ def scontrol_nodes(text: str) -> tuple[str, ...]:
     if not node_list or node_list == "(null)":
         return ()
     return tuple(expand_hostlist(node_list))
+
+
+async def report_refused(ctx: RunContext, exc: FileRefused) -> None:
+    """A job's file was not read (a link, a FIFO, beyond the budget...): logged and
+    journaled as `records.LOG_REFUSED_EVENT`, with the job's names escaped."""
+    fields = LogRefusedEvent(path=job_text(exc.path), reason=job_text(exc.why))
+    log.warning("run.log_refused", **fields)
+    await ctx.emit(LOG_REFUSED_EVENT, fields)

@@ -7,6 +7,7 @@ looks the name up and never submits twice. Both return the event that ends the s
 
 from __future__ import annotations
 
+import functools
 from enum import Enum
 from typing import Final, Literal
 
@@ -98,7 +99,9 @@ async def _sbatch(ctx: RunContext, exclude: tuple[str, ...]) -> Submitted | str:
     else:
         script, options, env = ctx.meta.script, [], None
         if ctx.run.submission > 1 or not script:
-            script = render_sbatch(spec, job_name=name)
+            script = await anyio.to_thread.run_sync(
+                functools.partial(render_sbatch, spec, job_name=name)
+            )
     if exclude:
         options.append(f"--exclude={','.join(exclude)}")
     try:

@@ -35,6 +35,7 @@ from llmd_supervisor.errors import (
 )
 from llmd_supervisor.node.common import RC_CONFIG, expand_hostlist
 from llmd_supervisor.supervision import bench_files
+from llmd_supervisor.supervision.bench_files import JudgedFiles
 from llmd_supervisor.supervision.run import cancel, evidence, retries
 from llmd_supervisor.supervision.run.context import RunContext
 from llmd_supervisor.supervision.run.records import (
@@ -61,10 +62,43 @@ _CONNECTING: Final = "connecting"  # the action of a link's `RemoteError` when S
 @dataclass(frozen=True)
 class Judged:
     """What verification ends with: the event for the driver to apply (`Verified`, or a
-    `Retry` of the run) and the attempt's history entry when this call journaled it."""
+    `Retry` of the run), the attempt's history entry when this call journaled it, and the
+    files the verdict was made from (for the archive)."""
 
     event: Verified | Retry
     entry: AttemptEntry | None
+    files: JudgedFiles
+
+
+class _Reads:
+    """The marker and the benchmark's files as `verify_job` reads them (the last read
+    of each is what the verdict was made from)."""
+
+    def __init__(self, ctx: RunContext) -> None:
+        self._ctx = ctx
+        self.marker: bytes | None = None
+        self.bench: bench_files.BenchFiles | None = None
+
+    async def read_marker(self) -> bytes | None:
+        self.marker = None  # a refused marker stays None
+        self.marker = await evidence.marker(self._ctx)
+        return self.marker
+
+    async def benchmark(self) -> GateResult:
+        ctx, spec = self._ctx, self._ctx.spec
+        assert isinstance(spec, RunSpec)
+        self.bench = await bench_files.read_all(
+            ctx.cluster.files,
+            ctx.layout,
+            ctx.job_id(),
+            spec,
+            functools.partial(evidence.report_refused, ctx),
+            ctx.config.limits,
+        )
+        return bench_files.judge(spec, self.bench.results)
+
+    def files(self) -> JudgedFiles:
+        return JudgedFiles(self.marker, self.bench)
 
 
 async def verify(ctx: RunContext) -> Judged:
@@ -78,15 +112,7 @@ async def verify(ctx: RunContext) -> Judged:
         async def query(self, source: Source, job_id: str) -> SlurmQuery:
             return await poller.evidence(source, job_id, starttime)
 
-    spec = ctx.spec
-
-    async def benchmark() -> GateResult:
-        assert isinstance(spec, RunSpec)
-        limits = ctx.config.limits
-        files = ctx.cluster.files
-        raw = await bench_files.read_results(files, ctx.layout, job_id, spec, limits)
-        return bench_files.judge(spec, raw)
-
+    reads = _Reads(ctx)
     marker_path = ctx.layout.marker(job_id)
     events = await ctx.events()
     # A cancel counts only if it reached the job before it ended (not asked for after).
@@ -94,10 +120,10 @@ async def verify(ctx: RunContext) -> Judged:
     result = await verify_job(
         _Evidence(),
         job_id,
-        marker_bytes=functools.partial(evidence.marker, ctx),
+        marker_bytes=reads.read_marker,
         marker_format=ctx.layout.marker_format,
         marker_name=posixpath.basename(marker_path) if ctx.layout.watch and marker_path else "",
-        benchmark=benchmark if isinstance(spec, RunSpec) else None,
+        benchmark=reads.benchmark if isinstance(ctx.spec, RunSpec) else None,
         evidence_timeout=ctx.config.limits.verify_timeout_s,
         interval=ctx.config.poll.min_interval_s,
         cancel_requested=cancelled,
@@ -149,7 +175,7 @@ async def verify(ctx: RunContext) -> Judged:
         }
         retry = await retries.retried(ctx, part, decision, reason)
         poller.untrack(job_id)
-        return Judged(retry, end.entry)
+        return Judged(retry, end.entry, reads.files())
     poller.untrack(job_id)
     if decision.unplaced:  # an infrastructure failure the retry could not get away from
         reason = f"{reason}; {decision.why}"
@@ -164,7 +190,7 @@ async def verify(ctx: RunContext) -> Judged:
     }
     journaled: ReceiptEvent = {"receipt": receipt}
     await ctx.emit(RECEIPT_EVENT, journaled)
-    return Judged(Verified(outcome, reason), end.entry)
+    return Judged(Verified(outcome, reason), end.entry, reads.files())
 
 
 async def _diagnosis(
