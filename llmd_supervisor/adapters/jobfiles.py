@@ -316,7 +316,7 @@ class SharedFsNode(LocalFiles):
 
 
 # Reader children kept for the job files seen on this machine (per cluster).
-LOCAL_READERS: Final = 2
+LOCAL_READERS: Final = 4
 
 
 class LocalReaders:

@@ -3,7 +3,8 @@
 Each tick issues at most one `sacct` (allocation and step rows, chunked only when the id
 list is long) covering every tracked job and every job whose verification asked for
 accounting evidence, and one `scontrol show job` per job that asked for the scontrol
-fallback. `squeue` (the authority on "left the queue", and the only source without
+fallback (up to SCONTROL_AT_ONCE side by side: ten runs verified together wait for one
+call's time, not ten). `squeue` (the authority on "left the queue", and the only source without
 accounting) runs once per `squeue_interval_s` for all tracked jobs (2 slurmctld RPCs a
 call: 12 a minute at 10 s), or at once when a run's batch log appears (it started). sacct
 is answered by slurmdbd and costs slurmctld nothing, so ends are seen within
@@ -65,6 +66,8 @@ log = structlog.get_logger("llmd_supervisor.supervision.poller")
 DEFAULT_MIN_JOB_AGE_S = 300
 # Once a job's marker is seen it ends within seconds; its end is looked for this often.
 ENDING_INTERVAL_S = 0.1
+# `scontrol show job` calls of one tick running at once (one slurmctld RPC each).
+SCONTROL_AT_ONCE = 4
 ENDING_WINDOW_S = 30.0
 
 
@@ -283,9 +286,13 @@ class Poller:
         ):
             self._last_squeue = now
             changed = await self._squeue(tracked) or changed
+        asked = [r for r in requests if r.source is Source.SCONTROL]
+        if asked:  # several runs verified at once: their scontrol calls side by side
+            limiter = anyio.CapacityLimiter(SCONTROL_AT_ONCE)
+            async with anyio.create_task_group() as tg:
+                for request in asked:
+                    tg.start_soon(self._answer_scontrol, request, limiter)
         for request in requests:
-            if request.source is Source.SCONTROL:
-                request.result = await self._scontrol(request.job_id)
             request.done.set()
         running = any(
             t.latest is not None and t.latest.state in _FAST_STATES for t in self._tracked.values()
@@ -467,6 +474,12 @@ class Poller:
                 stdout="",
                 stderr="Slurm accounting storage is disabled",
             )
+
+    async def _answer_scontrol(
+        self, request: _EvidenceRequest, limiter: anyio.CapacityLimiter
+    ) -> None:
+        async with limiter:
+            request.result = await self._scontrol(request.job_id)
 
     async def _scontrol(self, job_id: str) -> SlurmQuery:
         taken_at = datetime.now(UTC)

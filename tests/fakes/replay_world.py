@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,17 @@ class Work(Step):
             self.action(job, Path(out).parent)
 
 
+@dataclass(frozen=True)
+class StampedEnd(End):
+    """`End`, noting the wall time it ended the job at (job id -> epoch seconds)."""
+
+    into: dict[str, float] = field(default_factory=dict, kw_only=True)
+
+    def apply(self, job: ReplayJob) -> None:
+        super().apply(job)
+        self.into[job.job_id] = time.time()
+
+
 @dataclass
 class ReplayWorld:
     """See the module docstring. `call` runs a function in the world's thread (the only
@@ -70,6 +82,7 @@ class ReplayWorld:
     pending_s: float = 0.5
     running_s: float = 1.5
     end_s: float = 0.3  # from the marker to COMPLETED
+    ended_at: dict[str, float] = field(default_factory=dict)  # job id -> when it ended
     ssh: FakeSshServer | None = None
     # What each job does once it runs (a hostile job plants files here), and at its end
     # (default: every point's result file, then the marker, as the demo's coordinator).
@@ -122,7 +135,7 @@ name = "dev"
             Start((HOST,), after=self.pending_s),
             Work(self.plant, after=0.2),
             Work(self.finish or self._finish, after=self.running_s),
-            End(JobState.COMPLETED, after=self.end_s),
+            StampedEnd(JobState.COMPLETED, after=self.end_s, into=self.ended_at),
         )
 
     def _finish(self, job: ReplayJob, log_dir: Path) -> None:
@@ -187,4 +200,4 @@ def world(tmp_path: Path) -> Iterator[ReplayWorld]:
         yield w
 
 
-__all__ = ["TICK_S", "JobAction", "ReplayWorld", "Work", "replay_world", "world"]
+__all__ = ["JobAction", "ReplayWorld", "StampedEnd", "Work", "replay_world", "world"]

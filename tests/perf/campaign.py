@@ -12,7 +12,8 @@ InferenceX's full sweep is 1,355 jobs; this campaign is 5 topologies x 271 ISL/O
   of 10 calls);
 - the daemon's RSS then (<= 150 MB);
 - end detection: 10 runs whose jobs end within the same second, each one's time from its
-  marker (the job's last action) to the daemon's verified outcome (`run.finished`, after
+  job's end (COMPLETED, half a second after the coordinator's marker, as a job's agents
+  stop their engines after it) to the daemon's verified outcome (`run.finished`, after
   verification and the archive), median <= 0.6 s; with its phases (the job seen leaving
   the queue, the copies finished, verification and archive).
 
@@ -42,14 +43,13 @@ from llmd_supervisor.core.spec import load_spec
 from llmd_supervisor.core.spec_toml import decode_toml
 from tests.daemon_helpers import Daemon, demo_spec, stop_started
 from tests.devcluster import REPO
-from tests.fakes.bench_results import finish_job
-from tests.fakes.replay_world import TICK_S, replay_world
-from tests.fakes.slurm_replay import ReplayJob
+from tests.fakes.replay_world import replay_world
 from tests.perf.common import machine, proc_mem_kb, say, summary
 from tests.perf.daemons import FINAL_STATES, PerfDaemon, log_time
 
 TARGETS = {"expansion_s": 2.0, "status_s": 0.5, "rss_mb": 150.0, "end_median_s": 0.6}
 END_RUNS = 10
+MARKER_TO_END_S = 0.5
 
 
 def campaign_text(pairs: int) -> str:
@@ -127,19 +127,14 @@ def run(work: Path, *, smoke: bool) -> dict[str, Any]:
 
 def end_detection(work: Path, runs: int) -> dict[str, Any]:
     """`runs` runs held until all are queued, so that their jobs start, and end, in the same
-    tick of the replayed cluster: per run, the seconds from its marker to `run.finished`."""
+    tick of the replayed cluster: per run, the seconds from its job's end to
+    `run.finished`, and its phases."""
     benchmark = load_spec((REPO / "deploy" / "llm-d" / "demo.toml").read_text()).benchmark
-    marked: dict[str, float] = {}
-
-    def finish(job: ReplayJob, log_dir: Path) -> None:
-        finish_job(log_dir, job.job_id, benchmark)
-        marked[job.job_id] = time.time()
-
     with (
-        replay_world(work / "end-world", benchmark, finish=finish) as world,
+        replay_world(work / "end-world", benchmark) as world,
         tempfile.TemporaryDirectory(dir="/var/tmp", prefix="llmd-perf-end-") as logs,
     ):
-        world.end_s = TICK_S  # COMPLETED right after the marker, as a real job's end
+        world.end_s = MARKER_TO_END_S
         root = work / "end-daemon"
         root.mkdir()
         d = PerfDaemon(world, root, replay_socket=world.socket)  # the shipped defaults
@@ -156,34 +151,38 @@ def end_detection(work: Path, runs: int) -> dict[str, Any]:
             d.wait_runs(ids, FINAL_STATES, 300)
         finally:
             d.stop()
+        ended = world.call(lambda: dict(world.ended_at))
     records = d.events("run.finished") + d.events("run.transition")
 
-    def at(run: str, event: str, to: str | None = None) -> float | None:
+    def at(run: str, event: str, to: str | None = None) -> float:
         times = [
             log_time(r)
             for r in records
             if r.get("run_id") == run and r["event"] == event and (to is None or r["to"] == to)
         ]
-        return min(times) if times else None
+        if not times or jobs[run] not in ended:
+            raise RuntimeError(f"run {run} (job {jobs[run]}) lacks its end or {event} {to}")
+        return min(times)
 
     samples = []
     for run, job in jobs.items():
-        done, left = at(run, "run.finished"), at(run, "run.transition", "finishing")
-        verifying = at(run, "run.transition", "verifying")
-        if done is None or left is None or verifying is None or job not in marked:
-            raise RuntimeError(f"run {run} (job {job}) lacks its marker or its transitions")
+        left, verifying = (
+            at(run, "run.transition", "finishing"),
+            at(run, "run.transition", "verifying"),
+        )
+        done = at(run, "run.finished")
         samples.append(
             {
-                "declared_s": done - marked[job],
-                "left_queue_s": left - marked[job],
+                "declared_s": done - ended[job],
+                "left_queue_s": left - ended[job],
                 "finishing_s": verifying - left,
                 "verify_archive_s": done - verifying,
             }
         )
-    spread = max(marked[j] for j in jobs.values()) - min(marked[j] for j in jobs.values())
+    spread = max(ended[j] for j in jobs.values()) - min(ended[j] for j in jobs.values())
     return {
         "runs": runs,
-        "markers_spread_s": spread,
+        "ends_spread_s": spread,
         **{k: summary([float(s[k]) for s in samples]) for k in samples[0]},
     }
 
