@@ -33,6 +33,8 @@ Stopping the daemon cancels these loops and never the jobs.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import pwd
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +50,7 @@ from llmd_supervisor.adapters.journal import Journal, RunMeta, StoredRun
 from llmd_supervisor.adapters.slurm import CommandRunner
 from llmd_supervisor.core import foreign_spec as foreign_spec
 from llmd_supervisor.core.config import Config
+from llmd_supervisor.core.events import Links, RunRef
 from llmd_supervisor.core.foreign_spec import ForeignSpec
 from llmd_supervisor.core.health import NodeHealth
 from llmd_supervisor.core.layout import RunLayout
@@ -73,6 +76,7 @@ from llmd_supervisor.core.lifecycle import (
     plan,
     step,
 )
+from llmd_supervisor.core.outbox import Outgoing, run_outgoing
 from llmd_supervisor.core.render import render_sbatch
 from llmd_supervisor.core.retry_policy import Quarantined, quarantine
 from llmd_supervisor.core.spec import RunSpec, load_spec
@@ -342,7 +346,9 @@ class Supervisor:
             archive_dir=str(arch),
             created_at=run.transitions[0].at,
         )
-        await self.journal.insert_run(run, meta)
+        name = spec.name if isinstance(spec, RunSpec) else spec.name()
+        outgoing = self._outgoing(None, run, meta, name)
+        await self.journal.insert_run(run, meta, outgoing)
         self.hooks.after_journal(run)
         handle = self._handle(StoredRun(run, meta), spec)
         log.info("run.accepted", run_id=run_id, job_name=run.job_name, cluster=cluster_cfg.name)
@@ -617,7 +623,8 @@ class Supervisor:
             after, _ = step(before, event, now)  # the actions are plan(after): the loop's
             if after is before:
                 return
-            await self.journal.save(after, expected=before.state)
+            outgoing = self._outgoing(before, after, h.meta, h.name)
+            await self.journal.save(after, expected=before.state, outgoing=outgoing)
             self.hooks.after_journal(after)
             h.stored = StoredRun(after, _slim(h.meta, after))
             if after.submission != before.submission:  # a retry: a new job, its own name
@@ -644,6 +651,25 @@ class Supervisor:
                 self._declare(h)
             h.notify()
 
+    def _outgoing(
+        self, before: Run | None, after: Run, meta: RunMeta, name: str
+    ) -> tuple[Outgoing, ...]:
+        """The outbound events to journal with this change of the run (`core.outbox`)."""
+        destinations = self.config.events.destinations
+        if not destinations:
+            return ()
+        ref = RunRef(
+            id=after.run_id,
+            name=name,
+            owner=_user_name(meta.owner_uid),
+            owner_uid=meta.owner_uid,
+            cluster=meta.cluster,
+            spec_name=name,
+            spec_sha256=hashlib.sha256(meta.spec_toml.encode("utf-8")).hexdigest(),
+        )
+        links = Links(archive=meta.archive_dir or None)
+        return run_outgoing(before, after, ref, links, destinations)
+
     def _declare(self, h: RunHandle) -> None:
         """The run's one canonical line (its outcome, reason and duration)."""
         run = h.run
@@ -657,6 +683,14 @@ class Supervisor:
             seconds=round((self.clock() - run.transitions[0].at).total_seconds(), 1),
             archive=h.meta.archive_dir,
         )
+
+
+def _user_name(uid: int) -> str:
+    """The user name of `uid` ("" when it has none)."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return ""
 
 
 def _log_dir(spec: RunSpec | ForeignSpec) -> str:

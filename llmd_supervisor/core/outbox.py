@@ -1,0 +1,141 @@
+"""Which outbound events a run's transition makes, as data (pure; DESIGN.md §13).
+
+The driver journals a run's new record together with what `run_outgoing` returns for the
+transition, in one transaction (`adapters.outbox_store`): an event is never lost (it
+commits with its transition) and never made twice (its id is `core.events.event_id` of
+the transition's index in the run's history; the journal inserts it once).
+
+=====================================  ==============
+transition                             event
+=====================================  ==============
+submitting -> pending (a job id)       run.submitted
+journaled straight into pending        run.submitted  (an adopted job)
+pending -> running                     run.started    (again after a requeue)
+any state -> a final state             run.finished   (the outcome declared)
+=====================================  ==============
+
+Each event goes to the destinations `core.event_routing.routes` names; an event no
+destination takes is not journaled at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+
+from llmd_supervisor.core.event_routing import Destination, routes
+from llmd_supervisor.core.events import (
+    EventType,
+    Links,
+    RunFacts,
+    RunRef,
+    SlurmFacts,
+    Timing,
+    encode,
+    make_event,
+    subject,
+)
+from llmd_supervisor.core.lifecycle import Run, RunState
+
+__all__ = [
+    "DeliveryStatus",
+    "Outgoing",
+    "run_event_type",
+    "run_facts",
+    "run_outgoing",
+]
+
+
+class DeliveryStatus(StrEnum):
+    """A delivery's (an event to one destination) status in the journal."""
+
+    QUEUED = "queued"  # not attempted yet
+    RETRYING = "retrying"  # attempted, failed; another attempt is due at next_at
+    DELIVERED = "delivered"  # the receiver's 2xx (or sendmail's 0) is committed
+    DEAD = "dead"  # no more attempts; `events replay ID` queues it again
+    DISABLED = "disabled"  # its destination answered 410 Gone; replayable too
+
+
+@dataclass(frozen=True)
+class Outgoing:
+    """One event to journal, with the destinations it goes to (one delivery each)."""
+
+    id: str
+    type: EventType
+    subject: str
+    seq: str
+    at: datetime
+    body: bytes  # `core.events.encode`: what every attempt sends
+    destinations: tuple[str, ...]
+
+
+def run_event_type(before: Run | None, after: Run) -> EventType | None:
+    """The event the change from `before` (None: the run is new) to `after` reports."""
+    if before is not None and after.state is before.state:
+        return None
+    if after.state.is_final:
+        return EventType.RUN_FINISHED
+    submitted = before is None or before.state is RunState.SUBMITTING
+    if after.state is RunState.PENDING and after.slurm_job_id is not None and submitted:
+        return EventType.RUN_SUBMITTED
+    if after.state is RunState.RUNNING and before is not None:
+        return EventType.RUN_STARTED
+    return None
+
+
+def run_facts(run: Run, ref: RunRef, links: Links) -> RunFacts:
+    """The facts of `run` as its journaled record tells them."""
+    return RunFacts(
+        run=ref,
+        state=run.state.value,
+        attempt=run.attempt,
+        slurm=SlurmFacts(job_id=run.slurm_job_id, nodes=run.nodes),
+        timing=_timing(run),
+        outcome=run.outcome.value if run.outcome is not None else None,
+        reason=run.reason,
+        links=links,
+    )
+
+
+def _timing(run: Run) -> Timing:
+    submitted = started = finished = None
+    for t in run.transitions:
+        if t.state is RunState.PENDING and submitted is None:
+            submitted = t.at
+        elif t.state is RunState.RUNNING:
+            started = t.at  # the last attempt's start
+        elif t.state.is_final:
+            finished = t.at
+    return Timing(submitted_at=submitted, started_at=started, finished_at=finished)
+
+
+def run_outgoing(
+    before: Run | None,
+    after: Run,
+    ref: RunRef,
+    links: Links,
+    destinations: Sequence[Destination],
+) -> tuple[Outgoing, ...]:
+    """The events (at most one) to journal with the change from `before` to `after`."""
+    etype = run_event_type(before, after)
+    if etype is None or not destinations:
+        return ()
+    seq = len(after.transitions) - 1  # the index of the transition reported
+    facts = run_facts(after, ref, links)
+    event = make_event(etype, facts, after.transitions[-1].at, seq)
+    names = routes(event, destinations)
+    if not names:
+        return ()
+    return (
+        Outgoing(
+            id=event.id,
+            type=etype,
+            subject=subject(facts),
+            seq=str(seq),
+            at=event.at,
+            body=encode(event),
+            destinations=tuple(names),
+        ),
+    )
