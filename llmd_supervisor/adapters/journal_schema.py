@@ -193,6 +193,7 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
             next_at     TEXT,  -- when the next attempt is due (queued, retrying)
             last_error  TEXT NOT NULL,
             updated_at  TEXT NOT NULL,
+            payload     BLOB,  -- what this destination gets (Slack); NULL: the event's body
             PRIMARY KEY (event_id, destination)
         )
         """,

@@ -36,7 +36,7 @@ def insert_outgoing(
             off = name in disabled
             conn.execute(
                 "INSERT OR IGNORE INTO deliveries (event_id, destination, status, attempts, "
-                "next_at, last_error, updated_at) VALUES (?, ?, ?, 0, ?, ?, ?)",
+                "next_at, last_error, updated_at, payload) VALUES (?, ?, ?, 0, ?, ?, ?, ?)",
                 (
                     o.id,
                     name,
@@ -44,5 +44,6 @@ def insert_outgoing(
                     None if off else created,
                     "the destination is disabled (it answered 410 Gone)" if off else "",
                     created,
+                    o.payloads.get(name),
                 ),
             )

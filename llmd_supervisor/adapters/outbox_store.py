@@ -78,13 +78,14 @@ class Outbox:
         return self._journal.path
 
     async def due(self, now: datetime, limit: int = 32) -> list[tuple[Delivery, bytes]]:
-        """Queued and retrying deliveries due by `now`, oldest due first, with the body."""
+        """Queued and retrying deliveries due by `now`, oldest due first, each with what
+        it sends (the event's body, or the destination's own payload: Slack)."""
         operation = "read the due deliveries"
         when = iso(now, self._path, operation)
 
         def work(conn: sqlite3.Connection) -> list[tuple[Delivery, bytes]]:
             rows = conn.execute(
-                f"SELECT {_D_COLUMNS}, e.body FROM deliveries AS d "
+                f"SELECT {_D_COLUMNS}, COALESCE(d.payload, e.body) FROM deliveries AS d "
                 "JOIN outbox_events AS e ON e.event_id = d.event_id "
                 "WHERE d.status IN ('queued', 'retrying') AND d.next_at <= ? "
                 "ORDER BY d.next_at, d.event_id, d.destination LIMIT ?",

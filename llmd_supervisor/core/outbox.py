@@ -15,17 +15,19 @@ any state -> a final state             run.finished   (the outcome declared)
 =====================================  ==============
 
 Each event goes to the destinations `core.event_routing.routes` names; an event no
-destination takes is not journaled at all.
+destination takes is not journaled at all. A webhook gets the event's body (signed when
+sent); a Slack destination its message (`core.notify_formats.slack_message`), made here
+from the same facts and journaled with its delivery.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
 
-from llmd_supervisor.core.event_routing import Destination, routes
+from llmd_supervisor.core.event_routing import Destination, DestinationKind, routes
 from llmd_supervisor.core.events import (
     EventType,
     Links,
@@ -33,11 +35,13 @@ from llmd_supervisor.core.events import (
     RunRef,
     SlurmFacts,
     Timing,
+    canonical_json,
     encode,
     make_event,
     subject,
 )
 from llmd_supervisor.core.lifecycle import Run, RunState
+from llmd_supervisor.core.notify_formats import slack_message
 
 __all__ = [
     "DeliveryStatus",
@@ -67,8 +71,10 @@ class Outgoing:
     subject: str
     seq: str
     at: datetime
-    body: bytes  # `core.events.encode`: what every attempt sends
+    body: bytes  # `core.events.encode`: what every webhook attempt sends
     destinations: tuple[str, ...]
+    # What a destination gets instead of the body (Slack: its message), by name.
+    payloads: Mapping[str, bytes] = field(default_factory=dict)
 
 
 def run_event_type(before: Run | None, after: Run) -> EventType | None:
@@ -128,6 +134,7 @@ def run_outgoing(
     names = routes(event, destinations)
     if not names:
         return ()
+    kinds = {d.name: d.kind for d in destinations}
     return (
         Outgoing(
             id=event.id,
@@ -137,5 +144,10 @@ def run_outgoing(
             at=event.at,
             body=encode(event),
             destinations=tuple(names),
+            payloads={
+                n: canonical_json(slack_message(event))
+                for n in names
+                if kinds[n] is DestinationKind.SLACK
+            },
         ),
     )

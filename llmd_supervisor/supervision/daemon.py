@@ -23,6 +23,7 @@ import structlog
 from llmd_supervisor.adapters import remote
 from llmd_supervisor.adapters.campaign_store import CampaignStore
 from llmd_supervisor.adapters.control_server import ControlServer
+from llmd_supervisor.adapters.event_sender import EventSender
 from llmd_supervisor.adapters.journal import Journal
 from llmd_supervisor.adapters.metrics import (
     InstrumentedRunner,
@@ -31,9 +32,11 @@ from llmd_supervisor.adapters.metrics import (
     RunSample,
     serve_metrics,
 )
+from llmd_supervisor.adapters.outbox_store import Outbox
 from llmd_supervisor.adapters.remote import NodeLink
 from llmd_supervisor.adapters.sdnotify import loop_monitor
 from llmd_supervisor.core.config import Config
+from llmd_supervisor.core.event_routing import DestinationKind
 from llmd_supervisor.core.lifecycle import RunState
 from llmd_supervisor.core.summary import RunResults
 from llmd_supervisor.errors import SupervisorError
@@ -143,6 +146,7 @@ async def _serve(
             resumed = await supervisor.resume_all()
             campaigns = Campaigns(supervisor, CampaignStore(journal))
             await campaigns.resume_all()  # after the runs: a campaign follows its runs
+            await _start_sender(config, Outbox(journal), supervisor, tg)
             metrics.attach(lambda: run_samples(supervisor.handles), link_counts)
             if config.metrics_listen is not None:
                 await tg.start(serve_metrics, metrics, config.metrics_listen)
@@ -177,6 +181,26 @@ async def _serve(
                 await link.aclose()
             await journal.aclose()
         log.info("daemon.stopped")
+
+
+async def _start_sender(
+    config: Config, outbox: Outbox, supervisor: Supervisor, tg: anyio.abc.TaskGroup
+) -> None:
+    """Deliver the outbox's events (none configured: nothing to send, no task)."""
+    destinations = config.events.destinations
+    if not destinations:
+        return
+    mail = [d.name for d in destinations if d.kind is DestinationKind.MAIL]
+    if mail:
+        log.warning(
+            "events.mail_not_sent",
+            destinations=mail,
+            hint="this version journals their events but does not send mail; each delivery "
+            "is dead at once and can be replayed later (events replay ID)",
+        )
+    sender = EventSender(outbox, config.events, clock=supervisor.clock)
+    await tg.start(sender.run)
+    log.info("events.sender_started", destinations=[d.name for d in destinations])
 
 
 STATUS_REFRESH_S = 2.0

@@ -1,0 +1,327 @@
+"""Sends the outbox's due deliveries to their destinations (DESIGN.md section 13).
+
+One `EventSender` task in the daemon's root task group asks the journal for due
+deliveries (`adapters.outbox_store`) and attempts each in a task of its own, at most
+`PER_DESTINATION` at once per destination, so a slow or dead receiver holds up neither
+another destination nor anything the daemon does for its runs.
+
+One attempt:
+
+- **webhook**: ``POST`` of the event's body with the Standard Webhooks headers
+  (`core.webhooks.webhook_headers`, ``webhook-id`` the event id on every attempt), signed
+  with every key of the destination's ``secret_file`` (read again on every attempt, so a
+  key is rotated without a restart; a file that others may read is refused);
+- **slack**: ``POST`` of the message journaled with the delivery;
+- **mail**: not sent by this version: the delivery is dead at once, with the reason, and
+  can be replayed (`events replay`) by a version that sends mail.
+
+HTTP: HTTP/1.1 over anyio's TCP (TLS for https, the system's trust store), one request
+per connection, `core.delivery.TIMEOUT_S` for all of it (connect, send, the answer's
+head), redirects never followed; only the status and ``Retry-After`` of the answer are
+read. What is done next is `core.delivery.next_step`'s decision, journaled: a delivery
+is ``delivered`` only once that write has committed (the write is shielded from
+cancellation), so a stop between the receiver's 2xx and the commit sends it again, with
+the same ``webhook-id``. A 410 Gone disables the destination (`Outbox.finish_attempt`).
+
+Cancellation (the daemon stopping): attempts in flight are abandoned; an abandoned attempt
+was never journaled, so it is made again, as the same attempt, after the restart.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import ssl
+import stat
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Final
+from urllib.parse import urlsplit
+
+import anyio
+import anyio.abc
+import anyio.to_thread
+import structlog
+
+from llmd_supervisor import __version__
+from llmd_supervisor.adapters.outbox_store import Delivery, Outbox
+from llmd_supervisor.core.delivery import (
+    TIMEOUT_S,
+    HttpResponse,
+    NetworkFailure,
+    Result,
+    Step,
+    next_step,
+)
+from llmd_supervisor.core.event_routing import Destination, DestinationKind, EventsConfig
+from llmd_supervisor.core.outbox import DeliveryStatus
+from llmd_supervisor.core.webhooks import (
+    SigningKey,
+    parse_secret_file,
+    unix_seconds,
+    webhook_headers,
+)
+from llmd_supervisor.errors import SupervisorError, WebhookSecretError
+
+__all__ = ["EventSender", "post_json", "read_secret_file"]
+
+log = structlog.get_logger("llmd_supervisor.events")
+
+DUE_BATCH: Final = 32  # deliveries read from the journal at once
+IDLE_S: Final = 1.0  # how often the journal is asked for due deliveries
+PER_DESTINATION: Final = 2  # attempts in flight per destination
+ERROR_BACKOFF_S: Final = 5.0  # after the journal failed to answer
+RESPONSE_HEAD_MAX: Final = 16 << 10  # bytes of an answer's status line and headers
+SECRET_FILE_MAX: Final = 16 << 10
+USER_AGENT: Final = f"llmd-supervisor/{__version__}"
+_STATUS_LINE: Final = re.compile(rb"HTTP/1\.[01] ([0-9]{3})(?: |\r\n|$)")
+
+Post = Callable[[str, bytes, Mapping[str, str], float], Awaitable[Result]]
+
+
+class EventSender:
+    """Delivers what the outbox holds; start with ``await tg.start(sender.run)``."""
+
+    def __init__(
+        self,
+        outbox: Outbox,
+        events: EventsConfig,
+        *,
+        clock: Callable[[], datetime],
+        rng: Callable[[], float] = random.random,
+        post: Post | None = None,
+        idle_s: float = IDLE_S,
+    ) -> None:
+        self._outbox = outbox
+        self._destinations = {d.name: d for d in events.destinations}
+        self._clock = clock
+        self._rng = rng
+        self._post: Post = post or post_json
+        self._idle_s = idle_s
+        # Deliveries whose attempt runs now (event id, destination): never started twice.
+        self._in_flight: set[tuple[str, str]] = set()
+        self._limiters: dict[str, anyio.CapacityLimiter] = {}
+        self._wake = anyio.Event()
+
+    def wake(self) -> None:
+        """Look for due deliveries now rather than at the next idle tick."""
+        self._wake.set()
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Deliver until cancelled. A journal error is logged and the loop goes on."""
+        async with anyio.create_task_group() as tg:
+            task_status.started()
+            while True:
+                try:
+                    await self._start_due(tg)
+                except SupervisorError as exc:  # the journal: busy, full, ...
+                    log.warning("event.due_unread", error=str(exc), retry_in_s=ERROR_BACKOFF_S)
+                    await anyio.sleep(ERROR_BACKOFF_S)
+                with anyio.move_on_after(self._idle_s):
+                    await self._wake.wait()
+                self._wake = anyio.Event()
+
+    async def _start_due(self, tg: anyio.abc.TaskGroup) -> None:
+        due = await self._outbox.due(self._clock(), DUE_BATCH + len(self._in_flight))
+        for delivery, payload in due:
+            key = (delivery.event_id, delivery.destination)
+            if key in self._in_flight:
+                continue
+            self._in_flight.add(key)
+            tg.start_soon(self._attempt, delivery, payload)
+
+    async def _attempt(self, d: Delivery, payload: bytes) -> None:
+        key = (d.event_id, d.destination)
+        limiter = self._limiters.setdefault(d.destination, anyio.CapacityLimiter(PER_DESTINATION))
+        try:
+            async with limiter:
+                await self._deliver(d, payload)
+        except Exception:  # a bug here must not stop the daemon: the delivery stays due
+            log.exception("event.attempt_failed", event_id=d.event_id, destination=d.destination)
+            await anyio.sleep(ERROR_BACKOFF_S)
+        finally:
+            self._in_flight.discard(key)
+
+    async def _deliver(self, d: Delivery, payload: bytes) -> None:
+        dest = self._destinations.get(d.destination)
+        attempt = d.attempts + 1
+        if dest is None or dest.kind is DestinationKind.MAIL:
+            why = (
+                f"destination {d.destination!r} is no longer configured"
+                if dest is None
+                else "mail destinations are not sent by this version of llmd-supervisor"
+            )
+            await self._finish(d, DeliveryStatus.DEAD, d.attempts, None, why)
+            return
+        result = await self._send(dest, d, payload)
+        now = self._clock()
+        decision = next_step(attempt, result, now, self._rng)
+        status = {
+            Step.DONE: DeliveryStatus.DELIVERED,
+            Step.RETRY: DeliveryStatus.RETRYING,
+            Step.DEAD: DeliveryStatus.DEAD,
+            Step.DISABLE: DeliveryStatus.DEAD,
+        }[decision.step]
+        await self._finish(
+            d, status, attempt, decision.at, decision.reason, disable=decision.step is Step.DISABLE
+        )
+
+    async def _send(self, dest: Destination, d: Delivery, payload: bytes) -> Result:
+        assert dest.url is not None  # webhook and slack destinations have one
+        headers: dict[str, str] = {}
+        if dest.kind is DestinationKind.WEBHOOK:
+            assert dest.secret_file is not None
+            try:
+                keys = await read_secret_file(Path(dest.secret_file))
+            except WebhookSecretError as exc:
+                return NetworkFailure(f"not sent: {exc}")
+            stamp = unix_seconds(self._clock())
+            headers = webhook_headers(keys, d.event_id, stamp, payload)
+        return await self._post(dest.url, payload, headers, TIMEOUT_S)
+
+    async def _finish(
+        self,
+        d: Delivery,
+        status: DeliveryStatus,
+        attempts: int,
+        next_at: datetime | None,
+        why: str,
+        *,
+        disable: bool = False,
+    ) -> None:
+        # Shielded: a receiver's 2xx counts only once it is journaled, and it must be.
+        with anyio.CancelScope(shield=True):
+            await self._outbox.finish_attempt(
+                d.event_id,
+                d.destination,
+                status=status,
+                attempts=attempts,
+                next_at=next_at,
+                error=why,
+                now=self._clock(),
+                disable=disable,
+            )
+        fields = {
+            "event_id": d.event_id,
+            "type": d.type,
+            "destination": d.destination,
+            "attempt": attempts,
+            "reason": why,
+        }
+        if status is DeliveryStatus.DELIVERED:
+            log.info("event.delivered", **fields)
+        elif status is DeliveryStatus.RETRYING:
+            log.info(
+                "event.retry_scheduled", next_at=next_at.isoformat() if next_at else None, **fields
+            )
+        else:
+            log.warning("event.dead", **fields)
+        if disable:
+            log.warning(
+                "event.destination_disabled",
+                destination=d.destination,
+                reason=why,
+                hint="fix the receiver, then `events replay ID` enables the destination again",
+            )
+
+
+async def read_secret_file(path: Path) -> tuple[SigningKey, ...]:
+    """The signing keys of a destination's ``secret_file``; WebhookSecretError when it
+    cannot be read, may be read by others, or holds no usable secret."""
+    return await anyio.to_thread.run_sync(_read_secret_file, path)
+
+
+def _read_secret_file(path: Path) -> tuple[SigningKey, ...]:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        raise WebhookSecretError(str(path), None, f"it cannot be opened ({exc.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise WebhookSecretError(str(path), None, "it is not a regular file")
+        if st.st_mode & 0o077:
+            raise WebhookSecretError(
+                str(path),
+                None,
+                f"its mode is {stat.S_IMODE(st.st_mode):04o}; others may read it "
+                f"(chmod 600 {path}, owned by the service account)",
+            )
+        data = os.read(fd, SECRET_FILE_MAX + 1)
+    finally:
+        os.close(fd)
+    if len(data) > SECRET_FILE_MAX:
+        raise WebhookSecretError(str(path), None, f"it is larger than {SECRET_FILE_MAX} bytes")
+    try:
+        text = data.decode("ascii")
+    except UnicodeDecodeError:
+        raise WebhookSecretError(str(path), None, "it is not ASCII text") from None
+    return parse_secret_file(text, str(path))
+
+
+async def post_json(url: str, body: bytes, headers: Mapping[str, str], timeout_s: float) -> Result:
+    """POST `body` (JSON) to `url` over HTTP/1.1 with `headers`; the answer's status and
+    Retry-After, or the network failure (the timeout included). Never follows a redirect
+    (a 3xx is the answer)."""
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    https = parts.scheme == "https"
+    port = parts.port or (443 if https else 80)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    shown_host = f"[{host}]" if ":" in host else host
+    authority = shown_host if parts.port is None else f"{shown_host}:{port}"
+    lines = [
+        f"POST {target} HTTP/1.1",
+        f"Host: {authority}",
+        f"User-Agent: {USER_AGENT}",
+        "Content-Type: application/json",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+        *(f"{k}: {v}" for k, v in headers.items()),
+    ]
+    request = ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + body
+    try:
+        with anyio.fail_after(timeout_s):
+            if https:
+                context = ssl.create_default_context()
+                stream: anyio.abc.ByteStream = await anyio.connect_tcp(
+                    host, port, tls=True, ssl_context=context, tls_hostname=host
+                )
+            else:
+                stream = await anyio.connect_tcp(host, port)
+            async with stream:
+                await stream.send(request)
+                head = await _read_head(stream)
+    except TimeoutError:
+        return NetworkFailure(f"no answer within {timeout_s:g} s")
+    except (OSError, ssl.SSLError, anyio.BrokenResourceError) as exc:
+        return NetworkFailure(f"{type(exc).__name__}: {exc}")
+    return _answer(head)
+
+
+async def _read_head(stream: anyio.abc.ByteReceiveStream) -> bytes:
+    """The answer up to the end of its headers (or what came before the peer closed)."""
+    buf = b""
+    while b"\r\n\r\n" not in buf and len(buf) < RESPONSE_HEAD_MAX:
+        try:
+            buf += await stream.receive()
+        except anyio.EndOfStream:
+            break
+    return buf[:RESPONSE_HEAD_MAX]
+
+
+def _answer(head: bytes) -> Result:
+    match = _STATUS_LINE.match(head)
+    if match is None:
+        shown = head[:40].decode("ascii", "replace")
+        return NetworkFailure(f"not an HTTP/1.x answer: {shown!r}")
+    retry_after = None
+    for line in head.split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep and name.strip().lower() == b"retry-after":
+            retry_after = value.strip().decode("latin-1")
+    return HttpResponse(status=int(match.group(1)), retry_after=retry_after)

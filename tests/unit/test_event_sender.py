@@ -1,0 +1,311 @@
+"""The outbox's sender (`adapters.event_sender`) against a real HTTP receiver on 127.0.0.1:
+signatures a receiver verifies, the same webhook-id on every attempt, the retry schedule,
+Retry-After, 410 Gone, no redirect followed; and a daemon whose finished run's
+run.finished reaches a configured webhook."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import anyio
+import anyio.abc
+import pytest
+
+from llmd_supervisor.adapters.event_sender import EventSender, read_secret_file
+from llmd_supervisor.adapters.journal import Journal, RunMeta
+from llmd_supervisor.adapters.outbox_store import Delivery, Outbox
+from llmd_supervisor.core.config import Config
+from llmd_supervisor.core.event_routing import Destination, DestinationKind, EventsConfig
+from llmd_supervisor.core.events import EventType, Links, RunRef
+from llmd_supervisor.core.lifecycle import Submit, Submitted, new_run, step
+from llmd_supervisor.core.outbox import DeliveryStatus, Outgoing, run_outgoing
+from llmd_supervisor.core.slurm_parse import JobState
+from llmd_supervisor.core.summary import RunSummary, read
+from llmd_supervisor.core.webhooks import unix_seconds, verify
+from llmd_supervisor.errors import WebhookSecretError, WebhookSignatureError
+from tests.fakes.slurm_replay import End, ReplayCluster, Start
+from tests.fakes.webhook_receiver import Answer, Receiver
+from tests.unit.test_daemon_root import Daemon, _config, _publish_marker, _spec, _started
+
+T0 = datetime(2025, 3, 4, 5, 6, 7, tzinfo=UTC)
+SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
+REF = RunRef("r-1", "demo", "alice", 1000, "dev", "demo", "ab" * 32)
+
+
+class Clock:
+    """The sender's clock, moved by the test (retries are minutes apart)."""
+
+    def __init__(self) -> None:
+        self.now = datetime.now(UTC)  # webhook-timestamp must verify against real time
+
+    def __call__(self) -> datetime:
+        return self.now
+
+
+@dataclass
+class World:
+    journal: Journal
+    outbox: Outbox
+    receiver: Receiver
+    clock: Clock
+    secret_file: Path
+    url: str
+    tg: anyio.abc.TaskGroup
+
+    def destination(self, name: str = "ci") -> Destination:
+        return Destination(
+            name, DestinationKind.WEBHOOK, url=self.url, secret_file=str(self.secret_file)
+        )
+
+    async def sender(self, *destinations: Destination) -> EventSender:
+        sender = EventSender(
+            self.outbox,
+            EventsConfig(destinations or (self.destination(),)),
+            clock=self.clock,
+            rng=lambda: 0.5,
+            idle_s=0.02,
+        )
+        await self.tg.start(sender.run)
+        return sender
+
+    async def submitted(self, run_id: str = "r-1", *dests: Destination) -> Outgoing:
+        """A run journaled up to pending, with its run.submitted for `dests`."""
+        run = new_run(run_id, f"llmd-{run_id}", T0)
+        meta = RunMeta(1000, "dev", "x", "", "/l", "/a", T0)
+        await self.journal.insert_run(run, meta)
+        a = step(run, Submit(), T0 + timedelta(seconds=1))[0]
+        await self.journal.save(a, expected=run.state)
+        b = step(a, Submitted("42"), T0 + timedelta(seconds=2))[0]
+        (out,) = run_outgoing(
+            a, b, replace(REF, id=run_id), Links(), dests or (self.destination(),)
+        )
+        await self.journal.save(b, expected=a.state, outgoing=[out])
+        return out
+
+    async def until(self, event_id: str, status: DeliveryStatus, dest: str = "ci") -> Delivery:
+        with anyio.fail_after(20):
+            while True:
+                stored = await self.outbox.event(event_id)
+                assert stored is not None
+                (d,) = [d for d in stored.deliveries if d.destination == dest]
+                if d.status is status:
+                    return d
+                await anyio.sleep(0.02)
+
+
+@asynccontextmanager
+async def world_in(tmp_path: Path) -> AsyncIterator[World]:
+    """A journal, a receiver and a task group for the sender (a fixture would enter the
+    task group in another task than the test's)."""
+    secret_file = tmp_path / "ci.whsec"
+    secret_file.write_text(f"# the CI receiver\n{SECRET}\n")
+    secret_file.chmod(0o600)
+    async with (
+        await Journal.open(tmp_path / "journal.db") as journal,
+        anyio.create_task_group() as tg,
+    ):
+        receiver = Receiver()
+        port = await tg.start(receiver.serve)
+        yield World(
+            journal,
+            Outbox(journal),
+            receiver,
+            Clock(),
+            secret_file,
+            f"http://127.0.0.1:{port}/hooks/llmd?x=1",
+            tg,
+        )
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.asyncio
+async def test_a_500_is_retried_with_the_same_webhook_id_and_signed(tmp_path: Path) -> None:
+    async with world_in(tmp_path) as world:
+        await _a_500_is_retried_with_the_same_webhook_id_and_signed(world)
+
+
+async def _a_500_is_retried_with_the_same_webhook_id_and_signed(world: World) -> None:
+    world.receiver.script[:] = [Answer(500)]
+    out = await world.submitted()
+    await world.sender()
+    got = await world.receiver.until(1)
+    retrying = await world.until(out.id, DeliveryStatus.RETRYING)
+    assert retrying.attempts == 1 and "HTTP 500" in retrying.last_error
+    # Attempt 2 is due 5 s later (jitter 0.5: exactly 5 s): not before.
+    assert retrying.next_at == world.clock.now + timedelta(seconds=5)
+    world.clock.now += timedelta(seconds=6)
+    got = await world.receiver.until(2)
+    delivered = await world.until(out.id, DeliveryStatus.DELIVERED)
+    assert delivered.attempts == 2
+    keys = await read_secret_file(world.secret_file)
+    for request in got:
+        assert request.target == "/hooks/llmd?x=1"
+        assert request.body == out.body  # the event's body, verbatim
+        assert request.headers["webhook-id"] == out.id  # the same on every attempt
+        assert request.headers["content-type"] == "application/json"
+        verify(keys, request.headers, request.body, now=unix_seconds(datetime.now(UTC)))
+        with pytest.raises(WebhookSignatureError):
+            verify(keys, request.headers, request.body + b" ", now=unix_seconds(datetime.now(UTC)))
+    assert json.loads(got[0].body)["type"] == "run.submitted"
+    await anyio.sleep(0.1)
+    assert len(world.receiver.got) == 2  # delivered: never sent again
+
+
+@pytest.mark.asyncio
+async def test_410_disables_the_destination_and_replay_enables_it(tmp_path: Path) -> None:
+    async with world_in(tmp_path) as world:
+        await _410_disables_the_destination_and_replay_enables_it(world)
+
+
+async def _410_disables_the_destination_and_replay_enables_it(world: World) -> None:
+    world.receiver.script[:] = [Answer(410)]
+    first = await world.submitted("r-1")
+    sender = await world.sender()
+    await world.receiver.until(1)
+    dead = await world.until(first.id, DeliveryStatus.DEAD)
+    assert "410" in dead.last_error
+    assert "ci" in await world.outbox.disabled()
+    later = await world.submitted("r-2")  # a new event for it is journaled disabled
+    await world.until(later.id, DeliveryStatus.DISABLED)
+    await anyio.sleep(0.1)
+    assert len(world.receiver.got) == 1
+    assert await world.outbox.replay(later.id, world.clock.now) == 1
+    sender.wake()
+    await world.until(later.id, DeliveryStatus.DELIVERED)
+    assert await world.outbox.disabled() == {}
+
+
+@pytest.mark.parametrize(
+    ("answer", "status", "after_s"),
+    [
+        (Answer(429, (("Retry-After", "120"),)), DeliveryStatus.RETRYING, 120),
+        (Answer(302, (("Location", "http://127.0.0.1:1/"),)), DeliveryStatus.RETRYING, 5),
+        (Answer(404), DeliveryStatus.DEAD, None),
+        (Answer(408), DeliveryStatus.RETRYING, 5),
+    ],
+    ids=["429 Retry-After", "redirect not followed", "404 final", "408 retried"],
+)
+@pytest.mark.asyncio
+async def test_each_answer_s_next_step(
+    tmp_path: Path, answer: Answer, status: DeliveryStatus, after_s: int | None
+) -> None:
+    async with world_in(tmp_path) as world:
+        await _each_answer_s_next_step(world, answer, status, after_s)
+
+
+async def _each_answer_s_next_step(
+    world: World, answer: Answer, status: DeliveryStatus, after_s: int | None
+) -> None:
+    world.receiver.script[:] = [answer]
+    out = await world.submitted()
+    await world.sender()
+    await world.receiver.until(1)
+    d = await world.until(out.id, status)
+    expected = None if after_s is None else world.clock.now + timedelta(seconds=after_s)
+    assert d.next_at == expected
+    await anyio.sleep(0.1)
+    assert len(world.receiver.got) == 1  # the redirect's Location was not asked
+
+
+@pytest.mark.asyncio
+async def test_a_refused_connection_and_a_readable_secret_are_retried(tmp_path: Path) -> None:
+    async with world_in(tmp_path) as world:
+        await _a_refused_connection_and_a_readable_secret_are_retried(world)
+
+
+async def _a_refused_connection_and_a_readable_secret_are_retried(world: World) -> None:
+    own = world.secret_file.with_name("gone.whsec")
+    own.write_text(SECRET)
+    own.chmod(0o600)
+    closed = replace(world.destination("gone"), url="http://127.0.0.1:9/", secret_file=str(own))
+    out = await world.submitted("r-1", closed, world.destination())
+    world.secret_file.chmod(0o644)
+    await world.sender(closed, world.destination())
+    refused = await world.until(out.id, DeliveryStatus.RETRYING, "gone")
+    assert "Error" in refused.last_error  # connection refused, named
+    unsent = await world.until(out.id, DeliveryStatus.RETRYING, "ci")
+    assert "not sent" in unsent.last_error and "mode is 0644" in unsent.last_error
+    assert world.receiver.got == []
+    with pytest.raises(WebhookSecretError):
+        await read_secret_file(world.secret_file)
+
+
+@pytest.mark.asyncio
+async def test_slack_gets_its_message_and_mail_is_dead_at_once(tmp_path: Path) -> None:
+    async with world_in(tmp_path) as world:
+        await _slack_gets_its_message_and_mail_is_dead_at_once(world)
+
+
+async def _slack_gets_its_message_and_mail_is_dead_at_once(world: World) -> None:
+    slack = Destination("team", DestinationKind.SLACK, url=world.url)
+    mail = Destination("oncall", DestinationKind.MAIL, to=("oncall@example.org",))
+    out = await world.submitted("r-1", slack, mail)
+    await world.sender(slack, mail)
+    (request,) = await world.receiver.until(1)
+    assert "webhook-signature" not in request.headers
+    message = json.loads(request.body)
+    assert "text" in message and "blocks" in message
+    assert out.id in request.body.decode()  # the event id in the context block
+    await world.until(out.id, DeliveryStatus.DELIVERED, "team")
+    dead = await world.until(out.id, DeliveryStatus.DEAD, "oncall")
+    assert "mail" in dead.last_error
+
+
+# --- a whole daemon ------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_finished_run_s_run_finished_reaches_the_webhook(tmp_path: Path) -> None:
+    secret_file = tmp_path / "ci.whsec"
+    secret_file.write_text(SECRET + "\n")
+    secret_file.chmod(0o600)
+    replay = ReplayCluster(touch_files=True)
+    receiver = Receiver()
+    log_dir = tmp_path / "logs"
+    async with anyio.create_task_group() as outer:
+        port = await outer.start(receiver.serve)
+        ci = Destination(
+            "ci",
+            DestinationKind.WEBHOOK,
+            url=f"http://127.0.0.1:{port}/hook",
+            secret_file=str(secret_file),
+            types=frozenset({EventType.RUN_SUBMITTED, EventType.RUN_FINISHED}),
+        )
+        config: Config = replace(_config(tmp_path), events=EventsConfig((ci,)))
+        daemon = Daemon(config, replay)
+        async with anyio.create_task_group() as tg:
+            await _started(daemon, tg)
+            submitted = read(RunSummary, await daemon.call("submit", spec_toml=_spec(log_dir)))
+            run = submitted["run"]
+            replay.expect(submitted["job_name"], Start(("127.0.0.1",)), End(JobState.COMPLETED))
+            pending = await daemon.until_state(run, "pending")
+            replay.step()
+            await daemon.until_state(run, "running")
+            _publish_marker(pending, log_dir)
+            replay.step()
+            final = await daemon.until_state(run, "succeeded", "failed")
+            got = await receiver.until(2)
+            os.kill(os.getpid(), signal.SIGTERM)
+        outer.cancel_scope.cancel()
+    keys = await read_secret_file(secret_file)
+    bodies = [json.loads(r.body) for r in got]
+    assert [b["type"] for b in bodies] == ["run.submitted", "run.finished"]
+    finished = bodies[1]
+    assert finished["data"]["run"]["id"] == run
+    assert finished["data"]["outcome"] == final["state"] == "succeeded"
+    assert finished["data"]["reason"] == final["reason"]
+    assert finished["data"]["links"]["archive"] == final["archive"]
+    for r in got:
+        assert r.headers["webhook-id"] == json.loads(r.body)["id"]
+        verify(keys, r.headers, r.body, now=unix_seconds(datetime.now(UTC)))
+    async with await Journal.open(config.journal_path) as journal:
+        listed = await Outbox(journal).list(run_id=run)
+    assert {d.status for d in listed} == {DeliveryStatus.DELIVERED}
