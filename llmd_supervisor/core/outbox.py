@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from enum import StrEnum
+from typing import TypedDict
 
 from llmd_supervisor.core.event_routing import Destination, DestinationKind, routes
 from llmd_supervisor.core.events import (
@@ -45,7 +46,11 @@ from llmd_supervisor.core.notify_formats import slack_message
 
 __all__ = [
     "DeliveryStatus",
+    "DeliveryView",
+    "EventList",
+    "EventView",
     "Outgoing",
+    "Replayed",
     "run_event_type",
     "run_facts",
     "run_outgoing",
@@ -60,6 +65,46 @@ class DeliveryStatus(StrEnum):
     DELIVERED = "delivered"  # the receiver's 2xx (or sendmail's 0) is committed
     DEAD = "dead"  # no more attempts; `events replay ID` queues it again
     DISABLED = "disabled"  # its destination answered 410 Gone; replayable too
+
+
+class DeliveryView(TypedDict):
+    """One delivery as the control socket shows it (`events list`, `events show`)."""
+
+    event: str
+    type: str
+    subject: str  # run/<id>, ...
+    destination: str
+    status: str  # a DeliveryStatus value
+    attempts: int
+    next_at: str | None  # ISO 8601: when the next attempt is due (queued, retrying)
+    last_error: str  # why the last attempt did not deliver ("" before any)
+    created_at: str  # the event's time
+    updated_at: str
+
+
+class EventList(TypedDict):
+    """`events list`: deliveries, newest event first."""
+
+    deliveries: list[DeliveryView]
+
+
+class EventView(TypedDict):
+    """`events show`: the event, its body as sent to webhooks, and its deliveries."""
+
+    event: str
+    type: str
+    subject: str
+    seq: str
+    created_at: str
+    body: object  # the decoded JSON body (core.events.EventBody)
+    deliveries: list[DeliveryView]
+
+
+class Replayed(TypedDict):
+    """`events replay`: how many dead or disabled deliveries were queued again."""
+
+    event: str
+    queued: int
 
 
 @dataclass(frozen=True)

@@ -9,16 +9,20 @@ import base64
 import json
 import os
 import signal
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import ClassVar
 
 import anyio
 import anyio.abc
 import pytest
 
+from llmd_supervisor.adapters.control_protocol import Peer
 from llmd_supervisor.adapters.event_sender import EventSender, read_secret_file
 from llmd_supervisor.adapters.journal import Journal, RunMeta
 from llmd_supervisor.adapters.outbox_store import Delivery, Outbox
@@ -30,7 +34,9 @@ from llmd_supervisor.core.outbox import DeliveryStatus, Outgoing, run_outgoing
 from llmd_supervisor.core.slurm_parse import JobState
 from llmd_supervisor.core.summary import RunSummary, read
 from llmd_supervisor.core.webhooks import unix_seconds, verify
-from llmd_supervisor.errors import WebhookSecretError, WebhookSignatureError
+from llmd_supervisor.errors import ControlError, WebhookSecretError, WebhookSignatureError
+from llmd_supervisor.supervision.events_api import EventOps
+from tests.devcluster import REPO
 from tests.fakes.slurm_replay import End, ReplayCluster, Start
 from tests.fakes.webhook_receiver import Answer, Receiver
 from tests.unit.test_daemon_root import Daemon, _config, _publish_marker, _spec, _started
@@ -293,6 +299,7 @@ async def test_a_finished_run_s_run_finished_reaches_the_webhook(tmp_path: Path)
             replay.step()
             final = await daemon.until_state(run, "succeeded", "failed")
             got = await receiver.until(2)
+            await _events_cli(config.socket_path, run, tmp_path)
             os.kill(os.getpid(), signal.SIGTERM)
         outer.cancel_scope.cancel()
     keys = await read_secret_file(secret_file)
@@ -309,3 +316,105 @@ async def test_a_finished_run_s_run_finished_reaches_the_webhook(tmp_path: Path)
     async with await Journal.open(config.journal_path) as journal:
         listed = await Outbox(journal).list(run_id=run)
     assert {d.status for d in listed} == {DeliveryStatus.DELIVERED}
+
+
+# --- the control socket's events ops ------------------------------------------------------
+
+
+class Owners:
+    """Runs r-1 (uid 1000) and r-2 (uid 2000)."""
+
+    owners: ClassVar[Mapping[str, int]] = {"r-1": 1000, "r-2": 2000}
+
+    def owner_of(self, run_id: str) -> int | None:
+        return self.owners.get(run_id)
+
+    def run_id_of(self, ref: str) -> str | None:
+        return ref if ref in self.owners else None
+
+
+async def _nothing(_: object) -> None:
+    return None
+
+
+@pytest.mark.asyncio
+async def test_events_ops_show_a_user_their_own_runs_events(tmp_path: Path) -> None:
+    async with world_in(tmp_path) as world:
+        await _events_ops(world)
+
+
+async def _events_ops(world: World) -> None:
+    world.receiver.script[:] = [Answer(404)]
+    mine = await world.submitted("r-1")
+    theirs = await world.submitted("r-2")
+    woken: list[bool] = []
+    ops = EventOps(
+        world.outbox, Owners(), admin_group=None, clock=world.clock, wake=lambda: woken.append(True)
+    )
+    alice, bob, root = Peer(1000, 1000, 1), Peer(2000, 2000, 2), Peer(0, 0, 3)
+    no_filter = {"run": None, "status": None}
+    listed = await ops.list(no_filter, alice, _nothing)
+    assert [d["event"] for d in listed["deliveries"]] == [mine.id]
+    assert {d["event"] for d in (await ops.list(no_filter, root, _nothing))["deliveries"]} == {
+        mine.id,
+        theirs.id,
+    }
+    with pytest.raises(ControlError) as hidden:  # another's run: as if it did not exist
+        await ops.list({"run": "r-2", "status": None}, alice, _nothing)
+    assert hidden.value.code == "not_found"
+    with pytest.raises(ControlError) as hidden:
+        await ops.show({"event": theirs.id}, alice, _nothing)
+    assert hidden.value.code == "not_found"
+    with pytest.raises(ControlError) as bad:
+        await ops.list({"run": None, "status": "lost"}, alice, _nothing)
+    assert bad.value.code == "bad_request" and "queued, retrying" in bad.value.message
+    shown = await ops.show({"event": mine.id}, alice, _nothing)
+    assert shown["body"] == json.loads(mine.body)
+    assert [d["status"] for d in shown["deliveries"]] == ["queued"]
+    with pytest.raises(ControlError) as nothing_dead:
+        await ops.replay({"event": mine.id, "destination": None}, alice, _nothing)
+    assert nothing_dead.value.code == "bad_request"
+    # The 404 makes it dead at once; its owner replays it, and it is delivered.
+    await world.sender()
+    await world.until(mine.id, DeliveryStatus.DEAD)
+    dead = await ops.list({"run": "r-1", "status": "dead"}, alice, _nothing)
+    assert [d["destination"] for d in dead["deliveries"]] == ["ci"]
+    with pytest.raises(ControlError) as unknown:
+        await ops.replay({"event": mine.id, "destination": "nope"}, alice, _nothing)
+    assert unknown.value.code == "not_found" and "it has: ci" in unknown.value.message
+    with pytest.raises(ControlError):
+        await ops.replay({"event": mine.id, "destination": None}, bob, _nothing)
+    done = await ops.replay({"event": mine.id, "destination": "ci"}, alice, _nothing)
+    assert done == {"event": mine.id, "queued": 1} and woken == [True]
+    await world.until(mine.id, DeliveryStatus.DELIVERED)
+
+
+async def _events_cli(socket: Path, run: str, tmp_path: Path) -> None:
+    """`events list` and `events show` against the daemon, as a user types them."""
+
+    async def cli(*words: str) -> subprocess.CompletedProcess[bytes]:
+        argv = [sys.executable, "-m", "llmd_supervisor", "events", *words, "--socket", str(socket)]
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        return await anyio.run_process(argv, check=False, env=env, cwd=tmp_path)
+
+    with anyio.fail_after(60):
+        while True:  # the second delivery's commit may follow its 2xx by a moment
+            listed = await cli("list", "--run", run, "--json")
+            assert listed.returncode == 0, listed.stderr
+            deliveries = json.loads(listed.stdout)["deliveries"]
+            if {d["status"] for d in deliveries} == {"delivered"}:
+                break
+            await anyio.sleep(0.05)
+    assert sorted(d["type"] for d in deliveries) == ["run.finished", "run.submitted"]
+    table = await cli("list", "--run", run)
+    assert table.returncode == 0 and b"delivered" in table.stdout
+    shown = await cli("show", deliveries[0]["event"])
+    assert shown.returncode == 0 and deliveries[0]["event"].encode() in shown.stdout
+    missing = await cli("show", "evt_nope")
+    assert missing.returncode == 2
+    assert missing.stderr.decode().splitlines() == [
+        'llmd-supervisor events show: No event "evt_nope" is in the journal.'
+    ]
+    again = await cli("replay", deliveries[0]["event"])
+    assert again.returncode == 2 and b"no dead or disabled delivery" in again.stderr
+    assert b"Traceback" not in again.stderr + missing.stderr
