@@ -65,7 +65,7 @@ from llmd_supervisor.core.webhooks import (
 )
 from llmd_supervisor.errors import SupervisorError, WebhookSecretError
 
-__all__ = ["EventSender", "post_json", "read_secret_file"]
+__all__ = ["EventSender", "post_json", "read_secret_file", "read_secret_file_now"]
 
 log = structlog.get_logger("llmd_supervisor.events")
 
@@ -232,10 +232,11 @@ class EventSender:
 async def read_secret_file(path: Path) -> tuple[SigningKey, ...]:
     """The signing keys of a destination's ``secret_file``; WebhookSecretError when it
     cannot be read, may be read by others, or holds no usable secret."""
-    return await anyio.to_thread.run_sync(_read_secret_file, path)
+    return await anyio.to_thread.run_sync(read_secret_file_now, path)
 
 
-def _read_secret_file(path: Path) -> tuple[SigningKey, ...]:
+def read_secret_file_now(path: Path) -> tuple[SigningKey, ...]:
+    """`read_secret_file`, in this thread (`config check`)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:

@@ -26,6 +26,7 @@ from llmd_supervisor.adapters.control_protocol import Peer
 from llmd_supervisor.adapters.event_sender import EventSender, read_secret_file
 from llmd_supervisor.adapters.journal import Journal, RunMeta
 from llmd_supervisor.adapters.outbox_store import Delivery, Outbox
+from llmd_supervisor.cli.config import secret_problems
 from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.event_routing import Destination, DestinationKind, EventsConfig
 from llmd_supervisor.core.events import EventType, Links, RunRef
@@ -418,3 +419,25 @@ async def _events_cli(socket: Path, run: str, tmp_path: Path) -> None:
     again = await cli("replay", deliveries[0]["event"])
     assert again.returncode == 2 and b"no dead or disabled delivery" in again.stderr
     assert b"Traceback" not in again.stderr + missing.stderr
+
+
+def test_config_check_names_a_secret_file_the_daemon_could_not_sign_with(tmp_path: Path) -> None:
+    good, loose, bad = tmp_path / "good", tmp_path / "loose", tmp_path / "bad"
+    for path, text in ((good, SECRET), (loose, SECRET), (bad, "whsec_short")):
+        path.write_text(text + "\n")
+        path.chmod(0o600)
+    loose.chmod(0o640)
+    dests = tuple(
+        Destination(f"d{i}", DestinationKind.WEBHOOK, url="https://x.example/", secret_file=str(p))
+        for i, p in enumerate((good, loose, bad, tmp_path / "missing"))
+    )
+    problems = secret_problems(Config(events=EventsConfig(dests)))
+    assert [p.key for p in problems] == [
+        "events.destination[1].secret_file",
+        "events.destination[2].secret_file",
+        "events.destination[3].secret_file",
+    ]
+    assert "mode is 0640" in problems[0].hint and "chmod 600" in problems[0].hint
+    assert problems[1].hint.startswith("line 1: ")
+    assert "cannot be opened" in problems[2].hint
+    assert all("whsec_short" not in str(p) for p in problems)  # never the secret
