@@ -29,6 +29,7 @@ was never journaled, so it is made again, as the same attempt, after the restart
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
@@ -73,6 +74,7 @@ DUE_BATCH: Final = 32  # deliveries read from the journal at once
 IDLE_S: Final = 1.0  # how often the journal is asked for due deliveries
 PER_DESTINATION: Final = 2  # attempts in flight per destination
 ERROR_BACKOFF_S: Final = 5.0  # after the journal failed to answer
+CLOSE_S: Final = 1.0  # closing a connection once its answer is read
 RESPONSE_HEAD_MAX: Final = 16 << 10  # bytes of an answer's status line and headers
 SECRET_FILE_MAX: Final = 16 << 10
 USER_AGENT: Final = f"llmd-supervisor/{__version__}"
@@ -285,22 +287,32 @@ async def post_json(url: str, body: bytes, headers: Mapping[str, str], timeout_s
         *(f"{k}: {v}" for k, v in headers.items()),
     ]
     request = ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + body
+    stream: anyio.abc.ByteStream | None = None
     try:
         with anyio.fail_after(timeout_s):
             if https:
-                context = ssl.create_default_context()
-                stream: anyio.abc.ByteStream = await anyio.connect_tcp(
-                    host, port, tls=True, ssl_context=context, tls_hostname=host
+                # Not standard-compatible: the answer's head is all that is read, and the
+                # close does not wait for the receiver's close_notify.
+                stream = await anyio.connect_tcp(
+                    host,
+                    port,
+                    tls=True,
+                    ssl_context=ssl.create_default_context(),
+                    tls_hostname=host,
+                    tls_standard_compatible=False,
                 )
             else:
                 stream = await anyio.connect_tcp(host, port)
-            async with stream:
-                await stream.send(request)
-                head = await _read_head(stream)
+            await stream.send(request)
+            head = await _read_head(stream)
     except TimeoutError:
         return NetworkFailure(f"no answer within {timeout_s:g} s")
     except (OSError, ssl.SSLError, anyio.BrokenResourceError) as exc:
         return NetworkFailure(f"{type(exc).__name__}: {exc}")
+    finally:
+        if stream is not None:  # the answer is in: closing cannot change it
+            with anyio.move_on_after(CLOSE_S, shield=True), contextlib.suppress(Exception):
+                await stream.aclose()
     return _answer(head)
 
 

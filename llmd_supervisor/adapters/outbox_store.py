@@ -156,7 +156,7 @@ class Outbox:
 
         return await self._journal.read("read the disabled destinations", work)
 
-    async def list(
+    async def deliveries(
         self,
         *,
         run_id: str | None = None,

@@ -76,7 +76,7 @@ class EventOps:
                     f"Status {show(args['status'])} is not a delivery status; use one of "
                     f"{choices}.",
                 ) from None
-        found = await self._outbox.list(run_id=run_id, status=status, limit=LIST_MAX)
+        found = await self._outbox.deliveries(run_id=run_id, status=status, limit=LIST_MAX)
         return {"deliveries": [_view(d) for d in found if self._sees(peer, d.subject)]}
 
     async def show(self, args: Mapping[str, object], peer: Peer, send: Send) -> EventView:

@@ -266,13 +266,13 @@ async def test_due_retry_disable_and_replay(journal: Journal) -> None:
         disable=True,
     )
     assert await outbox.disabled() == {"all": "HTTP 410 Gone"}
-    listed = await outbox.list(run_id="r-1")
+    listed = await outbox.deliveries(run_id="r-1")
     by = {(d.event_id, d.destination): d.status for d in listed}
     assert by[(first, "all")] is DeliveryStatus.DEAD
     assert by[(made[1].id, "all")] is DeliveryStatus.DISABLED
     assert by[(made[2].id, "ci")] is DeliveryStatus.QUEUED
-    assert [d.destination for d in await outbox.list(status=DeliveryStatus.DEAD)] == ["all"]
-    assert await outbox.list(run_id="other") == []
+    assert [d.destination for d in await outbox.deliveries(status=DeliveryStatus.DEAD)] == ["all"]
+    assert await outbox.deliveries(run_id="other") == []
     # A new event for a disabled destination is journaled disabled.
     later = replace(made[2], id="evt_later", destinations=("all",))
     await journal.save(runs[-1], expected=RunState.SUCCEEDED, outgoing=[later])
