@@ -74,6 +74,7 @@ DUE_BATCH: Final = 32  # deliveries read from the journal at once
 IDLE_S: Final = 1.0  # how often the journal is asked for due deliveries
 PER_DESTINATION: Final = 2  # attempts in flight per destination
 ERROR_BACKOFF_S: Final = 5.0  # after the journal failed to answer
+COUNT_EVERY_S: Final = 10.0  # how often the deliveries are counted for the metrics
 CLOSE_S: Final = 1.0  # closing a connection once its answer is read
 RESPONSE_HEAD_MAX: Final = 16 << 10  # bytes of an answer's status line and headers
 SECRET_FILE_MAX: Final = 16 << 10
@@ -106,6 +107,13 @@ class EventSender:
         self._in_flight: set[tuple[str, str]] = set()
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
         self._wake = anyio.Event()
+        # Deliveries per (destination, status), counted every COUNT_EVERY_S (metrics).
+        self._counts: dict[tuple[str, str], int] = {}
+        self._counted_at = -COUNT_EVERY_S
+
+    def counts(self) -> Mapping[tuple[str, str], int]:
+        """The deliveries per (destination, status) as last counted."""
+        return self._counts
 
     def wake(self) -> None:
         """Look for due deliveries now rather than at the next idle tick."""
@@ -128,6 +136,9 @@ class EventSender:
                 self._wake = anyio.Event()
 
     async def _start_due(self, tg: anyio.abc.TaskGroup) -> None:
+        if anyio.current_time() - self._counted_at >= COUNT_EVERY_S:
+            self._counts = await self._outbox.counts()
+            self._counted_at = anyio.current_time()
         due = await self._outbox.due(self._clock(), DUE_BATCH + len(self._in_flight))
         for delivery, payload in due:
             key = (delivery.event_id, delivery.destination)

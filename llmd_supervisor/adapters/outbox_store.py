@@ -147,6 +147,17 @@ class Outbox:
 
         await self._journal.write(operation, work)
 
+    async def counts(self) -> dict[tuple[str, str], int]:
+        """How many deliveries each (destination, status) has."""
+
+        def work(conn: sqlite3.Connection) -> dict[tuple[str, str], int]:
+            rows = conn.execute(
+                "SELECT destination, status, count(*) FROM deliveries GROUP BY destination, status"
+            )
+            return {(str(d), str(s)): int(n) for d, s, n in rows}
+
+        return await self._journal.read("count the deliveries", work)
+
     async def disabled(self) -> dict[str, str]:
         """The destinations disabled by a 410 answer, with the reason."""
 

@@ -173,6 +173,8 @@ async def _serve(
             await campaigns.resume_all()  # after the runs: a campaign follows its runs
             outbox = Outbox(journal)
             sender = await _start_sender(config, outbox, supervisor, tg)
+            if sender is not None:
+                metrics.attach_deliveries(sender.counts)
             metrics.attach(lambda: run_samples(supervisor.handles), link_counts)
             if config.metrics_listen is not None:
                 await tg.start(serve_metrics, metrics, config.metrics_listen)

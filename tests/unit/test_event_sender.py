@@ -25,6 +25,7 @@ import pytest
 from llmd_supervisor.adapters.control_protocol import Peer
 from llmd_supervisor.adapters.event_sender import EventSender, post_json, read_secret_file
 from llmd_supervisor.adapters.journal import Journal, RunMeta
+from llmd_supervisor.adapters.metrics import Metrics
 from llmd_supervisor.adapters.outbox_store import Delivery, Outbox
 from llmd_supervisor.cli.config import secret_problems
 from llmd_supervisor.core.config import Config
@@ -143,8 +144,9 @@ async def test_a_500_is_retried_with_the_same_webhook_id_and_signed(tmp_path: Pa
 async def _a_500_is_retried_with_the_same_webhook_id_and_signed(world: World) -> None:
     world.receiver.script[:] = [Answer(500)]
     out = await world.submitted()
-    await world.sender()
+    sender = await world.sender()
     got = await world.receiver.until(1)
+    assert sender.counts() == {("ci", "queued"): 1}  # counted before the first attempt
     retrying = await world.until(out.id, DeliveryStatus.RETRYING)
     assert retrying.attempts == 1 and "HTTP 500" in retrying.last_error
     # Attempt 2 is due 5 s later (jitter 0.5: exactly 5 s): not before.
@@ -476,3 +478,12 @@ async def test_a_silent_receiver_times_out_and_nonsense_is_no_answer() -> None:
         tg.cancel_scope.cancel()
     assert quiet == NetworkFailure("no answer within 0.3 s")
     assert isinstance(odd, NetworkFailure) and "not an HTTP/1.x answer" in odd.what
+
+
+def test_the_metrics_show_deliveries_per_destination_and_status() -> None:
+    metrics = Metrics()
+    assert b"event_deliveries{" not in metrics.exposition()
+    metrics.attach_deliveries(lambda: {("ci", "dead"): 2, ("ci", "delivered"): 5})
+    text = metrics.exposition()
+    assert b'llmd_supervisor_event_deliveries{destination="ci",status="dead"} 2.0' in text
+    assert b'llmd_supervisor_event_deliveries{destination="ci",status="delivered"} 5.0' in text
