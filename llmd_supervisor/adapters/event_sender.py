@@ -12,8 +12,9 @@ One attempt:
   with every key of the destination's ``secret_file`` (read again on every attempt, so a
   key is rotated without a restart; a file that others may read is refused);
 - **slack**: ``POST`` of the message journaled with the delivery;
-- **mail**: not sent by this version: the delivery is dead at once, with the reason, and
-  can be replayed (`events replay`) by a version that sends mail.
+- **mail**: the mail journaled with the delivery on the stdin of the local
+  ``sendmail -t -oi`` (`SENDMAIL`), which takes its recipients from the mail's headers;
+  its exit status decides (`core.delivery.SendmailExit`).
 
 HTTP: HTTP/1.1 over anyio's TCP (TLS for https, the system's trust store), one request
 per connection, `core.delivery.TIMEOUT_S` for all of it (connect, send, the answer's
@@ -35,7 +36,8 @@ import random
 import re
 import ssl
 import stat
-from collections.abc import Awaitable, Callable, Mapping
+import subprocess
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Final
@@ -53,6 +55,7 @@ from llmd_supervisor.core.delivery import (
     HttpResponse,
     NetworkFailure,
     Result,
+    SendmailExit,
     Step,
     next_step,
 )
@@ -66,7 +69,13 @@ from llmd_supervisor.core.webhooks import (
 )
 from llmd_supervisor.errors import SupervisorError, WebhookSecretError
 
-__all__ = ["EventSender", "post_json", "read_secret_file", "read_secret_file_now"]
+__all__ = [
+    "EventSender",
+    "post_json",
+    "read_secret_file",
+    "read_secret_file_now",
+    "send_mail",
+]
 
 log = structlog.get_logger("llmd_supervisor.events")
 
@@ -79,6 +88,7 @@ CLOSE_S: Final = 1.0  # closing a connection once its answer is read
 RESPONSE_HEAD_MAX: Final = 16 << 10  # bytes of an answer's status line and headers
 SECRET_FILE_MAX: Final = 16 << 10
 USER_AGENT: Final = f"llmd-supervisor/{__version__}"
+SENDMAIL: Final = ("/usr/sbin/sendmail", "-t", "-oi")
 _STATUS_LINE: Final = re.compile(rb"HTTP/1\.[01] ([0-9]{3})(?: |\r\n|$)")
 
 Post = Callable[[str, bytes, Mapping[str, str], float], Awaitable[Result]]
@@ -95,6 +105,7 @@ class EventSender:
         clock: Callable[[], datetime],
         rng: Callable[[], float] = random.random,
         post: Post | None = None,
+        sendmail: Sequence[str] = SENDMAIL,
         idle_s: float = IDLE_S,
     ) -> None:
         self._outbox = outbox
@@ -102,6 +113,7 @@ class EventSender:
         self._clock = clock
         self._rng = rng
         self._post: Post = post or post_json
+        self._sendmail = tuple(sendmail)
         self._idle_s = idle_s
         # Deliveries whose attempt runs now (event id, destination): never started twice.
         self._in_flight: set[tuple[str, str]] = set()
@@ -162,12 +174,8 @@ class EventSender:
     async def _deliver(self, d: Delivery, payload: bytes) -> None:
         dest = self._destinations.get(d.destination)
         attempt = d.attempts + 1
-        if dest is None or dest.kind is DestinationKind.MAIL:
-            why = (
-                f"destination {d.destination!r} is no longer configured"
-                if dest is None
-                else "mail destinations are not sent by this version of llmd-supervisor"
-            )
+        if dest is None:
+            why = f"destination {d.destination!r} is no longer configured"
             await self._finish(d, DeliveryStatus.DEAD, d.attempts, None, why)
             return
         result = await self._send(dest, d, payload)
@@ -184,6 +192,8 @@ class EventSender:
         )
 
     async def _send(self, dest: Destination, d: Delivery, payload: bytes) -> Result:
+        if dest.kind is DestinationKind.MAIL:
+            return await send_mail(self._sendmail, payload, TIMEOUT_S)
         assert dest.url is not None  # webhook and slack destinations have one
         headers: dict[str, str] = {}
         if dest.kind is DestinationKind.WEBHOOK:
@@ -240,6 +250,25 @@ class EventSender:
                 reason=why,
                 hint="fix the receiver, then `events replay ID` enables the destination again",
             )
+
+
+async def send_mail(argv: Sequence[str], message: bytes, timeout_s: float) -> Result:
+    """Hand `message` to ``sendmail`` (`argv`) on its stdin; how it ended. Killed after
+    `timeout_s` (a NetworkFailure: retried)."""
+    try:
+        with anyio.fail_after(timeout_s):
+            done = await anyio.run_process(
+                list(argv),
+                input=message,
+                check=False,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+    except TimeoutError:
+        return NetworkFailure(f"sendmail did not end within {timeout_s:g} s")
+    except OSError:
+        return SendmailExit(None)  # not installed, not executable
+    return SendmailExit(done.returncode if done.returncode >= 0 else None)
 
 
 async def read_secret_file(path: Path) -> tuple[SigningKey, ...]:

@@ -16,8 +16,10 @@ any state -> a final state             run.finished   (the outcome declared)
 
 Each event goes to the destinations `core.event_routing.routes` names; an event no
 destination takes is not journaled at all. A webhook gets the event's body (signed when
-sent); a Slack destination its message (`core.notify_formats.slack_message`), made here
-from the same facts and journaled with its delivery.
+sent); a Slack destination its message (`core.notify_formats.slack_message`) and a mail
+destination its mail (`core.notify_formats.mail_message`, ``Message-ID`` from the event
+id and the daemon's host name), made here from the same facts and journaled with the
+delivery, so that every attempt sends the same bytes.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import TypedDict
 
 from llmd_supervisor.core.event_routing import Destination, DestinationKind, routes
 from llmd_supervisor.core.events import (
+    Event,
     EventType,
     Links,
     RunFacts,
@@ -42,7 +45,7 @@ from llmd_supervisor.core.events import (
     subject,
 )
 from llmd_supervisor.core.lifecycle import Run, RunState
-from llmd_supervisor.core.notify_formats import slack_message
+from llmd_supervisor.core.notify_formats import mail_message, slack_message
 
 __all__ = [
     "DeliveryStatus",
@@ -168,8 +171,10 @@ def run_outgoing(
     ref: RunRef,
     links: Links,
     destinations: Sequence[Destination],
+    host: str = "localhost",
 ) -> tuple[Outgoing, ...]:
-    """The events (at most one) to journal with the change from `before` to `after`."""
+    """The events (at most one) to journal with the change from `before` to `after`;
+    `host` is the daemon's host name (a mail's Message-ID, and its default From)."""
     etype = run_event_type(before, after)
     if etype is None or not destinations:
         return ()
@@ -179,7 +184,7 @@ def run_outgoing(
     names = routes(event, destinations)
     if not names:
         return ()
-    kinds = {d.name: d.kind for d in destinations}
+    by_name = {d.name: d for d in destinations}
     return (
         Outgoing(
             id=event.id,
@@ -190,9 +195,26 @@ def run_outgoing(
             body=encode(event),
             destinations=tuple(names),
             payloads={
-                n: canonical_json(slack_message(event))
+                n: payload
                 for n in names
-                if kinds[n] is DestinationKind.SLACK
+                if (payload := _payload(event, by_name[n], host)) is not None
             },
         ),
     )
+
+
+def _payload(event: Event, d: Destination, host: str) -> bytes | None:
+    """What destination `d` gets instead of the event's body (None: the body itself)."""
+    if d.kind is DestinationKind.SLACK:
+        return canonical_json(slack_message(event))
+    if d.kind is DestinationKind.MAIL:
+        try:
+            return _mail(event, d, host)
+        except ValueError:  # a host name the Message-ID cannot carry
+            return _mail(event, d, "localhost")
+    return None
+
+
+def _mail(event: Event, d: Destination, host: str) -> bytes:
+    sender = d.sender or f"llmd-supervisor@{host}"
+    return mail_message(event, sender, d.to, host).as_bytes()

@@ -36,7 +36,6 @@ from llmd_supervisor.adapters.outbox_store import Outbox
 from llmd_supervisor.adapters.remote import NodeLink
 from llmd_supervisor.adapters.sdnotify import loop_monitor
 from llmd_supervisor.core.config import Config
-from llmd_supervisor.core.event_routing import DestinationKind
 from llmd_supervisor.core.lifecycle import RunState
 from llmd_supervisor.core.summary import RunResults
 from llmd_supervisor.errors import SupervisorError
@@ -218,14 +217,6 @@ async def _start_sender(
     destinations = config.events.destinations
     if not destinations:
         return None
-    mail = [d.name for d in destinations if d.kind is DestinationKind.MAIL]
-    if mail:
-        log.warning(
-            "events.mail_not_sent",
-            destinations=mail,
-            hint="this version journals their events but does not send mail; each delivery "
-            "is dead at once and can be replayed later (events replay ID)",
-        )
     sender = EventSender(outbox, config.events, clock=supervisor.clock)
     await tg.start(sender.run)
     log.info("events.sender_started", destinations=[d.name for d in destinations])

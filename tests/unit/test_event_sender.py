@@ -80,6 +80,7 @@ class World:
             EventsConfig(destinations or (self.destination(),)),
             clock=self.clock,
             rng=lambda: 0.5,
+            sendmail=(str(self.secret_file.parent / "sendmail"), "-t", "-oi"),
             idle_s=0.02,
         )
         await self.tg.start(sender.run)
@@ -249,12 +250,19 @@ async def _a_refused_connection_and_a_readable_secret_are_retried(world: World) 
 
 
 @pytest.mark.asyncio
-async def test_slack_gets_its_message_and_mail_is_dead_at_once(tmp_path: Path) -> None:
+async def test_slack_gets_its_message_and_mail_goes_to_sendmail(tmp_path: Path) -> None:
     async with world_in(tmp_path) as world:
-        await _slack_gets_its_message_and_mail_is_dead_at_once(world)
+        await _slack_gets_its_message_and_mail_goes_to_sendmail(world, tmp_path)
 
 
-async def _slack_gets_its_message_and_mail_is_dead_at_once(world: World) -> None:
+async def _slack_gets_its_message_and_mail_goes_to_sendmail(world: World, tmp: Path) -> None:
+    # A sendmail that keeps each message and exits with the status in ./rc (75: try later).
+    (tmp / "sendmail").write_text(
+        f'#!/bin/sh\n[ "$*" = "-t -oi" ] || exit 64\ncat > "{tmp}/mail.$$"\n'
+        f'exit "$(cat "{tmp}/rc")"\n'
+    )
+    (tmp / "sendmail").chmod(0o755)
+    (tmp / "rc").write_text("75\n")
     slack = Destination("team", DestinationKind.SLACK, url=world.url)
     mail = Destination("oncall", DestinationKind.MAIL, to=("oncall@example.org",))
     out = await world.submitted("r-1", slack, mail)
@@ -265,8 +273,21 @@ async def _slack_gets_its_message_and_mail_is_dead_at_once(world: World) -> None
     assert "text" in message and "blocks" in message
     assert out.id in request.body.decode()  # the event id in the context block
     await world.until(out.id, DeliveryStatus.DELIVERED, "team")
-    dead = await world.until(out.id, DeliveryStatus.DEAD, "oncall")
-    assert "mail" in dead.last_error
+    later = await world.until(out.id, DeliveryStatus.RETRYING, "oncall")
+    assert "sendmail exited 75" in later.last_error
+    (tmp / "rc").write_text("0\n")
+    world.clock.now += timedelta(seconds=6)
+    await world.until(out.id, DeliveryStatus.DELIVERED, "oncall")
+    mails = _mails(tmp)
+    assert len(mails) == 2 and mails[0] == mails[1]  # the same mail on every attempt
+    text = mails[0].decode()
+    assert "To: oncall@example.org" in text and f"Message-ID: <{out.id}@" in text
+    assert "Auto-Submitted: auto-generated" in text
+
+
+def _mails(tmp: Path) -> list[bytes]:
+    """What the fake sendmail got, one message each."""
+    return [p.read_bytes() for p in sorted(tmp.glob("mail.*"))]
 
 
 # --- a whole daemon ------------------------------------------------------------------------

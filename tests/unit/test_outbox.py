@@ -349,3 +349,17 @@ def test_a_bad_destination_names_its_key_and_the_fix(text: str, key: str, hint: 
     (problem,) = caught.value.problems
     assert problem.key == key
     assert hint in str(problem)
+
+
+def test_slack_and_mail_destinations_get_their_own_payload() -> None:
+    runs = walk(*SUCCESS)
+    slack = Destination("team", DestinationKind.SLACK, url="https://hooks.slack.com/services/x")
+    mail = Destination("oncall", DestinationKind.MAIL, to=("oncall@example.org",))
+    (out,) = run_outgoing(runs[-2], runs[-1], REF, LINKS, (ALL, slack, mail), "login1.example")
+    assert set(out.payloads) == {"team", "oncall"}  # the webhook sends the body itself
+    assert out.id.encode() in out.payloads["team"]
+    assert f"Message-ID: <{out.id}@login1.example>".encode() in out.payloads["oncall"]
+    assert b"From: llmd-supervisor@login1.example" in out.payloads["oncall"]
+    # A host name a Message-ID cannot carry falls back to localhost, never an error.
+    (odd,) = run_outgoing(runs[-2], runs[-1], REF, LINKS, (mail,), "-bad-")
+    assert f"Message-ID: <{out.id}@localhost>".encode() in odd.payloads["oncall"]

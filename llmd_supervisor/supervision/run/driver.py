@@ -33,8 +33,10 @@ Stopping the daemon cancels these loops and never the jobs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import pwd
+import socket
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -668,7 +670,11 @@ class Supervisor:
             spec_sha256=hashlib.sha256(meta.spec_toml.encode("utf-8")).hexdigest(),
         )
         links = Links(archive=meta.archive_dir or None)
-        return run_outgoing(before, after, ref, links, destinations)
+        try:
+            return run_outgoing(before, after, ref, links, destinations, _host_name())
+        except Exception:  # a bug in making an event must never hold up the run
+            log.exception("event.not_made", run_id=after.run_id, state=after.state.value)
+            return ()
 
     def _declare(self, h: RunHandle) -> None:
         """The run's one canonical line (its outcome, reason and duration)."""
@@ -683,6 +689,12 @@ class Supervisor:
             seconds=round((self.clock() - run.transitions[0].at).total_seconds(), 1),
             archive=h.meta.archive_dir,
         )
+
+
+@functools.cache
+def _host_name() -> str:
+    """This host's name, for a mail's Message-ID and From (no DNS lookup)."""
+    return socket.gethostname() or "localhost"  # core.outbox falls back to localhost
 
 
 def _user_name(uid: int) -> str:
