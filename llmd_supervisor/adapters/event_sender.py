@@ -1,9 +1,10 @@
 """Sends the outbox's due deliveries to their destinations (DESIGN.md section 13).
 
 One `EventSender` task in the daemon's root task group asks the journal for due
-deliveries (`adapters.outbox_store`) and attempts each in a task of its own, at most
-`PER_DESTINATION` at once per destination, so a slow or dead receiver holds up neither
-another destination nor anything the daemon does for its runs.
+deliveries (`adapters.outbox_store`; at most `DUE_PER_DESTINATION` of each destination)
+and attempts each in a task of its own, at most `PER_DESTINATION` at once per
+destination, so a slow or dead receiver holds up neither another destination nor
+anything the daemon does for its runs.
 
 One attempt:
 
@@ -79,7 +80,9 @@ __all__ = [
 
 log = structlog.get_logger("llmd_supervisor.events")
 
-DUE_BATCH: Final = 32  # deliveries read from the journal at once
+# Due deliveries read per destination at once (those in flight included): the most that
+# wait for a destination's PER_DESTINATION attempt slots.
+DUE_PER_DESTINATION: Final = 8
 IDLE_S: Final = 1.0  # how often the journal is asked for due deliveries
 PER_DESTINATION: Final = 2  # attempts in flight per destination
 ERROR_BACKOFF_S: Final = 5.0  # after the journal failed to answer
@@ -151,7 +154,7 @@ class EventSender:
         if anyio.current_time() - self._counted_at >= COUNT_EVERY_S:
             self._counts = await self._outbox.counts()
             self._counted_at = anyio.current_time()
-        due = await self._outbox.due(self._clock(), DUE_BATCH + len(self._in_flight))
+        due = await self._outbox.due(self._clock(), DUE_PER_DESTINATION)
         for delivery, payload in due:
             key = (delivery.event_id, delivery.destination)
             if key in self._in_flight:

@@ -77,19 +77,24 @@ class Outbox:
     def _path(self) -> Path:
         return self._journal.path
 
-    async def due(self, now: datetime, limit: int = 32) -> list[tuple[Delivery, bytes]]:
-        """Queued and retrying deliveries due by `now`, oldest due first, each with what
-        it sends (the event's body, or the destination's own payload: Slack)."""
+    async def due(self, now: datetime, per_destination: int = 8) -> list[tuple[Delivery, bytes]]:
+        """Queued and retrying deliveries due by `now`: the `per_destination` due first of
+        each destination (so a destination with a backlog never hides another's), oldest
+        due first, each with what it sends (the event's body, or the destination's own
+        payload: Slack, mail)."""
         operation = "read the due deliveries"
         when = iso(now, self._path, operation)
 
         def work(conn: sqlite3.Connection) -> list[tuple[Delivery, bytes]]:
             rows = conn.execute(
-                f"SELECT {_D_COLUMNS}, COALESCE(d.payload, e.body) FROM deliveries AS d "
-                "JOIN outbox_events AS e ON e.event_id = d.event_id "
-                "WHERE d.status IN ('queued', 'retrying') AND d.next_at <= ? "
-                "ORDER BY d.next_at, d.event_id, d.destination LIMIT ?",
-                (when, limit),
+                f"SELECT {_D_COLUMNS}, COALESCE(d.payload, e.body) FROM ("
+                "  SELECT *, ROW_NUMBER() OVER ("
+                "    PARTITION BY destination ORDER BY next_at, event_id) AS n"
+                "  FROM deliveries"
+                "  WHERE status IN ('queued', 'retrying') AND next_at <= ?"
+                ") AS d JOIN outbox_events AS e ON e.event_id = d.event_id "
+                "WHERE d.n <= ? ORDER BY d.next_at, d.event_id, d.destination",
+                (when, per_destination),
             ).fetchall()
             return [(self._delivery(r[:-1], operation), bytes(r[-1])) for r in rows]
 

@@ -363,3 +363,17 @@ def test_slack_and_mail_destinations_get_their_own_payload() -> None:
     # A host name a Message-ID cannot carry falls back to localhost, never an error.
     (odd,) = run_outgoing(runs[-2], runs[-1], REF, LINKS, (mail,), "-bad-")
     assert f"Message-ID: <{out.id}@localhost>".encode() in odd.payloads["oncall"]
+
+
+@pytest.mark.asyncio
+async def test_a_destination_s_backlog_never_hides_another_s_due_delivery(
+    journal: Journal,
+) -> None:
+    backlog = [
+        Outgoing(f"evt_a{i:02d}", EventType.RUN_STARTED, "run/r-1", str(i), at(i), b"{}", ("a",))
+        for i in range(20)
+    ]
+    other = Outgoing("evt_b", EventType.RUN_FINISHED, "run/r-1", "99", at(30), b"{}", ("b",))
+    await journal.insert_run(new_run("r-1", "llmd-r-1", T0), meta(), [*backlog, other])
+    due = await Outbox(journal).due(at(60), per_destination=8)
+    assert [d.event_id for d, _ in due] == [o.id for o in backlog[:8]] + ["evt_b"]
