@@ -221,11 +221,13 @@ OPS: Final[Mapping[str, OpSpec]] = MappingProxyType(
         "campaign_wait": OpSpec({"campaign": _CAMPAIGN}, streaming=True),
         "campaign_results": OpSpec({"campaign": _CAMPAIGN}, streaming=True),
         # outbound events (supervision.events_api): deliveries, newest event first, of one
-        # run (a run ref) and in one status (core.outbox.DeliveryStatus); one event; and a
+        # run (a run ref) and in one status (core.outbox.DeliveryStatus); one event; a
         # dead or disabled delivery queued again (of `destination`, None: every one)
         "events_list": OpSpec({"run": _OPT_STR, "status": _OPT_STR}),
         "events_show": OpSpec({"event": ArgSpec(_STR, required=True)}),
         "events_replay": OpSpec({"event": ArgSpec(_STR, required=True), "destination": _OPT_STR}),
+        # a test.ping to one configured destination (root and the admin group)
+        "events_test": OpSpec({"destination": ArgSpec(_STR, required=True)}),
     }
 )
 

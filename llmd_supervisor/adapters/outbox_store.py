@@ -25,7 +25,8 @@ from typing import Final
 
 from llmd_supervisor.adapters.journal import Journal
 from llmd_supervisor.adapters.journal_rows import iso, parse_time
-from llmd_supervisor.core.outbox import DeliveryStatus
+from llmd_supervisor.adapters.outbox_rows import insert_outgoing
+from llmd_supervisor.core.outbox import DeliveryStatus, Outgoing
 from llmd_supervisor.errors import JournalError
 
 __all__ = ["Delivery", "Outbox", "StoredEvent"]
@@ -76,6 +77,13 @@ class Outbox:
     @property
     def _path(self) -> Path:
         return self._journal.path
+
+    async def add(self, outgoing: Outgoing) -> None:
+        """Journal an event of no run transition (`events test`) with its deliveries."""
+        operation = f"journal event {outgoing.id}"
+        await self._journal.write(
+            operation, lambda conn: insert_outgoing(conn, [outgoing], self._path, operation)
+        )
 
     async def due(self, now: datetime, per_destination: int = 8) -> list[tuple[Delivery, bytes]]:
         """Queued and retrying deliveries due by `now`: the `per_destination` due first of

@@ -1,9 +1,10 @@
 """``llmd-supervisor events``: the daemon's outbound events and their deliveries.
 
-``events list [--run RUN] [--status STATUS]``, ``events show ID`` and ``events replay ID
+``events list [--run RUN] [--status STATUS]``, ``events show ID``, ``events replay ID
 [--destination NAME]`` (a dead or disabled delivery is queued again, with a new series of
-attempts). An expected failure is one line on stderr and an exit status, never a
-traceback (`cli.common`).
+attempts) and ``events test DEST`` (a test.ping to one destination; admins). An
+expected failure is one line on stderr and an exit status, never a traceback
+(`cli.common`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from typing import Any
 from llmd_supervisor.adapters.control_client import ControlClient
 from llmd_supervisor.cli.common import _exits, _read, _run, fit_to_terminal
 from llmd_supervisor.core.jobtext import job_text
-from llmd_supervisor.core.outbox import DeliveryStatus, DeliveryView, EventList, EventView, Replayed
+from llmd_supervisor.core.outbox import (
+    DeliveryStatus,
+    DeliveryView,
+    EventList,
+    EventView,
+    PingQueued,
+    Replayed,
+)
 
 __all__ = ["add_parsers", "delivery_table"]
 
@@ -57,6 +65,9 @@ def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[
         "--destination", default=None, metavar="NAME", help="only the delivery to this one"
     )
     p.set_defaults(handler=_cmd_replay)
+    p = common("test", "send a test.ping event to one destination (root, the admin group)")
+    p.add_argument("destination", metavar="DEST", help="a configured destination's name")
+    p.set_defaults(handler=_cmd_test)
 
 
 def _call(args: argparse.Namespace, op: str, params: Mapping[str, object]) -> object:
@@ -104,6 +115,20 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         print(json.dumps(done, indent=2, sort_keys=True))
         return 0
     print(f"event {done['event']}: {done['queued']} deliveries queued again")
+    return 0
+
+
+@_exits
+def _cmd_test(args: argparse.Namespace) -> int:
+    params = {"destination": args.destination}
+    done = _read("events test", PingQueued, _call(args, "events_test", params))
+    if args.json:
+        print(json.dumps(done, indent=2, sort_keys=True))
+        return 0
+    print(
+        f"test.ping {done['event']} queued for {job_text(done['destination'])}; "
+        f"`llmd-supervisor events show {done['event']}` tells how its delivery went"
+    )
     return 0
 
 

@@ -35,6 +35,7 @@ from llmd_supervisor.core.events import (
     Event,
     EventType,
     Links,
+    PingFacts,
     RunFacts,
     RunRef,
     SlurmFacts,
@@ -53,7 +54,9 @@ __all__ = [
     "EventList",
     "EventView",
     "Outgoing",
+    "PingQueued",
     "Replayed",
+    "ping_outgoing",
     "run_event_type",
     "run_facts",
     "run_outgoing",
@@ -108,6 +111,13 @@ class Replayed(TypedDict):
 
     event: str
     queued: int
+
+
+class PingQueued(TypedDict):
+    """`events test DEST`: the test.ping event journaled for that destination alone."""
+
+    event: str
+    destination: str
 
 
 @dataclass(frozen=True)
@@ -200,6 +210,26 @@ def run_outgoing(
                 if (payload := _payload(event, by_name[n], host)) is not None
             },
         ),
+    )
+
+
+def ping_outgoing(
+    destination: Destination, requested_by: str, at: datetime, seq: str, host: str = "localhost"
+) -> Outgoing:
+    """The test.ping event of `events test DEST` for `destination` alone (never routed);
+    `seq` tells this request from every other (the requester and the time of asking)."""
+    facts = PingFacts(destination=destination.name, requested_by=requested_by)
+    event = make_event(EventType.TEST_PING, facts, at, seq)
+    payload = _payload(event, destination, host)
+    return Outgoing(
+        id=event.id,
+        type=EventType.TEST_PING,
+        subject=subject(facts),
+        seq=seq,
+        at=at,
+        body=encode(event),
+        destinations=(destination.name,),
+        payloads={} if payload is None else {destination.name: payload},
     )
 
 

@@ -479,6 +479,7 @@ HANDLERS: Final[Mapping[str, Op]] = MappingProxyType(
         "events_list": Op(lambda api, a, p, s: api.events.list(a, p, s)),
         "events_show": Op(lambda api, a, p, s: api.events.show(a, p, s)),
         "events_replay": Op(lambda api, a, p, s: api.events.replay(a, p, s)),
+        "events_test": Op(lambda api, a, p, s: api.events.test(a, p, s)),
     }
 )
 

@@ -12,6 +12,7 @@ import fcntl
 import functools
 import os
 import signal
+import socket
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -92,6 +93,8 @@ def _control_api(
         admin_group=supervisor.config.admin_group,
         clock=supervisor.clock,
         wake=sender.wake if sender is not None else lambda: None,
+        events=supervisor.config.events,
+        host=socket.gethostname() or "localhost",
     )
     return ControlApi(supervisor, campaigns=ops, events=events)
 

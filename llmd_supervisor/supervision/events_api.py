@@ -4,20 +4,32 @@ Access follows the runs' rule (`supervision.access`): a peer sees the events of 
 runs; root and the admin group see every event (those of no run too: a node quarantined
 for everyone, a campaign's). An event the peer may not see is answered exactly like one
 that does not exist (``not_found``). Replaying (``events_replay``) is for whoever may see
-the event: it only ever sends to destinations the operator configured.
+the event: it only ever sends to destinations the operator configured. A test.ping to a
+destination (``events_test``) is for root and the admin group.
 """
 
 from __future__ import annotations
 
 import json
+import pwd
+import uuid
 from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import Final, Protocol
 
 from llmd_supervisor.adapters.control_protocol import Peer, Send, show
 from llmd_supervisor.adapters.outbox_store import Delivery, Outbox
-from llmd_supervisor.core.outbox import DeliveryStatus, DeliveryView, EventList, EventView, Replayed
-from llmd_supervisor.errors import ControlError
+from llmd_supervisor.core.event_routing import EventsConfig
+from llmd_supervisor.core.outbox import (
+    DeliveryStatus,
+    DeliveryView,
+    EventList,
+    EventView,
+    PingQueued,
+    Replayed,
+    ping_outgoing,
+)
+from llmd_supervisor.errors import ConfigError, ControlError
 from llmd_supervisor.supervision.access import sees_all
 
 __all__ = ["EventOps"]
@@ -44,8 +56,12 @@ class EventOps:
         admin_group: str | None,
         clock: Callable[[], datetime],
         wake: Callable[[], None] = lambda: None,
+        events: EventsConfig | None = None,
+        host: str = "localhost",
     ) -> None:
         self._outbox = outbox
+        self._events = events or EventsConfig()
+        self._host = host
         self._runs = runs
         self._admin_group = admin_group
         self._clock = clock
@@ -116,6 +132,34 @@ class EventOps:
             )
         self._wake()
         return {"event": event["event"], "queued": queued}
+
+    async def test(self, args: Mapping[str, object], peer: Peer, send: Send) -> PingQueued:
+        if not sees_all(peer, self._admin_group):
+            raise ControlError(
+                "forbidden",
+                "Only root or a member of the daemon's admin group may test a destination.",
+            )
+        try:
+            destination = self._events.destination(str(args["destination"]))
+        except ConfigError as exc:
+            raise ControlError(
+                "not_found", f"No destination {show(args['destination'])}: {exc.hint}."
+            ) from None
+        now = self._clock()
+        who = _user(peer.uid)
+        # A request of its own each time (never re-derived: a ping is journaled at once).
+        seq = f"{peer.uid}/{now.isoformat()}/{uuid.uuid4().hex}"
+        outgoing = ping_outgoing(destination, who, now, seq, self._host)
+        await self._outbox.add(outgoing)
+        self._wake()
+        return {"event": outgoing.id, "destination": destination.name}
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return f"uid {uid}"
 
 
 def _view(d: Delivery) -> DeliveryView:

@@ -226,6 +226,7 @@ GOOD: list[tuple[str, dict[str, object], dict[str, object]]] = [
     ("events_list", {"run": "r1", "status": "dead"}, {"run": "r1", "status": "dead"}),
     ("events_show", {"event": "evt_x"}, {"event": "evt_x"}),
     ("events_replay", {"event": "evt_x"}, {"event": "evt_x", "destination": None}),
+    ("events_test", {"destination": "ci"}, {"destination": "ci"}),
 ]
 
 
@@ -498,8 +499,8 @@ async def test_unknown_op_is_an_error_reply(sock: Path) -> None:
             assert (
                 "adopt, archive, campaign_cancel, campaign_list, campaign_results, "
                 "campaign_status, campaign_submit, campaign_wait, cancel, events_list, "
-                "events_replay, events_show, list, logs, nodes, ping, results, status, submit, "
-                "submit_script, wait" in str(info.value)
+                "events_replay, events_show, events_test, list, logs, nodes, ping, results, "
+                "status, submit, submit_script, wait" in str(info.value)
             )
 
 

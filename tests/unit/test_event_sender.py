@@ -6,6 +6,7 @@ run.finished reaches a configured webhook."""
 from __future__ import annotations
 
 import base64
+import grp
 import json
 import os
 import signal
@@ -310,7 +311,9 @@ async def test_a_finished_run_s_run_finished_reaches_the_webhook(tmp_path: Path)
             secret_file=str(secret_file),
             types=frozenset({EventType.RUN_SUBMITTED, EventType.RUN_FINISHED}),
         )
-        config: Config = replace(_config(tmp_path), events=EventsConfig((ci,)))
+        # Our own group is the admin group: `events test` is for admins.
+        admins = grp.getgrgid(os.getgid()).gr_name
+        config: Config = replace(_config(tmp_path), events=EventsConfig((ci,)), admin_group=admins)
         daemon = Daemon(config, replay)
         async with anyio.create_task_group() as tg:
             await _started(daemon, tg)
@@ -323,8 +326,10 @@ async def test_a_finished_run_s_run_finished_reaches_the_webhook(tmp_path: Path)
             _publish_marker(pending, log_dir)
             replay.step()
             final = await daemon.until_state(run, "succeeded", "failed")
-            got = await receiver.until(2)
+            got = list(await receiver.until(2))
             await _events_cli(config.socket_path, run, tmp_path)
+            (*_, ping) = await receiver.until(3)  # `events test ci`
+            assert json.loads(ping.body)["type"] == "test.ping"
             os.kill(os.getpid(), signal.SIGTERM)
         outer.cancel_scope.cancel()
     keys = await read_secret_file(secret_file)
@@ -376,7 +381,12 @@ async def _events_ops(world: World) -> None:
     theirs = await world.submitted("r-2")
     woken: list[bool] = []
     ops = EventOps(
-        world.outbox, Owners(), admin_group=None, clock=world.clock, wake=lambda: woken.append(True)
+        world.outbox,
+        Owners(),
+        admin_group=None,
+        clock=world.clock,
+        wake=lambda: woken.append(True),
+        events=EventsConfig((world.destination(),)),
     )
     alice, bob, root = Peer(1000, 1000, 1), Peer(2000, 2000, 2), Peer(0, 0, 3)
     no_filter = {"run": None, "status": None}
@@ -414,6 +424,27 @@ async def _events_ops(world: World) -> None:
     done = await ops.replay({"event": mine.id, "destination": "ci"}, alice, _nothing)
     assert done == {"event": mine.id, "queued": 1} and woken == [True]
     await world.until(mine.id, DeliveryStatus.DELIVERED)
+    # events test DEST: admins only, a configured destination only, signed like any other.
+    with pytest.raises(ControlError) as refused:
+        await ops.test({"destination": "ci"}, alice, _nothing)
+    assert refused.value.code == "forbidden"
+    with pytest.raises(ControlError) as unknown_dest:
+        await ops.test({"destination": "nope"}, root, _nothing)
+    assert unknown_dest.value.code == "not_found" and "ci" in unknown_dest.value.message
+    ping = await ops.test({"destination": "ci"}, root, _nothing)
+    await world.until(ping["event"], DeliveryStatus.DELIVERED)
+    request = world.receiver.got[-1]
+    assert request.headers["webhook-id"] == ping["event"]
+    body = json.loads(request.body)
+    assert body["type"] == "test.ping" and body["data"]["destination"] == "ci"
+    verify(
+        await read_secret_file(world.secret_file),
+        request.headers,
+        request.body,
+        now=unix_seconds(datetime.now(UTC)),
+    )
+    again = await ops.test({"destination": "ci"}, root, _nothing)
+    assert again["event"] != ping["event"]  # each request is an event of its own
 
 
 async def _events_cli(socket: Path, run: str, tmp_path: Path) -> None:
@@ -442,6 +473,10 @@ async def _events_cli(socket: Path, run: str, tmp_path: Path) -> None:
     assert missing.stderr.decode().splitlines() == [
         'llmd-supervisor events show: No event "evt_nope" is in the journal.'
     ]
+    tested = await cli("test", "ci")
+    assert tested.returncode == 0 and b"queued for ci" in tested.stdout, tested.stderr
+    unknown = await cli("test", "nope")
+    assert unknown.returncode == 2 and b"No destination" in unknown.stderr
     again = await cli("replay", deliveries[0]["event"])
     assert again.returncode == 2 and b"no dead or disabled delivery" in again.stderr
     assert b"Traceback" not in again.stderr + missing.stderr
