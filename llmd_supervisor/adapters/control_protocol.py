@@ -148,6 +148,7 @@ _RUN: Final = ArgSpec(_STR, required=True)
 _CAMPAIGN: Final = ArgSpec(_STR, required=True)  # a campaign id or name
 # None: the daemon's first configured cluster
 _CLUSTER: Final = ArgSpec(frozenset({"str", "null"}), default=None)
+_OPT_STR: Final = ArgSpec(frozenset({"str", "null"}), default=None)
 
 # The one table of the protocol's ops.
 OPS: Final[Mapping[str, OpSpec]] = MappingProxyType(
@@ -219,6 +220,14 @@ OPS: Final[Mapping[str, OpSpec]] = MappingProxyType(
         "campaign_cancel": OpSpec({"campaign": _CAMPAIGN}),
         "campaign_wait": OpSpec({"campaign": _CAMPAIGN}, streaming=True),
         "campaign_results": OpSpec({"campaign": _CAMPAIGN}, streaming=True),
+        # outbound events (supervision.events_api): deliveries, newest event first, of one
+        # run (a run ref) and in one status (core.outbox.DeliveryStatus); one event; a
+        # dead or disabled delivery queued again (of `destination`, None: every one)
+        "events_list": OpSpec({"run": _OPT_STR, "status": _OPT_STR}),
+        "events_show": OpSpec({"event": ArgSpec(_STR, required=True)}),
+        "events_replay": OpSpec({"event": ArgSpec(_STR, required=True), "destination": _OPT_STR}),
+        # a test.ping to one configured destination (root and the admin group)
+        "events_test": OpSpec({"destination": ArgSpec(_STR, required=True)}),
     }
 )
 

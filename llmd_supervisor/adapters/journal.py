@@ -25,7 +25,7 @@ import json
 import os
 import sqlite3
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
@@ -49,7 +49,9 @@ from llmd_supervisor.adapters.journal_rows import (
     transition_rows,
 )
 from llmd_supervisor.adapters.journal_schema import MIGRATIONS
+from llmd_supervisor.adapters.outbox_rows import insert_outgoing
 from llmd_supervisor.core.lifecycle import Run, RunState
+from llmd_supervisor.core.outbox import Outgoing
 from llmd_supervisor.core.retry_policy import Evidence, NodeFailure
 from llmd_supervisor.errors import JournalConflict, JournalError
 
@@ -144,8 +146,9 @@ class Journal:
 
     # --- runs -------------------------------------------------------------------------------
 
-    async def insert_run(self, run: Run, meta: RunMeta) -> None:
-        """Journal a new run with its transitions.
+    async def insert_run(self, run: Run, meta: RunMeta, outgoing: Sequence[Outgoing] = ()) -> None:
+        """Journal a new run with its transitions, and the outbound events they make
+        (`core.outbox`) in the same transaction.
 
         Raises JournalConflict when a run with the same run id or job name exists.
         """
@@ -185,11 +188,15 @@ class Journal:
                 ),
             )
             insert_transitions(conn, run.run_id, transitions)
+            insert_outgoing(conn, outgoing, self._path, operation)
 
         await self._call(operation, _write(work))
 
-    async def save(self, run: Run, *, expected: RunState) -> None:
-        """Compare-and-set: store ``run`` only if the stored run's state is ``expected``.
+    async def save(
+        self, run: Run, *, expected: RunState, outgoing: Sequence[Outgoing] = ()
+    ) -> None:
+        """Compare-and-set: store ``run`` only if the stored run's state is ``expected``,
+        with the outbound events its transition makes (`core.outbox`), in one transaction.
 
         The stored transitions must be a prefix of ``run.transitions`` (the new ones are
         appended), so a stale copy that happens to be in the same state (pending, requeued,
@@ -255,6 +262,7 @@ class Journal:
             insert_transitions(
                 conn, run.run_id, transition_rows(run, len(stored), self._path, operation)
             )
+            insert_outgoing(conn, outgoing, self._path, operation)
 
         await self._call(operation, _write(work))
 

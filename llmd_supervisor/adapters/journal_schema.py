@@ -168,4 +168,42 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         )
         """,
     ),
+    # 5 -> 6: the outbox of outbound events (adapters.outbox_store, DESIGN.md section 13): an
+    # event row is written in the transaction of the transition it reports, with one
+    # delivery row per destination. (`events` is the runs' own event log, older than this.)
+    (
+        """
+        CREATE TABLE outbox_events (
+            event_id   TEXT PRIMARY KEY NOT NULL,  -- core.events.event_id: stable
+            type       TEXT NOT NULL,
+            subject    TEXT NOT NULL,  -- run/<id>, campaign/<id>, ...
+            seq        TEXT NOT NULL,
+            body       BLOB NOT NULL,  -- what every attempt sends (core.events.encode)
+            created_at TEXT NOT NULL   -- UTC ISO 8601, fixed width
+        )
+        """,
+        "CREATE INDEX outbox_events_by_subject ON outbox_events (subject, created_at)",
+        """
+        CREATE TABLE deliveries (
+            event_id    TEXT NOT NULL REFERENCES outbox_events (event_id) ON DELETE CASCADE,
+            destination TEXT NOT NULL,
+            status      TEXT NOT NULL
+                CHECK (status IN ('queued', 'retrying', 'delivered', 'dead', 'disabled')),
+            attempts    INTEGER NOT NULL CHECK (attempts >= 0),
+            next_at     TEXT,  -- when the next attempt is due (queued, retrying)
+            last_error  TEXT NOT NULL,
+            updated_at  TEXT NOT NULL,
+            payload     BLOB,  -- what this destination gets (Slack); NULL: the event's body
+            PRIMARY KEY (event_id, destination)
+        )
+        """,
+        "CREATE INDEX deliveries_due ON deliveries (status, next_at)",
+        """
+        CREATE TABLE disabled_destinations (
+            destination TEXT PRIMARY KEY NOT NULL,
+            reason      TEXT NOT NULL,
+            since       TEXT NOT NULL
+        )
+        """,
+    ),
 )

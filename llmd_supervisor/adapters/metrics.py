@@ -16,6 +16,9 @@ What an operator gets (all prefixed ``llmd_supervisor_``):
   that reached their verdict while this daemon ran;
 - ``loop_lag_seconds`` (histogram) and ``loop_lag_last_seconds``: how late the event
   loop resumed the watchdog task;
+- ``event_deliveries{destination,status}``: the outbox's deliveries per destination by
+  status (queued, retrying, delivered, dead, disabled), as the event sender last counted
+  them (every few seconds; none without a configured destination);
 - ``build_info{version}``.
 
 The daemon root hands `Metrics.attach` two snapshot functions, one for the runs
@@ -131,6 +134,7 @@ class Metrics:
         ).set(1)
         self.runs: Callable[[], Iterable[RunSample]] = _no_runs
         self.links: Callable[[], LinkCounts] = LinkCounts
+        self.deliveries: Callable[[], Mapping[tuple[str, str], int]] = dict
         self._verdicts_seen: set[str] = set()
         self._attempts_seen: set[tuple[str, int]] = set()
         r.register(_StateCollector(self))
@@ -143,6 +147,10 @@ class Metrics:
         self.runs, self.links = runs, links
         self._verdicts_seen = {r.run_id for r in runs() if r.state.is_final}
         self._attempts_seen = {key for r in runs() for key in _attempt_keys(r)}
+
+    def attach_deliveries(self, deliveries: Callable[[], Mapping[tuple[str, str], int]]) -> None:
+        """Read the deliveries per (destination, status) from this snapshot from now on."""
+        self.deliveries = deliveries
 
     def record_lag(self, lag_s: float) -> None:
         self.loop_lag.observe(lag_s)
@@ -242,6 +250,14 @@ class _StateCollector(Collector):
         yield CounterMetricFamily(
             _P + "ssh_connect_failures", "Failed SSH connect attempts.", value=s.connect_failures
         )
+        deliveries = GaugeMetricFamily(
+            _P + "event_deliveries",
+            "Outbound event deliveries per destination, by status.",
+            labels=["destination", "status"],
+        )
+        for (destination, status), n in sorted(self.metrics.deliveries().items()):
+            deliveries.add_metric([destination, status], n)
+        yield deliveries
 
 
 class InstrumentedRunner:

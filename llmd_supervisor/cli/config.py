@@ -2,9 +2,10 @@
 
 `check` validates the file as the daemon would and then looks at the machine: the files
 the configuration names must exist (SSH identities and known_hosts, a local cluster's
-slurm.conf), the admin group must exist, and the state directory's nearest existing
-parent must be a directory. Every problem is printed as one line naming the key and the
-fix; the exit status is 0 when there is none, 2 otherwise.
+slurm.conf, a webhook destination's secret file), the admin group must exist, and the
+state directory's nearest existing parent must be a directory. Every problem is printed
+as one line naming the key and the fix; the exit status is 0 when there is none, 2
+otherwise.
 
 `show` prints the effective configuration (defaults filled in) as TOML, or as JSON with
 `--json`; its TOML output is itself a valid configuration file.
@@ -20,6 +21,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from llmd_supervisor.adapters.event_sender import read_secret_file_now
 from llmd_supervisor.core.config import (
     DEFAULT_PATH,
     Access,
@@ -29,7 +31,7 @@ from llmd_supervisor.core.config import (
     read_config,
     to_toml,
 )
-from llmd_supervisor.errors import ConfigError, ConfigErrors, SupervisorError
+from llmd_supervisor.errors import ConfigError, ConfigErrors, SupervisorError, WebhookSecretError
 
 
 def config_default() -> Path:
@@ -173,7 +175,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if loaded is None:
         return 2
     path, config = loaded
-    problems = environment_problems(config)
+    problems = environment_problems(config) + secret_problems(config)
     for problem in problems:
         print(f"llmd-supervisor config check: {path}: {problem}", file=sys.stderr)
     if problems:
@@ -184,6 +186,21 @@ def cmd_check(args: argparse.Namespace) -> int:
     for warning in shared_fs_warnings(config):
         print(f"llmd-supervisor config check: {path}: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def secret_problems(config: Config) -> list[ConfigError]:
+    """Each webhook destination's ``secret_file`` that the daemon could not sign with (as
+    the daemon reads it: no link, a regular file others may not read, whsec_ lines)."""
+    problems: list[ConfigError] = []
+    for i, d in enumerate(config.events.destinations):
+        if d.secret_file is None:
+            continue
+        try:
+            read_secret_file_now(Path(d.secret_file))
+        except WebhookSecretError as exc:
+            why = exc.why if exc.line is None else f"line {exc.line}: {exc.why}"
+            problems.append(ConfigError(f"events.destination[{i}].secret_file", d.secret_file, why))
+    return problems
 
 
 def _access_text(c: ClusterConfig) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 from llmd_supervisor import __version__
 from llmd_supervisor.cli.campaign import add_parsers as add_campaign_parsers
 from llmd_supervisor.cli.config import add_parsers as add_config_parsers
+from llmd_supervisor.cli.events import add_parsers as add_events_parsers
 from llmd_supervisor.cli.report import add_parsers as add_report_parsers
 from llmd_supervisor.cli.results import add_parsers as add_results_parsers
 from llmd_supervisor.cli.run_commands import add_parsers as add_run_parsers
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_results_parsers(sub, socket_default)
     add_report_parsers(sub, socket_default)
     add_campaign_parsers(sub, socket_default)
+    add_events_parsers(sub, socket_default)
     return parser
 
 

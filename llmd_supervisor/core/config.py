@@ -16,6 +16,13 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
+from llmd_supervisor.core.event_routing import (
+    Destination,
+    DestinationKind,
+    EventsConfig,
+    parse_events,
+    shown_url,
+)
 from llmd_supervisor.errors import ConfigError, ConfigErrors
 
 DEFAULT_PATH = Path("/etc/llmd-supervisor/config.toml")
@@ -129,6 +136,8 @@ class Config:
     socket_limits: SocketLimits = field(default_factory=SocketLimits)
     # Run log directories must lie under one of these (canonical, absolute) directories.
     log_roots: tuple[str, ...] = ()
+    # Where outbound events go ([[events.destination]]; core.event_routing).
+    events: EventsConfig = field(default_factory=EventsConfig)
 
     @property
     def archive_root(self) -> Path:
@@ -202,7 +211,7 @@ def default_known_hosts() -> str:
     return os.path.expanduser("~/.ssh/known_hosts")
 
 
-_TOP = ("daemon", "ssh", "poll", "limits", "clusters", "metrics")
+_TOP = ("daemon", "ssh", "poll", "limits", "clusters", "metrics", "events")
 _DAEMON_KEYS = (
     "state_dir",
     "archive_dir",
@@ -256,6 +265,7 @@ def parse_config(data: Mapping[str, object]) -> Config:
     no_clusters: tuple[ClusterConfig, ...] = ()
     clusters = found.check(lambda: _clusters(data), no_clusters)
     listen = found.check(lambda: _metrics(_table(data, "metrics")), None)
+    events = found.check(lambda: parse_events(_table(data, "events")), EventsConfig())
     if found.found:
         raise ConfigErrors(found.found)
     assert state_dir is not None and socket_path is not None and ssh is not None
@@ -274,6 +284,7 @@ def parse_config(data: Mapping[str, object]) -> Config:
         metrics_listen=listen,
         socket_limits=socket_limits,
         log_roots=log_roots,
+        events=events,
     )
 
 
@@ -560,7 +571,25 @@ def effective(config: Config) -> dict[str, object]:
             }
             for c in config.clusters
         ],
+        # Rendered as [[events.destination]] tables; a URL shown without its path (a
+        # Slack webhook's path is its credential).
+        "events.destination": [_destination(d) for d in config.events.destinations],
     }
+
+
+def _destination(d: Destination) -> dict[str, object]:
+    shown: dict[str, object] = {"name": d.name, "kind": d.kind.value}
+    if d.kind is DestinationKind.MAIL:
+        shown["to"] = list(d.to)
+        shown["from"] = d.sender
+    else:
+        shown["url"] = shown_url(d.url or "")
+        if d.kind is DestinationKind.WEBHOOK:
+            shown["secret_file"] = d.secret_file
+    shown["types"] = sorted(t.value for t in d.types)
+    shown["owners"] = list(d.owners)
+    shown["opt_in"] = d.opt_in
+    return shown
 
 
 def to_toml(tables: Mapping[str, object]) -> str:

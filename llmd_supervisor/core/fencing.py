@@ -69,7 +69,7 @@ EPOCH_SETTING: Final = "llmd.epoch"
 STALE_EPOCH_SQLSTATE: Final = "LD001"
 NO_EPOCH_SQLSTATE: Final = "LD002"
 
-# Every journal table whose rows a leader writes (adapters/journal_schema.py, version 5).
+# Every journal table whose rows a leader writes (adapters/journal_schema.py, version 6).
 FENCED_TABLES: Final = (
     "runs",
     "transitions",
@@ -78,6 +78,9 @@ FENCED_TABLES: Final = (
     "campaigns",
     "campaign_jobs",
     "verified_points",
+    "outbox_events",
+    "deliveries",
+    "disabled_destinations",
 )
 
 

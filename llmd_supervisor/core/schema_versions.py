@@ -39,6 +39,7 @@ VERSIONS: Final = (
     "retries (a run's submissions) and node quarantine per cluster",
     "node failures one row each, with their owner and evidence",
     "campaigns, their jobs and the ledger of verified points",
+    "the outbox: outbound events and their deliveries per destination",
 )
 CODE_VERSION: Final = len(VERSIONS)
 

@@ -68,6 +68,7 @@ from llmd_supervisor.errors import (
 )
 from llmd_supervisor.supervision.access import sees_all
 from llmd_supervisor.supervision.campaign.api import CampaignOps
+from llmd_supervisor.supervision.events_api import EventOps
 from llmd_supervisor.supervision.log_follow import READ_CHUNK, Growth, first_of, read_new
 from llmd_supervisor.supervision.verify_job import utcnow
 from llmd_supervisor.supervision.views import (
@@ -129,16 +130,24 @@ class ControlApi(Generic[H]):
         *,
         clock: Callable[[], datetime] = utcnow,
         campaigns: CampaignOps | None = None,
+        events: EventOps | None = None,
     ) -> None:
         self.sup = supervisor
         self.clock = clock
         self._campaigns = campaigns
+        self._events = events
 
     @property
     def campaigns(self) -> CampaignOps:
         if self._campaigns is None:
             raise ControlError("internal", "This daemon serves no campaigns.")
         return self._campaigns
+
+    @property
+    def events(self) -> EventOps:
+        if self._events is None:
+            raise ControlError("internal", "This daemon serves no outbound events.")
+        return self._events
 
     async def handle(self, request: Request, peer: Peer, send: Send) -> Mapping[str, object]:
         return await HANDLERS[request.op].handler(self, request.args, peer, send)
@@ -470,6 +479,10 @@ HANDLERS: Final[Mapping[str, Op]] = MappingProxyType(
         "campaign_cancel": Op(lambda api, a, p, s: api.campaigns.cancel(a, p, s)),
         "campaign_wait": Op(lambda api, a, p, s: api.campaigns.wait(a, p, s), streaming=True),
         "campaign_results": Op(lambda api, a, p, s: api.campaigns.results(a, p, s), streaming=True),
+        "events_list": Op(lambda api, a, p, s: api.events.list(a, p, s)),
+        "events_show": Op(lambda api, a, p, s: api.events.show(a, p, s)),
+        "events_replay": Op(lambda api, a, p, s: api.events.replay(a, p, s)),
+        "events_test": Op(lambda api, a, p, s: api.events.test(a, p, s)),
     }
 )
 

@@ -12,6 +12,7 @@ import fcntl
 import functools
 import os
 import signal
+import socket
 from collections import Counter
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -23,6 +24,7 @@ import structlog
 from llmd_supervisor.adapters import remote, result_parser
 from llmd_supervisor.adapters.campaign_store import CampaignStore
 from llmd_supervisor.adapters.control_server import ControlServer
+from llmd_supervisor.adapters.event_sender import EventSender
 from llmd_supervisor.adapters.journal import Journal
 from llmd_supervisor.adapters.metrics import (
     InstrumentedRunner,
@@ -31,6 +33,7 @@ from llmd_supervisor.adapters.metrics import (
     RunSample,
     serve_metrics,
 )
+from llmd_supervisor.adapters.outbox_store import Outbox
 from llmd_supervisor.adapters.remote import NodeLink
 from llmd_supervisor.adapters.sdnotify import loop_monitor
 from llmd_supervisor.core.config import Config
@@ -41,6 +44,7 @@ from llmd_supervisor.supervision.api import ControlApi
 from llmd_supervisor.supervision.campaign.api import CampaignOps
 from llmd_supervisor.supervision.campaign.runner import Campaigns
 from llmd_supervisor.supervision.cluster import Cluster, build_cluster
+from llmd_supervisor.supervision.events_api import EventOps
 from llmd_supervisor.supervision.run.driver import Hooks, RunHandle, Supervisor
 from llmd_supervisor.supervision.views import run_results
 
@@ -53,8 +57,25 @@ def _no_notify(_: str) -> None:
     return None
 
 
-def _control_api(supervisor: Supervisor, campaigns: Campaigns) -> ControlApi[RunHandle]:
-    """The control API over the supervisor's runs and its campaigns."""
+class _RunOwners:
+    """The supervisor's runs as the events ops see them (`events_api.RunOwners`)."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self._sup = supervisor
+
+    def owner_of(self, run_id: str) -> int | None:
+        h = self._sup.handles.get(run_id)
+        return None if h is None else h.meta.owner_uid
+
+    def run_id_of(self, ref: str) -> str | None:
+        h = self._sup.get(ref)
+        return None if h is None else h.run.run_id
+
+
+def _control_api(
+    supervisor: Supervisor, campaigns: Campaigns, outbox: Outbox, sender: EventSender | None
+) -> ControlApi[RunHandle]:
+    """The control API over the supervisor's runs, its campaigns and the outbox."""
 
     async def results_of(run_id: str) -> RunResults | None:
         handle = supervisor.handles.get(run_id)
@@ -66,7 +87,16 @@ def _control_api(supervisor: Supervisor, campaigns: Campaigns) -> ControlApi[Run
         clock=supervisor.clock,
         run_results=results_of,
     )
-    return ControlApi(supervisor, campaigns=ops)
+    events = EventOps(
+        outbox,
+        _RunOwners(supervisor),
+        admin_group=supervisor.config.admin_group,
+        clock=supervisor.clock,
+        wake=sender.wake if sender is not None else lambda: None,
+        events=supervisor.config.events,
+        host=socket.gethostname() or "localhost",
+    )
+    return ControlApi(supervisor, campaigns=ops, events=events)
 
 
 def lock_state_dir(state_dir: Path) -> int:
@@ -143,6 +173,10 @@ async def _serve(
             resumed = await supervisor.resume_all()
             campaigns = Campaigns(supervisor, CampaignStore(journal))
             await campaigns.resume_all()  # after the runs: a campaign follows its runs
+            outbox = Outbox(journal)
+            sender = await _start_sender(config, outbox, supervisor, tg)
+            if sender is not None:
+                metrics.attach_deliveries(sender.counts)
             metrics.attach(lambda: run_samples(supervisor.handles), link_counts)
             if config.metrics_listen is not None:
                 await tg.start(serve_metrics, metrics, config.metrics_listen)
@@ -157,7 +191,7 @@ async def _serve(
                 )
             server = ControlServer(
                 config.socket_path,
-                _control_api(supervisor, campaigns),
+                _control_api(supervisor, campaigns, outbox, sender),
                 mode=config.socket_mode,
                 group=config.socket_group,
             )
@@ -179,6 +213,19 @@ async def _serve(
                 await link.aclose()
             await journal.aclose()
         log.info("daemon.stopped")
+
+
+async def _start_sender(
+    config: Config, outbox: Outbox, supervisor: Supervisor, tg: anyio.abc.TaskGroup
+) -> EventSender | None:
+    """Deliver the outbox's events (none configured: nothing to send, no task)."""
+    destinations = config.events.destinations
+    if not destinations:
+        return None
+    sender = EventSender(outbox, config.events, clock=supervisor.clock)
+    await tg.start(sender.run)
+    log.info("events.sender_started", destinations=[d.name for d in destinations])
+    return sender
 
 
 STATUS_REFRESH_S = 2.0

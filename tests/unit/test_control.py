@@ -222,6 +222,11 @@ GOOD: list[tuple[str, dict[str, object], dict[str, object]]] = [
     ("campaign_cancel", {"campaign": "c1"}, {"campaign": "c1"}),
     ("campaign_wait", {"campaign": "c1"}, {"campaign": "c1"}),
     ("campaign_results", {"campaign": "c1"}, {"campaign": "c1"}),
+    ("events_list", {}, {"run": None, "status": None}),
+    ("events_list", {"run": "r1", "status": "dead"}, {"run": "r1", "status": "dead"}),
+    ("events_show", {"event": "evt_x"}, {"event": "evt_x"}),
+    ("events_replay", {"event": "evt_x"}, {"event": "evt_x", "destination": None}),
+    ("events_test", {"destination": "ci"}, {"destination": "ci"}),
 ]
 
 
@@ -493,8 +498,9 @@ async def test_unknown_op_is_an_error_reply(sock: Path) -> None:
             assert 'Unknown op "frobnicate"' in str(info.value)
             assert (
                 "adopt, archive, campaign_cancel, campaign_list, campaign_results, "
-                "campaign_status, campaign_submit, campaign_wait, cancel, list, logs, nodes, "
-                "ping, results, status, submit, submit_script, wait" in str(info.value)
+                "campaign_status, campaign_submit, campaign_wait, cancel, events_list, "
+                "events_replay, events_show, events_test, list, logs, nodes, ping, results, "
+                "status, submit, submit_script, wait" in str(info.value)
             )
 
 

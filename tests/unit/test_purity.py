@@ -34,6 +34,7 @@ PURE_MODULES = [
     "llmd_supervisor.core.delivery",
     "llmd_supervisor.core.notify_formats",
     "llmd_supervisor.core.event_routing",
+    "llmd_supervisor.core.outbox",
     "llmd_supervisor.core.lease",
     "llmd_supervisor.core.fencing",
     "llmd_supervisor.core.journal_url",
@@ -48,6 +49,8 @@ ALLOWED_LOADS: dict[str, frozenset[str]] = {
     # socket at module level for make_msgid's host name. Nothing here calls make_msgid:
     # the Message-ID comes from the event id and a domain passed in.
     "llmd_supervisor.core.notify_formats": frozenset({"socket"}),
+    # Makes a Slack destination's message with core.notify_formats (as above).
+    "llmd_supervisor.core.outbox": frozenset({"socket"}),
 }
 
 # The checkout under test, first on the path (-I ignores PYTHONPATH: without it the probe

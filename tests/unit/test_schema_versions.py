@@ -21,7 +21,7 @@ from llmd_supervisor.errors import JournalSchemaTooNew
 
 
 def test_the_numbering_is_the_sqlite_journal_s() -> None:
-    assert CODE_VERSION == SCHEMA_VERSION == len(MIGRATIONS) == len(VERSIONS) == 5
+    assert CODE_VERSION == SCHEMA_VERSION == len(MIGRATIONS) == len(VERSIONS) == 6
 
 
 PLANS: list[tuple[str, int, int, Plan]] = [
@@ -78,8 +78,8 @@ def test_the_default_is_the_code_s_version() -> None:
 
 
 def test_a_code_version_it_does_not_know_is_a_bug() -> None:
-    with pytest.raises(ValueError, match="code version 6"):
-        plan(0, 6)
+    with pytest.raises(ValueError, match="code version 7"):
+        plan(0, 7)
 
 
 def test_an_upgrade_says_what_it_adds() -> None:

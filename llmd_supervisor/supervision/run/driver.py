@@ -34,6 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
+import pwd
+import socket
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +52,7 @@ from llmd_supervisor.adapters.journal import Journal, RunMeta, StoredRun
 from llmd_supervisor.adapters.slurm import CommandRunner
 from llmd_supervisor.core import foreign_spec as foreign_spec
 from llmd_supervisor.core.config import Config
+from llmd_supervisor.core.events import Links, RunRef
 from llmd_supervisor.core.foreign_spec import ForeignSpec
 from llmd_supervisor.core.health import NodeHealth
 from llmd_supervisor.core.layout import RunLayout
@@ -74,6 +78,7 @@ from llmd_supervisor.core.lifecycle import (
     plan,
     step,
 )
+from llmd_supervisor.core.outbox import Outgoing, run_outgoing
 from llmd_supervisor.core.render import render_sbatch
 from llmd_supervisor.core.retry_policy import Quarantined, quarantine
 from llmd_supervisor.core.spec import RunSpec, load_spec
@@ -348,7 +353,9 @@ class Supervisor:
             archive_dir=str(arch),
             created_at=run.transitions[0].at,
         )
-        await self.journal.insert_run(run, meta)
+        name = spec.name if isinstance(spec, RunSpec) else spec.name()
+        outgoing = self._outgoing(None, run, meta, name)
+        await self.journal.insert_run(run, meta, outgoing)
         self.hooks.after_journal(run)
         handle = self._handle(StoredRun(run, meta), spec)
         log.info("run.accepted", run_id=run_id, job_name=run.job_name, cluster=cluster_cfg.name)
@@ -625,7 +632,8 @@ class Supervisor:
             after, _ = step(before, event, now)  # the actions are plan(after): the loop's
             if after is before:
                 return
-            await self.journal.save(after, expected=before.state)
+            outgoing = self._outgoing(before, after, h.meta, h.name)
+            await self.journal.save(after, expected=before.state, outgoing=outgoing)
             self.hooks.after_journal(after)
             h.stored = StoredRun(after, _slim(h.meta, after))
             if after.submission != before.submission:  # a retry: a new job, its own name
@@ -652,6 +660,29 @@ class Supervisor:
                 self._declare(h)
             h.notify()
 
+    def _outgoing(
+        self, before: Run | None, after: Run, meta: RunMeta, name: str
+    ) -> tuple[Outgoing, ...]:
+        """The outbound events to journal with this change of the run (`core.outbox`)."""
+        destinations = self.config.events.destinations
+        if not destinations:
+            return ()
+        ref = RunRef(
+            id=after.run_id,
+            name=name,
+            owner=_user_name(meta.owner_uid),
+            owner_uid=meta.owner_uid,
+            cluster=meta.cluster,
+            spec_name=name,
+            spec_sha256=hashlib.sha256(meta.spec_toml.encode("utf-8")).hexdigest(),
+        )
+        links = Links(archive=meta.archive_dir or None)
+        try:
+            return run_outgoing(before, after, ref, links, destinations, _host_name())
+        except Exception:  # a bug in making an event must never hold up the run
+            log.exception("event.not_made", run_id=after.run_id, state=after.state.value)
+            return ()
+
     def _declare(self, h: RunHandle) -> None:
         """The run's one canonical line (its outcome, reason and duration)."""
         run = h.run
@@ -665,6 +696,20 @@ class Supervisor:
             seconds=round((self.clock() - run.transitions[0].at).total_seconds(), 1),
             archive=h.meta.archive_dir,
         )
+
+
+@functools.cache
+def _host_name() -> str:
+    """This host's name, for a mail's Message-ID and From (no DNS lookup)."""
+    return socket.gethostname() or "localhost"  # core.outbox falls back to localhost
+
+
+def _user_name(uid: int) -> str:
+    """The user name of `uid` ("" when it has none)."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return ""
 
 
 def _log_dir(spec: RunSpec | ForeignSpec) -> str:

@@ -1,0 +1,49 @@
+"""The outbox's rows written inside a run transition's transaction (`adapters.journal`
+calls it; `adapters.outbox_store` says what the rows mean)."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Sequence
+from pathlib import Path
+
+from llmd_supervisor.adapters.journal_rows import iso
+from llmd_supervisor.core.outbox import DeliveryStatus, Outgoing
+
+__all__ = ["insert_outgoing"]
+
+
+def insert_outgoing(
+    conn: sqlite3.Connection,
+    outgoing: Sequence[Outgoing],
+    path: Path,
+    operation: str,
+) -> None:
+    """Journal each event and its deliveries (due at once) in the caller's transaction."""
+    if not outgoing:
+        return
+    disabled = {r[0] for r in conn.execute("SELECT destination FROM disabled_destinations")}
+    for o in outgoing:
+        created = iso(o.at, path, operation)
+        cur = conn.execute(
+            "INSERT OR IGNORE INTO outbox_events (event_id, type, subject, seq, body, created_at) "
+            "VALUES (?, ?, ?, ?, ?, ?)",
+            (o.id, o.type.value, o.subject, o.seq, o.body, created),
+        )
+        if cur.rowcount == 0:
+            continue  # journaled already, with its deliveries
+        for name in o.destinations:
+            off = name in disabled
+            conn.execute(
+                "INSERT OR IGNORE INTO deliveries (event_id, destination, status, attempts, "
+                "next_at, last_error, updated_at, payload) VALUES (?, ?, ?, 0, ?, ?, ?, ?)",
+                (
+                    o.id,
+                    name,
+                    (DeliveryStatus.DISABLED if off else DeliveryStatus.QUEUED).value,
+                    None if off else created,
+                    "the destination is disabled (it answered 410 Gone)" if off else "",
+                    created,
+                    o.payloads.get(name),
+                ),
+            )
