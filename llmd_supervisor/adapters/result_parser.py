@@ -53,6 +53,8 @@ ANSWER_MAX: Final = 64 << 10
 SEND_CHUNK: Final = 1 << 20
 # CPU seconds a child may use on a file besides its time limit (starting, answering).
 CPU_SLACK_S: Final = 5
+# How long a new child may take to start (a busy login node); files are timed after it.
+START_TIMEOUT_S: Final = 60
 # A child kept for the next files has parsed at most this much (its memory stays small).
 KEEP_AFTER_BYTES: Final = 8 << 20
 _STDERR_KEEP = 2000
@@ -121,8 +123,9 @@ def _slots() -> anyio.CapacityLimiter:
         return limiter
 
 
-async def _child(limits: ParseLimits) -> _Child:
-    """A kept child with the same memory limit, else a new one."""
+async def _child(limits: ParseLimits) -> _Child | str:
+    """A kept child with the same memory limit, else a new one once it said it is ready;
+    why not, when it did not start."""
     kept = _KEPT.get()
     while kept:
         child = kept.pop()
@@ -130,9 +133,29 @@ async def _child(limits: ParseLimits) -> _Child:
             return child
         await _stop(child.process)
     argv = [sys.executable, "-I", "-m", result_parser_child.__name__, str(limits.memory_bytes)]
-    process = await anyio.open_process(argv, stderr=subprocess.PIPE)
+    try:
+        process = await anyio.open_process(argv, stderr=subprocess.PIPE)
+    except OSError as exc:
+        return str(exc)
     assert process.stdout is not None
-    return _Child(process, BufferedByteReceiveStream(process.stdout), limits.memory_bytes)
+    child = _Child(process, BufferedByteReceiveStream(process.stdout), limits.memory_bytes)
+    try:
+        with anyio.fail_after(START_TIMEOUT_S):
+            ready = await child.answers.receive_until(b"\n", len(result_parser_child.READY))
+    except TimeoutError:
+        why = f"it was not ready within {START_TIMEOUT_S} s"
+    except (anyio.EndOfStream, anyio.IncompleteRead, anyio.DelimiterNotFound, OSError):
+        why = "it ended as it started"
+    except BaseException:  # cancelled: no child left behind
+        with anyio.CancelScope(shield=True):
+            await _stop(process)
+        raise
+    else:
+        if ready + b"\n" == result_parser_child.READY:
+            return child
+        why = f"it said {ready[:40]!r}"
+    await _stop(process)
+    return why
 
 
 async def _one_child(
@@ -142,6 +165,10 @@ async def _one_child(
     that ended the child counts, as refused)."""
     cpu = math.ceil(limits.time_s) + CPU_SLACK_S
     child = await _child(limits)
+    if isinstance(child, str):
+        name = items[0][0]
+        out[name] = _refused(name, f"the result parser did not start for {name}: {child}")
+        return 1
     process, answers = child.process, child.answers
     assert process.stdin is not None
     keep = False

@@ -2,16 +2,17 @@
 
 ``python -I -m llmd_supervisor.adapters.result_parser_child MEMORY`` first limits its own
 address space to MEMORY bytes (RLIMIT_AS) and its core dumps to none, and offers itself to
-the kernel's OOM killer before the daemon (``oom_score_adj`` 1000); then it serves
-requests from stdin until EOF: each is a line ``[FORMATS, SIZE, CPU]`` followed by SIZE
-bytes (a result file), and is answered with one line, `core.results.parsed_to_json` of
-what `parse_any` made of the bytes. Before each file it lets itself CPU more seconds of
-CPU time (RLIMIT_CPU's soft limit, from what it used so far: SIGXCPU ends it), so that a
-child kept for the next files has the same bound on each as a new one. A file
-whose parse runs out of memory is answered as a problem of kind ``refused`` with the
-detail `OUT_OF_MEMORY` (the daemon words the reason: it knows the setting), and the next
-request is served. Imports only the stdlib and `core.results`, so it starts quickly and
-small.
+the kernel's OOM killer before the daemon (``oom_score_adj`` 1000). It then writes the
+line `READY` (the daemon times each file from there, not from the interpreter's start on a
+busy login node) and serves requests from stdin until EOF: each is a line
+``[FORMATS, SIZE, CPU]`` followed by SIZE bytes (a result file), and is answered with one
+line, `core.results.parsed_to_json` of what `parse_any` made of the bytes. Before each
+file it lets itself CPU more seconds of CPU time (RLIMIT_CPU's soft limit, from what it
+used so far: SIGXCPU ends it), so that a child kept for the next files has the same bound
+on each as a new one. A file whose parse runs out of memory is answered as a problem of
+kind ``refused`` with the detail `OUT_OF_MEMORY` (the daemon words the reason: it knows
+the setting), and the next request is served. Imports only the stdlib and `core.results`,
+so it starts quickly and small.
 """
 
 from __future__ import annotations
@@ -27,10 +28,13 @@ from typing import BinaryIO
 from llmd_supervisor.core.results import ResultProblem, parse_any, parsed_to_json
 
 OUT_OF_MEMORY = "out of memory"
+READY = b"ready\n"
 
 
 def serve(stdin: BinaryIO, stdout: BinaryIO) -> None:
     """Answer each request of `stdin` on `stdout` (see the module docstring)."""
+    stdout.write(READY)
+    stdout.flush()
     while head := stdin.readline():
         formats, size, cpu = json.loads(head)
         used = resource.getrusage(resource.RUSAGE_SELF)

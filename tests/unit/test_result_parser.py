@@ -9,6 +9,7 @@ guard of tests/conftest.py fails any test here whose callbacks hold the loop).""
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -219,3 +220,22 @@ async def test_a_kept_child_parses_the_next_files_and_ends_with_the_block(nested
 
 def _is_refused(got: Point | ResultProblem) -> bool:
     return isinstance(got, ResultProblem) and got.kind == "refused"
+
+
+@pytest.mark.asyncio
+async def test_a_parser_that_does_not_start_refuses_each_file_naming_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A child that ends before it says it is ready (here: /bin/false as the interpreter)
+    refuses the file that waited for it, and the next file tries a new child."""
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    real = (DATA / "vllm-serve-c4.json").read_bytes()
+    vllm: tuple[ResultFormat] = ("vllm",)
+    with anyio.fail_after(30):
+        got = await parse_many([("a.json", real, vllm), ("b.json", real, vllm)], ParseLimits())
+    for name in ("a.json", "b.json"):
+        problem = got[name]
+        assert isinstance(problem, ResultProblem) and problem.kind == "refused"
+        assert problem.detail == (
+            f"the result parser did not start for {name}: it ended as it started"
+        )
