@@ -35,7 +35,6 @@ from llmd_supervisor.cli.campaign_points import point_rows, values_text, varying
 from llmd_supervisor.cli.common import _exits, _read, _run, fit_to_terminal
 from llmd_supervisor.cli.inferencex_agg import write_agg
 from llmd_supervisor.core import foreign_spec
-from llmd_supervisor.core.campaign import parse_campaign
 from llmd_supervisor.core.campaign_views import (
     CampaignDryRun,
     CampaignJobResults,
@@ -188,6 +187,8 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     path: Path = args.file
     text = _read_text(path, "the campaign file")
     try:
+        from llmd_supervisor.core.campaign import parse_campaign  # submit's alone (start-up)
+
         cf = parse_campaign(text, default_name=_stem(path))
     except SpecError as exc:
         print(f"llmd-supervisor campaign submit: {path}: {exc}", file=sys.stderr)

@@ -9,10 +9,12 @@ import os
 import shutil
 import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import IO, TypeVar
 
 import anyio
 
+from llmd_supervisor.core.paths import DEFAULT_SOCKET
 from llmd_supervisor.core.summary import read
 from llmd_supervisor.errors import ControlError, SupervisorError
 
@@ -114,3 +116,21 @@ def fit_to_terminal(lines: list[str], out: IO[str] | None = None) -> list[str]:
         return lines
     width = shutil.get_terminal_size().columns
     return [line if len(line) <= width else line[: max(1, width - 1)] + "…" for line in lines]
+
+
+def user_socket() -> Path | None:
+    """Where the per-user service listens (systemd/user/llmd-supervisor.service)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(runtime) / "llmd-supervisor" / "control.sock" if runtime else None
+
+
+def socket_default() -> Path:
+    """`--socket`'s default: $LLMD_SUPERVISOR_SOCKET, else the user's own service when its
+    socket exists, else the system service's."""
+    chosen = os.environ.get("LLMD_SUPERVISOR_SOCKET")
+    if chosen:
+        return Path(chosen)
+    user = user_socket()
+    if user is not None and user.is_socket():
+        return user
+    return DEFAULT_SOCKET

@@ -21,7 +21,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from llmd_supervisor.adapters.event_sender import read_secret_file_now
 from llmd_supervisor.core.config import (
     DEFAULT_PATH,
     Access,
@@ -191,6 +190,9 @@ def cmd_check(args: argparse.Namespace) -> int:
 def secret_problems(config: Config) -> list[ConfigError]:
     """Each webhook destination's ``secret_file`` that the daemon could not sign with (as
     the daemon reads it: no link, a regular file others may not read, whsec_ lines)."""
+    # here, not at the top: every command's start would load the HTTP client (~0.1 s)
+    from llmd_supervisor.adapters.event_sender import read_secret_file_now
+
     problems: list[ConfigError] = []
     for i, d in enumerate(config.events.destinations):
         if d.secret_file is None:

@@ -8,23 +8,80 @@ import sys
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeAlias
 
 from llmd_supervisor import __version__
-from llmd_supervisor.cli.campaign import add_parsers as add_campaign_parsers
-from llmd_supervisor.cli.config import add_parsers as add_config_parsers
-from llmd_supervisor.cli.events import add_parsers as add_events_parsers
-from llmd_supervisor.cli.report import add_parsers as add_report_parsers
-from llmd_supervisor.cli.results import add_parsers as add_results_parsers
-from llmd_supervisor.cli.run_commands import add_parsers as add_run_parsers
-from llmd_supervisor.cli.run_commands import socket_default
+from llmd_supervisor.cli.common import socket_default
 from llmd_supervisor.errors import SpecError
 
 # A subcommand handler takes the parsed args and returns the process exit status.
 Handler = Callable[[argparse.Namespace], int]
 
 
-def build_parser() -> argparse.ArgumentParser:
+Subparsers: TypeAlias = "argparse._SubParsersAction[Any]"
+
+
+def _add_run_commands(sub: Subparsers) -> None:
+    from llmd_supervisor.cli.run_commands import add_parsers
+
+    add_parsers(sub)
+
+
+def _add_config(sub: Subparsers) -> None:
+    from llmd_supervisor.cli.config import add_parsers
+
+    add_parsers(sub)
+
+
+def _add_results(sub: Subparsers) -> None:
+    from llmd_supervisor.cli.results import add_parsers
+
+    add_parsers(sub, socket_default)
+
+
+def _add_report(sub: Subparsers) -> None:
+    from llmd_supervisor.cli.report import add_parsers
+
+    add_parsers(sub, socket_default)
+
+
+def _add_campaign(sub: Subparsers) -> None:
+    from llmd_supervisor.cli.campaign import add_parsers
+
+    add_parsers(sub, socket_default)
+
+
+def _add_events(sub: Subparsers) -> None:
+    from llmd_supervisor.cli.events import add_parsers
+
+    add_parsers(sub, socket_default)
+
+
+# The modules' parsers, in `--help`'s order; a command runs with only its own module
+# imported (a command's start-up is most of a quick one's time: `campaign status` need not
+# load the report's or the event sender's dependencies). The commands not named in
+# _OWNER are run_commands' (tests/unit/test_cli_startup.py checks the table).
+_ADDERS: tuple[Callable[[Subparsers], None], ...] = (
+    _add_run_commands,
+    _add_config,
+    _add_results,
+    _add_report,
+    _add_campaign,
+    _add_events,
+)
+_OWNER: dict[str, Callable[[Subparsers], None]] = {
+    "render": lambda sub: None,  # this module's
+    "verify": lambda sub: None,
+    "config": _add_config,
+    "results": _add_results,
+    "report": _add_report,
+    "campaign": _add_campaign,
+    "events": _add_events,
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of `command` (and render and verify) alone."""
     parser = argparse.ArgumentParser(
         prog="llmd-supervisor",
         description="Supervise multi-node llm-d benchmark allocations on Slurm.",
@@ -33,18 +90,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_render_parser(sub)
     _add_verify_parser(sub)
-    add_run_parsers(sub)
-    add_config_parsers(sub)
-    add_results_parsers(sub, socket_default)
-    add_report_parsers(sub, socket_default)
-    add_campaign_parsers(sub, socket_default)
-    add_events_parsers(sub, socket_default)
+    adders = _ADDERS if command is None else (_OWNER.get(command, _add_run_commands),)
+    for add in adders:
+        add(sub)
+    if command is not None and command not in sub.choices:
+        return build_parser()  # not a command: argparse names them all
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
     words = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(words[0] if words and not words[0].startswith("-") else None)
     sbatch_args: list[str] = []
     if words[:1] == ["submit"] and "--" in words:  # submit --script JOB -- SBATCH-ARGS
         cut = words.index("--")

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import pwd
 import sys
 from collections.abc import Callable, Mapping
@@ -51,6 +50,7 @@ from llmd_supervisor.cli.common import (
     _run,
     _write,
     fit_to_terminal,
+    socket_default,
 )
 from llmd_supervisor.cli.signals import DEFAULT_CANCEL_MARGIN_S, WAIT_EXIT_STATUS, Interrupts
 from llmd_supervisor.core.jobtext import job_text
@@ -67,28 +67,9 @@ from llmd_supervisor.core.summary import (
 from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import OfflineError, SupervisorError
 
-DEFAULT_SOCKET = Path("/run/llmd-supervisor/control.sock")
 DEFAULT_RECONNECT_S = 600.0
 
 T = TypeVar("T")
-
-
-def user_socket() -> Path | None:
-    """Where the per-user service listens (systemd/user/llmd-supervisor.service)."""
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    return Path(runtime) / "llmd-supervisor" / "control.sock" if runtime else None
-
-
-def socket_default() -> Path:
-    """`--socket`'s default: $LLMD_SUPERVISOR_SOCKET, else the user's own service when its
-    socket exists, else the system service's."""
-    chosen = os.environ.get("LLMD_SUPERVISOR_SOCKET")
-    if chosen:
-        return Path(chosen)
-    user = user_socket()
-    if user is not None and user.is_socket():
-        return user
-    return DEFAULT_SOCKET
 
 
 def _seconds(text: str) -> float:

@@ -23,11 +23,11 @@ from llmd_supervisor.core.event_routing import (
     parse_events,
     shown_url,
 )
+from llmd_supervisor.core.paths import DEFAULT_SOCKET
 from llmd_supervisor.errors import ConfigError, ConfigErrors
 
 DEFAULT_PATH = Path("/etc/llmd-supervisor/config.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/llmd-supervisor")
-DEFAULT_SOCKET = Path("/run/llmd-supervisor/control.sock")
 
 
 @dataclass(frozen=True)

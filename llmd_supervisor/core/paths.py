@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Sequence
+from pathlib import Path
 
 from llmd_supervisor.errors import SpecError
+
+# The system service's control socket (`[daemon] socket`'s default; the clients' last choice).
+DEFAULT_SOCKET = Path("/run/llmd-supervisor/control.sock")
 
 FIELD = "run.log_dir"
 

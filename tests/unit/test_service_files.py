@@ -194,9 +194,10 @@ def test_the_cli_finds_the_users_socket_and_config_before_the_system_ones(
 ) -> None:
     import socket as sock
 
+    from llmd_supervisor.cli.common import socket_default
     from llmd_supervisor.cli.config import config_default
-    from llmd_supervisor.cli.run_commands import DEFAULT_SOCKET, socket_default
     from llmd_supervisor.core.config import DEFAULT_PATH
+    from llmd_supervisor.core.paths import DEFAULT_SOCKET
 
     monkeypatch.delenv("LLMD_SUPERVISOR_SOCKET", raising=False)
     monkeypatch.delenv("LLMD_SUPERVISOR_CONFIG", raising=False)
