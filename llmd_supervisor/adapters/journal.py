@@ -26,6 +26,7 @@ import os
 import sqlite3
 import stat
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
@@ -55,7 +56,7 @@ from llmd_supervisor.core.outbox import Outgoing
 from llmd_supervisor.core.retry_policy import Evidence, NodeFailure
 from llmd_supervisor.errors import JournalConflict, JournalError
 
-__all__ = ["SCHEMA_VERSION", "Journal", "RunMeta", "StoredRun"]
+__all__ = ["SCHEMA_VERSION", "Journal", "NewEvent", "RunMeta", "StoredRun"]
 
 _T = TypeVar("_T")
 
@@ -193,10 +194,17 @@ class Journal:
         await self._call(operation, _write(work))
 
     async def save(
-        self, run: Run, *, expected: RunState, outgoing: Sequence[Outgoing] = ()
+        self,
+        run: Run,
+        *,
+        expected: RunState,
+        outgoing: Sequence[Outgoing] = (),
+        events: Sequence[NewEvent] = (),
     ) -> None:
         """Compare-and-set: store ``run`` only if the stored run's state is ``expected``,
-        with the outbound events its transition makes (`core.outbox`), in one transaction.
+        with the outbound events its transition makes (`core.outbox`) and `events` for the
+        run's event log (its ``run.transition``, as `add_event` would add them), in one
+        transaction.
 
         The stored transitions must be a prefix of ``run.transitions`` (the new ones are
         appended), so a stale copy that happens to be in the same state (pending, requeued,
@@ -208,6 +216,7 @@ class Journal:
         check_consistent(self._path, operation, run)
         now = iso(datetime.now(UTC), self._path, operation)
         path = str(self._path)
+        rows = [self._event_row(run.run_id, e, operation) for e in events]
 
         def work(conn: sqlite3.Connection) -> None:
             row = conn.execute(
@@ -263,6 +272,7 @@ class Journal:
                 conn, run.run_id, transition_rows(run, len(stored), self._path, operation)
             )
             insert_outgoing(conn, outgoing, self._path, operation)
+            conn.executemany(_INSERT_EVENT, rows)
 
         await self._call(operation, _write(work))
 
@@ -312,27 +322,29 @@ class Journal:
         ``fields`` must be JSON-serialisable and may not use the keys ``at`` or ``kind``.
         """
         operation = f"add event {kind!r} to run {run_id}"
-        reserved = sorted(_RESERVED_EVENT_KEYS.intersection(fields))
+        row = self._event_row(run_id, NewEvent(kind, fields, at), operation)
+
+        def work(conn: sqlite3.Connection) -> None:
+            _require_run(conn, run_id, self._path, operation)
+            conn.execute(_INSERT_EVENT, row)
+
+        await self._call(operation, _write(work))
+
+    def _event_row(self, run_id: str, event: NewEvent, operation: str) -> tuple[str, str, str, str]:
+        """The events table's row of `event` (JournalError if its fields are not JSON or
+        use a reserved key)."""
+        reserved = sorted(_RESERVED_EVENT_KEYS.intersection(event.fields))
         if reserved:
             raise JournalError(
                 str(self._path), operation, f"event fields may not use the keys {reserved}"
             )
         try:
-            encoded = json.dumps(dict(fields), allow_nan=False, ensure_ascii=False)
+            encoded = json.dumps(dict(event.fields), allow_nan=False, ensure_ascii=False)
         except (TypeError, ValueError) as exc:
             raise JournalError(
                 str(self._path), operation, f"event fields are not JSON: {exc}"
             ) from exc
-        when = iso(at, self._path, operation)
-
-        def work(conn: sqlite3.Connection) -> None:
-            _require_run(conn, run_id, self._path, operation)
-            conn.execute(
-                "INSERT INTO events (run_id, at, kind, fields) VALUES (?, ?, ?, ?)",
-                (run_id, when, kind, encoded),
-            )
-
-        await self._call(operation, _write(work))
+        return run_id, iso(event.at, self._path, operation), event.kind, encoded
 
     async def events(self, run_id: str) -> list[Mapping[str, object]]:
         """The run's events in the order they were added: ``{"at": iso, "kind": ..., **fields}``.
@@ -444,6 +456,18 @@ class Journal:
             return fn(conn)
         except sqlite3.Error as exc:
             raise _error(self._path, operation, exc) from exc
+
+
+_INSERT_EVENT = "INSERT INTO events (run_id, at, kind, fields) VALUES (?, ?, ?, ?)"
+
+
+@dataclass(frozen=True)
+class NewEvent:
+    """An entry for a run's event log: its kind, JSON fields and time."""
+
+    kind: str
+    fields: Mapping[str, object]
+    at: datetime
 
 
 # --- helpers that run in the worker thread ---------------------------------------------------

@@ -20,6 +20,7 @@ import pytest_asyncio
 from llmd_supervisor.adapters.journal import (
     SCHEMA_VERSION,
     Journal,
+    NewEvent,
     RunMeta,
     StoredRun,
 )
@@ -91,6 +92,24 @@ async def inserted(
 
 
 # --- round trip -------------------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_a_saved_transition_and_its_event_are_one_write(journal: Journal) -> None:
+    """The run's `run.transition` event is written with the save, or not at all: a save
+    the compare-and-set refuses adds no event either."""
+    run = await inserted(journal, "r-ev")
+    submitting, _ = step(run, Submit(), at(1))
+    moved = NewEvent("run.transition", {"from": "accepted", "to": "submitting"}, at(1))
+    await journal.save(submitting, expected=RunState.ACCEPTED, events=[moved])
+    stale = NewEvent("run.transition", {"from": "accepted", "to": "submitting"}, at(2))
+    with pytest.raises(JournalConflict):
+        await journal.save(submitting, expected=RunState.ACCEPTED, events=[stale])
+    logged = await journal.events("r-ev")
+    assert [(e["kind"], e["to"]) for e in logged] == [("run.transition", "submitting")]
+    with pytest.raises(JournalError, match="may not use the keys"):
+        bad = NewEvent("x", {"kind": "y"}, at(3))
+        await journal.save(submitting, expected=RunState.SUBMITTING, events=[bad])
 
 
 @pytest.mark.asyncio

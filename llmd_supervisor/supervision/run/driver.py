@@ -48,7 +48,7 @@ import anyio.abc
 import structlog
 
 from llmd_supervisor.adapters import archive
-from llmd_supervisor.adapters.journal import Journal, RunMeta, StoredRun
+from llmd_supervisor.adapters.journal import Journal, NewEvent, RunMeta, StoredRun
 from llmd_supervisor.adapters.slurm import CommandRunner
 from llmd_supervisor.core import foreign_spec as foreign_spec
 from llmd_supervisor.core.config import Config
@@ -633,7 +633,13 @@ class Supervisor:
             if after is before:
                 return
             outgoing = self._outgoing(before, after, h.meta, h.name)
-            await self.journal.save(after, expected=before.state, outgoing=outgoing)
+            moved: Transition = {
+                "from": before.state.value,
+                "to": after.state.value,
+                "event": type(event).__name__,
+            }
+            logged = [NewEvent(TRANSITION_EVENT, moved, now)] if after.state != before.state else []
+            await self.journal.save(after, expected=before.state, outgoing=outgoing, events=logged)
             self.hooks.after_journal(after)
             h.stored = StoredRun(after, _slim(h.meta, after))
             if after.submission != before.submission:  # a retry: a new job, its own name
@@ -641,13 +647,6 @@ class Supervisor:
                     h.layout, job_name=after.slurm_job_name, batch_paths=()
                 )
                 h.job_files_known, h.job_files_asked = False, 0
-            if after.state is not before.state:
-                moved: Transition = {
-                    "from": before.state.value,
-                    "to": after.state.value,
-                    "event": type(event).__name__,
-                }
-                await self.journal.add_event(after.run_id, TRANSITION_EVENT, moved, now)
             if after.slurm_job_id != before.slurm_job_id:
                 structlog.contextvars.bind_contextvars(slurm_job_id=after.slurm_job_id)
             log.info(
