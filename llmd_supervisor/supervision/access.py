@@ -55,3 +55,11 @@ def sees_all(peer: Peer, admin_group: str | int | None) -> bool:
         return False
     # NSS backends that do not list members in the group entry still answer this.
     return gid in os.getgrouplist(user.pw_name, user.pw_gid)
+
+
+def user_name(uid: int) -> str | None:
+    """The account name of `uid` (None when the system has none)."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except (KeyError, OverflowError):
+        return None

@@ -11,7 +11,6 @@ destination (``events_test``) is for root and the admin group.
 from __future__ import annotations
 
 import json
-import pwd
 import uuid
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -30,7 +29,7 @@ from llmd_supervisor.core.outbox import (
     ping_outgoing,
 )
 from llmd_supervisor.errors import ConfigError, ControlError
-from llmd_supervisor.supervision.access import sees_all
+from llmd_supervisor.supervision.access import sees_all, user_name
 
 __all__ = ["EventOps"]
 
@@ -146,20 +145,13 @@ class EventOps:
                 "not_found", f"No destination {show(args['destination'])}: {exc.hint}."
             ) from None
         now = self._clock()
-        who = _user(peer.uid)
+        who = user_name(peer.uid) or f"uid {peer.uid}"
         # A request of its own each time (never re-derived: a ping is journaled at once).
         seq = f"{peer.uid}/{now.isoformat()}/{uuid.uuid4().hex}"
         outgoing = ping_outgoing(destination, who, now, seq, self._host)
         await self._outbox.add(outgoing)
         self._wake()
         return {"event": outgoing.id, "destination": destination.name}
-
-
-def _user(uid: int) -> str:
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except (KeyError, OverflowError):
-        return f"uid {uid}"
 
 
 def _view(d: Delivery) -> DeliveryView:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import pwd
 import socket
 import uuid
 from collections.abc import Callable, Mapping, Sequence
@@ -78,7 +77,7 @@ from llmd_supervisor.core.lifecycle import (
     plan,
     step,
 )
-from llmd_supervisor.core.outbox import Outgoing, run_outgoing
+from llmd_supervisor.core.outbox import Outgoing, run_event_type, run_outgoing
 from llmd_supervisor.core.render import render_sbatch
 from llmd_supervisor.core.retry_policy import Quarantined, quarantine
 from llmd_supervisor.core.spec import RunSpec, load_spec
@@ -87,6 +86,7 @@ from llmd_supervisor.errors import (
     SpecError,
     SupervisorError,
 )
+from llmd_supervisor.supervision.access import user_name
 from llmd_supervisor.supervision.attempt import Attempt
 from llmd_supervisor.supervision.bench_files import JudgedFiles
 from llmd_supervisor.supervision.cluster import Cluster
@@ -664,12 +664,12 @@ class Supervisor:
     ) -> tuple[Outgoing, ...]:
         """The outbound events to journal with this change of the run (`core.outbox`)."""
         destinations = self.config.events.destinations
-        if not destinations:
-            return ()
+        if not destinations or run_event_type(before, after) is None:
+            return ()  # most transitions report nothing: no user lookup, no spec hash
         ref = RunRef(
             id=after.run_id,
             name=name,
-            owner=_user_name(meta.owner_uid),
+            owner=user_name(meta.owner_uid) or "",
             owner_uid=meta.owner_uid,
             cluster=meta.cluster,
             spec_name=name,
@@ -701,14 +701,6 @@ class Supervisor:
 def _host_name() -> str:
     """This host's name, for a mail's Message-ID and From (no DNS lookup)."""
     return socket.gethostname() or "localhost"  # core.outbox falls back to localhost
-
-
-def _user_name(uid: int) -> str:
-    """The user name of `uid` ("" when it has none)."""
-    try:
-        return pwd.getpwuid(uid).pw_name
-    except (KeyError, OverflowError):
-        return ""
 
 
 def _log_dir(spec: RunSpec | ForeignSpec) -> str:
