@@ -1,13 +1,16 @@
 """The daemon's run journal: SQLite in the state directory (DESIGN.md section 3).
 
 One connection, used by one worker thread at a time (a dedicated ``CapacityLimiter(1)``),
-so the event loop never waits on the disk and every operation is serialised. The database
-is in WAL mode with ``synchronous=FULL``: when a write method returns, the write is on
-disk and survives a crash of the daemon or the machine.
+so the event loop never waits on the disk and every operation is serialised. Operations
+queued while one runs go to the thread together, one transaction and one commit for all
+(`adapters.journal_batch`). The database is in WAL mode with ``synchronous=FULL``: when a
+write method returns, the write is on disk and survives a crash of the daemon or the
+machine.
 
 Guarantees every public method keeps:
 
-- A write is one transaction: it is applied completely or not at all.
+- A write is applied completely or not at all (its own savepoint in the batch's
+  transaction), and operations apply in the order they were called.
 - sqlite3 and OS errors (disk full, read-only file, corrupt database) surface as
   :class:`JournalError` naming the database path and the operation.
 - Cancellation: a task cancelled while waiting for its turn does nothing. Once the
@@ -35,6 +38,7 @@ from typing import Final, TypeVar
 import anyio
 import anyio.to_thread
 
+from llmd_supervisor.adapters.journal_batch import Batches, Op
 from llmd_supervisor.adapters.journal_rows import (
     RUN_COLUMNS,
     RunMeta,
@@ -100,7 +104,7 @@ class Journal:
     ) -> None:
         self._path = path
         self._conn: sqlite3.Connection | None = conn
-        self._limiter = limiter
+        self._batches = Batches(self._execute, limiter)
 
     @property
     def path(self) -> Path:
@@ -122,9 +126,8 @@ class Journal:
         return cls(path, conn, limiter)
 
     async def aclose(self) -> None:
-        """Close the connection (idempotent). Waits for a running operation to finish first."""
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(self._close_sync, limiter=self._limiter)
+        """Close the connection (idempotent), after every operation queued before."""
+        await self._batches.close(lambda _conn: None)
 
     async def __aenter__(self) -> Journal:
         return self
@@ -191,7 +194,7 @@ class Journal:
             insert_transitions(conn, run.run_id, transitions)
             insert_outgoing(conn, outgoing, self._path, operation)
 
-        await self._call(operation, _write(work))
+        await self._call(operation, work, write=True)
 
     async def save(
         self,
@@ -274,14 +277,15 @@ class Journal:
             insert_outgoing(conn, outgoing, self._path, operation)
             conn.executemany(_INSERT_EVENT, rows)
 
-        await self._call(operation, _write(work))
+        await self._call(operation, work, write=True)
 
     async def get(self, run_id: str) -> StoredRun | None:
         """The run with this id, or None."""
         operation = f"read run {run_id}"
         runs = await self._call(
             operation,
-            _read(lambda c: load_runs(c, "run_id = ?", (run_id,), self._path, operation)),
+            lambda c: load_runs(c, "run_id = ?", (run_id,), self._path, operation),
+            write=False,
         )
         return runs[0] if runs else None
 
@@ -290,7 +294,8 @@ class Journal:
         operation = f"look up job name {job_name!r}"
         runs = await self._call(
             operation,
-            _read(lambda c: load_runs(c, "job_name = ?", (job_name,), self._path, operation)),
+            lambda c: load_runs(c, "job_name = ?", (job_name,), self._path, operation),
+            write=False,
         )
         return runs[0] if runs else None
 
@@ -309,7 +314,7 @@ class Journal:
         where = " AND ".join(clauses) or "1"
         operation = "list runs"
         return await self._call(
-            operation, _read(lambda c: load_runs(c, where, params, self._path, operation))
+            operation, lambda c: load_runs(c, where, params, self._path, operation), write=False
         )
 
     # --- events -----------------------------------------------------------------------------
@@ -328,7 +333,7 @@ class Journal:
             _require_run(conn, run_id, self._path, operation)
             conn.execute(_INSERT_EVENT, row)
 
-        await self._call(operation, _write(work))
+        await self._call(operation, work, write=True)
 
     def _event_row(self, run_id: str, event: NewEvent, operation: str) -> tuple[str, str, str, str]:
         """The events table's row of `event` (JournalError if its fields are not JSON or
@@ -363,7 +368,7 @@ class Journal:
                 out.append({"at": at, "kind": kind, **decoded})
             return out
 
-        return await self._call(operation, _read(work))
+        return await self._call(operation, work, write=False)
 
     async def events_of_kind(self, kind: str) -> dict[str, list[Mapping[str, object]]]:
         """Every run's events of one kind (one query for all runs), by run id (as `events`)."""
@@ -378,7 +383,7 @@ class Journal:
                 out.setdefault(run_id, []).append({"at": at, "kind": kind, **decoded})
             return out
 
-        return await self._call(operation, _read(work))
+        return await self._call(operation, work, write=False)
 
     # --- node quarantine (core.retry_policy) ---------------------------------------------------
 
@@ -404,7 +409,7 @@ class Journal:
                 ),
             )
 
-        await self._call(operation, _write(work))
+        await self._call(operation, work, write=True)
 
     async def node_failures(self, cluster: str | None = None) -> list[NodeFailure]:
         """The node failures counted (old ones too, until the next count forgets them),
@@ -419,7 +424,7 @@ class Journal:
             ).fetchall()
             return [_failure(row, self._path, operation) for row in rows]
 
-        return await self._call(operation, _read(work))
+        return await self._call(operation, work, write=False)
 
     async def release_node(self, cluster: str, node: str) -> bool:
         """Forget every failure of `node` on `cluster`; whether it had any."""
@@ -431,31 +436,40 @@ class Journal:
             )
             return cur.rowcount > 0
 
-        return await self._call(operation, _write(work))
+        return await self._call(operation, work, write=True)
 
     # --- plumbing ---------------------------------------------------------------------------
 
     async def write(self, operation: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         """Run ``fn`` in one write transaction (for the stores that share this database:
         `adapters.campaign_store`); the guarantees above hold for it too."""
-        return await self._call(operation, _write(fn))
+        return await self._call(operation, fn, write=True)
 
     async def read(self, operation: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
         """Run ``fn`` in one read transaction (one snapshot)."""
-        return await self._call(operation, _read(fn))
+        return await self._call(operation, fn, write=False)
 
-    async def _call(self, operation: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
-        """Run ``fn`` on the connection in the worker thread, serialised with every other call."""
-        return await anyio.to_thread.run_sync(self._call_sync, operation, fn, limiter=self._limiter)
+    async def _call(
+        self, operation: str, fn: Callable[[sqlite3.Connection], _T], *, write: bool
+    ) -> _T:
+        """Run ``fn`` on the connection in the worker thread, in one transaction with the
+        other operations queued meanwhile (`adapters.journal_batch`), in queue order."""
+        return await self._batches.call(operation, fn, write=write)
 
-    def _call_sync(self, operation: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+    def _execute(self, batch: list[Op[sqlite3.Connection]]) -> None:
+        """Run a batch in the worker thread (`_run_batch`); then close if it ends so."""
         conn = self._conn
-        if conn is None:
-            raise JournalError(str(self._path), operation, "the journal is closed")
-        try:
-            return fn(conn)
-        except sqlite3.Error as exc:
-            raise _error(self._path, operation, exc) from exc
+        if conn is None:  # closed: closing again is nothing, anything else an error
+            for op in batch:
+                if not op.close:
+                    op.error = JournalError(str(self._path), op.operation, "the journal is closed")
+            return
+        _run_batch(conn, self._path, [op for op in batch if not op.close])
+        if batch[-1].close:
+            try:
+                self._close_sync()
+            except JournalError as exc:
+                batch[-1].error = exc
 
 
 _INSERT_EVENT = "INSERT INTO events (run_id, at, kind, fields) VALUES (?, ?, ?, ?)"
@@ -484,7 +498,7 @@ def _open_sync(path: Path) -> sqlite3.Connection:
             path,
             timeout=BUSY_TIMEOUT_MS / 1000,
             isolation_level=None,  # we issue BEGIN/COMMIT ourselves
-            check_same_thread=False,  # serialised by the journal's CapacityLimiter(1)
+            check_same_thread=False,  # one batch at a time (adapters.journal_batch)
         )
     except sqlite3.Error as exc:
         raise _error(path, "open the database", exc) from exc
@@ -582,17 +596,58 @@ def _write(fn: Callable[[sqlite3.Connection], _T]) -> Callable[[sqlite3.Connecti
     return run
 
 
-def _read(fn: Callable[[sqlite3.Connection], _T]) -> Callable[[sqlite3.Connection], _T]:
-    """Wrap ``fn`` in a read transaction, so its several queries see one snapshot."""
-
-    def run(conn: sqlite3.Connection) -> _T:
-        conn.execute("BEGIN")
+def _run_batch(conn: sqlite3.Connection, path: Path, batch: list[Op[sqlite3.Connection]]) -> None:
+    """One transaction for the whole batch (immediate if it writes; a read-only batch is one
+    snapshot, rolled back), each operation in its own savepoint: an operation that fails is
+    undone alone and gets its error. If the transaction itself is lost (SQLite rolls back on
+    its own after some errors, such as a full disk) or its commit fails, every operation of
+    the batch gets the error: none of them was applied."""
+    if not batch:
+        return
+    writes = any(op.write for op in batch)
+    try:
+        conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
+    except sqlite3.Error as exc:
+        _fail(batch, path, exc)
+        return
+    for op in batch:
         try:
-            return fn(conn)
-        finally:
-            _rollback(conn)
+            conn.execute("SAVEPOINT op")
+            op.result = op.fn(conn)
+            conn.execute("RELEASE op")
+        except Exception as exc:
+            op.error = _as_journal(path, op.operation, exc)
+            if not conn.in_transaction:  # gone with everything the batch did so far
+                _fail(batch, path, exc)
+                return
+            try:
+                conn.execute("ROLLBACK TO op")
+                conn.execute("RELEASE op")
+            except sqlite3.Error as again:
+                _rollback(conn)
+                _fail(batch, path, again)
+                return
+    try:
+        conn.execute("COMMIT" if writes else "ROLLBACK")
+    except sqlite3.Error as exc:
+        _rollback(conn)
+        _fail(batch, path, exc)
 
-    return run
+
+def _fail(batch: list[Op[sqlite3.Connection]], path: Path, exc: Exception) -> None:
+    """Every operation of the batch ends with `exc` (none was applied)."""
+    for op in batch:
+        op.result = None
+        op.error = _as_journal(path, op.operation, exc)
+
+
+def _as_journal(path: Path, operation: str, exc: Exception) -> Exception:
+    """A sqlite3 error as the JournalError of `operation` (caused by it); others as they are."""
+    if not isinstance(exc, sqlite3.Error):
+        return exc
+    error = _error(path, operation, exc)
+    error.__cause__ = exc
+    return error
 
 
 def _rollback(conn: sqlite3.Connection) -> None:

@@ -162,7 +162,7 @@ async def test_pragmas_are_as_promised(journal: Journal) -> None:
             for name in ("journal_mode", "synchronous", "foreign_keys", "busy_timeout")
         )
 
-    mode, synchronous, foreign_keys, busy = await journal._call("test", pragmas)
+    mode, synchronous, foreign_keys, busy = await journal.read("test", pragmas)
     assert (mode, synchronous, foreign_keys) == ("wal", 2, 1)  # 2 is FULL
     assert isinstance(busy, int)
     assert busy > 0
@@ -591,7 +591,7 @@ async def test_full_disk_is_a_journal_error_and_rolls_back(journal: Journal) -> 
         pages = conn.execute("PRAGMA page_count").fetchone()[0]
         conn.execute(f"PRAGMA max_page_count = {pages}")
 
-    await journal._call("test", cap)
+    await journal.read("test", cap)
     big = replace(meta(), spec_toml="x" * 1_000_000)
     with pytest.raises(JournalError) as info:
         await journal.insert_run(new_run("r-2", "llmd-r-2", at(1)), big)
@@ -609,11 +609,11 @@ async def test_full_disk_is_a_journal_error_and_rolls_back(journal: Journal) -> 
 @pytest.mark.asyncio
 async def test_read_only_database_is_a_journal_error(journal: Journal) -> None:
     run = await inserted(journal, "r-1")
-    await journal._call("test", lambda c: c.execute("PRAGMA query_only = ON"))
+    await journal.read("test", lambda c: c.execute("PRAGMA query_only = ON"))
     with pytest.raises(JournalError, match="save run r-1") as info:
         await journal.save(advance(run, Submit()), expected=RunState.ACCEPTED)
     assert isinstance(info.value.__cause__, sqlite3.Error)
-    await journal._call("test", lambda c: c.execute("PRAGMA query_only = OFF"))
+    await journal.read("test", lambda c: c.execute("PRAGMA query_only = OFF"))
     stored = await journal.get("r-1")
     assert stored is not None
     assert stored.run == run
