@@ -183,8 +183,11 @@ async def test_verify_returns_the_verdict_with_a_receipt_complete_when_it_is_mad
             judged = await verify.verify(ctx)
         assert judged.event == Verified(Outcome.SUCCEEDED, judged.event.reason)
         assert judged.entry is not None and judged.entry["outcome"] == "succeeded"
-        assert ctx.kinds() == [ATTEMPT_EVENT, RECEIPT_EVENT]
-        receipt = ctx.emitted[-1]["receipt"]
+        # Nothing journaled by the phase: the driver writes these with the verdict.
+        assert ctx.kinds() == []
+        assert [kind for kind, _ in judged.logged] == [ATTEMPT_EVENT, RECEIPT_EVENT]
+        assert judged.logged[0][1] == judged.entry
+        receipt = judged.logged[-1][1]["receipt"]
         assert isinstance(receipt, dict)
         assert receipt["outcome"] == "succeeded" and receipt["cause"] is None
         assert receipt["attempts"] == [judged.entry]
@@ -201,8 +204,8 @@ async def test_verify_returns_the_verdict_with_a_receipt_complete_when_it_is_mad
         with anyio.fail_after(15):
             again = await verify.verify(ctx)
         assert again.entry is None and again.event == judged.event
-        assert ctx.kinds() == [ATTEMPT_EVENT, RECEIPT_EVENT, RECEIPT_EVENT]
-        assert ctx.emitted[-1]["receipt"]["attempts"] == [judged.entry]  # type: ignore[index]
+        assert [kind for kind, _ in again.logged] == [RECEIPT_EVENT]
+        assert again.logged[0][1]["receipt"]["attempts"] == [judged.entry]  # type: ignore[index]
 
 
 @pytest.mark.asyncio
@@ -213,6 +216,8 @@ async def test_archive_writes_the_last_receipt_and_the_results(tmp_path: Path) -
         with anyio.fail_after(15):
             judged = await verify.verify(ctx)
         assert isinstance(judged.event, Verified)
+        for kind, fields in judged.logged:  # as the driver journals them
+            await ctx.emit(kind, fields)
         ctx.run = dataclasses.replace(ctx.run, state=RunState.ARCHIVING, outcome=Outcome.SUCCEEDED)
         with anyio.fail_after(15):
             written = await archive.write_archive(ctx)

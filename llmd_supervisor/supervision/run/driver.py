@@ -115,6 +115,7 @@ from llmd_supervisor.supervision.run.records import (
     JobFiles,
     JournalEvent,
     ReceiptEvent,
+    ToJournal,
     Transition,
     attempt_entry_of,
 )
@@ -556,10 +557,10 @@ class Supervisor:
                 await self.apply(h, finished.event)
             case RunVerify():
                 judged = await verify.verify(ctx)
+                h.judged_files = judged.files
+                await self.apply(h, judged.event, judged.logged)
                 if judged.entry is not None:
                     h.history.append(judged.entry)
-                h.judged_files = judged.files
-                await self.apply(h, judged.event)
             case WriteArchive():
                 written = await archiving.write_archive(ctx)
                 h.judged_files = None
@@ -624,13 +625,14 @@ class Supervisor:
             on_hang=h.notify,  # the loop re-plans and ends the attempt (`_background`)
         )
 
-    async def apply(self, h: RunHandle, event: Event) -> None:
-        """step → journal (compare-and-set) → tell whoever waits on the run."""
+    async def apply(self, h: RunHandle, event: Event, logged: Sequence[ToJournal] = ()) -> None:
+        """step → journal (compare-and-set, with the events `logged` the step's phase
+        returned, in one transaction) → tell whoever waits on the run."""
         async with h.lock:
             before = h.run
             now = self.clock()
             after, _ = step(before, event, now)  # the actions are plan(after): the loop's
-            if after is before:
+            if after is before and not logged:
                 return
             outgoing = self._outgoing(before, after, h.meta, h.name)
             moved: Transition = {
@@ -638,8 +640,10 @@ class Supervisor:
                 "to": after.state.value,
                 "event": type(event).__name__,
             }
-            logged = [NewEvent(TRANSITION_EVENT, moved, now)] if after.state != before.state else []
-            await self.journal.save(after, expected=before.state, outgoing=outgoing, events=logged)
+            events = [NewEvent(kind, fields, now) for kind, fields in logged]
+            if after.state != before.state:
+                events.append(NewEvent(TRANSITION_EVENT, moved, now))
+            await self.journal.save(after, expected=before.state, outgoing=outgoing, events=events)
             self.hooks.after_journal(after)
             h.stored = StoredRun(after, _slim(h.meta, after))
             if after.submission != before.submission:  # a retry: a new job, its own name

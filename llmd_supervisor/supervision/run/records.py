@@ -26,6 +26,10 @@ TRANSITION_EVENT: Final = "run.transition"  # Transition
 LOG_REFUSED_EVENT: Final = "log.refused"  # LogRefusedEvent
 LOG_CAPPED_EVENT: Final = "log.capped"  # LogCappedEvent
 STAGE_OVERDUE_EVENT: Final = "stage.overdue"  # written by `attempt`
+
+# An event a phase returns for the driver to journal with the transition it applies:
+# (kind, fields), as `RunContext.emit` takes them.
+ToJournal = tuple[str, Mapping[str, object]]
 NODE_UNREACHABLE_EVENT: Final = "node.unreachable"  # written by `attempt`
 
 # A journaled event as the journal returns it: ``{"at": iso, "kind": ..., **fields}``.

@@ -56,7 +56,6 @@ from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import SlurmCommandError
 from llmd_supervisor.supervision.run.context import RunContext
 from llmd_supervisor.supervision.run.records import (
-    ATTEMPT_EVENT,
     HELD_EVENT,
     RECEIPT_EVENT,
     AttemptEntry,
@@ -87,8 +86,9 @@ class Hold:
 
 @dataclass(frozen=True)
 class AttemptEnd:
-    """An attempt's end as recorded: the retry decision, the history entry when it was
-    recorded now (None: before a restart), and the attempt's cost (None: likewise)."""
+    """An attempt's end: the retry decision, the history entry when it is new (for the
+    driver to journal with the verdict; None: journaled before a restart), and the
+    attempt's cost (None: likewise)."""
 
     decision: Decision
     entry: AttemptEntry | None
@@ -224,9 +224,9 @@ async def after_verdict(
     outcome: Outcome,
     reason: str,
 ) -> AttemptEnd:
-    """Record the attempt's end (once: its history entry, journaled; the failures of the
-    nodes it implicates) and decide on a retry (a retry that could not be placed is none,
-    `unplaced`)."""
+    """The attempt's end (once: its history entry, which the driver journals with the
+    verdict, and the failures of the nodes it implicates, counted now) and the decision on
+    a retry (a retry that could not be placed is none, `unplaced`)."""
     run = ctx.run
     ended = [e for e in ctx.history if e["submission"] == run.submission]
     if ended:
@@ -260,7 +260,6 @@ async def after_verdict(
         "node_hours": cost["node_hours"],
         "gpu_hours": cost["gpu_hours"],
     }
-    await ctx.emit(ATTEMPT_EVENT, entry)
     return AttemptEnd(decision, entry, cost)
 
 

@@ -39,6 +39,7 @@ from llmd_supervisor.supervision.bench_files import JudgedFiles
 from llmd_supervisor.supervision.run import cancel, evidence, retries
 from llmd_supervisor.supervision.run.context import RunContext
 from llmd_supervisor.supervision.run.records import (
+    ATTEMPT_EVENT,
     NODE_UNREACHABLE_EVENT,
     RECEIPT_EVENT,
     STAGE_OVERDUE_EVENT,
@@ -48,6 +49,7 @@ from llmd_supervisor.supervision.run.records import (
     Receipt,
     ReceiptEvent,
     RunPart,
+    ToJournal,
     of_attempt,
 )
 from llmd_supervisor.supervision.verify_job import VerifyResult, verify_job
@@ -62,10 +64,12 @@ _CONNECTING: Final = "connecting"  # the action of a link's `RemoteError` when S
 @dataclass(frozen=True)
 class Judged:
     """What verification ends with: the event for the driver to apply (`Verified`, or a
-    `Retry` of the run), the attempt's history entry when this call journaled it, and the
-    files the verdict was made from (for the archive)."""
+    `Retry` of the run) with the events to journal in the same transaction (the attempt's
+    history entry when it is new, then the receipt unless a retry follows), the history
+    entry, and the files the verdict was made from (for the archive)."""
 
     event: Verified | Retry
+    logged: tuple[ToJournal, ...]
     entry: AttemptEntry | None
     files: JudgedFiles
 
@@ -102,8 +106,9 @@ class _Reads:
 
 
 async def verify(ctx: RunContext) -> Judged:
-    """Judge the attempt's job; record its end (`retries`); journal the receipt unless a
-    retry follows. Re-done after a crash, it finds the attempt's end already recorded."""
+    """Judge the attempt's job and decide on a retry (`retries`); the driver journals the
+    attempt's end and the receipt with the verdict, in one transaction. Re-done after a
+    crash, it finds the attempt's end recorded if the verdict was."""
     job_id = ctx.job_id()
     poller = ctx.cluster.poller
     starttime = ctx.starttime()
@@ -155,6 +160,7 @@ async def verify(ctx: RunContext) -> Judged:
         reason = f"{reason}; the cancel did not reach the job before it ended"
     end = await retries.after_verdict(ctx, result, diagnosis, outcome, reason)
     run, decision = ctx.run, end.decision
+    ended: tuple[ToJournal, ...] = () if end.entry is None else ((ATTEMPT_EVENT, end.entry),)
     added: RunPart = {
         "cause": None if diagnosis is None else diagnosis.as_json(),
         "cancel_reached": cancelled,
@@ -175,7 +181,7 @@ async def verify(ctx: RunContext) -> Judged:
         }
         retry = await retries.retried(ctx, part, decision, reason)
         poller.untrack(job_id)
-        return Judged(retry, end.entry, reads.files())
+        return Judged(retry, ended, end.entry, reads.files())
     poller.untrack(job_id)
     if decision.unplaced:  # an infrastructure failure the retry could not get away from
         reason = f"{reason}; {decision.why}"
@@ -189,8 +195,8 @@ async def verify(ctx: RunContext) -> Judged:
         "usage_total": usage_split(attempts),
     }
     journaled: ReceiptEvent = {"receipt": receipt}
-    await ctx.emit(RECEIPT_EVENT, journaled)
-    return Judged(Verified(outcome, reason), end.entry, reads.files())
+    logged = (*ended, (RECEIPT_EVENT, journaled))
+    return Judged(Verified(outcome, reason), logged, end.entry, reads.files())
 
 
 async def _diagnosis(
