@@ -34,7 +34,7 @@ delivery, so that every attempt sends the same bytes.
 from __future__ import annotations
 
 import json
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
@@ -63,7 +63,7 @@ from llmd_supervisor.core.events import (
 )
 from llmd_supervisor.core.lifecycle import Run, RunState
 from llmd_supervisor.core.notify_formats import mail_message, slack_message
-from llmd_supervisor.core.retry_policy import Quarantined
+from llmd_supervisor.core.retry_policy import NodeFailure, Quarantined, QuarantineRules, quarantine
 
 __all__ = [
     "DeliveryStatus",
@@ -82,6 +82,7 @@ __all__ = [
     "ping_outgoing",
     "progress_step",
     "quarantine_facts",
+    "quarantine_outgoing",
     "quarantine_seq",
     "run_event_type",
     "run_facts",
@@ -430,3 +431,35 @@ def quarantine_seq(q: Quarantined, run_id: str, attempt: int) -> str:
     failure is counted once per node and attempt) and for whom."""
     scope = "everyone" if q.owner_uid is None else f"uid{q.owner_uid}"
     return f"{run_id}:{attempt}:{scope}"
+
+
+def quarantine_outgoing(
+    counted: Sequence[NodeFailure],
+    failure: NodeFailure,
+    *,
+    rules: QuarantineRules,
+    destinations: Sequence[Destination],
+    name_of: Callable[[int], str | None],
+    host: str = "localhost",
+) -> tuple[Outgoing, ...]:
+    """The node.quarantined events that counting `failure` makes, given the failures
+    `counted` before it: one per quarantine (for everyone, or for one owner's runs) that
+    `failure` makes active. None when the same failure was counted already (a verdict
+    recorded again after a restart) or the node was kept out already. `name_of` gives a
+    uid's user name."""
+    if not destinations:
+        return ()
+    same = (failure.cluster, failure.node, failure.run_id, failure.attempt)
+    if any((f.cluster, f.node, f.run_id, f.attempt) == same for f in counted):
+        return ()
+    now = failure.at
+    node = [f for f in counted if (f.cluster, f.node) == (failure.cluster, failure.node)]
+    before = quarantine(node, now=now, rules=rules)
+    after = quarantine([*node, failure], now=now, rules=rules)
+    out: list[Outgoing] = []
+    for q in newly_quarantined(before, after):
+        owner = None if q.owner_uid is None else name_of(q.owner_uid)
+        facts = quarantine_facts(q, owner)
+        seq = quarantine_seq(q, failure.run_id, failure.attempt)
+        out += event_outgoing(EventType.NODE_QUARANTINED, facts, now, seq, destinations, host)
+    return tuple(out)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import socket
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -90,7 +89,7 @@ from llmd_supervisor.errors import (
     SupervisorError,
 )
 from llmd_supervisor.supervision import bench_files
-from llmd_supervisor.supervision.access import user_name
+from llmd_supervisor.supervision.access import host_name, user_name
 from llmd_supervisor.supervision.attempt import Attempt
 from llmd_supervisor.supervision.bench_files import JudgedFiles
 from llmd_supervisor.supervision.cluster import Cluster
@@ -698,7 +697,7 @@ class Supervisor:
                 ref,
                 links,
                 destinations,
-                _host_name(),
+                host_name(),
                 named=named,
                 details=details,
                 judged=judged,
@@ -759,12 +758,6 @@ class Supervisor:
             seconds=round((self.clock() - run.transitions[0].at).total_seconds(), 1),
             archive=h.meta.archive_dir,
         )
-
-
-@functools.cache
-def _host_name() -> str:
-    """This host's name, for a mail's Message-ID and From (no DNS lookup)."""
-    return socket.gethostname() or "localhost"  # core.outbox falls back to localhost
 
 
 def _log_dir(spec: RunSpec | ForeignSpec) -> str:
