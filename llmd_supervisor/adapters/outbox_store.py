@@ -240,6 +240,24 @@ class Outbox:
 
         return await self._journal.read(operation, work)
 
+    async def last_event(self, subject: str, etype: str) -> tuple[str, datetime, bytes] | None:
+        """The newest event of type `etype` about `subject` (its seq, time and body);
+        None when there is none (a campaign's last campaign.progress)."""
+        operation = f"read the last {etype} of {subject}"
+
+        def work(conn: sqlite3.Connection) -> tuple[str, str, bytes] | None:
+            row = conn.execute(
+                "SELECT seq, created_at, body FROM outbox_events WHERE subject = ? AND type = ? "
+                "ORDER BY created_at DESC, event_id LIMIT 1",
+                (subject, etype),
+            ).fetchone()
+            return None if row is None else (str(row[0]), str(row[1]), bytes(row[2]))
+
+        found = await self._journal.read(operation, work)
+        if found is None:
+            return None
+        return found[0], parse_time(found[1], self._path, operation), found[2]
+
     async def replay(self, event_id: str, now: datetime, destination: str | None = None) -> int:
         """Queue the event's dead (and disabled) deliveries again, due now, with a new
         series of attempts; enable again a destination replayed by name. How many were
