@@ -185,15 +185,20 @@ class Outbox:
         *,
         run_id: str | None = None,
         status: DeliveryStatus | None = None,
+        owner_uid: int | None = None,
         limit: int = 200,
     ) -> list[Delivery]:
-        """Deliveries, newest event first; of one run's events, and in one status."""
+        """Deliveries, newest event first; of one run's events, in one status, and of the
+        runs of one owner (`owner_uid`: filtered here, before the limit)."""
         operation = "list the deliveries"
         clauses: list[str] = []
         params: list[object] = []
         if run_id is not None:
             clauses.append("e.subject = ?")
             params.append(f"run/{run_id}")
+        if owner_uid is not None:
+            clauses.append("e.subject IN (SELECT 'run/' || run_id FROM runs WHERE owner_uid = ?)")
+            params.append(owner_uid)
         if status is not None:
             clauses.append("d.status = ?")
             params.append(status.value)

@@ -91,7 +91,12 @@ class EventOps:
                     f"Status {show(args['status'])} is not a delivery status; use one of "
                     f"{choices}.",
                 ) from None
-        found = await self._outbox.deliveries(run_id=run_id, status=status, limit=LIST_MAX)
+        # A peer who does not see all sees its own runs' events: filtered in the query,
+        # so that the newest LIST_MAX are the peer's own, not LIST_MAX of everyone's.
+        owner = None if sees_all(peer, self._admin_group) else peer.uid
+        found = await self._outbox.deliveries(
+            run_id=run_id, status=status, owner_uid=owner, limit=LIST_MAX
+        )
         return {"deliveries": [_view(d) for d in found if self._sees(peer, d.subject)]}
 
     async def show(self, args: Mapping[str, object], peer: Peer, send: Send) -> EventView:
