@@ -309,7 +309,9 @@ async def test_a_finished_run_s_run_finished_reaches_the_webhook(tmp_path: Path)
             DestinationKind.WEBHOOK,
             url=f"http://127.0.0.1:{port}/hook",
             secret_file=str(secret_file),
-            types=frozenset({EventType.RUN_SUBMITTED, EventType.RUN_FINISHED}),
+            types=frozenset(
+                {EventType.RUN_SUBMITTED, EventType.RUN_POINT_FINISHED, EventType.RUN_FINISHED}
+            ),
         )
         # Our own group is the admin group: `events test` is for admins.
         admins = grp.getgrgid(os.getgid()).gr_name
@@ -327,20 +329,38 @@ async def test_a_finished_run_s_run_finished_reaches_the_webhook(tmp_path: Path)
             replay.step()
             final = await daemon.until_state(run, "succeeded", "failed")
             assert final["state"] == "succeeded", final["reason"]
-            got = list(await receiver.until(2))
+            got = list(await receiver.until(5))  # submitted, 3 points (c=1, 2, 4), finished
             await _events_cli(config.socket_path, run, tmp_path)
-            (*_, ping) = await receiver.until(3)  # `events test ci`
+            (*_, ping) = await receiver.until(6)  # `events test ci`
             assert json.loads(ping.body)["type"] == "test.ping"
             os.kill(os.getpid(), signal.SIGTERM)
         outer.cancel_scope.cancel()
     keys = await read_secret_file(secret_file)
     bodies = [json.loads(r.body) for r in got]
-    assert [b["type"] for b in bodies] == ["run.submitted", "run.finished"]
-    finished = bodies[1]
-    assert finished["data"]["run"]["id"] == run
-    assert finished["data"]["outcome"] == "succeeded"
-    assert finished["data"]["reason"] == final["reason"]
-    assert finished["data"]["links"]["archive"] == final["archive"]
+    assert bodies[0]["type"] == "run.submitted"
+    points = sorted(
+        (b for b in bodies if b["type"] == "run.point_finished"),
+        key=lambda b: b["data"]["point"]["concurrency"],
+    )
+    assert [p["data"]["point"]["concurrency"] for p in points] == [1, 2, 4]
+    assert all(p["data"]["point"]["valid"] for p in points)
+    assert all(p["data"]["point"]["total_token_throughput"] > 0 for p in points)
+    (finished,) = [b for b in bodies if b["type"] == "run.finished"]
+    data = finished["data"]
+    assert data["run"]["id"] == run
+    assert data["outcome"] == "succeeded"
+    assert data["reason"] == final["reason"]
+    assert data["links"]["archive"] == final["archive"]
+    # What the receipt, the attempts and the archived results table say:
+    assert (data["slurm"]["state"], data["slurm"]["exit_code"]) == ("COMPLETED", "0:0")
+    assert data["slurm"]["nodes"] == ["127.0.0.1"]
+    assert any(line.startswith("Slurm (") for line in data["evidence"]), data["evidence"]
+    assert any(line.startswith("marker: ") for line in data["evidence"]), data["evidence"]
+    assert data["gpu_hours"]["lost"] == 0.0
+    assert [p["concurrency"] for p in data["points"]] == [1, 2, 4]
+    assert data["best_point"] is not None and data["best_point"]["valid"]
+    assert data["timing"]["ran_s"] is not None
+    assert finished["trimmed"] == []
     for r in got:
         assert r.headers["webhook-id"] == json.loads(r.body)["id"]
         verify(keys, r.headers, r.body, now=unix_seconds(datetime.now(UTC)))
