@@ -1,8 +1,11 @@
-"""At least once, with the same id: a daemon process SIGKILLed between a webhook
-receiver's 2xx and the journal's ``delivered`` sends the event again after its restart,
-with the same ``webhook-id`` and body, and the delivery ends ``delivered``; no second
-event is made (issue 3.6). The daemon runs on a replayed cluster
-(tests/fakes/replay_world.py); the receiver is a loopback one in the world's thread."""
+"""Outbound events of a daemon process on a replayed cluster (tests/fakes/replay_world.py),
+to a loopback receiver in the world's thread (issue 3.6):
+
+- at least once, with the same id: a daemon SIGKILLed between a webhook receiver's 2xx
+  and the journal's ``delivered`` sends the event again after its restart, with the same
+  ``webhook-id`` and body, and the delivery ends ``delivered``; no second event is made;
+- a campaign whose file names an opt-in destination sends it campaign.progress (once in
+  the minute) and campaign.finished; a campaign file naming an unknown one is refused."""
 
 from __future__ import annotations
 
@@ -121,3 +124,66 @@ types = ["run.submitted"]
         verify(keys, r.headers, r.body, now=now)
     assert delivery["event"] == first.headers["webhook-id"]
     assert delivery["attempts"] == 1  # the attempt the kill cut off was never journaled
+
+
+CAMPAIGN = """
+name = "tiny"
+base = "base.toml"
+[matrix]
+"benchmark.concurrencies" = [[1, 2]]
+"""
+
+
+def test_a_campaign_tells_an_opt_in_destination_its_progress_and_its_end(
+    world: ReplayWorld, receiver: tuple[Receiver, int], tmp_path: Path
+) -> None:
+    got, port = receiver
+    secret_file = tmp_path / "team.whsec"
+    secret_file.write_text(SECRET + "\n")
+    secret_file.chmod(0o600)
+    root = tmp_path / "daemon"
+    root.mkdir()
+    d = Daemon(
+        world,
+        root,
+        replay_socket=world.socket,
+        extra_config=f"""
+[[events.destination]]
+name = "team"
+kind = "webhook"
+url = "http://127.0.0.1:{port}/hooks/team"
+secret_file = "{secret_file}"
+types = ["campaign.progress", "campaign.finished"]
+opt_in = true
+""",
+    )
+    (tmp_path / "base.toml").write_text(demo_spec(tmp_path / "logs"))
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text(CAMPAIGN + '[notify]\ndestinations = ["ci"]\n')
+    named = tmp_path / "tiny.toml"
+    named.write_text(CAMPAIGN + '[notify]\ndestinations = ["team"]\n')
+    d.start()
+    try:
+        refused = d.cli("campaign", "submit", str(unknown), check=False)
+        assert refused.returncode == 2, refused.stdout
+        assert "'notify.destinations' has invalid value 'ci'" in refused.stderr
+        assert "no destination of that name (team)" in refused.stderr
+        done = d.cli("campaign", "submit", str(named), "--wait", check=False, timeout=240)
+        assert done.returncode == 0, done.stderr + d.log_text()[-3000:]
+        _until("not 2 events", lambda: len(world.call(lambda: list(got.got))) >= 2)
+    finally:
+        d.stop()
+    bodies = [json.loads(r.body) for r in world.call(lambda: list(got.got))]
+    # The campaign ran in well under a minute: one progress (its first counts), then its end.
+    assert [b["type"] for b in bodies] == ["campaign.progress", "campaign.finished"], bodies
+    progress, finished = (b["data"] for b in bodies)
+    assert progress["campaign"]["name"] == "tiny" and progress["points"]["total"] == 2
+    assert finished["outcome"] == "finished"
+    assert finished["points"] == {
+        "total": 2,
+        "verified": 2,
+        "running": 0,
+        "pending": 0,
+        "failed": 0,
+        "blocked": 0,
+    }
