@@ -33,7 +33,8 @@ shape is the TypedDict `EventBody`, its ``data`` one of `EventData` (`RunData`,
 
   * run.submitted, run.started, run.finished: the index of the run's journaled
     transition (its row in the run's transition history);
-  * run.point_finished: ``"<attempt>:<concurrency>"`` (a point ends once per attempt);
+  * run.point_finished: ``"<submission>.<attempt>:<concurrency>"`` of the judged job (a
+    point ends once per job; a retry is a new submission, a requeue a new attempt);
   * campaign.progress: the campaign's progress counter, journaled with the event;
   * campaign.finished: the index of the campaign's journaled transition;
   * node.quarantined: the id of the journaled failure that quarantined the node;

@@ -19,8 +19,8 @@ verifying -> anything else             run.point_finished, one per benchmark poi
 A run.finished carries what the verdict's receipt, the attempts and the archived results
 table say (`core.event_facts.RunDetails`: Slurm's state and exit code, the cause, the
 evidence summary, GPU-hours, the best point and every point); a run.point_finished the
-point's own numbers, its id from the attempt and the concurrency (a point ends once per
-attempt). A spec's ``[notify] destinations`` are the opt-in destinations it names
+point's own numbers, its id from the judged job (submission and attempt) and the
+concurrency (a point ends once per job; a retry's job judges its points again). A spec's ``[notify] destinations`` are the opt-in destinations it names
 (``named``: `core.event_routing.routes`).
 
 Each event goes to the destinations `core.event_routing.routes` names; an event no
@@ -236,7 +236,7 @@ def run_outgoing(
     if before is not None and before.state is RunState.VERIFYING and after.state != before.state:
         for point in judged:
             facts = replace(run_facts(after, ref, links), point=point)
-            seq = f"{after.attempt}:{point.concurrency}"
+            seq = f"{before.submission}.{before.attempt}:{point.concurrency}"
             event = make_event(EventType.RUN_POINT_FINISHED, facts, at, seq)
             out += _routed(event, facts, seq, destinations, named, host)
     etype = run_event_type(before, after)

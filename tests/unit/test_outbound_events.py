@@ -261,10 +261,10 @@ def test_each_judged_point_is_an_event_when_the_run_leaves_verifying() -> None:
     out = run_outgoing(verifying, archiving, REF, LINKS, (ALL,), judged=JUDGED)
     assert [o.type for o in out] == [EventType.RUN_POINT_FINISHED] * 2
     assert [o.id for o in out] == [
-        event_id(EventType.RUN_POINT_FINISHED, "run/r-1", "1:4"),
-        event_id(EventType.RUN_POINT_FINISHED, "run/r-1", "1:32"),
+        event_id(EventType.RUN_POINT_FINISHED, "run/r-1", "1.1:4"),
+        event_id(EventType.RUN_POINT_FINISHED, "run/r-1", "1.1:32"),
     ]
-    assert [o.seq for o in out] == ["1:4", "1:32"]
+    assert [o.seq for o in out] == ["1.1:4", "1.1:32"]
     data = json.loads(out[1].body)["data"]
     assert data["point"]["concurrency"] == 32 and data["point"]["ttft_ms_median"] == 120.0
     assert data["state"] == "archiving"
@@ -293,8 +293,8 @@ async def test_point_events_commit_with_the_transition_once(journal: Journal) ->
     # The same verdict recorded again (a retried save) makes no second event.
     await journal.save(runs[6], expected=runs[6].state, outgoing=out)
     assert rows(journal.path, "SELECT seq FROM outbox_events ORDER BY seq") == [
-        ("1:32",),
-        ("1:4",),
+        ("1.1:32",),
+        ("1.1:4",),
     ]
     assert rows(journal.path, "SELECT count(*) FROM deliveries") == [(2,)]
 
