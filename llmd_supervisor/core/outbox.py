@@ -20,8 +20,9 @@ A run.finished carries what the verdict's receipt, the attempts and the archived
 table say (`core.event_facts.RunDetails`: Slurm's state and exit code, the cause, the
 evidence summary, GPU-hours, the best point and every point); a run.point_finished the
 point's own numbers, its id from the judged job (submission and attempt) and the
-concurrency (a point ends once per job; a retry's job judges its points again). A spec's ``[notify] destinations`` are the opt-in destinations it names
-(``named``: `core.event_routing.routes`).
+concurrency (a point ends once per job; a retry's job judges its points again). A spec's
+``[notify] destinations`` are the opt-in destinations it names (``named``:
+`core.event_routing.routes`).
 
 Each event goes to the destinations `core.event_routing.routes` names; an event no
 destination takes is not journaled at all. A webhook gets the event's body (signed when
