@@ -36,6 +36,7 @@ from llmd_supervisor.core.outbox import (
     progress_step,
 )
 from llmd_supervisor.core.usage import split
+from llmd_supervisor.errors import SupervisorError
 from llmd_supervisor.supervision.access import host_name, user_name
 from llmd_supervisor.supervision.run.driver import Supervisor
 
@@ -123,7 +124,20 @@ class CampaignEvents:
         )
 
     async def progress(self, c: StoredCampaign, jobs: Sequence[StoredJob]) -> None:
-        """Journal a campaign.progress if its counts changed and the minute allows."""
+        """Journal a campaign.progress if its counts changed and the minute allows. A
+        failure is logged, never raised: an event never holds up its campaign (the next
+        step tries again, from the journal)."""
+        try:
+            await self._progress(c, jobs)
+        except Exception as exc:  # the journal, or a bug in making the event
+            log.warning(
+                "event.progress_failed",
+                campaign_id=c.campaign_id,
+                error=str(exc),
+                exc_info=not isinstance(exc, SupervisorError),
+            )
+
+    async def _progress(self, c: StoredCampaign, jobs: Sequence[StoredJob]) -> None:
         named = named_of(c)
         if not self._wanted(EventType.CAMPAIGN_PROGRESS, c, named):
             return
@@ -138,19 +152,15 @@ class CampaignEvents:
         step = progress_step(self._last[cid], facts.points, now)
         if step.seq is None:
             return
-        try:
-            outgoing = event_outgoing(
-                EventType.CAMPAIGN_PROGRESS,
-                facts,
-                now,
-                step.seq,
-                self._sup.config.events.destinations,
-                host_name(),
-                named=named,
-            )
-        except Exception:  # a bug in making an event must never hold up the campaign
-            log.exception("event.not_made", campaign_id=cid, type="campaign.progress")
-            return
+        outgoing = event_outgoing(
+            EventType.CAMPAIGN_PROGRESS,
+            facts,
+            now,
+            step.seq,
+            self._sup.config.events.destinations,
+            host_name(),
+            named=named,
+        )
         for o in outgoing:
             await self._outbox.add(o)
         self._last[cid] = LastProgress(at=now, seq=step.seq, points=facts.points)
