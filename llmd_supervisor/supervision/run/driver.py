@@ -722,8 +722,11 @@ class Supervisor:
             and files.bench is not None
             and isinstance(h.spec, RunSpec)
         ):
-            gate = bench_files.judge(h.spec, files.bench.results)
-            judged = tuple(point_of_evidence(e) for e in gate.points if e.point is not None)
+            try:
+                gate = bench_files.judge(h.spec, files.bench.results)
+                judged = tuple(point_of_evidence(e) for e in gate.points if e.point is not None)
+            except Exception:  # never hold up a verdict for its points' events
+                log.exception("event.points_unjudged", run_id=after.run_id)
         details = None
         if run_event_type(before, after) is EventType.RUN_FINISHED:
             try:
