@@ -36,8 +36,9 @@ shape is the TypedDict `EventBody`, its ``data`` one of `EventData` (`RunData`,
   * run.point_finished: ``"<submission>.<attempt>:<concurrency>"`` of the judged job (a
     point ends once per job; a retry is a new submission, a requeue a new attempt);
   * campaign.progress: the campaign's progress counter, journaled with the event;
-  * campaign.finished: the index of the campaign's journaled transition;
-  * node.quarantined: the id of the journaled failure that quarantined the node;
+  * campaign.finished: the campaign's final state (a campaign ends once);
+  * node.quarantined: ``"<run>:<attempt>:<scope>"``, the journaled failure that made the
+    quarantine (one per node and attempt) and for whom (``everyone`` or ``uid<N>``);
   * test.ping: the id of the journaled ping request.
 
   Deriving the event again from the journal after a crash gives the same id, so a
