@@ -183,7 +183,11 @@ DETAILS: list[tuple[str, Mapping[str, object] | None, list[Mapping[str, object]]
         "a receipt of the wrong shapes (the job wrote none of it, still read defensively)",
         {"believed": "COMPLETED", "marker": [1], "cause": {"cause": 7}, "benchmark": 3},
         [{"gpu_hours": "lots"}],
-        RunDetails(gpu_hours_useful=0.0, gpu_hours_lost=0.0),
+        RunDetails(
+            evidence=("Slurm: no terminal record was believed",),
+            gpu_hours_useful=0.0,
+            gpu_hours_lost=0.0,
+        ),
     ),
 ]
 
@@ -244,8 +248,8 @@ def test_a_long_point_list_is_cut_to_its_first_points_and_says_so() -> None:
     assert len(raw) <= MAX_BODY_BYTES
     body = json.loads(raw)
     assert body["trimmed"] == ["points"]
-    # Halved until it fits (400 -> 200 -> 100 -> 50): the lowest concurrencies stay.
-    assert [p["concurrency"] for p in body["data"]["points"]] == list(range(1, 51))
+    # Halved until it fits (400 -> 200 -> 100): the lowest concurrencies stay.
+    assert [p["concurrency"] for p in body["data"]["points"]] == list(range(1, 101))
     assert body["data"]["best_point"]["concurrency"] == 32
     assert encode(event) == raw  # deterministic
 
