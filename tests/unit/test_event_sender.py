@@ -482,7 +482,11 @@ async def _events_cli(socket: Path, run: str, tmp_path: Path) -> None:
             if {d["status"] for d in deliveries} == {"delivered"}:
                 break
             await anyio.sleep(0.05)
-    assert sorted(d["type"] for d in deliveries) == ["run.finished", "run.submitted"]
+    assert sorted(d["type"] for d in deliveries) == [
+        "run.finished",
+        *["run.point_finished"] * 3,
+        "run.submitted",
+    ]
     table = await cli("list", "--run", run)
     assert table.returncode == 0 and b"delivered" in table.stdout
     shown = await cli("show", deliveries[0]["event"])
