@@ -26,7 +26,13 @@ from llmd_supervisor.adapters.campaign_store import StoredCampaign, StoredJob
 from llmd_supervisor.adapters.outbox_store import Outbox
 from llmd_supervisor.core.campaign_admission import JobState
 from llmd_supervisor.core.campaign_run import JobView, point_counts
-from llmd_supervisor.core.events import CampaignFacts, CampaignProblem, EventType, Owner
+from llmd_supervisor.core.events import (
+    CampaignFacts,
+    CampaignProblem,
+    EventType,
+    Owner,
+    PointCounts,
+)
 from llmd_supervisor.core.outbox import (
     LastProgress,
     Outgoing,
@@ -64,20 +70,25 @@ class CampaignEvents:
         self._outbox = Outbox(sup.journal)
         # Each campaign's last journaled campaign.progress (None: none), once read.
         self._last: dict[str, LastProgress | None] = {}
+        self._names: dict[int, str] = {}  # owners' user names by uid
 
     def _wanted(self, etype: EventType, c: StoredCampaign, named: Collection[str]) -> bool:
         """Whether any destination takes `etype` of this campaign (cheap: no facts)."""
         owner = Owner(c.owner_uid, "")
-        name = None
         for d in self._sup.config.events.destinations:
             if d.opt_in and d.name not in named:
                 continue
-            if d.owners and name is None:  # a user name is looked up only when needed
-                name = user_name(c.owner_uid) or ""
-                owner = Owner(c.owner_uid, name)
+            if d.owners and not owner.name:  # a user name is looked up only when needed
+                owner = Owner(c.owner_uid, self._name(c.owner_uid))
             if d.takes(etype, owner):
                 return True
         return False
+
+    def _name(self, uid: int) -> str:
+        """`uid`'s user name ("" when none), looked up once per daemon (NSS may be slow)."""
+        if uid not in self._names:
+            self._names[uid] = user_name(uid) or ""
+        return self._names[uid]
 
     def facts(
         self,
@@ -89,9 +100,7 @@ class CampaignEvents:
     ) -> CampaignFacts:
         """The campaign as its events tell it: point counts, GPU-hours of its runs, its
         failed and blocked points with their reasons."""
-        counts = campaign_counts(
-            point_counts(JobView(JobState(j.state), j.concurrencies, j.to_run) for j in jobs)
-        )
+        counts = _counts(jobs)
         useful = lost = 0.0
         problems: list[CampaignProblem] = []
         for j in jobs:
@@ -112,7 +121,7 @@ class CampaignEvents:
         return CampaignFacts(
             id=c.campaign_id,
             name=c.name,
-            owner=user_name(c.owner_uid) or "",
+            owner=self._name(c.owner_uid),
             owner_uid=c.owner_uid,
             cluster=c.cluster,
             points=counts,
@@ -147,11 +156,11 @@ class CampaignEvents:
                 f"campaign/{cid}", EventType.CAMPAIGN_PROGRESS.value
             )
             self._last[cid] = None if found is None else last_progress(*found)
-        facts = self.facts(c, jobs)
         now = self._sup.clock()
-        step = progress_step(self._last[cid], facts.points, now)
-        if step.seq is None:
+        step = progress_step(self._last[cid], _counts(jobs), now)
+        if step.seq is None:  # most looks: nothing changed, or not yet (no facts made)
             return
+        facts = self.facts(c, jobs)
         outgoing = event_outgoing(
             EventType.CAMPAIGN_PROGRESS,
             facts,
@@ -190,3 +199,10 @@ class CampaignEvents:
     def forget(self, campaign_id: str) -> None:
         """The campaign ended: its last progress is no longer needed in memory."""
         self._last.pop(campaign_id, None)
+
+
+def _counts(jobs: Sequence[StoredJob]) -> PointCounts:
+    """The campaign's point counts as its events give them."""
+    return campaign_counts(
+        point_counts(JobView(JobState(j.state), j.concurrencies, j.to_run) for j in jobs)
+    )
