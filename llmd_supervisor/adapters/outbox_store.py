@@ -189,7 +189,7 @@ class Outbox:
         limit: int = 200,
     ) -> list[Delivery]:
         """Deliveries, newest event first; of one run's events, in one status, and of the
-        runs of one owner (`owner_uid`: filtered here, before the limit)."""
+        runs and campaigns of one owner (`owner_uid`: filtered here, before the limit)."""
         operation = "list the deliveries"
         clauses: list[str] = []
         params: list[object] = []
@@ -197,8 +197,12 @@ class Outbox:
             clauses.append("e.subject = ?")
             params.append(f"run/{run_id}")
         if owner_uid is not None:
-            clauses.append("e.subject IN (SELECT 'run/' || run_id FROM runs WHERE owner_uid = ?)")
-            params.append(owner_uid)
+            clauses.append(
+                "(e.subject IN (SELECT 'run/' || run_id FROM runs WHERE owner_uid = ?)"
+                " OR e.subject IN"
+                " (SELECT 'campaign/' || campaign_id FROM campaigns WHERE owner_uid = ?))"
+            )
+            params += [owner_uid, owner_uid]
         if status is not None:
             clauses.append("d.status = ?")
             params.append(status.value)
@@ -242,6 +246,18 @@ class Outbox:
                 created_at=parse_time(str(row[5]), self._path, operation),
                 deliveries=tuple(self._delivery(r, operation) for r in rows),
             )
+
+        return await self._journal.read(operation, work)
+
+    async def campaign_owner(self, campaign_id: str) -> int | None:
+        """The owner of a campaign (None: no such campaign)."""
+        operation = f"read the owner of campaign {campaign_id}"
+
+        def work(conn: sqlite3.Connection) -> int | None:
+            row = conn.execute(
+                "SELECT owner_uid FROM campaigns WHERE campaign_id = ?", (campaign_id,)
+            ).fetchone()
+            return None if row is None else int(row[0])
 
         return await self._journal.read(operation, work)
 

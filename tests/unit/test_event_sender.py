@@ -23,6 +23,7 @@ import anyio
 import anyio.abc
 import pytest
 
+from llmd_supervisor.adapters.campaign_store import CampaignStore, StoredCampaign
 from llmd_supervisor.adapters.control_protocol import Peer
 from llmd_supervisor.adapters.event_sender import EventSender, post_json, read_secret_file
 from llmd_supervisor.adapters.journal import Journal, RunMeta
@@ -32,9 +33,9 @@ from llmd_supervisor.cli.config import secret_problems
 from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.delivery import NetworkFailure
 from llmd_supervisor.core.event_routing import Destination, DestinationKind, EventsConfig
-from llmd_supervisor.core.events import EventType, Links, RunRef
+from llmd_supervisor.core.events import CampaignFacts, EventType, Links, PointCounts, RunRef
 from llmd_supervisor.core.lifecycle import Submit, Submitted, new_run, step
-from llmd_supervisor.core.outbox import DeliveryStatus, Outgoing, run_outgoing
+from llmd_supervisor.core.outbox import DeliveryStatus, Outgoing, event_outgoing, run_outgoing
 from llmd_supervisor.core.slurm_parse import JobState
 from llmd_supervisor.core.summary import RunSummary, read
 from llmd_supervisor.core.webhooks import unix_seconds, verify
@@ -87,10 +88,12 @@ class World:
         await self.tg.start(sender.run)
         return sender
 
-    async def submitted(self, run_id: str = "r-1", *dests: Destination) -> Outgoing:
-        """A run journaled up to pending, with its run.submitted for `dests`."""
+    async def submitted(
+        self, run_id: str = "r-1", *dests: Destination, owner: int = 1000
+    ) -> Outgoing:
+        """A run of `owner` journaled up to pending, with its run.submitted for `dests`."""
         run = new_run(run_id, f"llmd-{run_id}", T0)
-        meta = RunMeta(1000, "dev", "x", "", "/l", "/a", T0)
+        meta = RunMeta(owner, "dev", "x", "", "/l", "/a", T0)
         await self.journal.insert_run(run, meta)
         a = step(run, Submit(), T0 + timedelta(seconds=1))[0]
         await self.journal.save(a, expected=run.state)
@@ -397,7 +400,8 @@ async def test_events_ops_show_a_user_their_own_runs_events(tmp_path: Path) -> N
 async def _events_ops(world: World) -> None:
     world.receiver.script[:] = [Answer(404)]
     mine = await world.submitted("r-1")
-    theirs = await world.submitted("r-2")
+    theirs = await world.submitted("r-2", owner=2000)
+    campaign = await _campaign_progress(world, owner=1000)
     woken: list[bool] = []
     ops = EventOps(
         world.outbox,
@@ -410,11 +414,18 @@ async def _events_ops(world: World) -> None:
     alice, bob, root = Peer(1000, 1000, 1), Peer(2000, 2000, 2), Peer(0, 0, 3)
     no_filter = {"run": None, "status": None}
     listed = await ops.list(no_filter, alice, _nothing)
-    assert [d["event"] for d in listed["deliveries"]] == [mine.id]
+    assert {d["event"] for d in listed["deliveries"]} == {mine.id, campaign.id}  # her own
     assert {d["event"] for d in (await ops.list(no_filter, root, _nothing))["deliveries"]} == {
         mine.id,
         theirs.id,
+        campaign.id,
     }
+    assert (await ops.show({"event": campaign.id}, alice, _nothing))["type"] == (
+        "campaign.progress"
+    )
+    with pytest.raises(ControlError) as not_bobs:
+        await ops.show({"event": campaign.id}, bob, _nothing)
+    assert not_bobs.value.code == "not_found"
     with pytest.raises(ControlError) as hidden:  # another's run: as if it did not exist
         await ops.list({"run": "r-2", "status": None}, alice, _nothing)
     assert hidden.value.code == "not_found"
@@ -464,6 +475,18 @@ async def _events_ops(world: World) -> None:
     )
     again = await ops.test({"destination": "ci"}, root, _nothing)
     assert again["event"] != ping["event"]  # each request is an event of its own
+
+
+async def _campaign_progress(world: World, *, owner: int) -> Outgoing:
+    """A campaign of `owner` journaled, with a campaign.progress of it for ci."""
+    store = CampaignStore(world.journal)
+    stored = StoredCampaign("c-1", "sweep", owner, "dev", "running", "", "", "", {}, T0, T0)
+    await store.insert(stored, [])
+    facts = CampaignFacts("c-1", "sweep", "alice", owner, "dev", PointCounts(total=2))
+    later = T0 + timedelta(hours=1)  # due after the runs' events (the 404 is for r-1's)
+    (out,) = event_outgoing(EventType.CAMPAIGN_PROGRESS, facts, later, 1, (world.destination(),))
+    await world.outbox.add(out)
+    return out
 
 
 async def _events_cli(socket: Path, run: str, tmp_path: Path) -> None:
