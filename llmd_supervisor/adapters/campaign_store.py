@@ -23,6 +23,8 @@ from typing import Final
 
 from llmd_supervisor.adapters.journal import Journal
 from llmd_supervisor.adapters.journal_rows import decode_json, iso, parse_time
+from llmd_supervisor.adapters.outbox_rows import insert_outgoing
+from llmd_supervisor.core.outbox import Outgoing
 from llmd_supervisor.errors import JournalConflict, JournalError
 
 __all__ = ["CampaignStore", "StoredCampaign", "StoredJob", "VerifiedPoint"]
@@ -134,7 +136,11 @@ class CampaignStore:
 
         await self._journal.write(operation, work)
 
-    async def set_state(self, campaign_id: str, state: str, reason: str) -> None:
+    async def set_state(
+        self, campaign_id: str, state: str, reason: str, outgoing: Sequence[Outgoing] = ()
+    ) -> None:
+        """Set the campaign's state, with the outbound events it makes (its
+        campaign.finished) in the same transaction."""
         operation = f"set campaign {campaign_id} {state}"
         now = iso(datetime.now(UTC), self._journal.path, operation)
 
@@ -147,6 +153,7 @@ class CampaignStore:
                 raise JournalError(
                     self._path, operation, f"the journal holds no campaign {campaign_id}"
                 )
+            insert_outgoing(conn, outgoing, self._journal.path, operation)
 
         await self._journal.write(operation, work)
 

@@ -387,10 +387,13 @@ class Journal:
 
     # --- node quarantine (core.retry_policy) ---------------------------------------------------
 
-    async def count_node_failure(self, failure: NodeFailure, *, forget_before: datetime) -> None:
+    async def count_node_failure(
+        self, failure: NodeFailure, *, forget_before: datetime, outgoing: Sequence[Outgoing] = ()
+    ) -> None:
         """Count one node's failure in one attempt (once: counting the same attempt's
-        failure of the node again changes nothing), and forget every failure older than
-        `forget_before` (one transaction)."""
+        failure of the node again changes nothing), forget every failure older than
+        `forget_before`, and journal the outbound events the count makes (its
+        node.quarantined, `core.outbox.quarantine_outgoing`), in one transaction."""
         f = failure
         operation = f"count a failure of node {f.node} on cluster {f.cluster}"
 
@@ -408,6 +411,7 @@ class Journal:
                     iso(f.at, self._path, operation),
                 ),
             )
+            insert_outgoing(conn, outgoing, self._path, operation)
 
         await self._call(operation, work, write=True)
 

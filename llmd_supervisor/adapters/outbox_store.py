@@ -185,15 +185,24 @@ class Outbox:
         *,
         run_id: str | None = None,
         status: DeliveryStatus | None = None,
+        owner_uid: int | None = None,
         limit: int = 200,
     ) -> list[Delivery]:
-        """Deliveries, newest event first; of one run's events, and in one status."""
+        """Deliveries, newest event first; of one run's events, in one status, and of the
+        runs and campaigns of one owner (`owner_uid`: filtered here, before the limit)."""
         operation = "list the deliveries"
         clauses: list[str] = []
         params: list[object] = []
         if run_id is not None:
             clauses.append("e.subject = ?")
             params.append(f"run/{run_id}")
+        if owner_uid is not None:
+            clauses.append(
+                "(e.subject IN (SELECT 'run/' || run_id FROM runs WHERE owner_uid = ?)"
+                " OR e.subject IN"
+                " (SELECT 'campaign/' || campaign_id FROM campaigns WHERE owner_uid = ?))"
+            )
+            params += [owner_uid, owner_uid]
         if status is not None:
             clauses.append("d.status = ?")
             params.append(status.value)
@@ -239,6 +248,36 @@ class Outbox:
             )
 
         return await self._journal.read(operation, work)
+
+    async def campaign_owner(self, campaign_id: str) -> int | None:
+        """The owner of a campaign (None: no such campaign)."""
+        operation = f"read the owner of campaign {campaign_id}"
+
+        def work(conn: sqlite3.Connection) -> int | None:
+            row = conn.execute(
+                "SELECT owner_uid FROM campaigns WHERE campaign_id = ?", (campaign_id,)
+            ).fetchone()
+            return None if row is None else int(row[0])
+
+        return await self._journal.read(operation, work)
+
+    async def last_event(self, subject: str, etype: str) -> tuple[str, datetime, bytes] | None:
+        """The newest event of type `etype` about `subject` (its seq, time and body);
+        None when there is none (a campaign's last campaign.progress)."""
+        operation = f"read the last {etype} of {subject}"
+
+        def work(conn: sqlite3.Connection) -> tuple[str, str, bytes] | None:
+            row = conn.execute(
+                "SELECT seq, created_at, body FROM outbox_events WHERE subject = ? AND type = ? "
+                "ORDER BY created_at DESC, event_id LIMIT 1",
+                (subject, etype),
+            ).fetchone()
+            return None if row is None else (str(row[0]), str(row[1]), bytes(row[2]))
+
+        found = await self._journal.read(operation, work)
+        if found is None:
+            return None
+        return found[0], parse_time(found[1], self._path, operation), found[2]
 
     async def replay(self, event_id: str, now: datetime, destination: str | None = None) -> int:
         """Queue the event's dead (and disabled) deliveries again, due now, with a new

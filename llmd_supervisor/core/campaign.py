@@ -57,6 +57,7 @@ from llmd_supervisor.core import campaign_script as script_campaign
 from llmd_supervisor.core import foreign_spec
 from llmd_supervisor.core.campaign_admission import CampaignLimits, topology_key
 from llmd_supervisor.core.campaign_script import Launcher, ScriptJob, ScriptPoint
+from llmd_supervisor.core.event_routing import parse_named
 from llmd_supervisor.core.recipe import recipe_fingerprint
 from llmd_supervisor.core.spec import MAX_NODES, SPEC_FIELDS, RunSpec, parse_spec
 from llmd_supervisor.core.spec_bench import VALIDITY_KEYS
@@ -87,7 +88,7 @@ __all__ = [
 
 CAMPAIGN_KEYS: Final = (
     "name", "base", "script", "cluster", "limits", "launcher", "matrix", "zip", "exclude",
-    "include",
+    "include", "notify",
 )  # fmt: skip
 LIMIT_KEYS: Final = ("max_jobs", "max_pending", "max_nodes", "max_gpus", "canary_stop_fraction")
 ISL_OSL: Final = "benchmark.isl_osl"
@@ -136,6 +137,9 @@ class CampaignFile:
     includes: tuple[Values, ...]
     script: str | None = None
     launcher: Launcher | None = None
+    # [notify] destinations: the configured event destinations its campaign.* events may
+    # go to (opt-in ones); its runs' events follow their own spec's [notify].
+    notify: tuple[str, ...] = ()
 
 
 def _valid_keys() -> str:
@@ -400,7 +404,21 @@ def parse_campaign(text: str, *, default_name: str) -> CampaignFile:
         includes=includes,
         script=script,
         launcher=launcher,
+        notify=_notify(_table(data, "notify", "[notify] (destinations = [...])")),
     )
+
+
+def _notify(t: Mapping[str, object]) -> tuple[str, ...]:
+    """The [notify] table's destination names (never a URL: `event_routing.parse_named`)."""
+    for key in t:
+        if key != "destinations":
+            raise CampaignError(
+                f"notify.{key}", shown(t[key]), "unknown key; allowed here: destinations"
+            )
+    try:
+        return parse_named(t.get("destinations", []))
+    except SpecError as exc:
+        raise CampaignError(exc.field, exc.value, exc.hint) from None
 
 
 def _check_script_key(fld: str, key: str, value: object, *, launcher: Launcher) -> None:

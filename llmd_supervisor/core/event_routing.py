@@ -171,19 +171,20 @@ def parse_named(value: object, key: str = "notify.destinations") -> tuple[str, .
 
 def check_named(
     names: Sequence[str],
-    owner: Owner,
+    owner: Owner | None,
     config: EventsConfig,
     key: str = "notify.destinations",
 ) -> None:
     """SpecError when a name the spec gives is not configured, or is configured for
-    other owners' runs only (the spec cannot widen an operator's ``owners``)."""
+    other owners' runs only (the spec cannot widen an operator's ``owners``; None: the
+    owner is not known yet, only the names are checked)."""
     known = {d.name: d for d in config.destinations}
     for name in names:
         d = known.get(name)
         if d is None:
             listed = ", ".join(known) or "none is configured"
             raise SpecError(key, name, f"no destination of that name ({listed})")
-        if not d.takes_owner(owner):
+        if owner is not None and not d.takes_owner(owner):
             raise SpecError(
                 key,
                 name,

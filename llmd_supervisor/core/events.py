@@ -19,9 +19,11 @@ shape is the TypedDict `EventBody`, its ``data`` one of `EventData` (`RunData`,
   characters and lone surrogates are escaped and the body is always valid UTF-8.
 - **Size**: a body is at most `MAX_BODY_BYTES`. A larger one is trimmed, in this order,
   until it fits: the per-point detail (``points`` of a run, ``problems`` of a campaign)
-  is dropped (the best point, and a finished point's own numbers, stay); long texts are
-  cut; long lists are cut; last, ``data`` keeps only the subject's identifiers. What was
-  done is named in ``trimmed``: ``"points"`` (per-point detail dropped), ``"text"`` (a
+  is cut to its first half, then the first half of that, down to none (a run's points
+  are in concurrency order, so the lowest concurrencies stay; the best point, and a
+  finished point's own numbers, always stay); long texts are cut; long lists are cut;
+  last, ``data`` keeps only the subject's identifiers. What was done is named in
+  ``trimmed``: ``"points"`` (per-point detail cut or dropped), ``"text"`` (a
   text cut, ending in ``...``), ``"lists"`` (a list cut), ``"data"`` (identifiers only);
   it is ``[]`` for an untrimmed body.
 - **Ids** (`event_id`): ``evt_`` and 26 base32 characters of the SHA-256 of (schema,
@@ -31,10 +33,12 @@ shape is the TypedDict `EventBody`, its ``data`` one of `EventData` (`RunData`,
 
   * run.submitted, run.started, run.finished: the index of the run's journaled
     transition (its row in the run's transition history);
-  * run.point_finished: ``"<attempt>:<concurrency>"`` (a point ends once per attempt);
+  * run.point_finished: ``"<submission>.<attempt>:<concurrency>"`` of the judged job (a
+    point ends once per job; a retry is a new submission, a requeue a new attempt);
   * campaign.progress: the campaign's progress counter, journaled with the event;
-  * campaign.finished: the index of the campaign's journaled transition;
-  * node.quarantined: the id of the journaled failure that quarantined the node;
+  * campaign.finished: the campaign's final state (a campaign ends once);
+  * node.quarantined: ``"<run>:<attempt>:<scope>"``, the journaled failure that made the
+    quarantine (one per node and attempt) and for whom (``everyone`` or ``uid<N>``);
   * test.ping: the id of the journaled ping request.
 
   Deriving the event again from the journal after a crash gives the same id, so a
@@ -51,7 +55,7 @@ import base64
 import hashlib
 import json
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from enum import StrEnum
@@ -568,9 +572,8 @@ def encode(event: Event, max_bytes: int = MAX_BODY_BYTES) -> bytes:
     body = _body(event, data, [])
     if len(body) <= max_bytes:
         return body
-    lighter = _without_detail(event.facts)
     dropped: list[Trim] = []
-    if lighter is not None:
+    for lighter in _less_detail(event.facts):
         dropped = ["points"]
         data = _data(lighter)
         body = _body(event, data, dropped)
@@ -611,14 +614,20 @@ def _body(event: Event, data: EventData | SubjectData, trimmed: list[Trim]) -> b
     return canonical_json(value)
 
 
-def _without_detail(facts: Facts) -> Facts | None:
-    """The facts without their per-point detail (``points`` of a run, ``problems`` of a
-    campaign); None when they have none to drop."""
-    if isinstance(facts, RunFacts) and facts.points:
-        return replace(facts, points=())
-    if isinstance(facts, CampaignFacts) and facts.problems:
-        return replace(facts, problems=())
-    return None
+def _less_detail(facts: Facts) -> Iterator[Facts]:
+    """The facts with less and less per-point detail (``points`` of a run, ``problems`` of
+    a campaign): the first half of the list (a run's points are in concurrency order),
+    then the first half of that, ..., then none; nothing when there is none to cut."""
+    if isinstance(facts, RunFacts):
+        n = len(facts.points)
+        while n:
+            n //= 2
+            yield replace(facts, points=facts.points[:n])
+    elif isinstance(facts, CampaignFacts):
+        n = len(facts.problems)
+        while n:
+            n //= 2
+            yield replace(facts, problems=facts.problems[:n])
 
 
 @dataclass

@@ -12,7 +12,17 @@ submitting -> pending (a job id)       run.submitted
 journaled straight into pending        run.submitted  (an adopted job)
 pending -> running                     run.started    (again after a requeue)
 any state -> a final state             run.finished   (the outcome declared)
+verifying -> anything else             run.point_finished, one per benchmark point the
+                                       verdict judged (``judged``)
 =====================================  ==============
+
+A run.finished carries what the verdict's receipt, the attempts and the archived results
+table say (`core.event_facts.RunDetails`: Slurm's state and exit code, the cause, the
+evidence summary, GPU-hours, the best point and every point); a run.point_finished the
+point's own numbers, its id from the judged job (submission and attempt) and the
+concurrency (a point ends once per job; a retry's job judges its points again). A spec's
+``[notify] destinations`` are the opt-in destinations it names (``named``:
+`core.event_routing.routes`).
 
 Each event goes to the destinations `core.event_routing.routes` names; an event no
 destination takes is not journaled at all. A webhook gets the event's body (signed when
@@ -24,18 +34,24 @@ delivery, so that every attempt sends the same bytes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+import json
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from enum import StrEnum
-from typing import TypedDict
+from typing import Final, TypedDict
 
+from llmd_supervisor.core.event_facts import RunDetails
 from llmd_supervisor.core.event_routing import Destination, DestinationKind, routes
 from llmd_supervisor.core.events import (
     Event,
     EventType,
+    Facts,
     Links,
     PingFacts,
+    PointCounts,
+    PointFacts,
+    QuarantineFacts,
     RunFacts,
     RunRef,
     SlurmFacts,
@@ -43,20 +59,32 @@ from llmd_supervisor.core.events import (
     canonical_json,
     encode,
     make_event,
+    progress_gate,
     subject,
 )
 from llmd_supervisor.core.lifecycle import Run, RunState
 from llmd_supervisor.core.notify_formats import mail_message, slack_message
+from llmd_supervisor.core.retry_policy import NodeFailure, Quarantined, QuarantineRules, quarantine
 
 __all__ = [
     "DeliveryStatus",
     "DeliveryView",
     "EventList",
     "EventView",
+    "LastProgress",
     "Outgoing",
     "PingQueued",
+    "ProgressStep",
     "Replayed",
+    "campaign_counts",
+    "event_outgoing",
+    "last_progress",
+    "newly_quarantined",
     "ping_outgoing",
+    "progress_step",
+    "quarantine_facts",
+    "quarantine_outgoing",
+    "quarantine_seq",
     "run_event_type",
     "run_facts",
     "run_outgoing",
@@ -149,16 +177,26 @@ def run_event_type(before: Run | None, after: Run) -> EventType | None:
     return None
 
 
-def run_facts(run: Run, ref: RunRef, links: Links) -> RunFacts:
-    """The facts of `run` as its journaled record tells them."""
+def run_facts(run: Run, ref: RunRef, links: Links, details: RunDetails | None = None) -> RunFacts:
+    """The facts of `run` as its journaled record tells them, with the `details` of a
+    declared run (None: none known)."""
+    d = details or RunDetails()
     return RunFacts(
         run=ref,
         state=run.state.value,
         attempt=run.attempt,
-        slurm=SlurmFacts(job_id=run.slurm_job_id, nodes=run.nodes),
+        slurm=SlurmFacts(
+            job_id=run.slurm_job_id, state=d.slurm_state, exit_code=d.exit_code, nodes=run.nodes
+        ),
         timing=_timing(run),
         outcome=run.outcome.value if run.outcome is not None else None,
+        cause=d.cause,
         reason=run.reason,
+        evidence=d.evidence,
+        gpu_hours_useful=d.gpu_hours_useful,
+        gpu_hours_lost=d.gpu_hours_lost,
+        best=d.best,
+        points=d.points,
         links=links,
     )
 
@@ -182,25 +220,54 @@ def run_outgoing(
     links: Links,
     destinations: Sequence[Destination],
     host: str = "localhost",
+    *,
+    named: Collection[str] = (),
+    details: RunDetails | None = None,
+    judged: Sequence[PointFacts] = (),
 ) -> tuple[Outgoing, ...]:
-    """The events (at most one) to journal with the change from `before` to `after`;
-    `host` is the daemon's host name (a mail's Message-ID, and its default From)."""
-    etype = run_event_type(before, after)
-    if etype is None or not destinations:
+    """The events to journal with the change from `before` to `after`: the transition's
+    (at most one, with `details` when it is run.finished) and, when `after` leaves
+    verifying, one run.point_finished per point of `judged` (the points the verdict
+    judged). `named`: the opt-in destinations the run's spec names; `host` is the
+    daemon's host name (a mail's Message-ID, and its default From)."""
+    if not destinations:
         return ()
-    seq = len(after.transitions) - 1  # the index of the transition reported
-    facts = run_facts(after, ref, links)
-    event = make_event(etype, facts, after.transitions[-1].at, seq)
-    names = routes(event, destinations)
+    at = after.transitions[-1].at
+    out: list[Outgoing] = []
+    if before is not None and before.state is RunState.VERIFYING and after.state != before.state:
+        for point in judged:
+            facts = replace(run_facts(after, ref, links), point=point)
+            seq = f"{before.submission}.{before.attempt}:{point.concurrency}"
+            event = make_event(EventType.RUN_POINT_FINISHED, facts, at, seq)
+            out += _routed(event, facts, seq, destinations, named, host)
+    etype = run_event_type(before, after)
+    if etype is not None:
+        seq_i = len(after.transitions) - 1  # the index of the transition reported
+        facts = run_facts(after, ref, links, details if etype is EventType.RUN_FINISHED else None)
+        event = make_event(etype, facts, at, seq_i)
+        out += _routed(event, facts, str(seq_i), destinations, named, host)
+    return tuple(out)
+
+
+def _routed(
+    event: Event,
+    facts: Facts,
+    seq: str,
+    destinations: Sequence[Destination],
+    named: Collection[str],
+    host: str,
+) -> tuple[Outgoing, ...]:
+    """`event` as the one `Outgoing` to journal, if any destination takes it."""
+    names = routes(event, destinations, named)
     if not names:
         return ()
     by_name = {d.name: d for d in destinations}
     return (
         Outgoing(
             id=event.id,
-            type=etype,
+            type=event.type,
             subject=subject(facts),
-            seq=str(seq),
+            seq=seq,
             at=event.at,
             body=encode(event),
             destinations=tuple(names),
@@ -248,3 +315,152 @@ def _payload(event: Event, d: Destination, host: str) -> bytes | None:
 def _mail(event: Event, d: Destination, host: str) -> bytes:
     sender = d.sender or f"llmd-supervisor@{host}"
     return mail_message(event, sender, d.to, host).as_bytes()
+
+
+def event_outgoing(
+    etype: EventType,
+    facts: Facts,
+    at: datetime,
+    seq: int | str,
+    destinations: Sequence[Destination],
+    host: str = "localhost",
+    *,
+    named: Collection[str] = (),
+) -> tuple[Outgoing, ...]:
+    """The event of `etype` for `facts` (a campaign's, a node's), routed; () when no
+    destination takes it. `seq` as `core.events.event_id` says for its type."""
+    if not destinations:
+        return ()
+    event = make_event(etype, facts, at, seq)
+    return _routed(event, facts, str(seq), destinations, named, host)
+
+
+# --- campaign.progress ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LastProgress:
+    """A campaign's last journaled campaign.progress: when, its counter, its counts."""
+
+    at: datetime
+    seq: int
+    points: PointCounts
+
+
+@dataclass(frozen=True)
+class ProgressStep:
+    """Whether to journal a campaign.progress now (`seq`: its counter), or when to look
+    again (`retry_at`: the counts changed inside the minute); neither: nothing changed."""
+
+    seq: int | None = None
+    retry_at: datetime | None = None
+
+
+def progress_step(last: LastProgress | None, points: PointCounts, now: datetime) -> ProgressStep:
+    """campaign.progress is made when a campaign's counts differ from those it last
+    reported, at most once per `core.events.PROGRESS_INTERVAL` (`progress_gate`, from
+    the last journaled one's time, so a restart keeps the limit). Changes inside the
+    minute coalesce: the caller asks again at `retry_at` and reports the counts then."""
+    if last is not None and last.points == points:
+        return ProgressStep()
+    gate = progress_gate(None if last is None else last.at, now)
+    if not gate.emit:
+        return ProgressStep(retry_at=gate.retry_at)
+    return ProgressStep(seq=1 if last is None else last.seq + 1)
+
+
+def last_progress(seq: str, at: datetime, body: bytes) -> LastProgress | None:
+    """A journaled campaign.progress read back (None: not one this code wrote)."""
+    try:
+        data = json.loads(body)["data"]["points"]
+        counts = PointCounts(**{k: int(data[k]) for k in _COUNT_KEYS})
+        return LastProgress(at=at, seq=int(seq), points=counts)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+_COUNT_KEYS: Final = ("total", "verified", "running", "pending", "failed", "blocked")
+
+
+def campaign_counts(by_state: Mapping[str, int]) -> PointCounts:
+    """A campaign's point counts for its events, from `core.campaign_run.point_counts`
+    (reused points count as verified; cancelled ones as failed)."""
+
+    def n(*states: str) -> int:
+        return sum(by_state.get(s, 0) for s in states)
+
+    return PointCounts(
+        total=sum(by_state.values()),
+        verified=n("verified", "reused"),
+        running=n("running"),
+        pending=n("queued"),
+        failed=sum(v for k, v in by_state.items() if k.startswith("failed")) + n("cancelled"),
+        blocked=n("blocked"),
+    )
+
+
+# --- node.quarantined -----------------------------------------------------------------
+
+
+def newly_quarantined(
+    before: Sequence[Quarantined], after: Sequence[Quarantined]
+) -> list[Quarantined]:
+    """The quarantines active in `after` (the failures with the new one counted) that were
+    not in `before`: each a node.quarantined (for everyone, or for one owner's runs)."""
+    was = {(q.cluster, q.node, q.owner_uid) for q in before if q.active}
+    return [q for q in after if q.active and (q.cluster, q.node, q.owner_uid) not in was]
+
+
+def quarantine_facts(q: Quarantined, owner_name: str | None) -> QuarantineFacts:
+    """The facts of quarantine `q`; `owner_name` the user name of its owner (None: for
+    everyone, or a uid without a name)."""
+    return QuarantineFacts(
+        cluster=q.cluster,
+        node=q.node,
+        owner=owner_name,
+        owner_uid=q.owner_uid,
+        failures=q.failures,
+        reason=q.reason,
+        since=q.since,
+        until=q.until,
+        run=q.run_id,
+    )
+
+
+def quarantine_seq(q: Quarantined, run_id: str, attempt: int) -> str:
+    """A node.quarantined's seq: the failure that quarantined it (run and attempt; one
+    failure is counted once per node and attempt) and for whom."""
+    scope = "everyone" if q.owner_uid is None else f"uid{q.owner_uid}"
+    return f"{run_id}:{attempt}:{scope}"
+
+
+def quarantine_outgoing(
+    counted: Sequence[NodeFailure],
+    failure: NodeFailure,
+    *,
+    rules: QuarantineRules,
+    destinations: Sequence[Destination],
+    name_of: Callable[[int], str | None],
+    host: str = "localhost",
+) -> tuple[Outgoing, ...]:
+    """The node.quarantined events that counting `failure` makes, given the failures
+    `counted` before it: one per quarantine (for everyone, or for one owner's runs) that
+    `failure` makes active. None when the same failure was counted already (a verdict
+    recorded again after a restart) or the node was kept out already. `name_of` gives a
+    uid's user name."""
+    if not destinations:
+        return ()
+    same = (failure.cluster, failure.node, failure.run_id, failure.attempt)
+    if any((f.cluster, f.node, f.run_id, f.attempt) == same for f in counted):
+        return ()
+    now = failure.at
+    node = [f for f in counted if (f.cluster, f.node) == (failure.cluster, failure.node)]
+    before = quarantine(node, now=now, rules=rules)
+    after = quarantine([*node, failure], now=now, rules=rules)
+    out: list[Outgoing] = []
+    for q in newly_quarantined(before, after):
+        owner = None if q.owner_uid is None else name_of(q.owner_uid)
+        facts = quarantine_facts(q, owner)
+        seq = quarantine_seq(q, failure.run_id, failure.attempt)
+        out += event_outgoing(EventType.NODE_QUARANTINED, facts, now, seq, destinations, host)
+    return tuple(out)

@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
+from llmd_supervisor.core.event_routing import parse_named
 from llmd_supervisor.core.results import Validity
 from llmd_supervisor.core.retry_policy import RETRY_KEYS, RetryPolicy, parse_retry
 from llmd_supervisor.core.spec_bench import BENCHMARK_KEYS, Benchmark, parse_benchmark
@@ -261,6 +262,9 @@ class RunSpec:
     recipe: Recipe = field(default_factory=Recipe)
     standins: bool = False  # the batch script carries the stand-ins (tests, dev cluster)
     name: str = ""  # [run] name: what `list` and `status` call the run ("" when unnamed)
+    # [notify] destinations: names of the daemon's configured event destinations (never a
+    # URL); checked against the daemon config at submit (`core.event_routing.check_named`).
+    notify: tuple[str, ...] = ()
 
 
 # --- loading ------------------------------------------------------------------------------
@@ -295,6 +299,7 @@ _TABLES: Final = {
     "env": ("common", "prefill", "decode", "bench"),
     "recipe": RECIPE_KEYS,
     "standins": STANDINS_KEYS,
+    "notify": ("destinations",),
 }
 # The tables of a run spec and each one's keys (campaign matrix keys are `<table>.<key>`).
 SPEC_FIELDS: Final = _TABLES
@@ -368,6 +373,7 @@ def parse_spec(data: Mapping[str, object]) -> RunSpec:
         recipe=parse_recipe(t["recipe"]),
         standins=parse_standins(t["standins"]),
         name=run_name or "",
+        notify=parse_named(t["notify"].get("destinations", [])),
     )
     check_standins(spec.standins, _commands(spec), _env_tables(spec.env))
     return spec

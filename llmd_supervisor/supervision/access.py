@@ -7,9 +7,11 @@ and cancel everyone's.
 
 from __future__ import annotations
 
+import functools
 import grp
 import os
 import pwd
+import socket
 
 from llmd_supervisor.adapters.control_protocol import Peer
 
@@ -63,3 +65,9 @@ def user_name(uid: int) -> str | None:
         return pwd.getpwuid(uid).pw_name
     except (KeyError, OverflowError):
         return None
+
+
+@functools.cache
+def host_name() -> str:
+    """This host's name, for a mail's Message-ID and From (no DNS lookup)."""
+    return socket.gethostname() or "localhost"  # core.outbox falls back to localhost

@@ -1,11 +1,11 @@
 """The control socket's ``events_*`` ops: the outbox's deliveries, one event, a replay.
 
 Access follows the runs' rule (`supervision.access`): a peer sees the events of its own
-runs; root and the admin group see every event (those of no run too: a node quarantined
-for everyone, a campaign's). An event the peer may not see is answered exactly like one
-that does not exist (``not_found``). Replaying (``events_replay``) is for whoever may see
-the event: it only ever sends to destinations the operator configured. A test.ping to a
-destination (``events_test``) is for root and the admin group.
+runs and campaigns; root and the admin group see every event (a node's too). An event
+the peer may not see is answered exactly like one that does not exist (``not_found``).
+Replaying (``events_replay``) is for whoever may see the event: it only ever sends to
+destinations the operator configured. A test.ping to a destination (``events_test``) is
+for root and the admin group.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ __all__ = ["EventOps"]
 
 LIST_MAX: Final = 200  # deliveries `events list` returns at most (newest first)
 _RUN_PREFIX: Final = "run/"
+_CAMPAIGN_PREFIX: Final = "campaign/"
 
 
 class RunOwners(Protocol):
@@ -66,19 +67,22 @@ class EventOps:
         self._clock = clock
         self._wake = wake  # the sender looks for due deliveries at once
 
-    def _sees(self, peer: Peer, subject: str) -> bool:
+    async def _sees(self, peer: Peer, subject: str) -> bool:
         if sees_all(peer, self._admin_group):
             return True
-        if not subject.startswith(_RUN_PREFIX):
-            return False
-        return self._runs.owner_of(subject[len(_RUN_PREFIX) :]) == peer.uid
+        if subject.startswith(_RUN_PREFIX):
+            return self._runs.owner_of(subject[len(_RUN_PREFIX) :]) == peer.uid
+        if subject.startswith(_CAMPAIGN_PREFIX):
+            owner = await self._outbox.campaign_owner(subject[len(_CAMPAIGN_PREFIX) :])
+            return owner == peer.uid
+        return False  # a node's events: root and the admin group
 
     async def list(self, args: Mapping[str, object], peer: Peer, send: Send) -> EventList:
         run_id = None
         ref = args["run"]
         if ref is not None:
             run_id = self._runs.run_id_of(str(ref))
-            if run_id is None or not self._sees(peer, _RUN_PREFIX + run_id):
+            if run_id is None or not await self._sees(peer, _RUN_PREFIX + run_id):
                 raise ControlError("not_found", f"No run {show(ref)} is known to this daemon.")
         status = None
         if args["status"] is not None:
@@ -91,13 +95,19 @@ class EventOps:
                     f"Status {show(args['status'])} is not a delivery status; use one of "
                     f"{choices}.",
                 ) from None
-        found = await self._outbox.deliveries(run_id=run_id, status=status, limit=LIST_MAX)
-        return {"deliveries": [_view(d) for d in found if self._sees(peer, d.subject)]}
+        # A peer who does not see all sees its own runs' and campaigns' events: filtered
+        # in the query, so that the newest LIST_MAX are the peer's own, not LIST_MAX of
+        # everyone's.
+        owner = None if sees_all(peer, self._admin_group) else peer.uid
+        found = await self._outbox.deliveries(
+            run_id=run_id, status=status, owner_uid=owner, limit=LIST_MAX
+        )
+        return {"deliveries": [_view(d) for d in found]}
 
     async def show(self, args: Mapping[str, object], peer: Peer, send: Send) -> EventView:
         event_id = str(args["event"])
         stored = await self._outbox.event(event_id)
-        if stored is None or not self._sees(peer, stored.subject):
+        if stored is None or not await self._sees(peer, stored.subject):
             raise ControlError("not_found", f"No event {show(event_id)} is in the journal.")
         return {
             "event": stored.event_id,

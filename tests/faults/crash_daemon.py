@@ -4,9 +4,11 @@
 ``--crash-after`` SIGKILLs the daemon right after the journal committed the N-th (default
 first) transition into STATE, before anything acted on it; ``cancel_requested`` for STATE
 crashes right after a cancel request was journaled instead, ``sbatch:N`` right after the
-N-th sbatch answered (before the journal heard of its job), and ``expansion`` once a
-campaign file was expanded (before the campaign was journaled). ``--replay-socket`` sends every
-Slurm command to the replayed cluster a test serves there (tests/fakes/replay_service.py);
+N-th sbatch answered (before the journal heard of its job), ``expansion`` once a
+campaign file was expanded (before the campaign was journaled), and ``webhook_2xx`` once a
+webhook receiver answered 2xx (before the delivery was journaled delivered: the event
+sender's POST is wrapped). ``--replay-socket`` sends every Slurm command to the
+replayed cluster a test serves there (tests/fakes/replay_service.py);
 ``--qos-backoff-s`` shortens a campaign's back-off after a QOS submit refusal.
 The production daemon has no such seams; they are injected through `Hooks`."""
 
@@ -18,17 +20,19 @@ import functools
 import os
 import signal
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
-from typing import ParamSpec
+from typing import Any, ParamSpec
 
 import anyio
 import structlog
 
+from llmd_supervisor.adapters import event_sender
 from llmd_supervisor.adapters.log import configure
 from llmd_supervisor.adapters.slurm import CommandResult, CommandRunner, LocalRunner
 from llmd_supervisor.core import campaign
 from llmd_supervisor.core.config import Config, read_config
+from llmd_supervisor.core.delivery import HttpResponse, Result
 from llmd_supervisor.core.lifecycle import Run
 from llmd_supervisor.supervision.campaign import runner as campaign_runner
 from llmd_supervisor.supervision.daemon import serve
@@ -84,6 +88,24 @@ class CrashAfterSbatch:
         return result
 
 
+AsyncPost = Callable[[str, bytes, Mapping[str, str], float], Coroutine[Any, Any, Result]]
+
+
+def crash_after_webhook_2xx(post: AsyncPost) -> AsyncPost:
+    """`post` that SIGKILLs the daemon once a receiver answered 2xx, before the sender
+    journals the delivery ``delivered`` (the outbox's at-least-once seam)."""
+
+    async def post_then_crash(
+        url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
+    ) -> Result:
+        result = await post(url, body, headers, timeout_s)
+        if isinstance(result, HttpResponse) and 200 <= result.status < 300:
+            _crash(after="webhook_2xx", webhook_id=headers.get("webhook-id"))
+        return result
+
+    return post_then_crash
+
+
 def _local_runner(config: Config) -> CommandRunner:
     (cluster,) = config.clusters
     if cluster.login_host is not None:
@@ -117,6 +139,9 @@ def main() -> int:
         state, _, nth = args.crash_after.partition(":")
         if state == "expansion":
             campaign.expand = _then_crash(campaign.expand)
+        elif state == "webhook_2xx":  # the daemon's EventSender posts through this
+            wrapped = crash_after_webhook_2xx(event_sender.post_json)
+            setattr(event_sender, "post_json", wrapped)  # noqa: B010 - mypy refuses `=` on a def
         elif state == "sbatch":
             inner = hooks.runner or _local_runner(config)
             hooks = dataclasses.replace(hooks, runner=CrashAfterSbatch(inner, int(nth or 1)))

@@ -103,7 +103,7 @@ def test_defaults() -> None:
             "bogus",
             "Campaign file field 'bogus' has invalid value 1: unknown key; allowed at the top"
             " level: name, base, script, cluster, limits, launcher, matrix, zip, exclude,"
-            " include.",
+            " include, notify.",
         ),
         ("name = 'x'", "base", 'give base = "spec.toml" (a run spec to vary) or script ='),
         ('base = ""', "base", "give base as a non-empty string"),

@@ -7,11 +7,15 @@ is reported as not retried; a run held for want of nodes fails at its deadline, 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
 
+from llmd_supervisor.adapters.outbox_store import Outbox
+from llmd_supervisor.core.event_routing import Destination, DestinationKind, EventsConfig
+from llmd_supervisor.core.events import EventType
 from llmd_supervisor.core.lifecycle import RunState
 from llmd_supervisor.core.retry_policy import Evidence, NodeFailure, quarantine
 from llmd_supervisor.core.slurm_parse import JobState
@@ -25,6 +29,7 @@ from tests.unit.test_driver_replay import Rig, _spec, replayed
 
 ALLOC = ("node1", "node2", "node3", "node4")  # the demo spec's 4 ranks, as Slurm gives them
 USER, OTHER = 1000, 1001
+NO_RETRY = "\n[retry]\ninfrastructure = 0\n"
 
 
 def cluster_of(rig: Rig, monkeypatch: pytest.MonkeyPatch, nodes: tuple[str, ...]) -> None:
@@ -154,3 +159,48 @@ def test_only_a_refused_ssh_connection_is_the_daemons_own_evidence(
     node: str, error: object, seen: bool
 ) -> None:
     assert verify.no_ssh(node, error) is seen
+
+
+@pytest.mark.asyncio
+async def test_the_failure_that_quarantines_a_node_journals_node_quarantined_with_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with replayed(tmp_path) as rig:
+        ops = Destination(
+            "ops",
+            DestinationKind.WEBHOOK,
+            url="http://127.0.0.1:9/",
+            secret_file="/s",
+            types=frozenset({EventType.NODE_QUARANTINED}),
+        )
+        rig.sup.config = replace(rig.sup.config, events=EventsConfig((ops,)))
+        cluster_of(rig, monkeypatch, (*ALLOC, "node5"))  # room for a retry without node1
+        now = rig.sup.clock()
+        earlier = NodeFailure("dev", "node1", USER, "r0", 1, Evidence.INFERRED, "x", now)
+        await rig.journal.count_node_failure(earlier, forget_before=now - timedelta(hours=6))
+        h = await rig.sup.submit(_spec(rig.tmp / "logs") + NO_RETRY, owner_uid=USER)
+        rig.replay.expect(h.run.job_name, Start(ALLOC), End(JobState.FAILED, exit_code="73:0"))
+        await rig.until(h, lambda h: h.run.state is RunState.PENDING)
+        rig.replay.step()
+        await rig.until(h, lambda h: h.run.state is RunState.RUNNING)
+        write_hostile_statuses(h)
+        rig.replay.step()
+        await rig.final(h)
+
+        # This run's failure of node1 is the user's second run's: node1 is kept out of the
+        # user's runs, and the event says so, journaled once with the count.
+        listed = await Outbox(rig.journal).deliveries()
+        assert [(d.type, d.subject, d.destination) for d in listed] == [
+            ("node.quarantined", "node/dev/node1", "ops")
+        ]
+        stored = await Outbox(rig.journal).event(listed[0].event_id)
+        assert stored is not None
+        assert stored.seq == f"{h.run.run_id}:1:uid{USER}"
+        data = json.loads(stored.body)["data"]
+        assert (data["node"], data["scope"], data["owner_uid"], data["failures"]) == (
+            "node1",
+            "owner",
+            USER,
+            2,
+        )
+        assert data["run"] == h.run.run_id

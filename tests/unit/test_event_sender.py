@@ -23,6 +23,7 @@ import anyio
 import anyio.abc
 import pytest
 
+from llmd_supervisor.adapters.campaign_store import CampaignStore, StoredCampaign
 from llmd_supervisor.adapters.control_protocol import Peer
 from llmd_supervisor.adapters.event_sender import EventSender, post_json, read_secret_file
 from llmd_supervisor.adapters.journal import Journal, RunMeta
@@ -32,9 +33,9 @@ from llmd_supervisor.cli.config import secret_problems
 from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.delivery import NetworkFailure
 from llmd_supervisor.core.event_routing import Destination, DestinationKind, EventsConfig
-from llmd_supervisor.core.events import EventType, Links, RunRef
+from llmd_supervisor.core.events import CampaignFacts, EventType, Links, PointCounts, RunRef
 from llmd_supervisor.core.lifecycle import Submit, Submitted, new_run, step
-from llmd_supervisor.core.outbox import DeliveryStatus, Outgoing, run_outgoing
+from llmd_supervisor.core.outbox import DeliveryStatus, Outgoing, event_outgoing, run_outgoing
 from llmd_supervisor.core.slurm_parse import JobState
 from llmd_supervisor.core.summary import RunSummary, read
 from llmd_supervisor.core.webhooks import unix_seconds, verify
@@ -87,10 +88,12 @@ class World:
         await self.tg.start(sender.run)
         return sender
 
-    async def submitted(self, run_id: str = "r-1", *dests: Destination) -> Outgoing:
-        """A run journaled up to pending, with its run.submitted for `dests`."""
+    async def submitted(
+        self, run_id: str = "r-1", *dests: Destination, owner: int = 1000
+    ) -> Outgoing:
+        """A run of `owner` journaled up to pending, with its run.submitted for `dests`."""
         run = new_run(run_id, f"llmd-{run_id}", T0)
-        meta = RunMeta(1000, "dev", "x", "", "/l", "/a", T0)
+        meta = RunMeta(owner, "dev", "x", "", "/l", "/a", T0)
         await self.journal.insert_run(run, meta)
         a = step(run, Submit(), T0 + timedelta(seconds=1))[0]
         await self.journal.save(a, expected=run.state)
@@ -309,7 +312,9 @@ async def test_a_finished_run_s_run_finished_reaches_the_webhook(tmp_path: Path)
             DestinationKind.WEBHOOK,
             url=f"http://127.0.0.1:{port}/hook",
             secret_file=str(secret_file),
-            types=frozenset({EventType.RUN_SUBMITTED, EventType.RUN_FINISHED}),
+            types=frozenset(
+                {EventType.RUN_SUBMITTED, EventType.RUN_POINT_FINISHED, EventType.RUN_FINISHED}
+            ),
         )
         # Our own group is the admin group: `events test` is for admins.
         admins = grp.getgrgid(os.getgid()).gr_name
@@ -327,20 +332,38 @@ async def test_a_finished_run_s_run_finished_reaches_the_webhook(tmp_path: Path)
             replay.step()
             final = await daemon.until_state(run, "succeeded", "failed")
             assert final["state"] == "succeeded", final["reason"]
-            got = list(await receiver.until(2))
+            got = list(await receiver.until(5))  # submitted, 3 points (c=1, 2, 4), finished
             await _events_cli(config.socket_path, run, tmp_path)
-            (*_, ping) = await receiver.until(3)  # `events test ci`
+            (*_, ping) = await receiver.until(6)  # `events test ci`
             assert json.loads(ping.body)["type"] == "test.ping"
             os.kill(os.getpid(), signal.SIGTERM)
         outer.cancel_scope.cancel()
     keys = await read_secret_file(secret_file)
     bodies = [json.loads(r.body) for r in got]
-    assert [b["type"] for b in bodies] == ["run.submitted", "run.finished"]
-    finished = bodies[1]
-    assert finished["data"]["run"]["id"] == run
-    assert finished["data"]["outcome"] == "succeeded"
-    assert finished["data"]["reason"] == final["reason"]
-    assert finished["data"]["links"]["archive"] == final["archive"]
+    assert bodies[0]["type"] == "run.submitted"
+    points = sorted(
+        (b for b in bodies if b["type"] == "run.point_finished"),
+        key=lambda b: b["data"]["point"]["concurrency"],
+    )
+    assert [p["data"]["point"]["concurrency"] for p in points] == [1, 2, 4]
+    assert all(p["data"]["point"]["valid"] for p in points)
+    assert all(p["data"]["point"]["total_token_throughput"] > 0 for p in points)
+    (finished,) = [b for b in bodies if b["type"] == "run.finished"]
+    data = finished["data"]
+    assert data["run"]["id"] == run
+    assert data["outcome"] == "succeeded"
+    assert data["reason"] == final["reason"]
+    assert data["links"]["archive"] == final["archive"]
+    # What the receipt, the attempts and the archived results table say:
+    assert (data["slurm"]["state"], data["slurm"]["exit_code"]) == ("COMPLETED", "0:0")
+    assert data["slurm"]["nodes"] == ["127.0.0.1"]
+    assert any(line.startswith("Slurm (") for line in data["evidence"]), data["evidence"]
+    assert any(line.startswith("marker: ") for line in data["evidence"]), data["evidence"]
+    assert data["gpu_hours"]["lost"] == 0.0
+    assert [p["concurrency"] for p in data["points"]] == [1, 2, 4]
+    assert data["best_point"] is not None and data["best_point"]["valid"]
+    assert data["timing"]["ran_s"] is not None
+    assert finished["trimmed"] == []
     for r in got:
         assert r.headers["webhook-id"] == json.loads(r.body)["id"]
         verify(keys, r.headers, r.body, now=unix_seconds(datetime.now(UTC)))
@@ -377,7 +400,8 @@ async def test_events_ops_show_a_user_their_own_runs_events(tmp_path: Path) -> N
 async def _events_ops(world: World) -> None:
     world.receiver.script[:] = [Answer(404)]
     mine = await world.submitted("r-1")
-    theirs = await world.submitted("r-2")
+    theirs = await world.submitted("r-2", owner=2000)
+    campaign = await _campaign_progress(world, owner=1000)
     woken: list[bool] = []
     ops = EventOps(
         world.outbox,
@@ -390,11 +414,18 @@ async def _events_ops(world: World) -> None:
     alice, bob, root = Peer(1000, 1000, 1), Peer(2000, 2000, 2), Peer(0, 0, 3)
     no_filter = {"run": None, "status": None}
     listed = await ops.list(no_filter, alice, _nothing)
-    assert [d["event"] for d in listed["deliveries"]] == [mine.id]
+    assert {d["event"] for d in listed["deliveries"]} == {mine.id, campaign.id}  # her own
     assert {d["event"] for d in (await ops.list(no_filter, root, _nothing))["deliveries"]} == {
         mine.id,
         theirs.id,
+        campaign.id,
     }
+    assert (await ops.show({"event": campaign.id}, alice, _nothing))["type"] == (
+        "campaign.progress"
+    )
+    with pytest.raises(ControlError) as not_bobs:
+        await ops.show({"event": campaign.id}, bob, _nothing)
+    assert not_bobs.value.code == "not_found"
     with pytest.raises(ControlError) as hidden:  # another's run: as if it did not exist
         await ops.list({"run": "r-2", "status": None}, alice, _nothing)
     assert hidden.value.code == "not_found"
@@ -446,6 +477,18 @@ async def _events_ops(world: World) -> None:
     assert again["event"] != ping["event"]  # each request is an event of its own
 
 
+async def _campaign_progress(world: World, *, owner: int) -> Outgoing:
+    """A campaign of `owner` journaled, with a campaign.progress of it for ci."""
+    store = CampaignStore(world.journal)
+    stored = StoredCampaign("c-1", "sweep", owner, "dev", "running", "", "", "", {}, T0, T0)
+    await store.insert(stored, [])
+    facts = CampaignFacts("c-1", "sweep", "alice", owner, "dev", PointCounts(total=2))
+    later = T0 + timedelta(hours=1)  # due after the runs' events (the 404 is for r-1's)
+    (out,) = event_outgoing(EventType.CAMPAIGN_PROGRESS, facts, later, 1, (world.destination(),))
+    await world.outbox.add(out)
+    return out
+
+
 async def _events_cli(socket: Path, run: str, tmp_path: Path) -> None:
     """`events list` and `events show` against the daemon, as a user types them."""
 
@@ -462,7 +505,11 @@ async def _events_cli(socket: Path, run: str, tmp_path: Path) -> None:
             if {d["status"] for d in deliveries} == {"delivered"}:
                 break
             await anyio.sleep(0.05)
-    assert sorted(d["type"] for d in deliveries) == ["run.finished", "run.submitted"]
+    assert sorted(d["type"] for d in deliveries) == [
+        "run.finished",
+        *["run.point_finished"] * 3,
+        "run.submitted",
+    ]
     table = await cli("list", "--run", run)
     assert table.returncode == 0 and b"delivered" in table.stdout
     shown = await cli("show", deliveries[0]["event"])

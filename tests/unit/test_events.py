@@ -331,7 +331,7 @@ def _points(n: int) -> tuple[PointFacts, ...]:
     return tuple(replace(BEST, concurrency=c + 1, problem=None) for c in range(n))
 
 
-def test_per_point_detail_is_dropped_first() -> None:
+def test_per_point_detail_is_cut_first() -> None:
     facts = replace(FINISHED, points=_points(400), point=BEST)
     full = json.dumps(json.loads(encode(facts_event(facts), max_bytes=10**7)))
     assert len(full) > MAX_BODY_BYTES
@@ -339,7 +339,8 @@ def test_per_point_detail_is_dropped_first() -> None:
     assert len(raw) <= MAX_BODY_BYTES
     body = json.loads(raw)
     assert body["trimmed"] == ["points"]
-    assert body["data"]["points"] == []
+    # halved until it fits (400, 200, 100, 50): the first points by concurrency
+    assert [p["concurrency"] for p in body["data"]["points"]] == list(range(1, 51))
     assert body["data"]["best_point"]["concurrency"] == 32  # the headline stays
     assert body["data"]["reason"] == FINISHED.reason  # texts untouched
 
@@ -410,7 +411,7 @@ def test_campaign_problems_are_its_per_point_detail() -> None:
     )
     body = json.loads(encode(make_event(EventType.CAMPAIGN_PROGRESS, facts, T0, 3)))
     assert body["trimmed"] == ["points"]
-    assert body["data"]["problems"] == []
+    assert [p["concurrency"] for p in body["data"]["problems"]] == list(range(75))  # halved
     assert body["data"]["points"] == {
         "total": 300,
         "verified": 0,

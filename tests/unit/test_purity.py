@@ -35,6 +35,7 @@ PURE_MODULES = [
     "llmd_supervisor.core.notify_formats",
     "llmd_supervisor.core.event_routing",
     "llmd_supervisor.core.outbox",
+    "llmd_supervisor.core.event_facts",
     "llmd_supervisor.core.lease",
     "llmd_supervisor.core.fencing",
     "llmd_supervisor.core.journal_url",

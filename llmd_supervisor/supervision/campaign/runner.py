@@ -60,10 +60,14 @@ from llmd_supervisor.core.campaign_run import (
     qos_refusal,
 )
 from llmd_supervisor.core.campaign_script import ScriptJob, is_script_job
+from llmd_supervisor.core.event_routing import check_named
+from llmd_supervisor.core.events import Owner
 from llmd_supervisor.core.lifecycle import RunState
 from llmd_supervisor.core.spec_toml import decode_toml
 from llmd_supervisor.core.toml_write import dump_toml
-from llmd_supervisor.errors import CampaignError, IllegalTransition, SupervisorError
+from llmd_supervisor.errors import CampaignError, IllegalTransition, SpecError, SupervisorError
+from llmd_supervisor.supervision.access import user_name
+from llmd_supervisor.supervision.campaign.events import CampaignEvents
 from llmd_supervisor.supervision.campaign.points import still_good, verified_of
 from llmd_supervisor.supervision.run.driver import RunHandle, Supervisor
 
@@ -118,6 +122,7 @@ class Campaigns:
         self.sup = supervisor
         self.store = store
         self.live: dict[str, _Live] = {}
+        self.events = CampaignEvents(supervisor)
 
     # --- entry points --------------------------------------------------------------------
 
@@ -138,6 +143,10 @@ class Campaigns:
         script, `file_dir` the campaign file's directory, `export_env` the client's
         environment (``--export-env``, filtered as `submit --script` filters it)."""
         cf = core.parse_campaign(file_text, default_name=default_name)
+        try:
+            check_named(cf.notify, None, self.sup.config.events)
+        except SpecError as exc:  # the campaign file's [notify], not a run spec's
+            raise CampaignError(exc.field, exc.value, exc.hint) from None
         if cf.launcher is None:
             if export_env is not None:
                 raise CampaignError(
@@ -221,6 +230,11 @@ class Campaigns:
         """Journal the planned campaign with all its jobs, then start its task."""
         campaign_id = uuid.uuid4().hex[:12]
         now = self.sup.clock()
+        try:
+            owner = Owner(owner_uid, user_name(owner_uid) or "")
+            check_named(plan.file.notify, owner, self.sup.config.events)
+        except SpecError as exc:
+            raise CampaignError(exc.field, exc.value, exc.hint) from None
         cluster_name = self.sup.config.cluster(cluster or plan.file.cluster).name
         limits = plan.file.limits
         stored = StoredCampaign(
@@ -237,6 +251,8 @@ class Campaigns:
                 "rerun": plan.rerun,
                 # the client's environment of a script campaign's runs (None: the daemon's)
                 "export_env": None if plan.export_env is None else dict(plan.export_env),
+                # the destinations its [notify] names (its campaign.* events)
+                "notify": list(plan.file.notify),
             },
             created_at=now,
             updated_at=now,
@@ -344,6 +360,7 @@ class Campaigns:
             log.warning("campaign.qos_backoff", cap=live.qos_cap, backoff_s=QOS_BACKOFF_S)
         if state is CampaignState.CANCELLING:
             return await self._cancelling(c, jobs, active)
+        await self.events.progress(c, jobs)
         decision = admit(
             [_Job(j) for j in jobs],
             {j.job_key: JobState(j.state) for j in jobs},
@@ -356,7 +373,11 @@ class Campaigns:
         await self._apply(c, jobs, decision, state)
         if decision.done:
             final = CampaignState.STOPPED if decision.stop else CampaignState.FINISHED
-            await self.store.set_state(campaign_id, final.value, decision.stop or "")
+            reason = decision.stop or ""
+            jobs = await self.store.jobs(campaign_id)
+            outgoing = self.events.finished(c, jobs, final.value, reason)
+            await self.store.set_state(campaign_id, final.value, reason, outgoing)
+            self.events.forget(campaign_id)
             log.info("campaign.finished", state=final.value, reason=decision.stop or "")
             live.touch()
             return True
@@ -533,7 +554,11 @@ class Campaigns:
                     await self.sup.cancel(handle)
         if active:
             return False
-        await self.store.set_state(c.campaign_id, CampaignState.CANCELLED.value, "cancelled")
+        final = CampaignState.CANCELLED.value
+        jobs = await self.store.jobs(c.campaign_id)
+        outgoing = self.events.finished(c, jobs, final, "cancelled")
+        await self.store.set_state(c.campaign_id, final, "cancelled", outgoing)
+        self.events.forget(c.campaign_id)
         log.info("campaign.cancelled")
         self._live(c.campaign_id).touch()
         return True

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 from llmd_supervisor.core import foreign_spec as foreign_spec
 from llmd_supervisor.core.config import Config
+from llmd_supervisor.core.event_routing import check_named
 from llmd_supervisor.core.foreign_spec import ForeignSpec
 from llmd_supervisor.core.paths import check_canonical, check_log_dir
 from llmd_supervisor.core.spec import RunSpec, check_daemon_dirs, load_spec
@@ -20,8 +21,10 @@ async def admit(
     """The validated spec, as `submit` (and a dry run) accepts it: SpecError unless its
     directories keep clear of the daemon's own, and its log directory is allowed
     (`core.paths`) and, resolved where the cluster's commands run (``realpath -m``),
-    is itself: no link on its way."""
+    is itself: no link on its way; and unless every destination its ``[notify]`` names
+    is configured in the daemon (the owner's side is checked at submission)."""
     spec = load_spec(spec_toml)
+    check_named(spec.notify, None, config.events)
     await _check_log_dir(config, clusters, spec.log_dir, cluster)
     own = (str(config.state_dir), str(config.archive_root))
     check_daemon_dirs(spec, (*own, str(config.socket_path.parent)))

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import socket
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -51,7 +50,9 @@ from llmd_supervisor.adapters.journal import Journal, NewEvent, RunMeta, StoredR
 from llmd_supervisor.adapters.slurm import CommandRunner
 from llmd_supervisor.core import foreign_spec as foreign_spec
 from llmd_supervisor.core.config import Config
-from llmd_supervisor.core.events import Links, RunRef
+from llmd_supervisor.core.event_facts import RunDetails, finished_details, point_of_evidence
+from llmd_supervisor.core.event_routing import check_named
+from llmd_supervisor.core.events import EventType, Links, Owner, PointFacts, RunRef
 from llmd_supervisor.core.foreign_spec import ForeignSpec
 from llmd_supervisor.core.health import NodeHealth
 from llmd_supervisor.core.layout import RunLayout
@@ -82,11 +83,13 @@ from llmd_supervisor.core.render import render_sbatch
 from llmd_supervisor.core.retry_policy import Quarantined, quarantine
 from llmd_supervisor.core.spec import RunSpec, load_spec
 from llmd_supervisor.errors import (
+    ControlError,
     IllegalTransition,
     SpecError,
     SupervisorError,
 )
-from llmd_supervisor.supervision.access import user_name
+from llmd_supervisor.supervision import bench_files
+from llmd_supervisor.supervision.access import host_name, user_name
 from llmd_supervisor.supervision.attempt import Attempt
 from llmd_supervisor.supervision.bench_files import JudgedFiles
 from llmd_supervisor.supervision.cluster import Cluster
@@ -118,8 +121,10 @@ from llmd_supervisor.supervision.run.records import (
     ToJournal,
     Transition,
     attempt_entry_of,
+    last_receipt,
 )
 from llmd_supervisor.supervision.verify_job import utcnow
+from llmd_supervisor.supervision.views import results_table_of
 
 log = structlog.get_logger("llmd_supervisor.runs")
 
@@ -270,6 +275,8 @@ class Supervisor:
         A campaign chooses the `run_id` (12 hex digits) and journals it first, so that a
         restart in between finds out whether the run exists; JournalConflict if it does."""
         spec = await self.admit(spec_toml, cluster)
+        owner = Owner(owner_uid, user_name(owner_uid) or "")
+        check_named(spec.notify, owner, self.config.events)
         run_id = run_id or uuid.uuid4().hex[:12]
         job_name = f"llmd-{run_id}"
         # off the loop: the first render reads the node files (~0.5 s), each packs them
@@ -634,7 +641,7 @@ class Supervisor:
             after, _ = step(before, event, now)  # the actions are plan(after): the loop's
             if after is before and not logged:
                 return
-            outgoing = self._outgoing(before, after, h.meta, h.name)
+            outgoing = await self._run_outgoing(h, before, after)
             moved: Transition = {
                 "from": before.state.value,
                 "to": after.state.value,
@@ -664,11 +671,18 @@ class Supervisor:
             h.notify()
 
     def _outgoing(
-        self, before: Run | None, after: Run, meta: RunMeta, name: str
+        self,
+        before: Run | None,
+        after: Run,
+        meta: RunMeta,
+        name: str,
+        named: Sequence[str] = (),
+        details: RunDetails | None = None,
+        judged: Sequence[PointFacts] = (),
     ) -> tuple[Outgoing, ...]:
         """The outbound events to journal with this change of the run (`core.outbox`)."""
         destinations = self.config.events.destinations
-        if not destinations or run_event_type(before, after) is None:
+        if not destinations or (run_event_type(before, after) is None and not judged):
             return ()  # most transitions report nothing: no user lookup, no spec hash
         ref = RunRef(
             id=after.run_id,
@@ -681,10 +695,62 @@ class Supervisor:
         )
         links = Links(archive=meta.archive_dir or None)
         try:
-            return run_outgoing(before, after, ref, links, destinations, _host_name())
+            return run_outgoing(
+                before,
+                after,
+                ref,
+                links,
+                destinations,
+                host_name(),
+                named=named,
+                details=details,
+                judged=judged,
+            )
         except Exception:  # a bug in making an event must never hold up the run
             log.exception("event.not_made", run_id=after.run_id, state=after.state.value)
             return ()
+
+    async def _run_outgoing(self, h: RunHandle, before: Run, after: Run) -> tuple[Outgoing, ...]:
+        """`_outgoing` for a change of a supervised run: with the points the verdict just
+        judged when it leaves verifying, and with what the journal and the archive say
+        of it (`core.event_facts`) when it is declared."""
+        if not self.config.events.destinations:
+            return ()
+        named = h.spec.notify if isinstance(h.spec, RunSpec) else ()
+        judged: tuple[PointFacts, ...] = ()
+        files = h.judged_files
+        if (
+            before.state is RunState.VERIFYING
+            and after.state is not RunState.VERIFYING
+            and files is not None
+            and files.bench is not None
+            and isinstance(h.spec, RunSpec)
+        ):
+            try:
+                gate = bench_files.judge(h.spec, files.bench.results)
+                judged = tuple(point_of_evidence(e) for e in gate.points if e.point is not None)
+            except Exception:  # never hold up a verdict for its points' events
+                log.exception("event.points_unjudged", run_id=after.run_id)
+        details = None
+        if run_event_type(before, after) is EventType.RUN_FINISHED:
+            try:
+                details = await self._finished_details(h)
+            except Exception:  # never hold up a verdict for its event's details
+                log.exception("event.details_unread", run_id=after.run_id)
+        return self._outgoing(before, after, h.meta, h.name, named, details, judged)
+
+    async def _finished_details(self, h: RunHandle) -> RunDetails:
+        """What a declared run's run.finished says beyond its record: its last receipt,
+        its attempts (journaled) and its archived results table."""
+        receipt = last_receipt(await self.journal.events(h.run.run_id))
+        attempts = [dict(e) for e in h.history]
+        path = Path(h.meta.archive_dir) / "results.json"
+        try:
+            table = await anyio.to_thread.run_sync(results_table_of, path)
+        except ControlError as exc:  # not a table this daemon wrote: no points
+            log.warning("event.results_unread", path=str(path), error=str(exc))
+            table = None
+        return finished_details(receipt, attempts, None if table is None else dict(table))
 
     def _declare(self, h: RunHandle) -> None:
         """The run's one canonical line (its outcome, reason and duration)."""
@@ -699,12 +765,6 @@ class Supervisor:
             seconds=round((self.clock() - run.transitions[0].at).total_seconds(), 1),
             archive=h.meta.archive_dir,
         )
-
-
-@functools.cache
-def _host_name() -> str:
-    """This host's name, for a mail's Message-ID and From (no DNS lookup)."""
-    return socket.gethostname() or "localhost"  # core.outbox falls back to localhost
 
 
 def _log_dir(spec: RunSpec | ForeignSpec) -> str:

@@ -36,6 +36,7 @@ from llmd_supervisor.adapters import archive
 from llmd_supervisor.core.cause import Diagnosis
 from llmd_supervisor.core.config import Limits
 from llmd_supervisor.core.lifecycle import Held, HoldExpired, Retry
+from llmd_supervisor.core.outbox import quarantine_outgoing
 from llmd_supervisor.core.retry_policy import (
     Decision,
     Exclusion,
@@ -54,6 +55,7 @@ from llmd_supervisor.core.spec import RunSpec
 from llmd_supervisor.core.usage import AttemptUsage, elapsed_s, split, usage
 from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import SlurmCommandError
+from llmd_supervisor.supervision.access import host_name, user_name
 from llmd_supervisor.supervision.run.context import RunContext
 from llmd_supervisor.supervision.run.records import (
     HELD_EVENT,
@@ -310,6 +312,8 @@ async def _quarantine(ctx: RunContext, diagnosis: Diagnosis) -> None:
         return
     now, r, cluster = ctx.now(), rules(ctx.config.limits), ctx.meta.cluster
     journal = ctx.journal
+    destinations = ctx.config.events.destinations
+    known = await journal.node_failures(cluster) if destinations else []
     for node, evidence in counted:
         failure = NodeFailure(
             cluster,
@@ -321,7 +325,21 @@ async def _quarantine(ctx: RunContext, diagnosis: Diagnosis) -> None:
             diagnosis.why,
             now,
         )
-        await journal.count_node_failure(failure, forget_before=now - r.ttl)
+        # The node.quarantined this count makes commits with it (`core.outbox`).
+        try:
+            outgoing = quarantine_outgoing(
+                [f for f in known if f.at >= now - r.ttl],
+                failure,
+                rules=r,
+                destinations=destinations,
+                name_of=user_name,
+                host=host_name(),
+            )
+        except Exception:  # a bug in making an event must never hold up the verdict
+            log.exception("event.not_made", node=node, cluster=cluster)
+            outgoing = ()
+        await journal.count_node_failure(failure, forget_before=now - r.ttl, outgoing=outgoing)
+        known.append(failure)
     nodes = {n for n, _ in counted}
     for q in quarantine(await journal.node_failures(cluster), now=now, rules=r):
         if q.active and q.node in nodes:
