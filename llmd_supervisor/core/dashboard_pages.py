@@ -16,12 +16,11 @@ import json
 import re
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
-from typing import Final
+from typing import TYPE_CHECKING, Final
 from urllib.parse import quote, urlencode
 
 from llmd_supervisor.core.campaign_views import CampaignBrief, CampaignProblem, CampaignStatus
 from llmd_supervisor.core.jobtext import job_text
-from llmd_supervisor.core.outbox import DeliveryView
 from llmd_supervisor.core.report_html import (
     REPORT_CSS,
     Chart,
@@ -31,6 +30,9 @@ from llmd_supervisor.core.report_html import (
     run_title,
 )
 from llmd_supervisor.core.summary import RunBrief, RunResults, RunSummary
+
+if TYPE_CHECKING:  # core.outbox builds mails: email.utils loads socket
+    from llmd_supervisor.core.outbox import DeliveryView
 
 # What a page may load: its own script and style sheet and the charts' images, nothing
 # else (no inline script or style, no frame, no form sent elsewhere).
