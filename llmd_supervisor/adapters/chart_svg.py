@@ -4,6 +4,7 @@ extra). The chart models are `core.report_html`'s; this draws one."""
 from __future__ import annotations
 
 import html
+import importlib.util
 import io
 
 from llmd_supervisor.core.report_html import Chart
@@ -12,12 +13,9 @@ __all__ = ["chart_svg", "have_matplotlib"]
 
 
 def have_matplotlib() -> bool:
-    """Whether matplotlib can be imported (charts are drawn only then)."""
-    try:
-        import matplotlib  # noqa: F401  (only whether it is there)
-    except ImportError:
-        return False
-    return True
+    """Whether matplotlib is installed (charts are drawn only then); found, not imported:
+    its import takes a second, which `chart_svg` spends in its caller's thread."""
+    return importlib.util.find_spec("matplotlib") is not None
 
 
 def chart_svg(chart: Chart) -> str:

@@ -12,8 +12,11 @@ puts it in the ASGI scope from the socket's family, never from a header):
   user sees their own runs, root and the admin group every run;
 - **loopback TCP**: whoever holds the dashboard's token, the service account's secret: they
   see every run. The token comes once as ``?token=...`` (or the ``llmd_dashboard`` cookie),
-  is then kept in an HttpOnly, SameSite=Strict cookie, and the request's Host must name the
-  loopback or a configured host (no DNS rebinding).
+  is then kept in an HttpOnly, SameSite=Strict cookie.
+
+On both, the request's Host must name the loopback or a host of ``dashboard.hosts``: through
+``ssh -L`` the Unix socket is a loopback port of a workstation, and a page of another site
+must not reach it by pointing its own name at 127.0.0.1 (DNS rebinding).
 
 Only GET and HEAD are answered (405 otherwise); every response carries the strict
 Content-Security-Policy of `core.dashboard_pages`. Live logs are server-sent events whose
@@ -312,7 +315,10 @@ class Dashboard:
 
     async def _campaigns(self, request: WebRequest) -> Response:
         peer = _peer(request)
-        found = cast(CampaignList, await self.call("campaign_list", {}, peer))
+        try:
+            found = cast(CampaignList, await self.call("campaign_list", {}, peer))
+        except ControlError as exc:
+            return self._problem(request, exc)
         campaigns = found["campaigns"]
         names = {c["owner_uid"]: self.owner(c["owner_uid"]) for c in campaigns}
         return self._html(pages.campaigns_page(campaigns, names, who=_who(request)))
@@ -564,7 +570,22 @@ class _Guard:
         if refusal is not None:
             await refusal(scope, receive, secured)
             return
-        await self.app(scope, receive, secured)
+        started = False
+
+        async def tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await secured(message)
+
+        try:
+            await self.app(scope, receive, tracked)
+        except Exception:
+            # Logged here, as an event; uvicorn would print it outside the JSON log.
+            log.exception("dashboard.request_failed", path=pages.job(scope["path"], 200))
+            if not started:
+                await _plain(500, "The dashboard failed; see the daemon log.")(
+                    scope, receive, secured
+                )
 
     def _refusal(self, scope: Scope, state: dict[str, Any]) -> ASGIApp | None:
         method = scope["method"]
@@ -576,6 +597,16 @@ class _Guard:
                 media_type="text/plain",
             )
         listener = state.get("listener")
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if not pages.host_allowed(headers.get("host"), self.dash.config.hosts):
+            # Through `ssh -L` the Unix socket is a loopback port on a workstation: a page
+            # of another site must not reach it by pointing its own name at 127.0.0.1.
+            log.info("dashboard.host_refused", host=pages.job(headers.get("host", ""), 100))
+            return _plain(
+                403,
+                "The Host header names neither the loopback nor a host in dashboard.hosts; "
+                "open the dashboard as http://localhost:PORT/.",
+            )
         if listener == "unix":
             peer = state.get("peer")
             if not isinstance(peer, Peer):
@@ -584,14 +615,6 @@ class _Guard:
             return None
         if listener != "tcp" or self.dash.token is None:
             return _plain(403, "This listener serves no dashboard.")
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if not pages.host_allowed(headers.get("host"), self.dash.config.hosts):
-            log.info("dashboard.host_refused", host=pages.job(headers.get("host", ""), 100))
-            return _plain(
-                403,
-                "The Host header names neither this machine's loopback nor a host in "
-                "dashboard.hosts; open the dashboard as http://localhost:PORT/.",
-            )
         cookie = _cookie(headers.get("cookie", ""), pages.TOKEN_COOKIE)
         if pages.token_matches(cookie, self.dash.token):
             state["viewer"] = TOKEN_PEER
