@@ -26,7 +26,10 @@ from typing import Any
 
 import pytest
 
+from llmd_supervisor.core.config import DashboardConfig
 from llmd_supervisor.core.dashboard_pages import CSP
+from llmd_supervisor.errors import SupervisorError
+from llmd_supervisor.supervision.dashboard import TAIL_BYTES, load_token, tail_offsets
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.fakes.replay_world import ReplayWorld
 from tests.strangers import Stranger
@@ -272,6 +275,8 @@ def test_the_unix_socket_shows_each_peer_its_own_runs_and_resumes_logs(
         assert http(web, f"/runs/{run}")[0] == 200
         assert http(web, f"/runs/{run}", method="POST")[0] == 405
         assert http(web, f"/runs/{run}", method="DELETE")[0] == 405
+        # Through `ssh -L` the socket is a workstation's loopback port: DNS rebinding
+        assert http(web, "/", headers={"Host": "evil.example:8080"})[0] == 403
 
         # A stranger in the socket's group sees none of root's runs; one outside it cannot
         # even connect.
@@ -309,3 +314,33 @@ def test_the_unix_socket_shows_each_peer_its_own_runs_and_resumes_logs(
     finally:
         daemon.stop()
     assert not web.exists()  # removed on the way out
+
+
+def test_a_token_is_made_private_at_each_start_and_a_readable_token_file_is_refused(
+    tmp_path: Path,
+) -> None:
+    first, path = load_token(DashboardConfig(), tmp_path)
+    assert path == tmp_path / "dashboard.token" and path.read_text().strip() == first
+    assert path.stat().st_mode & 0o777 == 0o600 and len(first) >= 32
+    assert load_token(DashboardConfig(), tmp_path)[0] != first
+    mine = tmp_path / "mine.token"
+    mine.write_text("0123456789abcdef0123\n")
+    mine.chmod(0o640)
+    with pytest.raises(SupervisorError, match="others may read it"):
+        load_token(DashboardConfig(token_file=str(mine)), tmp_path)
+    mine.chmod(0o600)
+    assert load_token(DashboardConfig(token_file=str(mine)), tmp_path) == (
+        "0123456789abcdef0123",
+        mine,
+    )
+    mine.write_text("short")
+    with pytest.raises(SupervisorError, match="at least 16"):
+        load_token(DashboardConfig(token_file=str(mine)), tmp_path)
+
+
+def test_a_fresh_log_stream_starts_at_each_copys_tail(tmp_path: Path) -> None:
+    (tmp_path / "attempt1" / "7").mkdir(parents=True)
+    (tmp_path / "attempt1" / "big.out").write_bytes(b"x" * (TAIL_BYTES + 10))
+    (tmp_path / "attempt1" / "7" / "small.log").write_bytes(b"y" * 10)
+    assert tail_offsets(tmp_path) == {"attempt1/big.out": 10}
+    assert tail_offsets(tmp_path / "missing") == {}
