@@ -3,8 +3,10 @@
 
 - in a real browser (Playwright driving Debian's chromium) over loopback TCP with the
   token: the runs table lists the run with its stage, the run page appends a log line
-  written after it loaded (server-sent events), a hostile log line shows as text, no
-  request leaves the page's origin, no CSP violation is reported, and a screenshot is kept;
+  written after it loaded (server-sent events), a hostile log line shows as text, a
+  finished run's chart has one point per concurrency, no request leaves the page's
+  origin, no CSP violation is reported, and screenshots are kept (in
+  $LLMD_TEST_ARTIFACTS when set);
 - over the Unix socket with a plain HTTP client: the peer's uid decides what it sees (a
   stranger in the socket's group sees no run of root's; one outside it cannot connect), a
   wrong token or a foreign Host is refused on TCP, writes are 405, and a log stream
@@ -28,15 +30,17 @@ import pytest
 
 from llmd_supervisor.core.config import DashboardConfig
 from llmd_supervisor.core.dashboard_pages import CSP
+from llmd_supervisor.core.spec import load_spec
 from llmd_supervisor.errors import SupervisorError
 from llmd_supervisor.supervision.dashboard import TAIL_BYTES, load_token, tail_offsets
-from tests.daemon_helpers import Daemon, demo_spec
+from tests.daemon_helpers import Daemon, demo_spec, run_to_end
 from tests.fakes.replay_world import ReplayWorld
 from tests.strangers import Stranger
 
 pytestmark = pytest.mark.timeout(180)
 
 HOSTILE = "<img src=x onerror=alert(1)>"
+BENCHMARK = load_spec(demo_spec(Path("/tmp"))).benchmark  # the demo's, whatever its log dir
 CHROMIUM = "/usr/bin/chromium"
 
 
@@ -241,6 +245,25 @@ def test_the_dashboard_in_a_browser_over_tcp_with_its_token(
                 assert page.locator("#log img").count() == 0
                 assert page.locator("img[src=x]").count() == 0
                 page.screenshot(path=str(shots / "dashboard-run.png"), full_page=True)
+
+                # A finished run: its chart has one point per concurrency.
+                world.running_s = 1.0
+                done = run_to_end(daemon, demo_spec(tmp_path / "logs" / "done"))
+                assert done["outcome"] == "succeeded", done["reason"]
+                response = page.goto(f"{origin}/runs/{done['run']}")
+                assert response is not None and response.status == 200
+                chart = page.locator('img.chart[src*="/total-tput-vs-interactivity.svg"]')
+                assert chart.count() == 1
+                src = chart.get_attribute("src")
+                assert src is not None and src.startswith("/runs/")
+                svg = page.request.get(origin + src)
+                assert svg.status == 200 and svg.headers["content-type"] == "image/svg+xml"
+                points = svg.text().count('class="point"')
+                assert points == len(BENCHMARK.concurrencies), points
+                page.wait_for_function(
+                    "document.querySelector('img.chart').naturalWidth > 0", timeout=60_000
+                )
+                page.screenshot(path=str(shots / "dashboard-results.png"), full_page=True)
             finally:
                 browser.close()
         assert requests, "the browser made no request"
