@@ -253,7 +253,11 @@ class Dashboard:
         briefs: list[RunBrief] = []
         after: str | None = None
         while len(briefs) < RUNS_MAX:
-            page = cast(RunList, await self.call("list", {"all": show_all, "after": after}, peer))
+            try:
+                found = await self.call("list", {"all": show_all, "after": after}, peer)
+            except ControlError as exc:
+                return self._problem(request, exc)
+            page = cast(RunList, found)
             briefs += page["runs"]
             after = page["next"]
             if after is None:
@@ -442,10 +446,11 @@ class _LogStream(Response):
     def __init__(
         self, dash: Dashboard, run: str, rank: int | None, offsets: dict[str, int], peer: Peer
     ) -> None:
-        super().__init__(
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"},
-        )
+        # No body, so no Content-Length (as Starlette's StreamingResponse does it)
+        self.status_code = 200
+        self.background = None
+        self.media_type = "text/event-stream"
+        self.init_headers({"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
         self.dash, self.run, self.rank, self.offsets, self.peer = dash, run, rank, offsets, peer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
