@@ -119,7 +119,8 @@ async def test_the_dashboard_app_over_both_listeners(tmp_path: Path) -> None:
         cookie = f"Cookie: {pages.TOKEN_COOKIE}={TOKEN}\n"
         foreign = f"GET /?token={TOKEN} HTTP/1.1\nHost: evil.example:{port}\n{cookie}"
         assert status_of(await request(addr, foreign)) == 403
-        answer = await request(addr, f"GET /static/dashboard.css HTTP/1.1\nHost: localhost\n{cookie}")
+        css = f"GET /static/dashboard.css HTTP/1.1\nHost: localhost\n{cookie}"
+        answer = await request(addr, css)
         assert status_of(answer) == 200 and b"text/css" in answer
         # Unix socket: the peer is this process's uid; writes are refused; headers always.
         for method in ("POST", "PUT", "DELETE", "PATCH"):
@@ -135,9 +136,7 @@ async def test_the_dashboard_app_over_both_listeners(tmp_path: Path) -> None:
 
         # A log stream: each event's id is where it got to; resuming from one sends the rest.
         api.write(b"one\n")
-        got = await request(
-            path, "GET /runs/r1/logs HTTP/1.1\nHost: localhost\n", until=b"one\\n"
-        )
+        got = await request(path, "GET /runs/r1/logs HTTP/1.1\nHost: localhost\n", until=b"one\\n")
         assert status_of(got) == 200 and b"content-length" not in got.lower()
         assert b"content-type: text/event-stream" in got.lower()
         event_id = pages.encode_offsets({FILE: 4})
