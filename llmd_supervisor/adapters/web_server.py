@@ -4,7 +4,8 @@
 listening sockets bound beforehand (`bind_tcp`, and `control_server.bind_unix_socket` for
 a Unix socket: same stale-file and mode rules as the control socket). uvicorn's own signal
 handling is off (the daemon root owns SIGTERM/SIGINT), so are its lifespan events, its
-logging configuration, its access log and its proxy-header trust.
+logging configuration (its warnings become ``web.server_message`` events), its access
+log and its proxy-header trust.
 
 Every request's ASGI scope carries in ``scope["state"]``:
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 from collections.abc import Callable, Generator, Sequence
 from typing import Any, Final
@@ -66,6 +68,28 @@ class _PeerProtocol(H11Protocol):
                 return
         # A copy per connection: the app's state dict is the server's, shared.
         self.app_state = {**self.app_state, "listener": listener, "peer": peer}
+
+
+class _ToStructlog(logging.Handler):
+    """uvicorn's own warnings (a malformed request, say) as events of the daemon's log."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        log.log(
+            record.levelno,
+            "web.server_message",
+            logger=record.name,
+            message=record.getMessage(),
+            exc_info=record.exc_info or False,
+        )
+
+
+def _route_uvicorn_logs() -> None:
+    """Send uvicorn's loggers to structlog once (not to stderr as plain text)."""
+    root = logging.getLogger("uvicorn")
+    if not any(isinstance(h, _ToStructlog) for h in root.handlers):
+        root.addHandler(_ToStructlog(logging.WARNING))
+        root.setLevel(logging.WARNING)
+        root.propagate = False
 
 
 class _Server(uvicorn.Server):
@@ -135,6 +159,7 @@ async def serve_asgi(
 ) -> None:
     """Serve `app` on `sockets` (bound and listening) until cancelled; see the module
     docstring. Ready (`task_status`) once uvicorn accepts on every socket."""
+    _route_uvicorn_logs()
     server = _Server(_config(app))
     server.config.load()
     server.lifespan = server.config.lifespan_class(server.config)
