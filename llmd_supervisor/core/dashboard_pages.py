@@ -214,7 +214,7 @@ def page(title: str, body: str, *, who: str) -> str:
         '<link rel="stylesheet" href="/static/dashboard.css">'
         '<script src="/static/dashboard.js" defer></script></head><body>'
         '<nav><a href="/">Runs</a><a href="/campaigns">Campaigns</a>'
-        f'<a href="/events">Events</a><span class="who">{esc(who)}</span></nav>'
+        f'<a href="/events">Events</a><span class="who">{job(who)}</span></nav>'
         f"<main><h1>{esc(title)}</h1>{body}</main></body></html>\n"
     )
 
@@ -231,7 +231,7 @@ def _select(name: str, choices: Sequence[str], chosen: str) -> str:
     options = [f'<option value=""{"" if chosen else " selected"}>any</option>']
     for c in choices:
         sel = " selected" if c == chosen else ""
-        options.append(f'<option value="{esc(c)}"{sel}>{esc(c)}</option>')
+        options.append(f'<option value="{job(c)}"{sel}>{job(c)}</option>')
     return f'<select name="{esc(name)}">{"".join(options)}</select>'
 
 
@@ -248,8 +248,8 @@ def runs_page(
 ) -> str:
     """The runs table, newest first, filtered by state and owner (name or uid)."""
 
-    def owner_of(r: RunBrief) -> str:
-        return owner_names.get(r["owner_uid"], str(r["owner_uid"]))
+    def owner_of(r: RunBrief) -> str:  # as shown (and as the filter's choices send it)
+        return job_text(owner_names.get(r["owner_uid"], str(r["owner_uid"])), SHOWN_MAX)
 
     shown = [
         r
@@ -265,7 +265,7 @@ def runs_page(
             "<tr>"
             f'<td><a href="{esc(run_href(r["run"]))}">{esc(r["run"])}</a></td>'
             f"<td>{job(r.get('name') or '')}</td>"
-            f"<td>{esc(owner_of(r))}</td>"
+            f"<td>{job(owner_of(r))}</td>"
             f"<td>{esc(r['cluster'])}</td>"
             f"<td>{esc(r['slurm_job_id'] or '-')}</td>"
             f'<td class="state-{esc(r["state"])}">{job(stages.get(r["run"], r["state"]))}</td>'
@@ -328,7 +328,7 @@ def run_page(
         _facts(
             [
                 ("spec", job(s.get("name") or "")),
-                ("owner", esc(owner_name)),
+                ("owner", job(owner_name)),
                 ("cluster", esc(s["cluster"])),
                 ("Slurm job", esc(s["slurm_job_id"] or "-")),
                 ("attempt", esc(s["attempt"])),
@@ -450,7 +450,7 @@ def campaigns_page(
     rows = "".join(
         f'<tr><td><a href="{esc(campaign_href(c["campaign"]))}">{esc(c["campaign"])}</a></td>'
         f"<td>{job(c['name'])}</td>"
-        f"<td>{esc(owner_names.get(c['owner_uid'], str(c['owner_uid'])))}</td>"
+        f"<td>{job(owner_names.get(c['owner_uid'], str(c['owner_uid'])))}</td>"
         f"<td>{esc(c['cluster'])}</td><td>{esc(c['state'])}</td>"
         f'<td data-value="{c["settled"]}">{c["settled"]} of {c["points"]}</td>'
         f"<td>{esc(c['created_at'])}</td></tr>"
@@ -491,7 +491,7 @@ def campaign_page(
         _facts(
             [
                 ("name", job(c["name"])),
-                ("owner", esc(owner_name)),
+                ("owner", job(owner_name)),
                 ("cluster", esc(c["cluster"])),
                 ("jobs", esc(c["jobs_total"])),
                 ("GPU-hours useful", esc(c["gpu_hours_useful"])),
