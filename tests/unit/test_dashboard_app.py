@@ -80,6 +80,7 @@ async def request(
     else:
         stream = await anyio.connect_tcp(*address)
     async with stream:
+        head = head.replace("\n", "\nConnection: close\n", 1)  # else it waits for keep-alive
         await stream.send(head.replace("\n", "\r\n").encode() + b"\r\n")
         data = b""
         with anyio.fail_after(10):
