@@ -64,6 +64,8 @@ DASHBOARD_CSS: Final = (
 nav { margin-bottom: 1em; } nav a { margin-right: 1em; }
 nav .who { color: #555; float: right; font-size: 0.9em; }
 table.runs td, table.runs th { text-align: left; white-space: normal; }
+table.facts td, table.timeline td, table.health td, table.attempts td, table.problems td,
+table.progress td { text-align: left; }
 th[data-sort] { cursor: pointer; } th.sorted-asc::after { content: " \\25b2"; }
 th.sorted-desc::after { content: " \\25bc"; }
 pre.log { background: #111; color: #ddd; padding: 0.5em; max-height: 40em; overflow: auto;
