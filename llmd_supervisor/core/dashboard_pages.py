@@ -212,12 +212,12 @@ def page(title: str, body: str, *, who: str) -> str:
     return (
         "<!DOCTYPE html>\n"
         '<html lang="en"><head><meta charset="utf-8">'
-        f"<title>{esc(title)} · llmd-supervisor</title>"
+        f"<title>{job(title, 200)} · llmd-supervisor</title>"
         '<link rel="stylesheet" href="/static/dashboard.css">'
         '<script src="/static/dashboard.js" defer></script></head><body>'
         '<nav><a href="/">Runs</a><a href="/campaigns">Campaigns</a>'
         f'<a href="/events">Events</a><span class="who">{job(who)}</span></nav>'
-        f"<main><h1>{esc(title)}</h1>{body}</main></body></html>\n"
+        f"<main><h1>{job(title, 200)}</h1>{body}</main></body></html>\n"
     )
 
 

@@ -11,7 +11,9 @@ from datetime import UTC, datetime
 import pytest
 
 from llmd_supervisor.core import dashboard_pages as pages
+from llmd_supervisor.core.campaign_views import CampaignStatus
 from llmd_supervisor.core.config import DashboardConfig, load_config
+from llmd_supervisor.core.outbox import DeliveryView
 from llmd_supervisor.core.report_html import build_charts
 from llmd_supervisor.core.summary import PointView, RunBrief, RunResults, RunSummary
 from llmd_supervisor.errors import ConfigError
@@ -299,3 +301,61 @@ def test_the_dashboard_config_defaults_beside_the_control_socket() -> None:
         with pytest.raises(ConfigError) as info:
             load_config(f"[dashboard]\n{bad}\n")
         assert info.value.key == key, bad
+
+
+def test_the_campaign_page_shows_progress_and_failed_points_as_text() -> None:
+    status: CampaignStatus = {
+        "campaign": "c1",
+        "name": HOSTILE,
+        "state": "running",
+        "reason": "",
+        "cluster": "dev",
+        "owner_uid": 1000,
+        "created_at": "2026-01-02T11:00:00+00:00",
+        "updated_at": "2026-01-02T11:30:00+00:00",
+        "points": {"verified": 5, "failed: workload": 2, "queued": 0},
+        "points_total": 7,
+        "jobs": {"running": 1},
+        "jobs_total": 3,
+        "gpu_hours_useful": 1.5,
+        "gpu_hours_lost": 0.25,
+        "eta_s": None,
+        "qos": None,
+        "problems": [
+            {
+                "job": "abc",
+                "topology": "1P1D",
+                "values": {},
+                "state": "failed",
+                "reason": HOSTILE,
+                "run": "r9",
+            }
+        ],
+        "problems_total": 1,
+        "exit_status": None,
+    }
+    html = pages.campaign_page(
+        status, charts=[], chart_src=lambda c: "", owner_name="alice", who="me"
+    )
+    no_tags(html)
+    assert "<tr><td>verified</td><td>5</td></tr>" in html and ">queued<" not in html
+    assert 'href="/runs/r9"' in html and "Failed and blocked points (1)" in html
+
+
+def test_the_events_page_shows_no_destination_url() -> None:
+    delivery: DeliveryView = {
+        "event": "e1",
+        "type": "run.finished",
+        "subject": "run/r1",
+        "destination": "slack",
+        "status": "retrying",
+        "attempts": 2,
+        "next_at": "2026-01-02T12:05:00+00:00",
+        "last_error": "POST https://hooks.slack.com/services/T0/B0/secret: 500 " + HOSTILE,
+        "created_at": "2026-01-02T12:00:00+00:00",
+        "updated_at": "2026-01-02T12:01:00+00:00",
+    }
+    html = pages.events_page([delivery], status="", who="me")
+    no_tags(html)
+    assert "secret" not in html and "https://hooks.slack.com/..." in html
+    assert 'href="/runs/r1"' in html and ">retrying<" in html
