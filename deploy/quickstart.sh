@@ -62,6 +62,10 @@ for _ in $(seq 100); do
     kill -0 "$DAEMON_PID" 2>/dev/null || { echo "quickstart: the daemon died; see $QS/daemon.log" >&2; exit 1; }
     sleep 0.1
 done
+for _ in $(seq 50); do [ -S "$QS/web.sock" ] && break; sleep 0.1; done
+echo "quickstart: the dashboard (read-only) listens on $QS/web.sock; from your workstation:" >&2
+echo "  ssh -L 8080:$QS/web.sock $(hostname)    then open http://localhost:8080/" >&2
+echo "  (here: curl --unix-socket $QS/web.sock http://localhost/)" >&2
 
 if [ -n "$CAMPAIGN" ]; then
     FILE=deploy/llm-d/campaign-demo.toml

@@ -61,7 +61,13 @@ from llmd_supervisor.adapters.control_protocol import (
 from llmd_supervisor.core.config import SocketLimits
 from llmd_supervisor.errors import ControlError, ControlSocketError
 
-__all__ = ["ControlServer", "peer_credentials"]
+__all__ = [
+    "ControlServer",
+    "bind_unix_socket",
+    "peer_credentials",
+    "remove_socket_file",
+    "socket_peer",
+]
 
 logger = structlog.get_logger("llmd_supervisor.adapters.control_server")
 
@@ -83,7 +89,11 @@ _TRANSIENT_ACCEPT_ERRNOS: Final = frozenset(
 
 def peer_credentials(stream: anyio.abc.SocketStream) -> Peer:
     """The peer's uid, gid and pid from SO_PEERCRED on an accepted Unix socket."""
-    raw = stream.extra(anyio.abc.SocketAttribute.raw_socket)
+    return socket_peer(stream.extra(anyio.abc.SocketAttribute.raw_socket))
+
+
+def socket_peer(raw: socket.socket) -> Peer:
+    """The peer's uid, gid and pid from SO_PEERCRED of a connected Unix socket."""
     data = raw.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     pid, uid, gid = _UCRED.unpack(data)
     return Peer(uid=uid, gid=gid, pid=pid)
@@ -506,92 +516,113 @@ class ControlServer:
 
     async def _bind(self) -> tuple[anyio.abc.SocketListener, tuple[int, int]]:
         """Bind and listen; the socket file's (st_dev, st_ino) identifies it for removal."""
-        gid = self._group_id()
-        path = str(self.path)
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        bound = False
+        sock, identity = await bind_unix_socket(self.path, self.mode, self.group)
         try:
-            try:
-                sock.bind(path)
-            except OSError as exc:
-                if exc.errno != errno.EADDRINUSE:
-                    raise ControlSocketError(self.path, f"cannot bind: {exc.strerror}") from exc
-                await self._remove_stale()
-                try:
-                    sock.bind(path)
-                except OSError as exc2:
-                    raise ControlSocketError(self.path, f"cannot bind: {exc2.strerror}") from exc2
-            bound = True
-            try:
-                if gid is not None:
-                    os.chown(path, -1, gid)
-                os.chmod(path, self.mode)
-                st = os.stat(path)
-                sock.listen(_BACKLOG)
-            except OSError as exc:
-                raise ControlSocketError(
-                    self.path, f"cannot set up the socket: {exc.strerror}"
-                ) from exc
             listener = await anyio.abc.SocketListener.from_socket(sock)
         except BaseException:
             sock.close()
-            if bound:
-                self.path.unlink(missing_ok=True)
+            remove_socket_file(self.path, identity)
             raise
-        return listener, (st.st_dev, st.st_ino)
-
-    def _group_id(self) -> int | None:
-        if self.group is None or isinstance(self.group, int):
-            return self.group
-        try:
-            return grp.getgrnam(self.group).gr_gid
-        except KeyError:
-            raise ControlSocketError(
-                self.path, f"the socket group {self.group!r} does not exist"
-            ) from None
-
-    async def _remove_stale(self) -> None:
-        """Remove a socket file nothing listens on; refuse a live socket or a non-socket."""
-        try:
-            st = os.lstat(self.path)
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(st.st_mode):
-            raise ControlSocketError(
-                self.path, "the path exists and is not a socket; not removing it"
-            )
-        try:
-            with anyio.fail_after(_PROBE_TIMEOUT):
-                probe = await anyio.connect_unix(self.path)
-        except (ConnectionRefusedError, FileNotFoundError):
-            pass
-        except TimeoutError:
-            raise ControlSocketError(
-                self.path,
-                f"something holds the socket but did not accept within {_PROBE_TIMEOUT:g} s; "
-                "not removing it",
-            ) from None
-        except OSError as exc:
-            raise ControlSocketError(
-                self.path, f"cannot tell whether another daemon listens on it ({exc.strerror})"
-            ) from exc
-        else:
-            await probe.aclose()
-            raise ControlSocketError(
-                self.path,
-                "another llmd-supervisor daemon is already listening on it; stop that daemon "
-                "or configure a different socket path",
-            )
-        # The daemon's single-instance lock on its state directory closes the window
-        # between this probe and the unlink.
-        self.path.unlink(missing_ok=True)
-        logger.info("control.stale_socket_removed", path=str(self.path))
+        return listener, identity
 
     def _remove_socket(self, identity: tuple[int, int]) -> None:
-        """Unlink the socket file unless something else has replaced it since binding."""
+        remove_socket_file(self.path, identity)
+
+
+async def bind_unix_socket(
+    path: Path, mode: int, group: str | int | None
+) -> tuple[socket.socket, tuple[int, int]]:
+    """A listening Unix socket at `path` with `group` and `mode`, and its file's identity
+    (st_dev, st_ino) for `remove_socket_file`.
+
+    A stale socket file is removed only when nothing answers on it; a live one or a
+    non-socket file raises `ControlSocketError`. (The dashboard binds its socket so too.)
+    """
+    gid = _group_id(path, group)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    bound = False
+    try:
         try:
-            st = os.lstat(self.path)
-        except FileNotFoundError:
-            return
-        if (st.st_dev, st.st_ino) == identity:
-            self.path.unlink(missing_ok=True)
+            sock.bind(str(path))
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE:
+                raise ControlSocketError(path, f"cannot bind: {exc.strerror}") from exc
+            await _remove_stale(path)
+            try:
+                sock.bind(str(path))
+            except OSError as exc2:
+                raise ControlSocketError(path, f"cannot bind: {exc2.strerror}") from exc2
+        bound = True
+        try:
+            if gid is not None:
+                os.chown(path, -1, gid)
+            os.chmod(path, mode)
+            st = os.stat(path)
+            sock.listen(_BACKLOG)
+        except OSError as exc:
+            raise ControlSocketError(path, f"cannot set up the socket: {exc.strerror}") from exc
+    except BaseException:
+        sock.close()
+        if bound:
+            _unlink(path)
+        raise
+    return sock, (st.st_dev, st.st_ino)
+
+
+def _group_id(path: Path, group: str | int | None) -> int | None:
+    if group is None or isinstance(group, int):
+        return group
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ControlSocketError(path, f"the socket group {group!r} does not exist") from None
+
+
+async def _remove_stale(path: Path) -> None:
+    """Remove a socket file nothing listens on; refuse a live socket or a non-socket."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise ControlSocketError(path, "the path exists and is not a socket; not removing it")
+    try:
+        with anyio.fail_after(_PROBE_TIMEOUT):
+            probe = await anyio.connect_unix(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        pass
+    except TimeoutError:
+        raise ControlSocketError(
+            path,
+            f"something holds the socket but did not accept within {_PROBE_TIMEOUT:g} s; "
+            "not removing it",
+        ) from None
+    except OSError as exc:
+        raise ControlSocketError(
+            path, f"cannot tell whether another daemon listens on it ({exc.strerror})"
+        ) from exc
+    else:
+        await probe.aclose()
+        raise ControlSocketError(
+            path,
+            "another llmd-supervisor daemon is already listening on it; stop that daemon "
+            "or configure a different socket path",
+        )
+    # The daemon's single-instance lock on its state directory closes the window
+    # between this probe and the unlink.
+    _unlink(path)
+    logger.info("control.stale_socket_removed", path=str(path))
+
+
+def _unlink(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
+def remove_socket_file(path: Path, identity: tuple[int, int]) -> None:
+    """Unlink the socket file unless something else has replaced it since binding."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if (st.st_dev, st.st_ino) == identity:
+        path.unlink(missing_ok=True)

@@ -23,13 +23,14 @@ What an operator gets (all prefixed ``llmd_supervisor_``):
 
 The daemon root hands `Metrics.attach` two snapshot functions, one for the runs
 (`RunSample` each) and one for the SSH link counters (`LinkCounts`): this module knows
-nothing of the supervisor. The exposition server runs on the event loop (`serve_metrics`),
-so the snapshots are taken without locks, and a blocked loop shows up as a failed scrape
-too.
+nothing of the supervisor. The exposition is prometheus-client's ASGI app, served by
+uvicorn on the event loop (`serve_metrics`, `adapters.web_server`), so the snapshots are
+taken without locks, and a blocked loop shows up as a failed scrape too.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections import Counter as Tally
@@ -39,17 +40,21 @@ from dataclasses import dataclass
 import anyio
 import anyio.abc
 import structlog
-from anyio.streams.buffered import BufferedByteReceiveStream
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_asgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector
+from starlette.applications import Starlette
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmd_supervisor import __version__
 from llmd_supervisor.adapters.slurm import CommandResult, CommandRunner
+from llmd_supervisor.adapters.web_server import bind_tcp, parse_listen, serve_asgi
 from llmd_supervisor.core.lifecycle import RunState, Transition
 from llmd_supervisor.core.verdict import Outcome
-from llmd_supervisor.errors import ConfigError, SlurmCommandError
+from llmd_supervisor.errors import SlurmCommandError
 
 log = structlog.get_logger("llmd_supervisor.adapters.metrics")
 
@@ -57,8 +62,6 @@ _P = "llmd_supervisor_"
 _SLURM_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 _VERIFY_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
-_REQUEST_LIMIT = 8192
-_REQUEST_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -291,10 +294,32 @@ class InstrumentedRunner:
         return result
 
 
-def parse_listen(listen: str) -> tuple[str, int]:
-    """`host:port` of `metrics.listen` (already validated) as a bind address."""
-    host, _, port = listen.rpartition(":")
-    return host.strip("[]"), int(port)
+def metrics_app(metrics: Metrics) -> Starlette:
+    """The exposition as an ASGI app: prometheus-client's own, on ``/metrics`` and ``/``
+    (GET and HEAD; anything else 404 or 405)."""
+    exposition = make_asgi_app(registry=metrics.registry)
+
+    async def scrape(scope: Scope, receive: Receive, send: Send) -> None:
+        metrics.observe_verdicts()
+        await exposition(scope, receive, send)
+
+    endpoint = _GetOnly(scrape)
+    return Starlette(routes=[Route("/metrics", endpoint), Route("/", endpoint)])
+
+
+class _GetOnly:
+    """An ASGI endpoint that answers GET and HEAD only."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["method"] not in ("GET", "HEAD"):
+            await PlainTextResponse(
+                "method not allowed\n", status_code=405, headers={"Allow": "GET, HEAD"}
+            )(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 async def serve_metrics(
@@ -305,51 +330,14 @@ async def serve_metrics(
 ) -> None:
     """Serve ``GET /metrics`` on `listen` until cancelled; report the bound port when listening.
 
-    Raises `ConfigError` naming ``metrics.listen`` when the address cannot be bound.
-    Each connection gets one response and is closed; a client that sends nothing for
-    5 s or more than 8 KiB of headers is dropped.
+    Raises `ConfigError` naming ``metrics.listen`` when the address cannot be bound. Served
+    by uvicorn on the daemon's loop (`web_server.serve_asgi`): idle connections are closed
+    after a few seconds, and a client that sends nothing blocks no other scrape.
     """
-    host, port = parse_listen(listen)
-    try:
-        listener = await anyio.create_tcp_listener(local_host=host, local_port=port)
-    except OSError as exc:
-        raise ConfigError(
-            "metrics.listen",
-            listen,
-            f"it cannot be bound ({exc.strerror or exc}); pick a free loopback port",
-        ) from exc
-    bound = listener.extra(anyio.abc.SocketAttribute.local_port)
-    log.info("metrics.listening", host=host, port=bound)
-    task_status.started(bound)
+    sock = bind_tcp(listen, "metrics.listen")
+    bound = int(sock.getsockname()[1])
+    log.info("metrics.listening", host=parse_listen(listen)[0], port=bound)
 
-    async def handle(stream: anyio.abc.SocketStream) -> None:
-        async with stream:
-            try:
-                with anyio.fail_after(_REQUEST_TIMEOUT_S):
-                    head = await BufferedByteReceiveStream(stream).receive_until(
-                        b"\r\n\r\n", _REQUEST_LIMIT
-                    )
-                    request = head.split(b"\r\n", 1)[0].decode("latin-1").split()
-                    path = request[1].split("?", 1)[0] if len(request) >= 2 else ""
-                    if request[:1] in (["GET"], ["HEAD"]) and path in ("/metrics", "/"):
-                        body = metrics.exposition()
-                        status, ctype = "200 OK", CONTENT_TYPE_LATEST
-                    else:
-                        body, status, ctype = b"not found\n", "404 Not Found", "text/plain"
-                    header = (
-                        f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\n"
-                        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
-                    ).encode()
-                    await stream.send(header + (b"" if request[:1] == ["HEAD"] else body))
-            except (
-                TimeoutError,
-                anyio.EndOfStream,
-                anyio.IncompleteRead,
-                anyio.DelimiterNotFound,
-                anyio.BrokenResourceError,
-                anyio.ClosedResourceError,
-            ):
-                return
-
-    async with listener:
-        await listener.serve(handle)
+    async with anyio.create_task_group() as tg:
+        await tg.start(functools.partial(serve_asgi, metrics_app(metrics), [sock], name="metrics"))
+        task_status.started(bound)

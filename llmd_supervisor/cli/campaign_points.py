@@ -7,8 +7,8 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import TypedDict
 
-from llmd_supervisor.cli.result_values import latency, per_gpu_total
 from llmd_supervisor.core.campaign_views import CampaignJobResults, MatrixValues
+from llmd_supervisor.core.result_values import latency, per_gpu_total
 from llmd_supervisor.core.summary import PointView
 
 __all__ = ["PointRow", "point_rows", "values_text", "varying"]

@@ -14,7 +14,7 @@ import json
 from collections.abc import Iterable
 from typing import IO
 
-from llmd_supervisor.cli.result_values import (
+from llmd_supervisor.core.result_values import (
     field_of,
     no_results_reason,
     per_gpu_total,

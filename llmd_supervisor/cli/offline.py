@@ -147,7 +147,7 @@ def run_name(archive: Path) -> str:
 
 def print_status(args: argparse.Namespace, ref: str, out: IO[str]) -> None:
     """`status` of a finished run from its archive: its job, nodes, outcome, best point."""
-    from llmd_supervisor.cli.result_values import gpu_text
+    from llmd_supervisor.core.result_values import gpu_text
 
     archive = archive_of(args, ref)
     receipt = receipt_of(archive)

@@ -2,48 +2,48 @@
 
 The file is self-contained (no network, no scripts, no fonts or images from elsewhere):
 the charts are inline SVG drawn by matplotlib, an optional dependency (the ``report``
-extra). Every plotted point is its own SVG group carrying ``class="point"``,
-``data-chart``, ``data-run``, ``data-concurrency``, ``data-x`` and ``data-y``, so what a
-chart shows can be checked from the file. The charts: total throughput per GPU against
-interactivity (1000 / median TPOT in ms, the chart InferenceX publishes; runs whose GPU
-count is unknown are left out of it, never plotted as totals on its axis), total
-throughput against interactivity (every run), and median TTFT and TPOT against
-concurrency, one line per run.
-
-What a job wrote reaches the report through its results (file names, numbers), so the
-report takes nothing as given: text is escaped as the daemon escapes what a job writes
-(`core.jobtext`: a name that is not UTF-8, or holds control characters, shows them as
-backslash escapes) and a chart places only a
-concurrency from 1 to `MAX_CONCURRENCY` and values from 0 to `MAX_VALUE`. What it leaves
-out is named in a note beside the chart; the evidence tables still show every point.
+extra). The charts, tables and escaping are `core.report_html`'s (the daemon's dashboard
+shows the same), drawn by `adapters.chart_svg`.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import html
-import io
-import math
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from llmd_supervisor.adapters.chart_svg import chart_svg
 from llmd_supervisor.cli import offline
-from llmd_supervisor.cli.result_values import (
-    gpu_text,
-    interactivity,
-    latency,
-    no_results_reason,
-    per_gpu_total,
-    points_text,
+from llmd_supervisor.core.report_html import (
+    MAX_CONCURRENCY,
+    MAX_VALUE,
+    PALETTE,
+    REPORT_CSS,
+    Chart,
+    build_charts,
+    chart_parts,
+    escaped_run,
+    left_out_of_every_chart,
+    notes,
+    run_section,
+    run_title,
 )
-from llmd_supervisor.core.jobtext import job_text
-from llmd_supervisor.core.results import LATENCIES
-from llmd_supervisor.core.summary import PointView as ResultPoint
 from llmd_supervisor.core.summary import RunResults
+
+__all__ = [
+    "INSTALL_HINT",
+    "MAX_CONCURRENCY",
+    "MAX_VALUE",
+    "PALETTE",
+    "build_charts",
+    "chart_svg",
+    "render_report",
+    "run_title",
+]
 
 INSTALL_HINT = (
     "llmd-supervisor report: matplotlib is not installed, and the report needs it; install "
@@ -51,404 +51,17 @@ INSTALL_HINT = (
     "(from a checkout: pip install -e '.[report]')."
 )
 
-# What a chart places. No benchmark runs a million requests at once or measures 10**12
-# tokens/s or ms; beyond these matplotlib fails (float(10**400) overflows, and an axis up
-# to 1.7e308 overflows while it picks its ticks).
-MAX_CONCURRENCY = 2**20
-MAX_VALUE = 1e12
-NOTES_SHOWN = 20  # notes per chart; the rest are counted
-
-# matplotlib's tab10, fixed here so that a run has one colour in every chart.
-PALETTE = (
-    "#1f77b4",
-    "#ff7f0e",
-    "#2ca02c",
-    "#d62728",
-    "#9467bd",
-    "#8c564b",
-    "#e377c2",
-    "#7f7f7f",
-    "#bcbd22",
-    "#17becf",
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Series:
-    """One run's line in one chart: (x, y, concurrency) in concurrency order."""
-
-    run: str
-    label: str
-    color: str
-    points: tuple[tuple[float, float, int], ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Chart:
-    chart_id: str
-    title: str
-    xlabel: str
-    ylabel: str
-    series: tuple[Series, ...]
-    log_x: bool = False
-    left_out: tuple[str, ...] = ()  # one sentence per run not plotted
-    zero_y: bool = False  # a throughput: its axis starts at zero
-
-
-def _escaped_run(r: RunResults) -> RunResults:
-    """`r` with every text field escaped as `job_text` does (numbers are bounded where they
-    are plotted)."""
-    out = r.copy()
-    out["run"], out["state"], out["reason"] = (job_text(r[k]) for k in ("run", "state", "reason"))
-    out["outcome"] = None if r["outcome"] is None else job_text(r["outcome"])
-    table = r["results"]
-    if table is not None:
-        points = []
-        for p in table["points"]:
-            q = p.copy()
-            q["file"] = job_text(p["file"])
-            q["problem"] = None if p["problem"] is None else job_text(p["problem"])
-            points.append(q)
-        escaped = table.copy()
-        escaped["format"], escaped["points"] = job_text(table["format"]), points
-        out["results"] = escaped
-    return out
-
-
-def _int_text(value: int) -> str:
-    """`value` in digits, or as ``1.000e+400`` when it has more than 15."""
-    digits = str(abs(value))
-    if len(digits) <= 15:
-        return str(value)
-    return f"{'-' if value < 0 else ''}{digits[0]}.{digits[1:4]}e+{len(digits) - 1}"
-
-
-def _placeable(p: ResultPoint) -> bool:
-    return p["valid"] and 1 <= p["concurrency"] <= MAX_CONCURRENCY
-
-
-def _valid_points(r: RunResults) -> list[ResultPoint]:
-    """`r`'s valid points that a chart can place, in concurrency order."""
-    table = r["results"]
-    if table is None:
-        return []
-    return sorted((p for p in table["points"] if _placeable(p)), key=lambda p: p["concurrency"])
-
-
-def left_out_of_every_chart(runs: Sequence[RunResults]) -> list[str]:
-    """One sentence per valid point whose concurrency no chart can place."""
-    out = []
-    for r in runs:
-        table = r["results"]
-        for p in table["points"] if table else ():
-            if p["valid"] and not _placeable(p):
-                out.append(
-                    f"run {r['run']}, the point of concurrency {_int_text(p['concurrency'])} "
-                    f"({p['file']}): a chart places a concurrency from 1 to "
-                    f"{MAX_CONCURRENCY:,}; the run's table shows the point"
-                )
-    return out
-
-
-INTERACTIVITY = "interactivity (tok/s/user = 1000 / median TPOT in ms)"
-NO_VALUES = "no valid point has the values this chart needs"
-
-
-def _gpus_unknown(r: RunResults) -> str:
-    if r["results"] is not None and r["results"]["gpus"]:
-        return NO_VALUES
-    return (
-        "its GPU count is unknown, so it has no per-GPU throughput (the total-throughput "
-        "chart shows it; a spec declares topology.gpus_per_node, or nominal_gpus_per_node "
-        "for stand-ins)"
-    )
-
-
-def _series(
-    runs: Sequence[RunResults],
-    x: Callable[[RunResults, ResultPoint], float | None],
-    y: Callable[[RunResults, ResultPoint], float | None],
-    *,
-    unknown: Callable[[RunResults], str] = lambda _: NO_VALUES,
-) -> tuple[tuple[Series, ...], tuple[str, ...]]:
-    series, left_out = [], []
-    for i, r in enumerate(runs):
-        pts = []
-        for p in _valid_points(r):
-            xv, yv = x(r, p), y(r, p)
-            if xv is None or yv is None:
-                continue  # not measured
-            beyond = [v for v in (xv, yv) if not (math.isfinite(v) and 0 <= v <= MAX_VALUE)]
-            if beyond:
-                left_out.append(
-                    f"run {r['run']} c={p['concurrency']}: {beyond[0]:.4g} is beyond what a "
-                    f"chart can place (0 to {MAX_VALUE:g}); the run's table shows it"
-                )
-                continue
-            pts.append((xv, yv, p["concurrency"]))
-        if pts:
-            series.append(Series(r["run"], r["run"], PALETTE[i % len(PALETTE)], tuple(pts)))
-        elif r["results"] is None or not r["results"]["points"]:
-            left_out.append(f"run {r['run']}: {no_results_reason(r)}")
-        else:
-            left_out.append(f"run {r['run']}: {unknown(r)}")
-    return tuple(series), tuple(left_out)
-
-
-def build_charts(runs: Sequence[RunResults]) -> list[Chart]:
-    """The report's four charts (pure: no matplotlib needed). No axis holds per-GPU values
-    and totals together: a run without a GPU count is in the total chart only."""
-
-    def per_gpu(r: RunResults, p: ResultPoint) -> float | None:
-        table = r["results"]
-        return per_gpu_total(p, table["gpus"]) if table else None
-
-    def total(_: RunResults, p: ResultPoint) -> float | None:
-        return p["total_token_throughput"]
-
-    def x_interactivity(_: RunResults, p: ResultPoint) -> float | None:
-        return interactivity(p)
-
-    def conc(_: RunResults, p: ResultPoint) -> float:
-        return float(p["concurrency"])
-
-    def median(metric: str) -> Callable[[RunResults, ResultPoint], float | None]:
-        return lambda _, p: latency(p, metric, "median")
-
-    charts = []
-    s, out = _series(runs, x_interactivity, per_gpu, unknown=_gpus_unknown)
-    charts.append(
-        Chart(
-            "tput-vs-interactivity",
-            "Throughput per GPU against interactivity",
-            INTERACTIVITY,
-            "total tok/s per GPU",
-            s,
-            left_out=out,
-            zero_y=True,
-        )
-    )
-    s, out = _series(runs, x_interactivity, total)
-    charts.append(
-        Chart(
-            "total-tput-vs-interactivity",
-            "Total throughput against interactivity",
-            INTERACTIVITY,
-            "total tok/s (all GPUs)",
-            s,
-            left_out=out,
-            zero_y=True,
-        )
-    )
-    for metric in ("ttft", "tpot"):
-        s, out = _series(runs, conc, median(metric))
-        charts.append(
-            Chart(
-                f"{metric}-vs-concurrency",
-                f"Median {metric.upper()} against concurrency",
-                "concurrency (requests in flight)",
-                f"median {metric.upper()} (ms)",
-                s,
-                log_x=True,
-                left_out=out,
-            )
-        )
-    return charts
-
-
-def chart_svg(chart: Chart) -> str:
-    """`chart` as an inline `<svg>` element; each point a group with its data attributes."""
-    import matplotlib
-    from matplotlib.figure import Figure  # no pyplot: no GUI backend is ever chosen
-
-    attrs: dict[str, str] = {}
-    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": chart.chart_id}):
-        fig = Figure(figsize=(8.0, 4.5), layout="constrained")
-        ax = fig.add_subplot()
-        for n, s in enumerate(chart.series):
-            xs = [p[0] for p in s.points]
-            ys = [p[1] for p in s.points]
-            ax.plot(xs, ys, "-", color=s.color, linewidth=1.5, label=s.label)
-            for i, (x, y, conc) in enumerate(s.points):
-                gid = f"{chart.chart_id}-s{n}-p{i}"
-                ax.plot([x], [y], "o", markersize=6, color=s.color, gid=gid)
-                ax.annotate(
-                    f"c{conc}", (x, y), textcoords="offset points", xytext=(4, 5), fontsize=7
-                )
-                attrs[gid] = (
-                    f'class="point" data-chart="{chart.chart_id}" '
-                    f'data-run="{html.escape(s.run, quote=True)}" data-concurrency="{conc}" '
-                    f'data-x="{x:.6g}" data-y="{y:.6g}"'
-                )
-        if chart.log_x:
-            ax.set_xscale("log", base=2)
-            ticks = sorted({p[0] for s in chart.series for p in s.points})
-            ax.set_xticks(ticks, [f"{t:g}" for t in ticks])
-            ax.minorticks_off()
-        if chart.zero_y:
-            ax.set_ylim(bottom=0)
-        ax.set_title(chart.title)
-        ax.set_xlabel(chart.xlabel)
-        ax.set_ylabel(chart.ylabel)
-        ax.grid(True, alpha=0.3)
-        if chart.series:
-            ax.legend(fontsize=8)
-        buf = io.StringIO()
-        fig.savefig(buf, format="svg", metadata={"Date": None})
-    svg = buf.getvalue()
-    svg = svg[svg.index("<svg") :]
-    for gid, extra in attrs.items():
-        tag = f'<g id="{gid}">'
-        if svg.count(tag) != 1:
-            raise RuntimeError(f"matplotlib's SVG has {svg.count(tag)} groups {gid!r}, not one")
-        svg = svg.replace(tag, f'<g id="{gid}" {extra}>')
-    return svg
-
-
-# --- HTML ---------------------------------------------------------------------------------
-
-_CSS = """
-body { font-family: sans-serif; margin: 1.5em; color: #222; max-width: 1150px; }
-h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; }
-table { border-collapse: collapse; font-size: 0.8em; }
-th, td { border: 1px solid #ccc; padding: 2px 6px; text-align: right; white-space: nowrap; }
-th { background: #f0f0f0; } td.text { text-align: left; white-space: normal; }
-tr.invalid td { background: #fde8e8; }
-.scroll { overflow-x: auto; }
-.verdict { padding: 0.4em 0.7em; border-left: 6px solid #999; background: #f6f6f6; }
-.succeeded { border-color: #2ca02c; } .bad { border-color: #d62728; }
-.chart svg { max-width: 100%; height: auto; }
-.note { color: #555; font-size: 0.9em; }
-"""
-
-_COLUMNS: tuple[tuple[str, Callable[[ResultPoint, int | None], object]], ...] = (
-    ("concurrency", lambda p, g: p["concurrency"]),
-    ("prompts", lambda p, g: p["num_prompts"]),
-    ("completed", lambda p, g: p["completed"]),
-    ("failed", lambda p, g: p["failed"]),
-    ("duration s", lambda p, g: p["duration_s"]),
-    ("req/s", lambda p, g: p["request_throughput"]),
-    ("output tok/s", lambda p, g: p["output_throughput"]),
-    ("total tok/s", lambda p, g: p["total_token_throughput"]),
-    ("input tok/s", lambda p, g: p["input_throughput"]),
-    ("total tok/s/GPU", lambda p, g: per_gpu_total(p, g)),
-    ("output tok/s/GPU", lambda p, g: p["output_throughput_per_gpu"]),
-    ("input tok/s/GPU", lambda p, g: p["input_throughput_per_gpu"]),
-    ("interactivity", lambda p, g: interactivity(p)),
-)
-
-
-def _num(value: object) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if not abs(value) < 1e15:  # also inf and nan
-            return f"{value:.4g}"
-        return f"{value:,.2f}" if abs(value) < 1000 else f"{value:,.0f}"
-    if isinstance(value, int) and not isinstance(value, bool):
-        return _int_text(value)
-    return html.escape(str(value))
-
-
-def _lat_getter(metric: str, stat: str) -> Callable[[ResultPoint, int | None], object]:
-    return lambda p, g: latency(p, metric, stat)
-
-
-def _evidence_table(r: RunResults) -> str:
-    table = r["results"]
-    if table is None or not table["points"]:
-        return f'<p class="note">No results: {html.escape(no_results_reason(r))}.</p>'
-    columns = list(_COLUMNS)
-    for metric in LATENCIES:
-        for stat in ("mean", "median", "p99"):
-            columns.append((f"{metric.upper()} {stat} ms", _lat_getter(metric, stat)))
-    head = "".join(f"<th>{html.escape(name)}</th>" for name, _ in columns)
-    rows = []
-    for p in sorted(table["points"], key=lambda p: p["concurrency"]):
-        cells = "".join(f"<td>{_num(get(p, table['gpus']))}</td>" for _, get in columns)
-        problem = "valid" if p["valid"] else f"invalid: {p['problem'] or 'no reason given'}"
-        cells += f'<td class="text">{html.escape(problem)}</td>'
-        cells += f'<td class="text">{html.escape(p["file"])}</td>'
-        rows.append(f'<tr class="{"valid" if p["valid"] else "invalid"}">{cells}</tr>')
-    return (
-        f'<div class="scroll"><table><tr>{head}<th>valid</th><th>file</th></tr>'
-        + "".join(rows)
-        + "</table></div>"
-    )
-
-
-def run_title(r: RunResults) -> str:
-    """What a run was: model, topology (xPyD and GPUs), ISL/OSL and when it ended, from
-    its results table's deployment, or what a foreign job's result files declared (the
-    parts it does not say are left out)."""
-    table = r["results"]
-    d = table.get("deployment") if table is not None else None
-    parts = []
-    if d is not None:
-        parts.append(d["model"])
-        gpus = ""
-        if d["num_prefill_gpu"] is not None and d["num_decode_gpu"] is not None:
-            gpus = f", {d['num_prefill_gpu']}+{d['num_decode_gpu']} GPUs"
-        parts.append(f"{d['prefill_num_workers']}P{d['decode_num_workers']}D{gpus}")
-        parts.append(f"ISL {d['isl']} / OSL {d['osl']}")
-    elif table is not None:  # a foreign job: what its result files declared
-        said = table.get("declared") or {}
-        if "model" in said:
-            parts.append(said["model"])
-        workers = (said.get("prefill_num_workers"), said.get("decode_num_workers"))
-        topology = f"{workers[0]}P{workers[1]}D" if None not in workers else ""
-        if table["gpus"]:
-            topology = f"{topology}, {gpu_text(table)}" if topology else gpu_text(table)
-        if topology:
-            parts.append(topology)
-        if "isl" in said and "osl" in said:
-            parts.append(f"ISL {said['isl']} / OSL {said['osl']}")
-    ended = r.get("finished_at")
-    if ended:
-        parts.append(f"ended {ended[:16].replace('T', ' ')} UTC")
-    return " · ".join(parts)
-
-
-def _chart_table(chart: Chart) -> str:
-    """The plotted points of `chart` as a table below it (the numbers the eye reads off)."""
-    head = "<tr><th>run</th><th>concurrency</th>"
-    head += f"<th>{html.escape(chart.xlabel)}</th><th>{html.escape(chart.ylabel)}</th></tr>"
-    rows = [
-        f'<tr><td class="text">{html.escape(s.label)}</td><td>{conc}</td>'
-        f"<td>{_num(x)}</td><td>{_num(y)}</td></tr>"
-        for s in chart.series
-        for x, y, conc in s.points
-    ]
-    return f'<div class="scroll"><table class="points">{head}{"".join(rows)}</table></div>'
-
-
-def _run_section(r: RunResults) -> str:
-    outcome = r["outcome"]
-    css = "succeeded" if outcome == "succeeded" else ("bad" if outcome else "")
-    table = r["results"]
-    meta = "no results table"
-    if table is not None:
-        meta = f"{table['format']} client, {gpu_text(table)}, {points_text(len(table['points']))}"
-    return (
-        f'<section id="run-{html.escape(r["run"], quote=True)}">'
-        f"<h2>Run {html.escape(r['run'])}</h2>"
-        f'<p class="title">{html.escape(run_title(r))}</p>'
-        f'<div class="verdict {css}"><b>{html.escape(outcome or "no outcome yet")}</b> '
-        f"(state {html.escape(r['state'])}): {html.escape(r['reason'] or 'no reason given')}"
-        f'</div><p class="note">{html.escape(meta)}</p>{_evidence_table(r)}</section>'
-    )
-
 
 def render_report(
     runs: Sequence[RunResults], *, generated_at: str, svg: Callable[[Chart], str] = chart_svg
 ) -> str:
     """The whole HTML document for `runs`."""
-    runs = [_escaped_run(r) for r in runs]
+    runs = [escaped_run(r) for r in runs]
     parts = [
         "<!DOCTYPE html>",
         '<html lang="en"><head><meta charset="utf-8">',
         "<title>llm-d benchmark report</title>",
-        f"<style>{_CSS}</style></head><body>",
+        f"<style>{REPORT_CSS}</style></head><body>",
         "<h1>llm-d benchmark report</h1>",
         f'<p class="note">Generated {html.escape(generated_at)} by llmd-supervisor for '
         f"{len(runs)} run(s).</p>",
@@ -462,32 +75,11 @@ def render_report(
             f"{html.escape(r['reason'])}</li>"
         )
     parts.append("</ul><h2>Charts</h2>")
-    parts += _notes("Left out of every chart", left_out_of_every_chart(runs))
+    parts += notes("Left out of every chart", left_out_of_every_chart(runs))
     parts += chart_parts(build_charts(runs), svg)
-    parts.extend(_run_section(r) for r in runs)
+    parts.extend(run_section(r) for r in runs)
     parts.append("</body></html>\n")
     return "\n".join(parts)
-
-
-def chart_parts(charts: Sequence[Chart], svg: Callable[[Chart], str]) -> list[str]:
-    """Each chart's HTML: its SVG and table of plotted points, or that it has nothing to
-    plot, then what it left out."""
-    parts = []
-    for chart in charts:
-        if chart.series:
-            parts.append(f'<div class="chart" id="{chart.chart_id}">{svg(chart)}</div>')
-            parts.append(_chart_table(chart))
-        else:
-            parts.append(f'<p class="note">{html.escape(chart.title)}: nothing to plot.</p>')
-        parts += _notes("Not plotted", chart.left_out)
-    return parts
-
-
-def _notes(head: str, notes: Sequence[str]) -> list[str]:
-    shown = [f'<p class="note">{head}: {html.escape(why)}.</p>' for why in notes[:NOTES_SHOWN]]
-    if len(notes) > NOTES_SHOWN:
-        shown.append(f'<p class="note">{head}: {len(notes) - NOTES_SHOWN} more like these.</p>')
-    return shown
 
 
 # --- the command --------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import IO, Any, TypedDict
 
 from llmd_supervisor.cli import offline
-from llmd_supervisor.cli.result_values import (
+from llmd_supervisor.core.result_values import (
     STATS,
     field_of,
     gpu_text,

@@ -120,6 +120,21 @@ class SocketLimits:
 
 
 @dataclass(frozen=True)
+class DashboardConfig:
+    """The read-only web dashboard ([dashboard]): a Unix socket, and optionally loopback TCP."""
+
+    enabled: bool = True
+    socket: Path | None = None  # default: web.sock beside the control socket
+    socket_mode: int | None = None  # default: the control socket's mode (and its group)
+    tcp: str | None = None  # host:port on loopback, e.g. 127.0.0.1:8765 (token required)
+    # The TCP token: a file readable only by the service account (None: one is made at
+    # start in <state_dir>/dashboard.token, 0600, and its path is logged).
+    token_file: str | None = None
+    # Host header names accepted on TCP besides localhost, 127.0.0.1 and ::1 (any port).
+    hosts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Config:
     state_dir: Path = DEFAULT_STATE_DIR
     archive_dir: Path | None = None  # default: <state_dir>/archive
@@ -138,6 +153,13 @@ class Config:
     log_roots: tuple[str, ...] = ()
     # Where outbound events go ([[events.destination]]; core.event_routing).
     events: EventsConfig = field(default_factory=EventsConfig)
+    dashboard: DashboardConfig = field(default_factory=DashboardConfig)
+
+    @property
+    def dashboard_socket(self) -> Path:
+        """The dashboard's Unix socket: as configured, else web.sock beside the control socket."""
+        d = self.dashboard.socket
+        return d if d is not None else self.socket_path.parent / "web.sock"
 
     @property
     def archive_root(self) -> Path:
@@ -211,7 +233,7 @@ def default_known_hosts() -> str:
     return os.path.expanduser("~/.ssh/known_hosts")
 
 
-_TOP = ("daemon", "ssh", "poll", "limits", "clusters", "metrics", "events")
+_TOP = ("daemon", "ssh", "poll", "limits", "clusters", "metrics", "events", "dashboard")
 _DAEMON_KEYS = (
     "state_dir",
     "archive_dir",
@@ -266,6 +288,7 @@ def parse_config(data: Mapping[str, object]) -> Config:
     clusters = found.check(lambda: _clusters(data), no_clusters)
     listen = found.check(lambda: _metrics(_table(data, "metrics")), None)
     events = found.check(lambda: parse_events(_table(data, "events")), EventsConfig())
+    dashboard = found.check(lambda: _dashboard(_table(data, "dashboard")), DashboardConfig())
     if found.found:
         raise ConfigErrors(found.found)
     assert state_dir is not None and socket_path is not None and ssh is not None
@@ -285,6 +308,7 @@ def parse_config(data: Mapping[str, object]) -> Config:
         socket_limits=socket_limits,
         log_roots=log_roots,
         events=events,
+        dashboard=dashboard,
     )
 
 
@@ -322,17 +346,19 @@ def _log_format(d: Mapping[str, object]) -> str:
     return log_format
 
 
-def _socket_mode(d: Mapping[str, object], group: str | None) -> int:
+def _socket_mode(
+    d: Mapping[str, object], group: str | None, key: str = "daemon.socket_mode"
+) -> int:
     # Without a group the socket is the daemon's user's alone: group rights would go to
     # the primary group of whoever started it.
-    mode_text = _str(d, "daemon.socket_mode", "0600" if group is None else "0660")
+    mode_text = _str(d, key, "0600" if group is None else "0660")
     try:
         mode = int(mode_text, 8)
     except ValueError:
         mode = -1
     if not 0 <= mode <= 0o777 or mode & 0o007:
         raise ConfigError(
-            "daemon.socket_mode",
+            key,
             mode_text,
             "use an octal mode without rights for others, e.g. 0660",
         )
@@ -431,7 +457,12 @@ def _clusters(data: Mapping[str, object]) -> tuple[ClusterConfig, ...]:
 
 def _metrics(m: Mapping[str, object]) -> str | None:
     _keys("metrics", m, ("listen",))
-    listen = _opt_str(m, "metrics.listen")
+    return _loopback(m, "metrics.listen", "127.0.0.1:9464")
+
+
+def _loopback(t: Mapping[str, object], key: str, example: str) -> str | None:
+    """A loopback host:port (None when unset)."""
+    listen = _opt_str(t, key)
     if listen is not None:
         host, _, port = listen.rpartition(":")
         if (
@@ -440,11 +471,41 @@ def _metrics(m: Mapping[str, object]) -> str | None:
             or not 1 <= int(port) <= 65535
         ):
             raise ConfigError(
-                "metrics.listen",
+                key,
                 listen,
-                "use a loopback host:port with a port from 1 to 65535, e.g. 127.0.0.1:9464",
+                f"use a loopback host:port with a port from 1 to 65535, e.g. {example}",
             )
     return listen
+
+
+_DASHBOARD_KEYS = ("enabled", "socket", "socket_mode", "tcp", "token_file", "hosts")
+
+
+def _dashboard(t: Mapping[str, object]) -> DashboardConfig:
+    _keys("dashboard", t, _DASHBOARD_KEYS)
+    enabled = t.get("enabled", True)
+    if not isinstance(enabled, bool):
+        raise ConfigError("dashboard.enabled", enabled, "use true or false")
+    mode = None
+    if "socket_mode" in t:
+        mode = _socket_mode({"socket_mode": t["socket_mode"]}, None, "dashboard.socket_mode")
+    token_file = _abs_path(t, "dashboard.token_file", None)
+    hosts = _str_list(t, "dashboard.hosts")
+    for host in hosts:
+        if not host.replace("-", "").replace(".", "").isalnum():
+            raise ConfigError(
+                "dashboard.hosts",
+                host,
+                "list host names without a port, e.g. ['login1.example.org']",
+            )
+    return DashboardConfig(
+        enabled=enabled,
+        socket=_abs_path(t, "dashboard.socket", None),
+        socket_mode=mode,
+        tcp=_loopback(t, "dashboard.tcp", "127.0.0.1:8765"),
+        token_file=None if token_file is None else str(token_file),
+        hosts=tuple(h.lower() for h in hosts),
+    )
 
 
 def _socket_limits(d: Mapping[str, object]) -> SocketLimits:
@@ -532,7 +593,8 @@ def effective(config: Config) -> dict[str, object]:
     """The effective configuration in the file's own layout (defaults filled in).
 
     Unset optional keys are None. `load_config(to_toml(effective(c)))` equals `c`, except
-    that an unset `daemon.archive_dir` is shown as its effective value.
+    that an unset `daemon.archive_dir` and `dashboard.socket` are shown as their effective
+    values.
     """
     return {
         "daemon": {
@@ -562,6 +624,16 @@ def effective(config: Config) -> dict[str, object]:
         },
         "limits": {n: getattr(config.limits, n) for n in Limits.__dataclass_fields__},
         "metrics": {"listen": config.metrics_listen},
+        "dashboard": {
+            "enabled": config.dashboard.enabled,
+            "socket": str(config.dashboard_socket),
+            "socket_mode": None
+            if config.dashboard.socket_mode is None
+            else f"{config.dashboard.socket_mode:04o}",
+            "tcp": config.dashboard.tcp,
+            "token_file": config.dashboard.token_file,
+            "hosts": list(config.dashboard.hosts),
+        },
         "clusters": [
             {
                 "name": c.name,

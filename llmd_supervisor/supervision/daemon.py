@@ -1,4 +1,5 @@
-"""The daemon root: journal, one poller per cluster, every run's task, the control socket.
+"""The daemon root: journal, one poller per cluster, every run's task, the control socket
+and the dashboard.
 
 `serve(config)` opens the journal, starts the pollers, resumes every run the journal
 holds as in flight, starts listening, and reports readiness. SIGTERM/SIGINT stop it
@@ -45,6 +46,7 @@ from llmd_supervisor.supervision.api import ControlApi
 from llmd_supervisor.supervision.campaign.api import CampaignOps
 from llmd_supervisor.supervision.campaign.runner import Campaigns
 from llmd_supervisor.supervision.cluster import Cluster, build_cluster
+from llmd_supervisor.supervision.dashboard import serve_dashboard
 from llmd_supervisor.supervision.events_api import EventOps
 from llmd_supervisor.supervision.run.driver import Hooks, RunHandle, Supervisor
 from llmd_supervisor.supervision.views import run_results
@@ -130,8 +132,9 @@ async def serve(
     """Run until SIGTERM/SIGINT (or cancellation); see the module docstring.
 
     `notify` gets the sd_notify messages: ``READY=1`` once the journal is open, every
-    in-flight run is re-attached (its task started) and the control socket (and the
-    metrics endpoint, if configured) listens; ``STATUS=`` whenever the run counts change;
+    in-flight run is re-attached (its task started) and the control socket, the dashboard
+    (unless ``dashboard.enabled = false``) and the metrics endpoint (if configured)
+    listen; ``STATUS=`` whenever the run counts change;
     ``STOPPING=1`` on SIGTERM/SIGINT; ``WATCHDOG=1`` every `watchdog_s`/2 from the event
     loop when `watchdog_s` is set. `hooks` are the supervisor's test seams.
 
@@ -193,13 +196,15 @@ async def _serve(
                     hint="name the group that may connect (daemon.socket_group) or drop "
                     "daemon.socket_mode (0600 without a group)",
                 )
+            api = _control_api(supervisor, campaigns, outbox, sender)
             server = ControlServer(
-                config.socket_path,
-                _control_api(supervisor, campaigns, outbox, sender),
-                mode=config.socket_mode,
-                group=config.socket_group,
+                config.socket_path, api, mode=config.socket_mode, group=config.socket_group
             )
             await tg.start(server.serve)
+            if config.dashboard.enabled:
+                await tg.start(
+                    functools.partial(serve_dashboard, api, config, clock=supervisor.clock)
+                )
             log.info("daemon.ready", socket=str(config.socket_path), resumed=resumed)
             notify(f"READY=1\nSTATUS={status_line(supervisor.handles)}")
             tg.start_soon(_report_status, supervisor, metrics, notify)

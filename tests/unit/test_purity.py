@@ -40,6 +40,9 @@ PURE_MODULES = [
     "llmd_supervisor.core.fencing",
     "llmd_supervisor.core.journal_url",
     "llmd_supervisor.core.schema_versions",
+    "llmd_supervisor.core.dashboard_pages",
+    "llmd_supervisor.core.report_html",
+    "llmd_supervisor.core.result_values",
 ]
 FORBIDDEN = ["anyio", "asyncssh", "sqlite3", "subprocess", "socket", "asyncio", "structlog"]
 # A standard-library module a pure module needs may load one of FORBIDDEN without using
