@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Final, Protocol, TypeVar, cast
+from typing import TYPE_CHECKING, Final, Protocol, TypeVar, cast
 
 import anyio
 import anyio.to_thread
@@ -67,6 +67,9 @@ from llmd_supervisor.core.outbox import Outgoing
 from llmd_supervisor.core.retry_policy import Evidence, NodeFailure
 from llmd_supervisor.core.schema_versions import CODE_VERSION, Refuse, plan
 from llmd_supervisor.errors import JournalConflict, JournalError, JournalSchemaTooNew
+
+if TYPE_CHECKING:
+    from llmd_supervisor.adapters.journal_pg import PostgresSettings
 
 __all__ = ["SCHEMA_VERSION", "Journal", "NewEvent", "RunMeta", "StoredRun", "open_journal"]
 
@@ -162,12 +165,14 @@ class Journal:
         return cls(await _SqliteBackend.open(path), path)
 
     @classmethod
-    async def open_postgres(cls, config: PostgresJournal) -> Journal:
+    async def open_postgres(
+        cls, config: PostgresJournal, settings: PostgresSettings | None = None
+    ) -> Journal:
         """Connect to (and create or migrate the schema of) a PostgreSQL journal
         (`adapters.journal_pg.PostgresBackend.open` says what is checked)."""
         from llmd_supervisor.adapters.journal_pg import PostgresBackend
 
-        return cls(await PostgresBackend.open(config))
+        return cls(await PostgresBackend.open(config, settings))
 
     async def aclose(self) -> None:
         """Close the connection (idempotent). Waits for a running operation to finish first."""
