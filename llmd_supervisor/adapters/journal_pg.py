@@ -262,9 +262,18 @@ def pg_error(location: str, operation: str, exc: BaseException) -> JournalError:
 def _open_sync(
     config: PostgresJournal, settings: PostgresSettings
 ) -> tuple[ConnectionPool[psycopg.Connection[Row]], int, int]:
-    import psycopg
-    from psycopg.conninfo import make_conninfo
-    from psycopg_pool import ConnectionPool, PoolTimeout
+    try:
+        import psycopg
+        from psycopg.conninfo import make_conninfo
+        from psycopg_pool import ConnectionPool, PoolTimeout
+    except ImportError as exc:
+        raise JournalError(
+            config.url,
+            "be opened",
+            f"{exc.name or 'psycopg'} is not installed; install the PostgreSQL extra into the "
+            "daemon's environment (pip install 'llmd-supervisor[postgresql]', or "
+            "'psycopg[binary]>=3.3.6' 'psycopg-pool>=3.2')",
+        ) from exc
 
     password = None if config.password_file is None else read_password(config.password_file)
     params = connect_params(config, settings, password)
