@@ -224,7 +224,7 @@ class PostgresBackend:
                             attempt=attempt,
                             sqlstate=exc.sqlstate,
                         )
-                        time.sleep(random.uniform(0.001, 0.01 * attempt))
+                        time.sleep(random.uniform(0, min(0.2, 0.002 * 2**attempt)))  # jittered
                 raise AssertionError("unreachable: the last try returns or raises")
         except PoolTimeout as exc:
             raise JournalError(
