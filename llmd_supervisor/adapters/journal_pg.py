@@ -29,6 +29,11 @@ not psycopg's async API). This module owns what differs:
   password) and the operation, with the SQLSTATE. A connection lost during COMMIT is an
   error whose outcome is unknown; the caller re-reads, as after a cancellation.
 
+Ready for leadership (a later phase): the schema already has `core.lease`'s lease table;
+fencing will add `core.fencing`'s trigger on every table as a migration step and
+`core.fencing.SET_WRITER_SQL` as the first statement of every write transaction (after
+the ``BEGIN`` of `PostgresBackend._run_sync`), so that no store function changes.
+
 Cancellation is the SQLite journal's: a task cancelled while it waits for its turn does
 nothing; once its transaction runs in the worker thread it runs to its end (commit or
 rollback) and the cancellation is delivered afterwards.
