@@ -110,7 +110,7 @@ def postgres() -> Iterator[PgServer]:
         if as_postgres:
             pw = pwd.getpwnam("postgres")
             os.chown(base, pw.pw_uid, pw.pw_gid)
-        subprocess.run(
+        initdb = subprocess.run(
             [
                 str(PG_BIN / "initdb"),
                 "-D",
@@ -125,12 +125,14 @@ def postgres() -> Iterator[PgServer]:
                 "--no-sync",
                 "--no-instructions",
             ],
-            check=True,
             capture_output=True,
+            text=True,
             timeout=120,
             cwd=base,
             **as_postgres,  # type: ignore[call-overload]  # user/group/extra_groups
         )
+        if initdb.returncode != 0:
+            pytest.fail(f"initdb failed ({initdb.returncode}):\n{initdb.stdout}{initdb.stderr}")
         port = _free_port()
         log = open(base / "server.log", "wb")  # noqa: SIM115  # the server writes it until the end
         process = subprocess.Popen(
