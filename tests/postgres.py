@@ -12,7 +12,8 @@ Missing binaries skip the PostgreSQL half of a test, which LLMD_TEST_NO_SKIP=1 (
 turns into a failure (tests/conftest.py).
 
 `journal_target` parametrises a test over both backends: ``[sqlite]`` and
-``[postgresql]``.
+``[postgresql]`` (the session's shared journal database, emptied for each test; a test
+of the schema or of migrations takes `PgServer.new_database`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import pytest
 
 from llmd_supervisor.adapters.journal import Journal
 from llmd_supervisor.adapters.journal_pg import PostgresSettings
+from llmd_supervisor.adapters.journal_schema import TABLES
 from llmd_supervisor.core.journal_url import PostgresJournal, parse_journal
 
 __all__ = ["JournalTarget", "PgServer", "journal_target", "postgres"]
@@ -55,6 +57,7 @@ class PgServer:
     password_file: Path
     process: subprocess.Popen[bytes]
     _databases: Iterator[int]
+    _shared: tuple[str, psycopg.Connection[tuple[object, ...]]] | None = None
 
     def admin(self) -> psycopg.Connection[tuple[object, ...]]:
         """A superuser connection over the Unix socket (autocommit); close it after use."""
@@ -76,6 +79,32 @@ class PgServer:
         with self.admin() as conn:
             conn.execute(f"CREATE DATABASE {name} OWNER {ROLE} TEMPLATE template0")
         return name
+
+    def emptied_database(self) -> str:
+        """The session's shared journal database, its journal tables emptied (a tenth of
+        the time of a new database and a migration, which `new_database` is for)."""
+        if self._shared is None:
+            name = self.new_database()
+            self._shared = (
+                name,
+                psycopg.connect(
+                    host=str(self.base),
+                    port=self.port,
+                    user="postgres",
+                    dbname=name,
+                    autocommit=True,
+                ),
+            )
+        name, conn = self._shared
+        made = conn.execute("SELECT to_regclass('runs') IS NOT NULL").fetchone()
+        if made is not None and made[0]:
+            conn.execute(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY")
+        return name
+
+    def close(self) -> None:
+        if self._shared is not None:
+            self._shared[1].close()
+            self._shared = None
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -180,6 +209,7 @@ def postgres() -> Iterator[PgServer]:
             conn.execute(f"CREATE ROLE {ROLE} LOGIN PASSWORD '{password}'")
         yield server
     finally:
+        server.close()
         _stop(server)
         shutil.rmtree(base, ignore_errors=True)
 
@@ -239,4 +269,4 @@ def journal_target(request: pytest.FixtureRequest, tmp_path: Path) -> JournalTar
     if request.param == "sqlite":
         return JournalTarget("sqlite", path, None)
     server: PgServer = request.getfixturevalue("postgres")
-    return JournalTarget("postgresql", path, server.journal_config(server.new_database()))
+    return JournalTarget("postgresql", path, server.journal_config(server.emptied_database()))
