@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import re
 import sqlite3
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import closing
 from dataclasses import replace
@@ -297,6 +299,33 @@ async def test_a_wrong_password_or_no_server_is_a_journal_error_naming_the_url(
     closed = replace(pg, hosts=(("127.0.0.1", 1),), url="postgresql://llmd@127.0.0.1:1/x")
     with pytest.raises(JournalError, match=re.escape("postgresql://llmd@127.0.0.1:1/x")):
         await Journal.open_postgres(closed)
+
+
+def test_a_daemon_refuses_to_start_on_a_newer_schema(
+    pg: PostgresJournal, postgres: PgServer, tmp_path: Path
+) -> None:
+    anyio.run(_open_and_close, pg)
+    _admin_rows(postgres, pg.dbname, f"UPDATE schema_version SET version = {CODE_VERSION + 1}")
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'[daemon]\nstate_dir = "{tmp_path / "state"}"\nsocket = "{tmp_path / "control.sock"}"\n'
+        f'[journal]\nurl = "{pg.url}"\npassword_file = "{pg.password_file}"\n'
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "llmd_supervisor", "daemon", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1, done.stderr
+    assert f"Journal {pg.url} could not be opened" in done.stderr
+    assert f"newer than this daemon's {CODE_VERSION}; upgrade llmd-supervisor" in done.stderr
+    assert not (tmp_path / "control.sock").exists()
+
+
+async def _open_and_close(pg: PostgresJournal) -> None:
+    async with await Journal.open_postgres(pg):
+        pass
 
 
 def test_the_daemon_config_names_a_postgresql_journal() -> None:
