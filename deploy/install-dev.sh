@@ -3,8 +3,8 @@
 # the Debian packages (Slurm 22.05, munge, MariaDB, OpenSSH, iproute2, and debootstrap), the
 # Debian 13 root file system of the Slurm 24.11 cluster (built once with debootstrap, cached
 # under /var/cache/llmd-devcluster), chromium (the report test renders the HTML report
-# headless), systemd-analyze (the unit files are checked with it), and the project with its
-# dev and report extras in ./.venv.
+# headless), systemd-analyze (the unit files are checked with it), PostgreSQL 15 (the journal's
+# tests run on it too), and the project with its dev and report extras in ./.venv.
 #
 # The one install path: .ci/run and tests/run.sh both run it. It leaves a stamp in .venv
 # (the hash of what it installs from), so a second run in the same checkout is a no-op that
@@ -31,6 +31,8 @@ command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 # The per-user install test runs install.sh --user with Debian's own python3 (a user
 # cannot reach a root-owned pyenv): it needs its venv module.
 /usr/bin/python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing+=(python3-venv)
+# The journal's tests start a PostgreSQL 15 server of their own (tests/postgres.py).
+[ -x /usr/lib/postgresql/15/bin/initdb ] || missing+=(postgresql)
 if [ ${#missing[@]} -gt 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"

@@ -14,14 +14,13 @@ run whose archived result proved it and the result's sha256. The first proof sta
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Final
 
 from llmd_supervisor.adapters.journal import Journal
+from llmd_supervisor.adapters.journal_db import Db
 from llmd_supervisor.adapters.journal_rows import decode_json, iso, parse_time
 from llmd_supervisor.adapters.outbox_rows import insert_outgoing
 from llmd_supervisor.core.outbox import Outgoing
@@ -96,12 +95,12 @@ class CampaignStore:
 
     @property
     def _path(self) -> str:
-        return str(self._journal.path)
+        return self._journal.location
 
     async def insert(self, campaign: StoredCampaign, jobs: Sequence[StoredJob]) -> None:
         """Journal a new campaign and all its jobs at once; JournalConflict if the id is taken."""
         operation = f"insert campaign {campaign.campaign_id}"
-        path = self._journal.path
+        path = self._journal.location
         c = campaign
         row = (
             c.campaign_id,
@@ -118,7 +117,7 @@ class CampaignStore:
         )
         job_rows = [_job_row(j, path, operation) for j in jobs]
 
-        def work(conn: sqlite3.Connection) -> None:
+        def work(conn: Db) -> None:
             taken = conn.execute(
                 "SELECT 1 FROM campaigns WHERE campaign_id = ?", (c.campaign_id,)
             ).fetchone()
@@ -142,9 +141,9 @@ class CampaignStore:
         """Set the campaign's state, with the outbound events it makes (its
         campaign.finished) in the same transaction."""
         operation = f"set campaign {campaign_id} {state}"
-        now = iso(datetime.now(UTC), self._journal.path, operation)
+        now = iso(datetime.now(UTC), self._journal.location, operation)
 
-        def work(conn: sqlite3.Connection) -> None:
+        def work(conn: Db) -> None:
             cur = conn.execute(
                 "UPDATE campaigns SET state = ?, reason = ?, updated_at = ? WHERE campaign_id = ?",
                 (state, reason, now, campaign_id),
@@ -153,7 +152,7 @@ class CampaignStore:
                 raise JournalError(
                     self._path, operation, f"the journal holds no campaign {campaign_id}"
                 )
-            insert_outgoing(conn, outgoing, self._journal.path, operation)
+            insert_outgoing(conn, outgoing, self._path, operation)
 
         await self._journal.write(operation, work)
 
@@ -169,7 +168,7 @@ class CampaignStore:
     ) -> None:
         """A job's new state and reason (and, once, its run id and the points it runs)."""
         operation = f"set campaign {campaign_id} job {job_key} {state}"
-        now = iso(datetime.now(UTC), self._journal.path, operation)
+        now = iso(datetime.now(UTC), self._journal.location, operation)
         sets = ["state = ?", "reason = ?", "updated_at = ?"]
         params: list[object] = [state, reason, now]
         if run_id is not None:  # a new run for the job
@@ -179,7 +178,7 @@ class CampaignStore:
             sets.append("to_run = ?")
             params.append(json.dumps(sorted(to_run)))
 
-        def work(conn: sqlite3.Connection) -> None:
+        def work(conn: Db) -> None:
             cur = conn.execute(
                 f"UPDATE campaign_jobs SET {', '.join(sets)} WHERE campaign_id = ? AND job_key = ?",
                 (*params, campaign_id, job_key),
@@ -193,10 +192,10 @@ class CampaignStore:
 
     async def campaigns(self, *, owner_uid: int | None = None) -> list[StoredCampaign]:
         """Every campaign (of `owner_uid`), oldest first."""
-        where, params = ("owner_uid = ?", (owner_uid,)) if owner_uid is not None else ("1", ())
+        where, params = ("owner_uid = ?", (owner_uid,)) if owner_uid is not None else ("TRUE", ())
         operation = "list campaigns"
 
-        def work(conn: sqlite3.Connection) -> list[StoredCampaign]:
+        def work(conn: Db) -> list[StoredCampaign]:
             rows = conn.execute(
                 f"SELECT {_C_COLUMNS} FROM campaigns WHERE {where} "
                 "ORDER BY created_at, campaign_id",
@@ -209,7 +208,7 @@ class CampaignStore:
     async def get(self, campaign_id: str) -> StoredCampaign | None:
         operation = f"read campaign {campaign_id}"
 
-        def work(conn: sqlite3.Connection) -> StoredCampaign | None:
+        def work(conn: Db) -> StoredCampaign | None:
             row = conn.execute(
                 f"SELECT {_C_COLUMNS} FROM campaigns WHERE campaign_id = ?", (campaign_id,)
             ).fetchone()
@@ -221,7 +220,7 @@ class CampaignStore:
         """The campaign's jobs in expansion order."""
         operation = f"read campaign {campaign_id}'s jobs"
 
-        def work(conn: sqlite3.Connection) -> list[StoredJob]:
+        def work(conn: Db) -> list[StoredJob]:
             rows = conn.execute(
                 f"SELECT {_J_COLUMNS} FROM campaign_jobs WHERE campaign_id = ? ORDER BY seq",
                 (campaign_id,),
@@ -235,7 +234,7 @@ class CampaignStore:
         ids = sorted(set(recipe_ids))
         operation = f"read the verified points of {len(ids)} recipes"
 
-        def work(conn: sqlite3.Connection) -> dict[tuple[str, int], VerifiedPoint]:
+        def work(conn: Db) -> dict[tuple[str, int], VerifiedPoint]:
             out: dict[tuple[str, int], VerifiedPoint] = {}
             for start in range(0, len(ids), 500):  # SQLite's bound-parameter limit
                 chunk = ids[start : start + 500]
@@ -255,7 +254,7 @@ class CampaignStore:
         """Add proofs to the ledger; a point already proven keeps its first proof.
         Returns how many were new."""
         operation = f"record {len(points)} verified points"
-        path = self._journal.path
+        path = self._journal.location
         rows = [
             (
                 p.recipe_id,
@@ -269,12 +268,12 @@ class CampaignStore:
             for p in points
         ]
 
-        def work(conn: sqlite3.Connection) -> int:
-            before = conn.total_changes
-            conn.executemany(
-                f"INSERT OR IGNORE INTO verified_points ({_P_COLUMNS}) VALUES ({_marks(7)})", rows
+        def work(conn: Db) -> int:
+            return conn.executemany(
+                f"INSERT INTO verified_points ({_P_COLUMNS}) VALUES ({_marks(7)}) "
+                "ON CONFLICT DO NOTHING",
+                rows,
             )
-            return conn.total_changes - before
 
         return await self._journal.write(operation, work)
 
@@ -282,7 +281,7 @@ class CampaignStore:
         """Drop proofs (a result whose file no longer matches its sha256, or `--rerun`)."""
         operation = f"forget {len(keys)} verified points"
 
-        def work(conn: sqlite3.Connection) -> None:
+        def work(conn: Db) -> None:
             conn.executemany(
                 "DELETE FROM verified_points WHERE recipe_id = ? AND concurrency = ?", keys
             )
@@ -292,7 +291,7 @@ class CampaignStore:
     # --- rows -------------------------------------------------------------------------------
 
     def _campaign(self, row: Sequence[object], operation: str) -> StoredCampaign:
-        path = self._journal.path
+        path = self._journal.location
         settings = decode_json(str(row[8]), dict, path, operation)
         return StoredCampaign(
             campaign_id=str(row[0]),
@@ -309,7 +308,7 @@ class CampaignStore:
         )
 
     def _job(self, row: Sequence[object], operation: str) -> StoredJob:
-        path = self._journal.path
+        path = self._journal.location
         concurrencies = _ints(
             decode_json(str(row[5]), list, path, operation), self._path, operation
         )
@@ -346,11 +345,11 @@ class CampaignStore:
             campaign_id=None if row[3] is None else str(row[3]),
             result_file=str(row[4]),
             sha256=str(row[5]),
-            verified_at=parse_time(str(row[6]), self._journal.path, operation),
+            verified_at=parse_time(str(row[6]), self._journal.location, operation),
         )
 
 
-def _job_row(j: StoredJob, path: Path, operation: str) -> tuple[object, ...]:
+def _job_row(j: StoredJob, path: str, operation: str) -> tuple[object, ...]:
     return (
         j.campaign_id,
         j.job_key,

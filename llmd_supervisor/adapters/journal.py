@@ -1,18 +1,26 @@
-"""The daemon's run journal: SQLite in the state directory (DESIGN.md section 3).
+"""The daemon's run journal (DESIGN.md section 3): SQLite in the state directory (the
+default), or a shared PostgreSQL database (`adapters.journal_pg`, ``[journal] url``).
 
-One connection, used by one worker thread at a time (a dedicated ``CapacityLimiter(1)``),
-so the event loop never waits on the disk and every operation is serialised. Operations
-queued while one runs go to the thread together, one transaction and one commit for all
-(`adapters.journal_batch`). The database is in WAL mode with ``synchronous=FULL``: when a
-write method returns, the write is on disk and survives a crash of the daemon or the
-machine.
+Every operation is a function of one `adapters.journal_db.Db` run in a worker thread as
+one transaction (that module says why, and which SQL both engines share), so the event
+loop never waits on the database. The backend is chosen once, at `open_journal`, and the
+journal and its stores never ask which one they have.
 
-Guarantees every public method keeps:
+SQLite: one connection, used by one worker thread at a time (a dedicated
+``CapacityLimiter(1)``), so every operation is serialised; the operations queued while
+one runs go to the thread together, one transaction and one commit for all
+(`adapters.journal_batch`), each in its own savepoint. The database is in WAL mode
+with ``synchronous=FULL``: when a write method returns, the write is on disk and
+survives a crash of the daemon or the machine.
 
-- A write is applied completely or not at all (its own savepoint in the batch's
-  transaction), and operations apply in the order they were called.
-- sqlite3 and OS errors (disk full, read-only file, corrupt database) surface as
-  :class:`JournalError` naming the database path and the operation.
+Guarantees every public method keeps, on both backends:
+
+- A write is one transaction: it is applied completely or not at all.
+- Driver and OS errors (disk full, read-only file, corrupt database, a lost connection)
+  surface as :class:`JournalError` naming the database (its path, or its URL, which
+  never holds a password) and the operation.
+- A schema newer than this code is refused at open, untouched
+  (:class:`~llmd_supervisor.errors.JournalSchemaTooNew`, `core.schema_versions`).
 - Cancellation: a task cancelled while waiting for its turn does nothing. Once the
   operation has started in the worker thread it runs to its end (commit or rollback) and
   the cancellation is delivered afterwards, so a cancelled caller that needs to know
@@ -33,12 +41,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Final, TypeVar
+from typing import TYPE_CHECKING, Final, Protocol, TypeVar, cast
 
 import anyio
 import anyio.to_thread
 
 from llmd_supervisor.adapters.journal_batch import Batches, Op
+from llmd_supervisor.adapters.journal_db import Db, SqliteDb
 from llmd_supervisor.adapters.journal_rows import (
     RUN_COLUMNS,
     RunMeta,
@@ -55,12 +64,17 @@ from llmd_supervisor.adapters.journal_rows import (
 )
 from llmd_supervisor.adapters.journal_schema import MIGRATIONS
 from llmd_supervisor.adapters.outbox_rows import insert_outgoing
+from llmd_supervisor.core.journal_url import JournalBackend, PostgresJournal
 from llmd_supervisor.core.lifecycle import Run, RunState
 from llmd_supervisor.core.outbox import Outgoing
 from llmd_supervisor.core.retry_policy import Evidence, NodeFailure
-from llmd_supervisor.errors import JournalConflict, JournalError
+from llmd_supervisor.core.schema_versions import CODE_VERSION, Refuse, plan
+from llmd_supervisor.errors import JournalConflict, JournalError, JournalSchemaTooNew
 
-__all__ = ["SCHEMA_VERSION", "Journal", "NewEvent", "RunMeta", "StoredRun"]
+if TYPE_CHECKING:
+    from llmd_supervisor.adapters.journal_pg import PostgresSettings
+
+__all__ = ["SCHEMA_VERSION", "Journal", "NewEvent", "RunMeta", "StoredRun", "open_journal"]
 
 _T = TypeVar("_T")
 
@@ -71,19 +85,18 @@ _FILE_MODE: Final = 0o600
 _RESERVED_EVENT_KEYS: Final = frozenset({"at", "kind"})
 
 SCHEMA_VERSION: Final = len(MIGRATIONS)
+assert SCHEMA_VERSION == CODE_VERSION, "journal_schema.MIGRATIONS and schema_versions.VERSIONS"
 
 _FINAL_STATES: Final = tuple(s.value for s in RunState if s.is_final)
 _F_COLUMNS: Final = "cluster, node, owner_uid, run_id, attempt, evidence, reason, at"
 
 
-def _failure(row: tuple[object, ...], path: Path, operation: str) -> NodeFailure:
+def _failure(row: tuple[object, ...], where: str, operation: str) -> NodeFailure:
     cluster, node, owner_uid, run_id, attempt, evidence, reason, when = row
     try:
         kind = Evidence(str(evidence))
     except ValueError:
-        raise JournalError(
-            str(path), operation, f"a node failure has evidence {evidence!r}"
-        ) from None
+        raise JournalError(where, operation, f"a node failure has evidence {evidence!r}") from None
     return NodeFailure(
         str(cluster),
         str(node),
@@ -92,42 +105,81 @@ def _failure(row: tuple[object, ...], path: Path, operation: str) -> NodeFailure
         int(str(attempt)),
         kind,
         str(reason),
-        parse_time(str(when), path, operation),
+        parse_time(str(when), where, operation),
     )
 
 
-class Journal:
-    """The run journal; create with :meth:`open`, end with :meth:`aclose`."""
+class Backend(Protocol):
+    """Where the journal's transactions run (SQLite here, PostgreSQL in `adapters.journal_pg`)."""
 
-    def __init__(
-        self, path: Path, conn: sqlite3.Connection, limiter: anyio.CapacityLimiter
-    ) -> None:
+    @property
+    def location(self) -> str:
+        """The database for messages: a file's path, or a URL (never with a password)."""
+        ...
+
+    async def run(self, operation: str, fn: Callable[[Db], _T], *, write: bool) -> _T:
+        """Run ``fn`` as one transaction (a write, or a read of one snapshot); driver
+        errors as JournalError naming `location` and `operation`."""
+        ...
+
+    async def aclose(self) -> None:
+        """Close (idempotent); later calls raise JournalError."""
+        ...
+
+
+async def open_journal(backend: JournalBackend, sqlite_path: Path) -> Journal:
+    """The journal the daemon config names: SQLite at `sqlite_path` by default, or the
+    PostgreSQL database of ``[journal] url`` (created or migrated either way)."""
+    if isinstance(backend, PostgresJournal):
+        return await Journal.open_postgres(backend)
+    return await Journal.open(sqlite_path)
+
+
+class Journal:
+    """The run journal; create with :meth:`open` (SQLite), :meth:`open_postgres` or
+    `open_journal`, end with :meth:`aclose`."""
+
+    def __init__(self, backend: Backend, path: Path | None = None) -> None:
+        self._backend = backend
         self._path = path
-        self._conn: sqlite3.Connection | None = conn
-        self._batches = Batches(self._execute, limiter)
+
+    @property
+    def location(self) -> str:
+        """The database, for messages: the SQLite file's path or the PostgreSQL URL."""
+        return self._backend.location
 
     @property
     def path(self) -> Path:
-        """The database file."""
+        """The SQLite database file (JournalError for a PostgreSQL journal)."""
+        if self._path is None:
+            raise JournalError(self.location, "name its file", "it is a PostgreSQL journal")
         return self._path
 
     # --- lifetime ---------------------------------------------------------------------------
 
     @classmethod
     async def open(cls, path: Path) -> Journal:
-        """Open (creating it and its directory, mode 0o750, if needed) and migrate the journal.
+        """Open (creating it and its directory, mode 0o750, if needed) and migrate the
+        SQLite journal at `path`.
 
         Raises JournalError when the file is not a usable SQLite database, WAL cannot be
-        enabled, or its schema version is newer than this code knows.
+        enabled, or its schema version is newer than this code knows (JournalSchemaTooNew).
         """
-        limiter = anyio.CapacityLimiter(1)
-        with anyio.CancelScope(shield=True):
-            conn = await anyio.to_thread.run_sync(_open_sync, path, limiter=limiter)
-        return cls(path, conn, limiter)
+        return cls(await _SqliteBackend.open(path), path)
+
+    @classmethod
+    async def open_postgres(
+        cls, config: PostgresJournal, settings: PostgresSettings | None = None
+    ) -> Journal:
+        """Connect to (and create or migrate the schema of) a PostgreSQL journal
+        (`adapters.journal_pg.PostgresBackend.open` says what is checked)."""
+        from llmd_supervisor.adapters.journal_pg import PostgresBackend
+
+        return cls(await PostgresBackend.open(config, settings))
 
     async def aclose(self) -> None:
-        """Close the connection (idempotent), after every operation queued before."""
-        await self._batches.close(lambda _conn: None)
+        """Close the connection (idempotent). Waits for a running operation to finish first."""
+        await self._backend.aclose()
 
     async def __aenter__(self) -> Journal:
         return self
@@ -140,14 +192,6 @@ class Journal:
     ) -> None:
         await self.aclose()
 
-    def _close_sync(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            try:
-                conn.close()
-            except sqlite3.Error as exc:
-                raise _error(self._path, "close the database", exc) from exc
-
     # --- runs -------------------------------------------------------------------------------
 
     async def insert_run(self, run: Run, meta: RunMeta, outgoing: Sequence[Outgoing] = ()) -> None:
@@ -157,12 +201,12 @@ class Journal:
         Raises JournalConflict when a run with the same run id or job name exists.
         """
         operation = f"insert run {run.run_id}"
-        check_consistent(self._path, operation, run)
-        now = iso(datetime.now(UTC), self._path, operation)
-        created = iso(meta.created_at, self._path, operation)
-        transitions = transition_rows(run, 0, self._path, operation)
+        check_consistent(self.location, operation, run)
+        now = iso(datetime.now(UTC), self.location, operation)
+        created = iso(meta.created_at, self.location, operation)
+        transitions = transition_rows(run, 0, self.location, operation)
 
-        def work(conn: sqlite3.Connection) -> None:
+        def work(conn: Db) -> None:
             clash = conn.execute(
                 "SELECT run_id, job_name FROM runs WHERE run_id = ? OR job_name = ?",
                 (run.run_id, run.job_name),
@@ -170,7 +214,7 @@ class Journal:
             if clash is not None:
                 what = "run id" if clash[0] == run.run_id else f"job name {run.job_name!r}"
                 raise JournalConflict(
-                    str(self._path),
+                    self.location,
                     operation,
                     run.run_id,
                     f"the journal already holds run {clash[0]} with that {what}",
@@ -192,9 +236,9 @@ class Journal:
                 ),
             )
             insert_transitions(conn, run.run_id, transitions)
-            insert_outgoing(conn, outgoing, self._path, operation)
+            insert_outgoing(conn, outgoing, self.location, operation)
 
-        await self._call(operation, work, write=True)
+        await self._backend.run(operation, work, write=True)
 
     async def save(
         self,
@@ -216,18 +260,18 @@ class Journal:
         mismatch, unknown run) and leaves the stored run untouched.
         """
         operation = f"save run {run.run_id}"
-        check_consistent(self._path, operation, run)
-        now = iso(datetime.now(UTC), self._path, operation)
-        path = str(self._path)
+        check_consistent(self.location, operation, run)
+        now = iso(datetime.now(UTC), self.location, operation)
+        where = self.location
         rows = [self._event_row(run.run_id, e, operation) for e in events]
 
-        def work(conn: sqlite3.Connection) -> None:
+        def work(conn: Db) -> None:
             row = conn.execute(
                 "SELECT state, job_name FROM runs WHERE run_id = ?", (run.run_id,)
             ).fetchone()
             if row is None:
                 raise JournalConflict(
-                    path,
+                    where,
                     operation,
                     run.run_id,
                     "the journal holds no such run",
@@ -236,7 +280,7 @@ class Journal:
             actual, job_name = row
             if actual != expected.value:
                 raise JournalConflict(
-                    path,
+                    where,
                     operation,
                     run.run_id,
                     f"run {run.run_id} is in state {actual!r}, not the expected "
@@ -246,7 +290,7 @@ class Journal:
                 )
             if job_name != run.job_name:
                 raise JournalConflict(
-                    path,
+                    where,
                     operation,
                     run.run_id,
                     f"the job name of a run never changes (stored {job_name!r}, "
@@ -254,10 +298,10 @@ class Journal:
                     expected=expected.value,
                     actual=actual,
                 )
-            stored = load_transitions(conn, run.run_id, self._path, operation)
+            stored = load_transitions(conn, run.run_id, self.location, operation)
             if run.transitions[: len(stored)] != stored:
                 raise JournalConflict(
-                    path,
+                    where,
                     operation,
                     run.run_id,
                     f"the run's {len(run.transitions)} transitions do not extend the "
@@ -272,19 +316,19 @@ class Journal:
                 (*run_values(run)[2:], now, run.run_id),
             )
             insert_transitions(
-                conn, run.run_id, transition_rows(run, len(stored), self._path, operation)
+                conn, run.run_id, transition_rows(run, len(stored), self.location, operation)
             )
-            insert_outgoing(conn, outgoing, self._path, operation)
+            insert_outgoing(conn, outgoing, self.location, operation)
             conn.executemany(_INSERT_EVENT, rows)
 
-        await self._call(operation, work, write=True)
+        await self._backend.run(operation, work, write=True)
 
     async def get(self, run_id: str) -> StoredRun | None:
         """The run with this id, or None."""
         operation = f"read run {run_id}"
-        runs = await self._call(
+        runs = await self._backend.run(
             operation,
-            lambda c: load_runs(c, "run_id = ?", (run_id,), self._path, operation),
+            lambda c: load_runs(c, "run_id = ?", (run_id,), self.location, operation),
             write=False,
         )
         return runs[0] if runs else None
@@ -292,9 +336,9 @@ class Journal:
     async def find_by_job_name(self, job_name: str) -> StoredRun | None:
         """The run submitted (or to be submitted) under this Slurm job name, or None."""
         operation = f"look up job name {job_name!r}"
-        runs = await self._call(
+        runs = await self._backend.run(
             operation,
-            lambda c: load_runs(c, "job_name = ?", (job_name,), self._path, operation),
+            lambda c: load_runs(c, "job_name = ?", (job_name,), self.location, operation),
             write=False,
         )
         return runs[0] if runs else None
@@ -311,10 +355,12 @@ class Journal:
         if owner_uid is not None:
             clauses.append("owner_uid = ?")
             params.append(owner_uid)
-        where = " AND ".join(clauses) or "1"
+        where = " AND ".join(clauses) or "TRUE"
         operation = "list runs"
-        return await self._call(
-            operation, lambda c: load_runs(c, where, params, self._path, operation), write=False
+        return await self._backend.run(
+            operation,
+            lambda c: load_runs(c, where, params, self.location, operation),
+            write=False,
         )
 
     # --- events -----------------------------------------------------------------------------
@@ -329,11 +375,11 @@ class Journal:
         operation = f"add event {kind!r} to run {run_id}"
         row = self._event_row(run_id, NewEvent(kind, fields, at), operation)
 
-        def work(conn: sqlite3.Connection) -> None:
-            _require_run(conn, run_id, self._path, operation)
+        def work(conn: Db) -> None:
+            _require_run(conn, run_id, self.location, operation)
             conn.execute(_INSERT_EVENT, row)
 
-        await self._call(operation, work, write=True)
+        await self._backend.run(operation, work, write=True)
 
     def _event_row(self, run_id: str, event: NewEvent, operation: str) -> tuple[str, str, str, str]:
         """The events table's row of `event` (JournalError if its fields are not JSON or
@@ -341,15 +387,15 @@ class Journal:
         reserved = sorted(_RESERVED_EVENT_KEYS.intersection(event.fields))
         if reserved:
             raise JournalError(
-                str(self._path), operation, f"event fields may not use the keys {reserved}"
+                self.location, operation, f"event fields may not use the keys {reserved}"
             )
         try:
             encoded = json.dumps(dict(event.fields), allow_nan=False, ensure_ascii=False)
         except (TypeError, ValueError) as exc:
             raise JournalError(
-                str(self._path), operation, f"event fields are not JSON: {exc}"
+                self.location, operation, f"event fields are not JSON: {exc}"
             ) from exc
-        return run_id, iso(event.at, self._path, operation), event.kind, encoded
+        return run_id, iso(event.at, self.location, operation), event.kind, encoded
 
     async def events(self, run_id: str) -> list[Mapping[str, object]]:
         """The run's events in the order they were added: ``{"at": iso, "kind": ..., **fields}``.
@@ -358,32 +404,32 @@ class Journal:
         daemon wrote them): their reader checks them (`supervision.run.records`)."""
         operation = f"read the events of run {run_id}"
 
-        def work(conn: sqlite3.Connection) -> list[Mapping[str, object]]:
+        def work(conn: Db) -> list[Mapping[str, object]]:
             rows = conn.execute(
                 "SELECT at, kind, fields FROM events WHERE run_id = ? ORDER BY id", (run_id,)
             ).fetchall()
             out: list[Mapping[str, object]] = []
             for at, kind, fields in rows:
-                decoded = decode_json(fields, dict, self._path, operation)
+                decoded = decode_json(fields, dict, self.location, operation)
                 out.append({"at": at, "kind": kind, **decoded})
             return out
 
-        return await self._call(operation, work, write=False)
+        return await self._backend.run(operation, work, write=False)
 
     async def events_of_kind(self, kind: str) -> dict[str, list[Mapping[str, object]]]:
         """Every run's events of one kind (one query for all runs), by run id (as `events`)."""
         operation = f"read the {kind!r} events"
 
-        def work(conn: sqlite3.Connection) -> dict[str, list[Mapping[str, object]]]:
+        def work(conn: Db) -> dict[str, list[Mapping[str, object]]]:
             out: dict[str, list[Mapping[str, object]]] = {}
             for run_id, at, fields in conn.execute(
                 "SELECT run_id, at, fields FROM events WHERE kind = ? ORDER BY id", (kind,)
             ):
-                decoded = decode_json(fields, dict, self._path, operation)
+                decoded = decode_json(fields, dict, self.location, operation)
                 out.setdefault(run_id, []).append({"at": at, "kind": kind, **decoded})
             return out
 
-        return await self._call(operation, work, write=False)
+        return await self._backend.run(operation, work, write=False)
 
     # --- node quarantine (core.retry_policy) ---------------------------------------------------
 
@@ -397,70 +443,121 @@ class Journal:
         f = failure
         operation = f"count a failure of node {f.node} on cluster {f.cluster}"
 
-        def work(conn: sqlite3.Connection) -> None:
+        def work(conn: Db) -> None:
             conn.execute(
                 "DELETE FROM node_failures WHERE at < ?",
-                (iso(forget_before, self._path, operation),),
+                (iso(forget_before, self.location, operation),),
             )
             conn.execute(
-                f"INSERT OR IGNORE INTO node_failures ({_F_COLUMNS}) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO node_failures ({_F_COLUMNS}) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
                 (
                     *(f.cluster, f.node, f.owner_uid, f.run_id, f.attempt, f.evidence.value),
                     f.reason[:500],
-                    iso(f.at, self._path, operation),
+                    iso(f.at, self.location, operation),
                 ),
             )
-            insert_outgoing(conn, outgoing, self._path, operation)
+            insert_outgoing(conn, outgoing, self.location, operation)
 
-        await self._call(operation, work, write=True)
+        await self._backend.run(operation, work, write=True)
 
     async def node_failures(self, cluster: str | None = None) -> list[NodeFailure]:
         """The node failures counted (old ones too, until the next count forgets them),
         oldest first."""
         operation = "read the node failures"
-        where, params = ("cluster = ?", (cluster,)) if cluster is not None else ("1", ())
+        where, params = ("cluster = ?", (cluster,)) if cluster is not None else ("TRUE", ())
 
-        def work(conn: sqlite3.Connection) -> list[NodeFailure]:
+        def work(conn: Db) -> list[NodeFailure]:
             rows = conn.execute(
                 f"SELECT {_F_COLUMNS} FROM node_failures WHERE {where} ORDER BY at, id",
                 params,
             ).fetchall()
-            return [_failure(row, self._path, operation) for row in rows]
+            return [_failure(row, self.location, operation) for row in rows]
 
-        return await self._call(operation, work, write=False)
+        return await self._backend.run(operation, work, write=False)
 
     async def release_node(self, cluster: str, node: str) -> bool:
         """Forget every failure of `node` on `cluster`; whether it had any."""
         operation = f"release node {node} on cluster {cluster}"
 
-        def work(conn: sqlite3.Connection) -> bool:
+        def work(conn: Db) -> bool:
             cur = conn.execute(
                 "DELETE FROM node_failures WHERE cluster = ? AND node = ?", (cluster, node)
             )
             return cur.rowcount > 0
 
-        return await self._call(operation, work, write=True)
+        return await self._backend.run(operation, work, write=True)
 
     # --- plumbing ---------------------------------------------------------------------------
 
-    async def write(self, operation: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+    async def write(self, operation: str, fn: Callable[[Db], _T]) -> _T:
         """Run ``fn`` in one write transaction (for the stores that share this database:
-        `adapters.campaign_store`); the guarantees above hold for it too."""
-        return await self._call(operation, fn, write=True)
+        `adapters.campaign_store`, `adapters.outbox_store`); the guarantees above hold for
+        it too."""
+        return await self._backend.run(operation, fn, write=True)
 
-    async def read(self, operation: str, fn: Callable[[sqlite3.Connection], _T]) -> _T:
+    async def read(self, operation: str, fn: Callable[[Db], _T]) -> _T:
         """Run ``fn`` in one read transaction (one snapshot)."""
-        return await self._call(operation, fn, write=False)
+        return await self._backend.run(operation, fn, write=False)
 
-    async def _call(
-        self, operation: str, fn: Callable[[sqlite3.Connection], _T], *, write: bool
-    ) -> _T:
-        """Run ``fn`` on the connection in the worker thread, in one transaction with the
-        other operations queued meanwhile (`adapters.journal_batch`), in queue order."""
+
+_INSERT_EVENT = "INSERT INTO events (run_id, at, kind, fields) VALUES (?, ?, ?, ?)"
+
+
+@dataclass(frozen=True)
+class NewEvent:
+    """An entry for a run's event log: its kind, JSON fields and time."""
+
+    kind: str
+    fields: Mapping[str, object]
+    at: datetime
+
+
+def _require_run(conn: Db, run_id: str, where: str, operation: str) -> None:
+    if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is None:
+        raise JournalError(where, operation, f"the journal holds no run {run_id}")
+
+
+# --- SQLite ------------------------------------------------------------------------------------
+
+
+class _SqliteBackend:
+    """One sqlite3 connection, used by one worker thread at a time. Operations queued while
+    one runs go to the thread together: one transaction, a savepoint each, one commit
+    (`adapters.journal_batch`)."""
+
+    def __init__(self, path: Path, conn: sqlite3.Connection, limiter: anyio.CapacityLimiter):
+        self._path = path
+        self._conn: sqlite3.Connection | None = conn
+        self._batches: Batches[Db] = Batches(self._execute, limiter)
+
+    @property
+    def location(self) -> str:
+        return str(self._path)
+
+    @classmethod
+    async def open(cls, path: Path) -> _SqliteBackend:
+        limiter = anyio.CapacityLimiter(1)
+        with anyio.CancelScope(shield=True):
+            conn = await anyio.to_thread.run_sync(_open_sync, path, limiter=limiter)
+        return cls(path, conn, limiter)
+
+    async def aclose(self) -> None:
+        """Close the connection (idempotent), after every operation queued before."""
+        await self._batches.close(lambda _db: None)
+
+    def _close_sync(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            try:
+                conn.close()
+            except sqlite3.Error as exc:
+                raise _error(self._path, "close the database", exc) from exc
+
+    async def run(self, operation: str, fn: Callable[[Db], _T], *, write: bool) -> _T:
         return await self._batches.call(operation, fn, write=write)
 
-    def _execute(self, batch: list[Op[sqlite3.Connection]]) -> None:
+    def _execute(self, batch: list[Op[Db]]) -> None:
         """Run a batch in the worker thread (`_run_batch`); then close if it ends so."""
         conn = self._conn
         if conn is None:  # closed: closing again is nothing, anything else an error
@@ -474,18 +571,6 @@ class Journal:
                 self._close_sync()
             except JournalError as exc:
                 batch[-1].error = exc
-
-
-_INSERT_EVENT = "INSERT INTO events (run_id, at, kind, fields) VALUES (?, ?, ?, ?)"
-
-
-@dataclass(frozen=True)
-class NewEvent:
-    """An entry for a run's event log: its kind, JSON fields and time."""
-
-    kind: str
-    fields: Mapping[str, object]
-    at: datetime
 
 
 # --- helpers that run in the worker thread ---------------------------------------------------
@@ -552,13 +637,14 @@ def _configure(conn: sqlite3.Connection, path: Path) -> None:
         conn.execute("PRAGMA synchronous = FULL")
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS:d}")
-        _write(_migrate(path))(conn)
+        _write(_migrate(path))(SqliteDb(conn))
     except sqlite3.Error as exc:
         raise _error(path, operation, exc) from exc
 
 
-def _migrate(path: Path) -> Callable[[sqlite3.Connection], None]:
-    def work(conn: sqlite3.Connection) -> None:
+def _migrate(path: Path) -> Callable[[Db], None]:
+    def work(db: Db) -> None:
+        conn = cast(SqliteDb, db).conn
         version = _user_version(conn)  # again, under the write lock
         _check_version(path, version)
         for statements in MIGRATIONS[version:]:
@@ -575,22 +661,21 @@ def _user_version(conn: sqlite3.Connection) -> int:
 
 
 def _check_version(path: Path, version: int) -> None:
-    if version > SCHEMA_VERSION:
-        raise JournalError(
-            str(path),
-            "open the database",
-            f"its schema version is {version} but this llmd-supervisor knows versions up to "
-            f"{SCHEMA_VERSION}; run a newer llmd-supervisor",
-        )
+    decision = plan(version)
+    if isinstance(decision, Refuse):
+        if version > SCHEMA_VERSION:
+            raise JournalSchemaTooNew(str(path), version, SCHEMA_VERSION)
+        raise JournalError(str(path), "open the database", decision.why)
 
 
-def _write(fn: Callable[[sqlite3.Connection], _T]) -> Callable[[sqlite3.Connection], _T]:
+def _write(fn: Callable[[Db], _T]) -> Callable[[Db], _T]:
     """Wrap ``fn`` in an immediate write transaction, rolled back if anything fails."""
 
-    def run(conn: sqlite3.Connection) -> _T:
+    def run(db: Db) -> _T:
+        conn = cast(SqliteDb, db).conn
         conn.execute("BEGIN IMMEDIATE")
         try:
-            result = fn(conn)
+            result = fn(db)
             conn.execute("COMMIT")
         except BaseException:
             _rollback(conn)
@@ -600,7 +685,7 @@ def _write(fn: Callable[[sqlite3.Connection], _T]) -> Callable[[sqlite3.Connecti
     return run
 
 
-def _run_batch(conn: sqlite3.Connection, path: Path, batch: list[Op[sqlite3.Connection]]) -> None:
+def _run_batch(conn: sqlite3.Connection, path: Path, batch: list[Op[Db]]) -> None:
     """One transaction for the whole batch (immediate if it writes; a read-only batch is one
     snapshot, rolled back), each operation in its own savepoint: an operation that fails is
     undone alone and gets its error. If the transaction itself is lost (SQLite rolls back on
@@ -609,6 +694,7 @@ def _run_batch(conn: sqlite3.Connection, path: Path, batch: list[Op[sqlite3.Conn
     if not batch:
         return
     writes = any(op.write for op in batch)
+    db = SqliteDb(conn)
     try:
         conn.execute("BEGIN IMMEDIATE" if writes else "BEGIN")
     except sqlite3.Error as exc:
@@ -617,7 +703,7 @@ def _run_batch(conn: sqlite3.Connection, path: Path, batch: list[Op[sqlite3.Conn
     for op in batch:
         try:
             conn.execute("SAVEPOINT op")
-            op.result = op.fn(conn)
+            op.result = op.fn(db)
             conn.execute("RELEASE op")
         except Exception as exc:
             op.error = _as_journal(path, op.operation, exc)
@@ -638,7 +724,7 @@ def _run_batch(conn: sqlite3.Connection, path: Path, batch: list[Op[sqlite3.Conn
         _fail(batch, path, exc)
 
 
-def _fail(batch: list[Op[sqlite3.Connection]], path: Path, exc: Exception) -> None:
+def _fail(batch: list[Op[Db]], path: Path, exc: Exception) -> None:
     """Every operation of the batch ends with `exc` (none was applied)."""
     for op in batch:
         op.result = None
@@ -660,11 +746,6 @@ def _rollback(conn: sqlite3.Connection) -> None:
     if conn.in_transaction:
         with contextlib.suppress(sqlite3.Error):
             conn.execute("ROLLBACK")
-
-
-def _require_run(conn: sqlite3.Connection, run_id: str, path: Path, operation: str) -> None:
-    if conn.execute("SELECT 1 FROM runs WHERE run_id = ?", (run_id,)).fetchone() is None:
-        raise JournalError(str(path), operation, f"the journal holds no run {run_id}")
 
 
 def _error(path: Path, operation: str, exc: sqlite3.Error) -> JournalError:

@@ -1,22 +1,23 @@
 """Rows of the run journal: the records it keeps and their (de)serialisation.
 
 Pure conversions between :class:`~llmd_supervisor.core.lifecycle.Run` plus
-:class:`RunMeta` and the journal's SQLite rows, and the statements that read and write
-them on a connection the caller holds (inside its transaction). Corrupt rows raise
-:class:`JournalError` naming the database and the operation; sqlite3 errors propagate to
-the caller, which turns them into JournalError.
+:class:`RunMeta` and the journal's rows, and the statements that read and write them on
+a connection the caller holds (inside its transaction; either backend,
+`adapters.journal_db`). Corrupt rows raise :class:`JournalError` naming the database
+(``path``: its file or URL) and the operation; driver errors propagate to the caller,
+which turns them into JournalError.
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
+from llmd_supervisor.adapters.journal_db import Db
 from llmd_supervisor.core.lifecycle import Run, RunState, Transition
 from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import JournalError
@@ -67,7 +68,7 @@ def run_values(run: Run) -> tuple[object, ...]:
 
 
 def transition_rows(
-    run: Run, start: int, path: Path, operation: str
+    run: Run, start: int, path: str | Path, operation: str
 ) -> list[tuple[str, int, str, str, str]]:
     return [
         (run.run_id, seq, t.state.value, iso(t.at, path, operation), t.event)
@@ -77,15 +78,16 @@ def transition_rows(
 
 
 def insert_transitions(
-    conn: sqlite3.Connection, run_id: str, rows: Iterable[tuple[str, int, str, str, str]]
+    conn: Db, run_id: str, rows: Iterable[tuple[str, int, str, str, str]]
 ) -> None:
     conn.executemany(
-        "INSERT INTO transitions (run_id, seq, state, at, event) VALUES (?, ?, ?, ?, ?)", rows
+        "INSERT INTO transitions (run_id, seq, state, at, event) VALUES (?, ?, ?, ?, ?)",
+        list(rows),
     )
 
 
 def load_transitions(
-    conn: sqlite3.Connection, run_id: str, path: Path, operation: str
+    conn: Db, run_id: str, path: str | Path, operation: str
 ) -> tuple[Transition, ...]:
     rows = conn.execute(
         "SELECT state, at, event FROM transitions WHERE run_id = ? ORDER BY seq", (run_id,)
@@ -94,7 +96,7 @@ def load_transitions(
 
 
 def load_runs(
-    conn: sqlite3.Connection, where: str, params: Sequence[object], path: Path, operation: str
+    conn: Db, where: str, params: Sequence[object], path: str | Path, operation: str
 ) -> list[StoredRun]:
     rows = conn.execute(
         f"SELECT {RUN_COLUMNS} FROM runs WHERE {where} ORDER BY created_at, rowid", params
@@ -112,7 +114,7 @@ def load_runs(
 
 
 def _stored_run(
-    row: Sequence[Any], transitions: tuple[Transition, ...], path: Path, operation: str
+    row: Sequence[Any], transitions: tuple[Transition, ...], path: str | Path, operation: str
 ) -> StoredRun:
     (
         run_id,
@@ -161,7 +163,7 @@ def _stored_run(
     return StoredRun(run=run, meta=meta)
 
 
-def _transition(row: Sequence[Any], path: Path, operation: str) -> Transition:
+def _transition(row: Sequence[Any], path: str | Path, operation: str) -> Transition:
     state, at, event = row
     try:
         return Transition(RunState(state), parse_time(at, path, operation), event)
@@ -169,7 +171,7 @@ def _transition(row: Sequence[Any], path: Path, operation: str) -> Transition:
         raise JournalError(str(path), operation, f"corrupt transition row: {exc}") from exc
 
 
-def decode_json(text: str, kind: type[_T], path: Path, operation: str) -> _T:
+def decode_json(text: str, kind: type[_T], path: str | Path, operation: str) -> _T:
     try:
         value = json.loads(text)
     except ValueError as exc:
@@ -181,7 +183,7 @@ def decode_json(text: str, kind: type[_T], path: Path, operation: str) -> _T:
     return value
 
 
-def check_consistent(path: Path, operation: str, run: Run) -> None:
+def check_consistent(path: str | Path, operation: str, run: Run) -> None:
     if run.transitions and run.transitions[-1].state is not run.state:
         raise JournalError(
             str(path),
@@ -191,7 +193,7 @@ def check_consistent(path: Path, operation: str, run: Run) -> None:
         )
 
 
-def iso(moment: datetime, path: Path, operation: str) -> str:
+def iso(moment: datetime, path: str | Path, operation: str) -> str:
     """Fixed-width UTC ISO 8601, so text order is time order."""
     if moment.tzinfo is None or moment.utcoffset() is None:
         raise JournalError(
@@ -200,7 +202,7 @@ def iso(moment: datetime, path: Path, operation: str) -> str:
     return moment.astimezone(UTC).isoformat(timespec="microseconds")
 
 
-def parse_time(text: str, path: Path, operation: str) -> datetime:
+def parse_time(text: str, path: str | Path, operation: str) -> datetime:
     try:
         moment = datetime.fromisoformat(text)
     except ValueError as exc:

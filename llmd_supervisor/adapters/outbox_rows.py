@@ -3,10 +3,10 @@ calls it; `adapters.outbox_store` says what the rows mean)."""
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 
+from llmd_supervisor.adapters.journal_db import Db
 from llmd_supervisor.adapters.journal_rows import iso
 from llmd_supervisor.core.outbox import DeliveryStatus, Outgoing
 
@@ -14,9 +14,9 @@ __all__ = ["insert_outgoing"]
 
 
 def insert_outgoing(
-    conn: sqlite3.Connection,
+    conn: Db,
     outgoing: Sequence[Outgoing],
-    path: Path,
+    path: str | Path,
     operation: str,
 ) -> None:
     """Journal each event and its deliveries (due at once) in the caller's transaction."""
@@ -26,8 +26,8 @@ def insert_outgoing(
     for o in outgoing:
         created = iso(o.at, path, operation)
         cur = conn.execute(
-            "INSERT OR IGNORE INTO outbox_events (event_id, type, subject, seq, body, created_at) "
-            "VALUES (?, ?, ?, ?, ?, ?)",
+            "INSERT INTO outbox_events (event_id, type, subject, seq, body, created_at) "
+            "VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
             (o.id, o.type.value, o.subject, o.seq, o.body, created),
         )
         if cur.rowcount == 0:
@@ -35,8 +35,9 @@ def insert_outgoing(
         for name in o.destinations:
             off = name in disabled
             conn.execute(
-                "INSERT OR IGNORE INTO deliveries (event_id, destination, status, attempts, "
-                "next_at, last_error, updated_at, payload) VALUES (?, ?, ?, 0, ?, ?, ?, ?)",
+                "INSERT INTO deliveries (event_id, destination, status, attempts, next_at, "
+                "last_error, updated_at, payload) VALUES (?, ?, ?, 0, ?, ?, ?, ?) "
+                "ON CONFLICT DO NOTHING",
                 (
                     o.id,
                     name,

@@ -16,14 +16,13 @@ naming the database and the operation; `adapters.journal`).
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from pathlib import Path
 from typing import Final
 
 from llmd_supervisor.adapters.journal import Journal
+from llmd_supervisor.adapters.journal_db import Db
 from llmd_supervisor.adapters.journal_rows import iso, parse_time
 from llmd_supervisor.adapters.outbox_rows import insert_outgoing
 from llmd_supervisor.core.outbox import DeliveryStatus, Outgoing
@@ -75,8 +74,8 @@ class Outbox:
         self._journal = journal
 
     @property
-    def _path(self) -> Path:
-        return self._journal.path
+    def _path(self) -> str:
+        return self._journal.location
 
     async def add(self, outgoing: Outgoing) -> None:
         """Journal an event of no run transition (`events test`) with its deliveries."""
@@ -93,7 +92,7 @@ class Outbox:
         operation = "read the due deliveries"
         when = iso(now, self._path, operation)
 
-        def work(conn: sqlite3.Connection) -> list[tuple[Delivery, bytes]]:
+        def work(conn: Db) -> list[tuple[Delivery, bytes]]:
             rows = conn.execute(
                 f"SELECT {_D_COLUMNS}, COALESCE(d.payload, e.body) FROM ("
                 "  SELECT *, ROW_NUMBER() OVER ("
@@ -112,7 +111,7 @@ class Outbox:
         """When the earliest queued or retrying delivery is due (None: none is)."""
         operation = "read the next due delivery"
 
-        def work(conn: sqlite3.Connection) -> str | None:
+        def work(conn: Db) -> str | None:
             row = conn.execute(
                 "SELECT MIN(next_at) FROM deliveries WHERE status IN ('queued', 'retrying')"
             ).fetchone()
@@ -139,7 +138,7 @@ class Outbox:
         stamp = iso(now, self._path, operation)
         due = None if next_at is None else iso(next_at, self._path, operation)
 
-        def work(conn: sqlite3.Connection) -> None:
+        def work(conn: Db) -> None:
             conn.execute(
                 "UPDATE deliveries SET status = ?, attempts = ?, next_at = ?, last_error = ?, "
                 "updated_at = ? WHERE event_id = ? AND destination = ?",
@@ -147,8 +146,9 @@ class Outbox:
             )
             if disable:
                 conn.execute(
-                    "INSERT OR REPLACE INTO disabled_destinations (destination, reason, since) "
-                    "VALUES (?, ?, ?)",
+                    "INSERT INTO disabled_destinations (destination, reason, since) "
+                    "VALUES (?, ?, ?) ON CONFLICT (destination) DO UPDATE "
+                    "SET reason = excluded.reason, since = excluded.since",
                     (destination, error[:LAST_ERROR_MAX], stamp),
                 )
                 conn.execute(
@@ -163,7 +163,7 @@ class Outbox:
     async def counts(self) -> dict[tuple[str, str], int]:
         """How many deliveries each (destination, status) has."""
 
-        def work(conn: sqlite3.Connection) -> dict[tuple[str, str], int]:
+        def work(conn: Db) -> dict[tuple[str, str], int]:
             rows = conn.execute(
                 "SELECT destination, status, count(*) FROM deliveries GROUP BY destination, status"
             )
@@ -174,7 +174,7 @@ class Outbox:
     async def disabled(self) -> dict[str, str]:
         """The destinations disabled by a 410 answer, with the reason."""
 
-        def work(conn: sqlite3.Connection) -> dict[str, str]:
+        def work(conn: Db) -> dict[str, str]:
             rows = conn.execute("SELECT destination, reason FROM disabled_destinations")
             return {str(d): str(r) for d, r in rows}
 
@@ -206,9 +206,9 @@ class Outbox:
         if status is not None:
             clauses.append("d.status = ?")
             params.append(status.value)
-        where = " AND ".join(clauses) or "1"
+        where = " AND ".join(clauses) or "TRUE"
 
-        def work(conn: sqlite3.Connection) -> list[Delivery]:
+        def work(conn: Db) -> list[Delivery]:
             rows = conn.execute(
                 f"SELECT {_D_COLUMNS} FROM deliveries AS d "
                 "JOIN outbox_events AS e ON e.event_id = d.event_id "
@@ -223,7 +223,7 @@ class Outbox:
         """The event with this id, its body and its deliveries; None if there is none."""
         operation = f"read event {event_id}"
 
-        def work(conn: sqlite3.Connection) -> StoredEvent | None:
+        def work(conn: Db) -> StoredEvent | None:
             row = conn.execute(
                 "SELECT event_id, type, subject, seq, body, created_at FROM outbox_events "
                 "WHERE event_id = ?",
@@ -253,7 +253,7 @@ class Outbox:
         """The owner of a campaign (None: no such campaign)."""
         operation = f"read the owner of campaign {campaign_id}"
 
-        def work(conn: sqlite3.Connection) -> int | None:
+        def work(conn: Db) -> int | None:
             row = conn.execute(
                 "SELECT owner_uid FROM campaigns WHERE campaign_id = ?", (campaign_id,)
             ).fetchone()
@@ -266,7 +266,7 @@ class Outbox:
         None when there is none (a campaign's last campaign.progress)."""
         operation = f"read the last {etype} of {subject}"
 
-        def work(conn: sqlite3.Connection) -> tuple[str, str, bytes] | None:
+        def work(conn: Db) -> tuple[str, str, bytes] | None:
             row = conn.execute(
                 "SELECT seq, created_at, body FROM outbox_events WHERE subject = ? AND type = ? "
                 "ORDER BY created_at DESC, event_id LIMIT 1",
@@ -288,7 +288,7 @@ class Outbox:
         only = "" if destination is None else " AND destination = ?"
         extra: tuple[str, ...] = () if destination is None else (destination,)
 
-        def work(conn: sqlite3.Connection) -> int:
+        def work(conn: Db) -> int:
             names = [
                 str(r[0])
                 for r in conn.execute(
@@ -314,9 +314,7 @@ class Outbox:
         try:
             state = DeliveryStatus(str(status))
         except ValueError:
-            raise JournalError(
-                str(self._path), operation, f"a delivery has status {status!r}"
-            ) from None
+            raise JournalError(self._path, operation, f"a delivery has status {status!r}") from None
         return Delivery(
             event_id=str(event_id),
             destination=str(dest),

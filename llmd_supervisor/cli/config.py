@@ -30,6 +30,7 @@ from llmd_supervisor.core.config import (
     read_config,
     to_toml,
 )
+from llmd_supervisor.core.journal_url import PostgresJournal
 from llmd_supervisor.errors import ConfigError, ConfigErrors, SupervisorError, WebhookSecretError
 
 
@@ -174,7 +175,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if loaded is None:
         return 2
     path, config = loaded
-    problems = environment_problems(config) + secret_problems(config)
+    problems = environment_problems(config) + secret_problems(config) + journal_problems(config)
     for problem in problems:
         print(f"llmd-supervisor config check: {path}: {problem}", file=sys.stderr)
     if problems:
@@ -185,6 +186,21 @@ def cmd_check(args: argparse.Namespace) -> int:
     for warning in shared_fs_warnings(config):
         print(f"llmd-supervisor config check: {path}: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def journal_problems(config: Config) -> list[ConfigError]:
+    """The PostgreSQL journal's ``password_file``, if the daemon could not use it (as the
+    daemon reads it: no link, a regular file of this account that others may not read)."""
+    backend = config.journal
+    if not isinstance(backend, PostgresJournal) or backend.password_file is None:
+        return []
+    from llmd_supervisor.adapters.journal_pg import read_password
+
+    try:
+        read_password(backend.password_file)
+    except ConfigError as exc:
+        return [exc]
+    return []
 
 
 def secret_problems(config: Config) -> list[ConfigError]:

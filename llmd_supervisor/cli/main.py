@@ -57,6 +57,12 @@ def _add_events(sub: Subparsers) -> None:
     add_parsers(sub, socket_default)
 
 
+def _add_journal(sub: Subparsers) -> None:
+    from llmd_supervisor.cli.journal import add_parsers
+
+    add_parsers(sub)
+
+
 # The modules' parsers, in `--help`'s order; a command runs with only its own module
 # imported (a command's start-up is most of a quick one's time: `campaign status` need not
 # load the report's or the event sender's dependencies). The commands not named in
@@ -68,6 +74,7 @@ _ADDERS: tuple[Callable[[Subparsers], None], ...] = (
     _add_report,
     _add_campaign,
     _add_events,
+    _add_journal,
 )
 _OWNER: dict[str, Callable[[Subparsers], None]] = {
     "render": lambda sub: None,  # this module's
@@ -77,6 +84,7 @@ _OWNER: dict[str, Callable[[Subparsers], None]] = {
     "report": _add_report,
     "campaign": _add_campaign,
     "events": _add_events,
+    "journal": _add_journal,
 }
 
 

@@ -23,6 +23,7 @@ from llmd_supervisor.core.event_routing import (
     parse_events,
     shown_url,
 )
+from llmd_supervisor.core.journal_url import JournalBackend, SqliteJournal, parse_journal
 from llmd_supervisor.core.paths import DEFAULT_SOCKET
 from llmd_supervisor.errors import ConfigError, ConfigErrors
 
@@ -161,6 +162,9 @@ class Config:
         d = self.dashboard.socket
         return d if d is not None else self.socket_path.parent / "web.sock"
 
+    # Which journal ([journal]; core.journal_url): SQLite in state_dir unless a url is set.
+    journal: JournalBackend = field(default_factory=SqliteJournal)
+
     @property
     def archive_root(self) -> Path:
         return self.archive_dir if self.archive_dir is not None else self.state_dir / "archive"
@@ -233,7 +237,17 @@ def default_known_hosts() -> str:
     return os.path.expanduser("~/.ssh/known_hosts")
 
 
-_TOP = ("daemon", "ssh", "poll", "limits", "clusters", "metrics", "events", "dashboard")
+_TOP = (
+    "daemon",
+    "ssh",
+    "poll",
+    "limits",
+    "clusters",
+    "metrics",
+    "events",
+    "dashboard",
+    "journal",
+)
 _DAEMON_KEYS = (
     "state_dir",
     "archive_dir",
@@ -289,6 +303,8 @@ def parse_config(data: Mapping[str, object]) -> Config:
     listen = found.check(lambda: _metrics(_table(data, "metrics")), None)
     events = found.check(lambda: parse_events(_table(data, "events")), EventsConfig())
     dashboard = found.check(lambda: _dashboard(_table(data, "dashboard")), DashboardConfig())
+    sqlite: JournalBackend = SqliteJournal()
+    journal = found.check(lambda: parse_journal(_table(data, "journal")), sqlite)
     if found.found:
         raise ConfigErrors(found.found)
     assert state_dir is not None and socket_path is not None and ssh is not None
@@ -309,6 +325,7 @@ def parse_config(data: Mapping[str, object]) -> Config:
         log_roots=log_roots,
         events=events,
         dashboard=dashboard,
+        journal=journal,
     )
 
 
@@ -646,7 +663,14 @@ def effective(config: Config) -> dict[str, object]:
         # Rendered as [[events.destination]] tables; a URL shown without its path (a
         # Slack webhook's path is its credential).
         "events.destination": [_destination(d) for d in config.events.destinations],
+        "journal": _journal(config.journal),
     }
+
+
+def _journal(backend: JournalBackend) -> dict[str, object]:
+    if isinstance(backend, SqliteJournal):
+        return {"url": None, "password_file": None}
+    return {"url": backend.url, "password_file": backend.password_file}
 
 
 def _destination(d: Destination) -> dict[str, object]:

@@ -26,7 +26,7 @@ from llmd_supervisor.adapters import remote, result_parser
 from llmd_supervisor.adapters.campaign_store import CampaignStore
 from llmd_supervisor.adapters.control_server import ControlServer
 from llmd_supervisor.adapters.event_sender import EventSender
-from llmd_supervisor.adapters.journal import Journal
+from llmd_supervisor.adapters.journal import open_journal
 from llmd_supervisor.adapters.metrics import (
     InstrumentedRunner,
     LinkCounts,
@@ -160,7 +160,7 @@ async def _serve(
     metrics = Metrics()
     login_links: list[NodeLink] = []
     clusters: dict[str, Cluster] = {}
-    journal = await Journal.open(config.journal_path)
+    journal = await open_journal(config.journal, config.journal_path)
     try:
         async with result_parser.kept_children(), anyio.create_task_group() as tg:
             await tg.start(loop_monitor, notify, watchdog_s, metrics.record_lag)

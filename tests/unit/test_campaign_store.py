@@ -1,12 +1,11 @@
-"""Campaigns in the journal (adapters.campaign_store) against a real SQLite file."""
+"""Campaigns in the journal (adapters.campaign_store) against a real SQLite file and a real
+PostgreSQL server (tests/postgres.py)."""
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -17,8 +16,8 @@ from llmd_supervisor.adapters.campaign_store import (
     StoredJob,
     VerifiedPoint,
 )
-from llmd_supervisor.adapters.journal import Journal
 from llmd_supervisor.errors import JournalConflict, JournalError
+from tests.postgres import JournalTarget
 
 T0 = datetime(2026, 12, 3, 10, 0, 0, 123456, tzinfo=UTC)
 
@@ -63,8 +62,9 @@ def job(key: str, seq: int, campaign_id: str = "c0ffee000001") -> StoredJob:
 
 
 @pytest_asyncio.fixture
-async def store(tmp_path: Path) -> AsyncIterator[CampaignStore]:
-    async with await Journal.open(tmp_path / "journal.db") as j:
+async def store(journal_target: JournalTarget) -> AsyncIterator[CampaignStore]:
+    """The campaign tables of a new journal on each backend."""
+    async with await journal_target.open() as j:
         yield CampaignStore(j)
 
 
@@ -132,11 +132,10 @@ async def test_the_ledger_keeps_the_first_proof_and_forgets_on_request(
 
 
 @pytest.mark.asyncio
-async def test_a_corrupt_job_row_is_a_journal_error_naming_it(
-    store: CampaignStore, tmp_path: Path
-) -> None:
+async def test_a_corrupt_job_row_is_a_journal_error_naming_it(store: CampaignStore) -> None:
     await store.insert(campaign(), [job("a", 0)])
-    with sqlite3.connect(tmp_path / "journal.db") as conn:
-        conn.execute("UPDATE campaign_jobs SET concurrencies = '[1, \"x\"]'")
+    await store._journal.write(
+        "test", lambda db: db.execute("UPDATE campaign_jobs SET concurrencies = '[1, \"x\"]'")
+    )
     with pytest.raises(JournalError, match="not integers"):
         await store.jobs("c0ffee000001")

@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -18,6 +19,7 @@ import pytest
 
 from llmd_supervisor.adapters.control_client import ControlClient
 from llmd_supervisor.core.config import ClusterConfig, Config, Limits, PollConfig, SshConfig
+from llmd_supervisor.core.journal_url import SqliteJournal
 from llmd_supervisor.core.slurm_parse import JobState
 from llmd_supervisor.core.spec import load_spec
 from llmd_supervisor.core.summary import RunSummary, read
@@ -26,6 +28,7 @@ from llmd_supervisor.supervision.run.driver import Hooks
 from tests.devcluster import REPO
 from tests.fakes.bench_results import finish_job
 from tests.fakes.slurm_replay import End, ReplayCluster, Start
+from tests.postgres import JournalTarget
 
 
 def _config(tmp: Path) -> Config:
@@ -99,10 +102,11 @@ def _publish_marker(summary: RunSummary, log_dir: Path) -> None:
 
 @pytest.mark.asyncio
 async def test_sigterm_stops_the_daemon_and_never_the_job_and_a_restart_resumes_it(
-    tmp_path: Path,
+    tmp_path: Path, journal_target: JournalTarget
 ) -> None:
+    """On either journal (SQLite; PostgreSQL: [journal] url, tests/postgres.py)."""
     replay = ReplayCluster(touch_files=True)
-    config = _config(tmp_path)
+    config = replace(_config(tmp_path), journal=journal_target.postgres or SqliteJournal())
     log_dir = tmp_path / "logs"
     daemon = Daemon(config, replay)
     async with anyio.create_task_group() as tg:

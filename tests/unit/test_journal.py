@@ -1,4 +1,5 @@
-"""The run journal against real SQLite files on disk."""
+"""The run journal against real SQLite files on disk and a real PostgreSQL server
+(`journal` runs a test on both: ``[sqlite]``, ``[postgresql]``; tests/postgres.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta, timezone
 from functools import partial
 from pathlib import Path
+from typing import cast
 
 import anyio
 import anyio.lowlevel
@@ -24,6 +26,7 @@ from llmd_supervisor.adapters.journal import (
     RunMeta,
     StoredRun,
 )
+from llmd_supervisor.adapters.journal_db import Db, SqliteDb
 from llmd_supervisor.adapters.journal_schema import MIGRATIONS
 from llmd_supervisor.core.lifecycle import (
     Archived,
@@ -43,7 +46,8 @@ from llmd_supervisor.core.lifecycle import (
 )
 from llmd_supervisor.core.retry_policy import Evidence, NodeFailure
 from llmd_supervisor.core.verdict import Outcome
-from llmd_supervisor.errors import JournalConflict, JournalError
+from llmd_supervisor.errors import JournalConflict, JournalError, JournalSchemaTooNew
+from tests.postgres import JournalTarget
 
 T0 = datetime(2025, 3, 4, 5, 6, 7, 890123, tzinfo=UTC)
 
@@ -78,7 +82,15 @@ def raw(path: Path) -> Iterator[sqlite3.Connection]:
 
 
 @pytest_asyncio.fixture
-async def journal(tmp_path: Path) -> AsyncIterator[Journal]:
+async def journal(journal_target: JournalTarget) -> AsyncIterator[Journal]:
+    """A new journal on each backend."""
+    async with await journal_target.open() as j:
+        yield j
+
+
+@pytest_asyncio.fixture
+async def sqlite_journal(tmp_path: Path) -> AsyncIterator[Journal]:
+    """A new SQLite journal, for what only SQLite has (pragmas, its file)."""
     async with await Journal.open(tmp_path / "state" / "journal.db") as j:
         yield j
 
@@ -155,14 +167,15 @@ async def test_round_trip_through_the_whole_lifecycle(journal: Journal) -> None:
 
 
 @pytest.mark.asyncio
-async def test_pragmas_are_as_promised(journal: Journal) -> None:
-    def pragmas(conn: sqlite3.Connection) -> tuple[object, ...]:
+async def test_pragmas_are_as_promised(sqlite_journal: Journal) -> None:
+    def pragmas(db: Db) -> tuple[object, ...]:
+        conn = cast(SqliteDb, db).conn
         return tuple(
             conn.execute(f"PRAGMA {name}").fetchone()[0]
             for name in ("journal_mode", "synchronous", "foreign_keys", "busy_timeout")
         )
 
-    mode, synchronous, foreign_keys, busy = await journal.read("test", pragmas)
+    mode, synchronous, foreign_keys, busy = await sqlite_journal.read("test", pragmas)
     assert (mode, synchronous, foreign_keys) == ("wal", 2, 1)  # 2 is FULL
     assert isinstance(busy, int)
     assert busy > 0
@@ -185,7 +198,7 @@ async def test_save_with_wrong_expected_state_is_a_conflict(journal: Journal) ->
     assert "r-1" in str(err)
     assert "'accepted'" in str(err)
     assert "'submitting'" in str(err)
-    assert str(journal.path) in str(err)
+    assert journal.location in str(err)
     stored = await journal.get("r-1")
     assert stored is not None
     assert stored.run == submitting
@@ -514,7 +527,10 @@ async def test_a_version_3_quarantine_becomes_one_inferred_failure_of_its_runs_o
 
 
 @pytest.mark.asyncio
-async def test_a_node_failure_with_unknown_evidence_is_a_journal_error(journal: Journal) -> None:
+async def test_a_node_failure_with_unknown_evidence_is_a_journal_error(
+    sqlite_journal: Journal,
+) -> None:
+    journal = sqlite_journal
     await journal.count_node_failure(_failure("node5", "r1", 0), forget_before=at(-60))
     with raw(journal.path) as conn:
         conn.execute("DROP TABLE node_failures")
@@ -536,11 +552,11 @@ async def test_a_newer_schema_is_refused_untouched(tmp_path: Path) -> None:
     newer = SCHEMA_VERSION + 5
     with raw(path) as conn:
         conn.execute(f"PRAGMA user_version = {newer}")
-    with pytest.raises(JournalError) as info:
+    with pytest.raises(JournalSchemaTooNew) as info:
         await Journal.open(path)
     message = str(info.value)
-    assert f"schema version is {newer}" in message
-    assert f"up to {SCHEMA_VERSION}" in message
+    assert f"schema is version {newer}, newer than this daemon's {SCHEMA_VERSION}" in message
+    assert "upgrade llmd-supervisor" in message
     assert str(path) in message
     with raw(path) as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
@@ -560,9 +576,8 @@ async def test_garbage_file_and_directory_are_journal_errors(tmp_path: Path) -> 
 
 
 @pytest.mark.asyncio
-async def test_reopening_keeps_everything(tmp_path: Path) -> None:
-    path = tmp_path / "journal.db"
-    journal = await Journal.open(path)
+async def test_reopening_keeps_everything(journal_target: JournalTarget) -> None:
+    journal = await journal_target.open()
     run = await inserted(journal, "r-1")
     running = advance(run, Submit(), Submitted("9"), Started(("n1",)))
     await journal.save(running, expected=RunState.ACCEPTED)
@@ -572,7 +587,7 @@ async def test_reopening_keeps_everything(tmp_path: Path) -> None:
     with pytest.raises(JournalError, match="closed"):
         await journal.get("r-1")
 
-    async with await Journal.open(path) as again:
+    async with await journal_target.open() as again:
         assert await again.get("r-1") == StoredRun(running, meta())
         assert await again.events("r-1") == [
             {"at": at(3).isoformat(), "kind": "run.started", "nodes": ["n1"]}
@@ -584,10 +599,12 @@ async def test_reopening_keeps_everything(tmp_path: Path) -> None:
 
 
 @pytest.mark.asyncio
-async def test_full_disk_is_a_journal_error_and_rolls_back(journal: Journal) -> None:
+async def test_full_disk_is_a_journal_error_and_rolls_back(sqlite_journal: Journal) -> None:
+    journal = sqlite_journal
     await inserted(journal, "r-1")
 
-    def cap(conn: sqlite3.Connection) -> None:
+    def cap(db: Db) -> None:
+        conn = cast(SqliteDb, db).conn
         pages = conn.execute("PRAGMA page_count").fetchone()[0]
         conn.execute(f"PRAGMA max_page_count = {pages}")
 
@@ -607,7 +624,8 @@ async def test_full_disk_is_a_journal_error_and_rolls_back(journal: Journal) -> 
 
 
 @pytest.mark.asyncio
-async def test_read_only_database_is_a_journal_error(journal: Journal) -> None:
+async def test_read_only_database_is_a_journal_error(sqlite_journal: Journal) -> None:
+    journal = sqlite_journal
     run = await inserted(journal, "r-1")
     await journal.read("test", lambda c: c.execute("PRAGMA query_only = ON"))
     with pytest.raises(JournalError, match="save run r-1") as info:
@@ -678,9 +696,10 @@ async def test_racing_compare_and_set_has_exactly_one_winner(journal: Journal) -
 
 
 @pytest.mark.asyncio
-async def test_two_journals_on_one_file_wait_for_each_other(tmp_path: Path) -> None:
-    path = tmp_path / "journal.db"
-    async with await Journal.open(path) as first, await Journal.open(path) as second:
+async def test_two_journals_on_one_database_wait_for_each_other(
+    journal_target: JournalTarget,
+) -> None:
+    async with await journal_target.open() as first, await journal_target.open() as second:
         async with anyio.create_task_group() as tg:
             for i in range(10):
                 tg.start_soon(_drive, first, f"a-{i}")
@@ -693,8 +712,11 @@ async def test_two_journals_on_one_file_wait_for_each_other(tmp_path: Path) -> N
 
 
 @pytest.mark.asyncio
-async def test_event_loop_runs_while_a_save_waits_for_the_database(journal: Journal) -> None:
+async def test_event_loop_runs_while_a_save_waits_for_the_database(
+    sqlite_journal: Journal,
+) -> None:
     """A save blocked on SQLite's lock must not block the loop: only the loop can free it."""
+    journal = sqlite_journal
     run = await inserted(journal, "r-1")
     ticks = 0
     with raw(journal.path) as other:

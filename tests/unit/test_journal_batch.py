@@ -4,7 +4,6 @@ with its own result or error; cancellation before a batch is taken does nothing.
 from __future__ import annotations
 
 import functools
-import sqlite3
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -14,6 +13,7 @@ import pytest
 
 from llmd_supervisor.adapters.journal import Journal
 from llmd_supervisor.adapters.journal_batch import MAX_BATCH, Batches, Op
+from llmd_supervisor.adapters.journal_db import Db
 from llmd_supervisor.errors import JournalError
 
 
@@ -166,13 +166,13 @@ def _nothing(conn: list[str]) -> None:
 async def test_journal_writes_in_one_batch_each_apply_alone(tmp_path: Path) -> None:
     journal = await Journal.open(tmp_path / "journal.db")
 
-    def create(conn: sqlite3.Connection) -> None:
+    def create(conn: Db) -> None:
         conn.execute("CREATE TABLE t (x INTEGER NOT NULL UNIQUE)")
 
     await journal.write("create", create)
 
     def insert(x: int) -> object:
-        def work(conn: sqlite3.Connection) -> None:
+        def work(conn: Db) -> None:
             conn.execute("INSERT INTO t VALUES (?)", (x,))
             conn.execute("INSERT INTO t VALUES (?)", (x + 100,))
 

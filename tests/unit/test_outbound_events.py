@@ -296,11 +296,11 @@ async def test_point_events_commit_with_the_transition_once(journal: Journal) ->
     await journal.save(runs[6], expected=runs[5].state, outgoing=out)
     # The same verdict recorded again (a retried save) makes no second event.
     await journal.save(runs[6], expected=runs[6].state, outgoing=out)
-    assert rows(journal.path, "SELECT seq FROM outbox_events ORDER BY seq") == [
+    assert await rows(journal, "SELECT seq FROM outbox_events ORDER BY seq") == [
         ("1.1:32",),
         ("1.1:4",),
     ]
-    assert rows(journal.path, "SELECT count(*) FROM deliveries") == [(2,)]
+    assert await rows(journal, "SELECT count(*) FROM deliveries") == [(2,)]
 
 
 # --- a spec's [notify] ------------------------------------------------------------------
@@ -492,7 +492,7 @@ async def test_node_quarantined_commits_with_the_failure_count(journal: Journal)
     out = quarantine_outgoing([], seen, rules=RULES, destinations=(ALL,), name_of=_names)
     await journal.count_node_failure(seen, forget_before=T1 - RULES.ttl, outgoing=out)
     await journal.count_node_failure(seen, forget_before=T1 - RULES.ttl, outgoing=out)
-    assert rows(journal.path, "SELECT type, subject, seq FROM outbox_events") == [
+    assert await rows(journal, "SELECT type, subject, seq FROM outbox_events") == [
         ("node.quarantined", "node/dev/n2", "r-1:1:everyone")
     ]
     assert len(await journal.node_failures()) == 1

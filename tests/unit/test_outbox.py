@@ -5,12 +5,9 @@ journal writing the event and its deliveries in the transition's own transaction
 from __future__ import annotations
 
 import itertools
-import sqlite3
 from collections.abc import AsyncIterator
-from contextlib import closing
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -40,6 +37,7 @@ from llmd_supervisor.core.lifecycle import (
 from llmd_supervisor.core.outbox import DeliveryStatus, Outgoing, run_event_type, run_outgoing
 from llmd_supervisor.core.verdict import Outcome
 from llmd_supervisor.errors import ConfigErrors, JournalConflict
+from tests.postgres import JournalTarget
 
 T0 = datetime(2025, 3, 4, 5, 6, 7, tzinfo=UTC)
 REF = RunRef("r-1", "demo", "alice", 1000, "dev", "demo", "ab" * 32)
@@ -150,14 +148,14 @@ def meta() -> RunMeta:
 
 
 @pytest_asyncio.fixture
-async def journal(tmp_path: Path) -> AsyncIterator[Journal]:
-    async with await Journal.open(tmp_path / "journal.db") as j:
+async def journal(journal_target: JournalTarget) -> AsyncIterator[Journal]:
+    """A new journal on each backend (tests/postgres.py)."""
+    async with await journal_target.open() as j:
         yield j
 
 
-def rows(path: Path, sql: str) -> list[tuple[object, ...]]:
-    with closing(sqlite3.connect(path)) as conn:
-        return list(conn.execute(sql).fetchall())
+async def rows(journal: Journal, sql: str) -> list[tuple[object, ...]]:
+    return await journal.read("test", lambda db: [tuple(r) for r in db.execute(sql).fetchall()])
 
 
 async def journaled_until(journal: Journal, runs: list[Run], last: int) -> list[Outgoing]:
@@ -180,11 +178,11 @@ async def test_events_and_deliveries_commit_with_the_transition(journal: Journal
         EventType.RUN_STARTED,
         EventType.RUN_FINISHED,
     ]
-    assert rows(journal.path, "SELECT event_id, type FROM outbox_events ORDER BY created_at") == [
+    assert await rows(journal, "SELECT event_id, type FROM outbox_events ORDER BY created_at") == [
         (o.id, o.type.value) for o in made
     ]
-    got = rows(
-        journal.path,
+    got = await rows(
+        journal,
         "SELECT event_id, destination, status, attempts FROM deliveries "
         "ORDER BY event_id, destination",
     )
@@ -206,8 +204,8 @@ async def test_a_refused_save_journals_no_event(journal: Journal) -> None:
     assert out
     with pytest.raises(JournalConflict):  # the compare-and-set fails: nothing commits
         await journal.save(runs[2], expected=RunState.RUNNING, outgoing=out)
-    assert rows(journal.path, "SELECT count(*) FROM outbox_events") == [(0,)]
-    assert rows(journal.path, "SELECT count(*) FROM deliveries") == [(0,)]
+    assert await rows(journal, "SELECT count(*) FROM outbox_events") == [(0,)]
+    assert await rows(journal, "SELECT count(*) FROM deliveries") == [(0,)]
 
 
 @pytest.mark.asyncio
@@ -226,8 +224,8 @@ async def test_an_event_recorded_again_is_not_duplicated(journal: Journal) -> No
         now=at(3),
     )
     await journal.save(runs[2], expected=RunState.PENDING, outgoing=made)
-    assert rows(journal.path, "SELECT count(*) FROM outbox_events") == [(1,)]
-    assert rows(journal.path, "SELECT destination, status, attempts FROM deliveries") == [
+    assert await rows(journal, "SELECT count(*) FROM outbox_events") == [(1,)]
+    assert await rows(journal, "SELECT destination, status, attempts FROM deliveries") == [
         ("all", "delivered", 1)
     ]
 

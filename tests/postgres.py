@@ -1,0 +1,272 @@
+"""A real PostgreSQL for the journal tests (pytest plugin of tests/conftest.py).
+
+One server per test session (per xdist worker): Debian's PostgreSQL 15 binaries
+(deploy/install-dev.sh installs ``postgresql``), a cluster initialised in a temporary
+directory as the ``postgres`` user (as the test user when the tests do not run as root),
+``fsync`` off, listening on 127.0.0.1 only on a free port and on a Unix socket in that
+directory. The journal's role ``llmd`` logs in over TCP with a password (scram-sha-256)
+read from a 0600 password file, as a daemon's would; each test gets a database of its
+own. The server is stopped by its PID at the end (SIGINT: fast shutdown), never by name.
+
+Missing binaries skip the PostgreSQL half of a test, which LLMD_TEST_NO_SKIP=1 (CI)
+turns into a failure (tests/conftest.py).
+
+`journal_target` parametrises a test over both backends: ``[sqlite]`` and
+``[postgresql]`` (the session's shared journal database, emptied for each test; a test
+of the schema or of migrations takes `PgServer.new_database`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from llmd_supervisor.adapters.journal import Journal
+from llmd_supervisor.adapters.journal_pg import PostgresSettings
+from llmd_supervisor.adapters.journal_schema import TABLES
+from llmd_supervisor.core.journal_url import PostgresJournal, parse_journal
+
+__all__ = ["JournalTarget", "PgServer", "journal_target", "postgres"]
+
+PG_BIN = Path(os.environ.get("LLMD_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
+ROLE = "llmd"
+_START_TIMEOUT_S = 30.0
+_STOP_TIMEOUT_S = 20.0
+
+
+@dataclass
+class PgServer:
+    """The session's PostgreSQL server."""
+
+    base: Path  # its directory: data/, the Unix socket, the log, the password file
+    port: int
+    password_file: Path
+    process: subprocess.Popen[bytes]
+    _databases: Iterator[int]
+    _shared: tuple[str, psycopg.Connection[tuple[object, ...]]] | None = None
+
+    def admin(self) -> psycopg.Connection[tuple[object, ...]]:
+        """A superuser connection over the Unix socket (autocommit); close it after use."""
+        return psycopg.connect(
+            host=str(self.base), port=self.port, user="postgres", dbname="postgres", autocommit=True
+        )
+
+    def url(self, dbname: str) -> str:
+        return f"postgresql://{ROLE}@127.0.0.1:{self.port}/{dbname}"
+
+    def journal_config(self, dbname: str) -> PostgresJournal:
+        backend = parse_journal({"url": self.url(dbname), "password_file": str(self.password_file)})
+        assert isinstance(backend, PostgresJournal)
+        return backend
+
+    def new_database(self) -> str:
+        """A new, empty database owned by the journal's role."""
+        name = f"j{next(self._databases)}"
+        with self.admin() as conn:
+            conn.execute(f"CREATE DATABASE {name} OWNER {ROLE} TEMPLATE template0")
+        return name
+
+    def emptied_database(self) -> str:
+        """The session's shared journal database, its journal tables emptied (a tenth of
+        the time of a new database and a migration, which `new_database` is for)."""
+        if self._shared is None:
+            name = self.new_database()
+            self._shared = (
+                name,
+                psycopg.connect(
+                    host=str(self.base),
+                    port=self.port,
+                    user="postgres",
+                    dbname=name,
+                    autocommit=True,
+                ),
+            )
+        name, conn = self._shared
+        made = conn.execute("SELECT to_regclass('runs') IS NOT NULL").fetchone()
+        if made is not None and made[0]:
+            conn.execute(f"TRUNCATE {', '.join(TABLES)} RESTART IDENTITY")
+        return name
+
+    def close(self) -> None:
+        if self._shared is not None:
+            self._shared[1].close()
+            self._shared = None
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = (self.base / "server.log").read_text(errors="replace")
+        except OSError:
+            return "(no server log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _as_postgres() -> dict[str, object]:
+    """Popen arguments that run a command as the postgres user (root), or as us."""
+    if os.geteuid() != 0:
+        return {}
+    pw = pwd.getpwnam("postgres")
+    return {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PgServer]:
+    """The session's PostgreSQL server (started here, stopped by PID at the end)."""
+    if not (PG_BIN / "initdb").is_file():
+        pytest.skip(f"PostgreSQL is not installed ({PG_BIN}/initdb); deploy/install-dev.sh")
+    base = Path(tempfile.mkdtemp(prefix="llmd-pg-"))
+    as_postgres = _as_postgres()
+    try:
+        if as_postgres:
+            pw = pwd.getpwnam("postgres")
+            os.chown(base, pw.pw_uid, pw.pw_gid)
+        initdb = subprocess.run(
+            [
+                str(PG_BIN / "initdb"),
+                "-D",
+                str(base / "data"),
+                "-U",
+                "postgres",
+                "-E",
+                "UTF8",
+                "--locale=C.UTF-8",
+                "--auth-local=trust",
+                "--auth-host=scram-sha-256",
+                "--no-sync",
+                "--no-instructions",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=base,
+            **as_postgres,  # type: ignore[call-overload]  # user/group/extra_groups
+        )
+        if initdb.returncode != 0:
+            pytest.fail(f"initdb failed ({initdb.returncode}):\n{initdb.stdout}{initdb.stderr}")
+        port = _free_port()
+        log = open(base / "server.log", "wb")  # noqa: SIM115  # the server writes it until the end
+        process = subprocess.Popen(
+            [
+                str(PG_BIN / "postgres"),
+                "-D",
+                str(base / "data"),
+                "-p",
+                str(port),
+                "-c",
+                "listen_addresses=127.0.0.1",
+                "-c",
+                f"unix_socket_directories={base}",
+                "-c",
+                "fsync=off",
+                "-c",
+                "synchronous_commit=off",
+                "-c",
+                "full_page_writes=off",
+                "-c",
+                "shared_buffers=32MB",
+                "-c",
+                "max_connections=80",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=base,
+            start_new_session=True,
+            **as_postgres,  # type: ignore[call-overload]  # as above
+        )
+        log.close()
+    except BaseException:
+        shutil.rmtree(base, ignore_errors=True)
+        raise
+    password = secrets.token_urlsafe(16)
+    password_file = base / "password"
+    fd = os.open(password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, f"{password}\n".encode())
+    os.close(fd)
+    server = PgServer(base, port, password_file, process, itertools.count(1))
+    try:
+        _wait_ready(server)
+        with server.admin() as conn:
+            conn.execute(f"CREATE ROLE {ROLE} LOGIN PASSWORD '{password}'")
+        yield server
+    finally:
+        server.close()
+        _stop(server)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _wait_ready(server: PgServer) -> None:
+    deadline = time.monotonic() + _START_TIMEOUT_S
+    while True:
+        if server.process.poll() is not None:
+            pytest.fail(
+                f"PostgreSQL exited at start ({server.process.returncode}):\n{server.log_tail()}"
+            )
+        try:
+            server.admin().close()
+            return
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                pytest.fail(
+                    f"PostgreSQL did not accept connections in {_START_TIMEOUT_S:g} s:\n"
+                    f"{server.log_tail()}"
+                )
+            time.sleep(0.05)
+
+
+def _stop(server: PgServer) -> None:
+    process = server.process
+    if process.poll() is None:
+        process.send_signal(signal.SIGINT)  # fast shutdown: roll back and disconnect
+        try:
+            process.wait(_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()  # the postmaster only; its children exit when it is gone
+            process.wait(_STOP_TIMEOUT_S)
+
+
+@dataclass(frozen=True)
+class JournalTarget:
+    """Where a test's journal lives: an SQLite file, or a database of the session's server."""
+
+    kind: str  # "sqlite" or "postgresql"
+    sqlite_path: Path
+    postgres: PostgresJournal | None
+
+    @property
+    def location(self) -> str:
+        return str(self.sqlite_path) if self.postgres is None else self.postgres.url
+
+    async def open(self, settings: PostgresSettings | None = None) -> Journal:
+        if self.postgres is None:
+            return await Journal.open(self.sqlite_path)
+        return await Journal.open_postgres(self.postgres, settings)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def journal_target(request: pytest.FixtureRequest, tmp_path: Path) -> JournalTarget:
+    """A fresh journal location on each backend (the test opens it, as often as it likes)."""
+    path = tmp_path / "state" / "journal.sqlite3"
+    if request.param == "sqlite":
+        return JournalTarget("sqlite", path, None)
+    server: PgServer = request.getfixturevalue("postgres")
+    return JournalTarget("postgresql", path, server.journal_config(server.emptied_database()))
