@@ -12,24 +12,14 @@ from __future__ import annotations
 
 from typing import Final
 
+from llmd_supervisor.core.fencing import FENCED_TABLES
 from llmd_supervisor.core.lease import LEASE_TABLE_DDL
 
 __all__ = ["MIGRATIONS", "POSTGRES_MIGRATIONS", "TABLES"]
 
 # Every table of the journal at the current version, parents before children (the order
-# `journal migrate` copies them in). core.fencing.FENCED_TABLES names the same tables.
-TABLES: Final = (
-    "runs",
-    "transitions",
-    "events",
-    "node_failures",
-    "campaigns",
-    "campaign_jobs",
-    "verified_points",
-    "outbox_events",
-    "deliveries",
-    "disabled_destinations",
-)
+# `journal migrate` copies them in): every one is written by the leader, so fenced.
+TABLES: Final = FENCED_TABLES
 
 # Ordered migrations: MIGRATIONS[i] takes the schema from user_version i to i + 1. Append
 # only; never edit a migration that has shipped. Each is a sequence of single statements

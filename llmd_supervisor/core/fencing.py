@@ -69,7 +69,8 @@ EPOCH_SETTING: Final = "llmd.epoch"
 STALE_EPOCH_SQLSTATE: Final = "LD001"
 NO_EPOCH_SQLSTATE: Final = "LD002"
 
-# Every journal table whose rows a leader writes (adapters/journal_schema.py, version 6).
+# Every journal table, parents before children: a leader writes rows in each
+# (adapters/journal_schema.py TABLES, version 6).
 FENCED_TABLES: Final = (
     "runs",
     "transitions",
