@@ -133,6 +133,13 @@ class DashboardConfig:
     token_file: str | None = None
     # Host header names accepted on TCP besides localhost, 127.0.0.1 and ::1 (any port).
     hosts: tuple[str, ...] = ()
+    # Where people open the dashboard (e.g. http://localhost:8080 after `ssh -L`): outbound
+    # events link a run's or campaign's page under it (None: events carry no such link).
+    url: str | None = None
+
+    def page(self, path: str) -> str | None:
+        """The link to the dashboard's page `path` ("/runs/ID"), if `url` is set."""
+        return None if self.url is None else f"{self.url}{path}"
 
 
 @dataclass(frozen=True)
@@ -495,7 +502,8 @@ def _loopback(t: Mapping[str, object], key: str, example: str) -> str | None:
     return listen
 
 
-_DASHBOARD_KEYS = ("enabled", "socket", "socket_mode", "tcp", "token_file", "hosts")
+_DASHBOARD_KEYS = ("enabled", "socket", "socket_mode", "tcp", "token_file", "hosts", "url")
+_URL_MAX = 200
 
 
 def _dashboard(t: Mapping[str, object]) -> DashboardConfig:
@@ -522,7 +530,30 @@ def _dashboard(t: Mapping[str, object]) -> DashboardConfig:
         tcp=_loopback(t, "dashboard.tcp", "127.0.0.1:8765"),
         token_file=None if token_file is None else str(token_file),
         hosts=tuple(h.lower() for h in hosts),
+        url=_dashboard_url(t),
     )
+
+
+def _dashboard_url(t: Mapping[str, object]) -> str | None:
+    """The dashboard's base URL as people open it (http or https, no query or fragment)."""
+    url = _opt_str(t, "dashboard.url")
+    if url is None:
+        return None
+    scheme, sep, rest = url.partition("://")
+    if (
+        not sep
+        or scheme not in ("http", "https")
+        or not rest
+        or len(url) > _URL_MAX
+        or any(c in url for c in '?#"\n\r\t <>')
+    ):
+        raise ConfigError(
+            "dashboard.url",
+            url,
+            "give the address people open the dashboard at, with no query or fragment, "
+            "e.g. 'http://localhost:8080' (after ssh -L 8080:<web.sock> <login node>)",
+        )
+    return url.rstrip("/")
 
 
 def _socket_limits(d: Mapping[str, object]) -> SocketLimits:
@@ -650,6 +681,7 @@ def effective(config: Config) -> dict[str, object]:
             "tcp": config.dashboard.tcp,
             "token_file": config.dashboard.token_file,
             "hosts": list(config.dashboard.hosts),
+            "url": config.dashboard.url,
         },
         "clusters": [
             {

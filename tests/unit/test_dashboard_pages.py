@@ -290,6 +290,9 @@ def test_the_dashboard_config_defaults_beside_the_control_socket() -> None:
     assert str(c.dashboard_socket) == "/run/user/1000/llmd/web.sock"
     c = load_config('[dashboard]\ntcp = "127.0.0.1:8765"\nsocket = "/run/x/web.sock"\n')
     assert c.dashboard.tcp == "127.0.0.1:8765" and str(c.dashboard_socket) == "/run/x/web.sock"
+    assert c.dashboard.page("/runs/r1") is None  # no url: events carry no dashboard link
+    c = load_config('[dashboard]\nurl = "http://localhost:8080/"\n')
+    assert c.dashboard.page("/runs/r1") == "http://localhost:8080/runs/r1"
     for bad, key in [
         ('tcp = "0.0.0.0:8765"', "dashboard.tcp"),
         ('socket = "web.sock"', "dashboard.socket"),
@@ -297,6 +300,10 @@ def test_the_dashboard_config_defaults_beside_the_control_socket() -> None:
         ("enabled = 1", "dashboard.enabled"),
         ('hosts = ["a:80"]', "dashboard.hosts"),
         ("nope = 1", "dashboard.nope"),
+        ('url = "localhost:8080"', "dashboard.url"),
+        ('url = "ftp://x"', "dashboard.url"),
+        ('url = "http://x/?a=1"', "dashboard.url"),
+        ('url = "http://x/<b>"', "dashboard.url"),
     ]:
         with pytest.raises(ConfigError) as info:
             load_config(f"[dashboard]\n{bad}\n")

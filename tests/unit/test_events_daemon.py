@@ -71,6 +71,9 @@ def test_a_kill_between_the_2xx_and_its_commit_resends_the_same_webhook_id(
         replay_socket=world.socket,
         crash_after="webhook_2xx",
         extra_config=f"""
+[dashboard]
+url = "http://localhost:8080"
+
 [[events.destination]]
 name = "ci"
 kind = "webhook"
@@ -118,6 +121,7 @@ types = ["run.submitted"]
     body = json.loads(first.body)
     assert body["type"] == "run.submitted" and body["id"] == first.headers["webhook-id"]
     assert body["data"]["run"]["id"] == run
+    assert body["data"]["links"]["dashboard"] == f"http://localhost:8080/runs/{run}"
     keys = read_secret_file_now(secret_file)
     now = unix_seconds(datetime.now(UTC))
     for r in again:  # each attempt signed anew, each signature good

@@ -30,6 +30,7 @@ from llmd_supervisor.core.events import (
     CampaignFacts,
     CampaignProblem,
     EventType,
+    Links,
     Owner,
     PointCounts,
 )
@@ -130,6 +131,7 @@ class CampaignEvents:
             gpu_hours_useful=round(useful, 6),
             gpu_hours_lost=round(lost, 6),
             problems=tuple(problems[:PROBLEMS_MAX]),
+            links=Links(dashboard=self._sup.config.dashboard.page(f"/campaigns/{c.campaign_id}")),
         )
 
     async def progress(self, c: StoredCampaign, jobs: Sequence[StoredJob]) -> None:

@@ -693,7 +693,10 @@ class Supervisor:
             spec_name=name,
             spec_sha256=hashlib.sha256(meta.spec_toml.encode("utf-8")).hexdigest(),
         )
-        links = Links(archive=meta.archive_dir or None)
+        links = Links(
+            archive=meta.archive_dir or None,
+            dashboard=self.config.dashboard.page(f"/runs/{after.run_id}"),
+        )
         try:
             return run_outgoing(
                 before,
