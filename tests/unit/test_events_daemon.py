@@ -19,6 +19,7 @@ from pathlib import Path
 import anyio
 import anyio.abc
 import pytest
+from standardwebhooks import Webhook
 
 from llmd_supervisor.adapters.event_sender import read_secret_file_now
 from llmd_supervisor.core.webhooks import unix_seconds, verify
@@ -126,6 +127,8 @@ types = ["run.submitted"]
     now = unix_seconds(datetime.now(UTC))
     for r in again:  # each attempt signed anew, each signature good
         verify(keys, r.headers, r.body, now=now)
+        # and good for an independent implementation (the standardwebhooks package)
+        assert Webhook(SECRET).verify(r.body, r.headers)["id"] == first.headers["webhook-id"]
     assert delivery["event"] == first.headers["webhook-id"]
     assert delivery["attempts"] == 1  # the attempt the kill cut off was never journaled
 
