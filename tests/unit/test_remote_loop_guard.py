@@ -33,7 +33,8 @@ def test_a_blocking_sleep_in_a_debug_loop_is_reported() -> None:
         runner.run(blocks())
     assert len(found) == 1
     what, took = found[0]
-    assert took >= 1.0 and "blocks()" in what
+    # a sleeping thread is not waiting for a core: nearly all of the second counts
+    assert took >= 0.9 and "blocks()" in what
     report = blocked_loop_report(found)
     assert report.startswith("the event loop was blocked: 1 callback(s)") and "blocks()" in report
 
