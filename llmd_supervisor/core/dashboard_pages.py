@@ -349,7 +349,7 @@ def run_page(
         _health(s),
         "<h2>Logs</h2>",
         _logs(s),
-        "<h2>Results</h2>",
+        '<h2 id="results">Results</h2>',
         _results(results, chart_src, charts),
     ]
     return page(f"Run {run_id}", "".join(parts), who=who)
@@ -505,7 +505,7 @@ def campaign_page(
         f"<h2>Progress ({c['points_total']} points)</h2>",
         '<table class="progress"><thead><tr><th>point state</th><th>points</th></tr></thead>'
         f"<tbody>{progress}</tbody></table>",
-        "<h2>Charts</h2>",
+        '<h2 id="charts">Charts</h2>',
         *chart_parts(charts, chart_src),
         f"<h2>Failed and blocked points ({c['problems_total']})</h2>",
         _problems(c["problems"]),

@@ -123,6 +123,7 @@ types = ["run.submitted"]
     assert body["type"] == "run.submitted" and body["id"] == first.headers["webhook-id"]
     assert body["data"]["run"]["id"] == run
     assert body["data"]["links"]["dashboard"] == f"http://localhost:8080/runs/{run}"
+    assert body["data"]["links"]["report"] == f"http://localhost:8080/runs/{run}#results"
     keys = read_secret_file_now(secret_file)
     now = unix_seconds(datetime.now(UTC))
     for r in again:  # each attempt signed anew, each signature good
@@ -186,6 +187,9 @@ opt_in = true
     progress, finished = (b["data"] for b in bodies)
     assert progress["campaign"]["name"] == "tiny" and progress["points"]["total"] == 2
     assert finished["outcome"] == "finished"
+    # the best of its verified points, read from the results of the run that verified them
+    best = finished["best_point"]
+    assert best["valid"] is True and best["concurrency"] in (1, 2), best
     assert finished["points"] == {
         "total": 2,
         "verified": 2,

@@ -20,12 +20,14 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Final
 
+import anyio
 import structlog
 
-from llmd_supervisor.adapters.campaign_store import StoredCampaign, StoredJob
+from llmd_supervisor.adapters.campaign_store import CampaignStore, StoredCampaign, StoredJob
 from llmd_supervisor.adapters.outbox_store import Outbox
 from llmd_supervisor.core.campaign_admission import JobState
 from llmd_supervisor.core.campaign_run import JobView, point_counts
+from llmd_supervisor.core.event_facts import best_point, points_of_table
 from llmd_supervisor.core.events import (
     CampaignFacts,
     CampaignProblem,
@@ -33,6 +35,7 @@ from llmd_supervisor.core.events import (
     Links,
     Owner,
     PointCounts,
+    PointFacts,
 )
 from llmd_supervisor.core.outbox import (
     LastProgress,
@@ -43,9 +46,10 @@ from llmd_supervisor.core.outbox import (
     progress_step,
 )
 from llmd_supervisor.core.usage import split
-from llmd_supervisor.errors import SupervisorError
+from llmd_supervisor.errors import ControlError, SupervisorError
 from llmd_supervisor.supervision.access import host_name, user_name
 from llmd_supervisor.supervision.run.driver import Supervisor
+from llmd_supervisor.supervision.views import results_table_of
 
 __all__ = ["CampaignEvents", "named_of"]
 
@@ -66,8 +70,9 @@ def named_of(c: StoredCampaign) -> tuple[str, ...]:
 class CampaignEvents:
     """Makes and journals a daemon's campaigns' events."""
 
-    def __init__(self, sup: Supervisor) -> None:
+    def __init__(self, sup: Supervisor, store: CampaignStore) -> None:
         self._sup = sup
+        self._store = store
         self._outbox = Outbox(sup.journal)
         # Each campaign's last journaled campaign.progress (None: none), once read.
         self._last: dict[str, LastProgress | None] = {}
@@ -98,6 +103,7 @@ class CampaignEvents:
         *,
         outcome: str | None = None,
         reason: str = "",
+        best: PointFacts | None = None,
     ) -> CampaignFacts:
         """The campaign as its events tell it: point counts, GPU-hours of its runs, its
         failed and blocked points with their reasons."""
@@ -131,8 +137,37 @@ class CampaignEvents:
             gpu_hours_useful=round(useful, 6),
             gpu_hours_lost=round(lost, 6),
             problems=tuple(problems[:PROBLEMS_MAX]),
-            links=Links(dashboard=self._sup.config.dashboard.page(f"/campaigns/{c.campaign_id}")),
+            best=best,
+            links=Links(
+                report=self._sup.config.dashboard.page(f"/campaigns/{c.campaign_id}#charts"),
+                dashboard=self._sup.config.dashboard.page(f"/campaigns/{c.campaign_id}"),
+            ),
         )
+
+    async def best(self, jobs: Sequence[StoredJob]) -> PointFacts | None:
+        """The campaign's best verified point (`core.event_facts.best_point`'s rule: the
+        highest total token throughput) among its points' archived results, read from the
+        runs that verified them (reused points too)."""
+        proofs = await self._store.verified(j.recipe_id for j in jobs)
+        wanted: dict[str, set[int]] = {}
+        for j in jobs:
+            for conc in j.concurrencies:
+                proof = proofs.get((j.recipe_id, conc))
+                if proof is not None:
+                    wanted.setdefault(proof.run_id, set()).add(conc)
+        points: list[PointFacts] = []
+        for run_id, concs in wanted.items():
+            h = self._sup.handles.get(run_id)
+            if h is None:
+                continue
+            try:
+                table = await anyio.to_thread.run_sync(results_table_of, h.layout.results_table)
+            except ControlError as exc:  # not a table this daemon wrote: none of its points
+                log.warning("event.results_unread", run_id=run_id, error=str(exc))
+                continue
+            table_dict = None if table is None else dict(table)
+            points += [p for p in points_of_table(table_dict) if p.concurrency in concs]
+        return best_point(points)
 
     async def progress(self, c: StoredCampaign, jobs: Sequence[StoredJob]) -> None:
         """Journal a campaign.progress if its counts changed and the minute allows. A
@@ -176,7 +211,7 @@ class CampaignEvents:
             await self._outbox.add(o)
         self._last[cid] = LastProgress(at=now, seq=step.seq, points=facts.points)
 
-    def finished(
+    async def finished(
         self, c: StoredCampaign, jobs: Sequence[StoredJob], state: str, reason: str
     ) -> tuple[Outgoing, ...]:
         """The campaign.finished to journal with the campaign's final `state`."""
@@ -184,7 +219,8 @@ class CampaignEvents:
         if not self._wanted(EventType.CAMPAIGN_FINISHED, c, named):
             return ()
         try:
-            facts = self.facts(c, jobs, outcome=state, reason=reason)
+            best = await self.best(jobs)
+            facts = self.facts(c, jobs, outcome=state, reason=reason, best=best)
             return event_outgoing(
                 EventType.CAMPAIGN_FINISHED,
                 facts,

@@ -122,7 +122,7 @@ class Campaigns:
         self.sup = supervisor
         self.store = store
         self.live: dict[str, _Live] = {}
-        self.events = CampaignEvents(supervisor)
+        self.events = CampaignEvents(supervisor, self.store)
 
     # --- entry points --------------------------------------------------------------------
 
@@ -375,7 +375,7 @@ class Campaigns:
             final = CampaignState.STOPPED if decision.stop else CampaignState.FINISHED
             reason = decision.stop or ""
             jobs = await self.store.jobs(campaign_id)
-            outgoing = self.events.finished(c, jobs, final.value, reason)
+            outgoing = await self.events.finished(c, jobs, final.value, reason)
             await self.store.set_state(campaign_id, final.value, reason, outgoing)
             self.events.forget(campaign_id)
             log.info("campaign.finished", state=final.value, reason=decision.stop or "")
@@ -556,7 +556,7 @@ class Campaigns:
             return False
         final = CampaignState.CANCELLED.value
         jobs = await self.store.jobs(c.campaign_id)
-        outgoing = self.events.finished(c, jobs, final, "cancelled")
+        outgoing = await self.events.finished(c, jobs, final, "cancelled")
         await self.store.set_state(c.campaign_id, final, "cancelled", outgoing)
         self.events.forget(c.campaign_id)
         log.info("campaign.cancelled")

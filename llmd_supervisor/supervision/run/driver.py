@@ -695,6 +695,7 @@ class Supervisor:
         )
         links = Links(
             archive=meta.archive_dir or None,
+            report=self.config.dashboard.page(f"/runs/{after.run_id}#results"),
             dashboard=self.config.dashboard.page(f"/runs/{after.run_id}"),
         )
         try:
