@@ -19,7 +19,8 @@ import json
 import posixpath
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -226,6 +227,33 @@ async def _receive_exactly(out: BufferedByteReceiveStream, n: int) -> bytes:
     return b"".join(chunks)
 
 
+# Requests written to a reader child at once: far below a pipe's 64 KiB, so the write never
+# waits for a child that is itself blocked writing an answer nobody reads yet.
+PIPELINE_BYTES: Final = 16 << 10
+
+
+@dataclass(frozen=True)
+class _Ask:
+    """One request to a ``safe_read.py serve`` child."""
+
+    op: str  # read | list | from
+    path: str
+    limit: int
+    more: tuple[int, ...] = ()
+
+
+def _pipelined(lines: Sequence[bytes]) -> Iterator[tuple[int, int]]:
+    """[start, end) ranges of `lines` of at most PIPELINE_BYTES each (at least one line)."""
+    start = size = 0
+    for i, line in enumerate(lines):
+        if i > start and size + len(line) > PIPELINE_BYTES:
+            yield start, i
+            start, size = i, 0
+        size += len(line)
+    if start < len(lines):
+        yield start, len(lines)
+
+
 class SharedFsNode(LocalFiles):
     """One allocated node's files read on this machine from the shared file system
     (``access = "shared-fs"``: no SSH). Shaped like a `NodeLink`: `host` names the node in
@@ -269,6 +297,37 @@ class SharedFsNode(LocalFiles):
         status, data = await self._ask("from", log_dir, path, limit, time_limit, offset)
         return answer(path, status, data, limit)
 
+    async def list_dirs(
+        self, log_dir: str, paths: Sequence[str], *, time_limit: float = 10
+    ) -> list[list[str] | FileRefused]:
+        """`list_dir` of each of `paths`, asked together (one round trip per
+        `PIPELINE_BYTES` of requests); a directory that is not the job's is its
+        FileRefused. `time_limit` bounds the whole."""
+        asks = [_Ask("list", path, LIST_MAX) for path in paths]
+        out: list[list[str] | FileRefused] = []
+        answers = await self._ask_many(log_dir, asks, time_limit)
+        for ask, (status, data) in zip(asks, answers, strict=True):
+            try:
+                out.append(listing(ask.path, status, data))
+            except FileRefused as exc:
+                out.append(exc)
+        return out
+
+    async def read_froms(
+        self, log_dir: str, reads: Sequence[tuple[str, int, int]], *, time_limit: float = 30
+    ) -> list[bytes | FileRefused | None]:
+        """`read_from` of each (path, offset, limit) of `reads`, asked together like
+        `list_dirs`: what each holds from its offset on (None: missing; FileRefused)."""
+        asks = [_Ask("from", path, limit, (offset,)) for path, offset, limit in reads]
+        out: list[bytes | FileRefused | None] = []
+        answers = await self._ask_many(log_dir, asks, time_limit)
+        for ask, (status, data) in zip(asks, answers, strict=True):
+            try:
+                out.append(answer(ask.path, status, data, ask.limit))
+            except FileRefused as exc:
+                out.append(exc)
+        return out
+
     async def _ask(
         self,
         op: str,
@@ -278,9 +337,23 @@ class SharedFsNode(LocalFiles):
         time_limit: float,
         *more: int,
     ) -> tuple[str, bytes]:
-        action = f"listing {path}" if op == "list" else f"reading {path}"
-        root, rel = split(log_dir, path)
-        request = serve_request(op, rel, limit, *more)
+        (got,) = await self._ask_many(log_dir, [_Ask(op, path, limit, more)], time_limit)
+        return got
+
+    async def _ask_many(
+        self, log_dir: str, asks: Sequence[_Ask], time_limit: float
+    ) -> list[tuple[str, bytes]]:
+        """The (answer word, payload) of each request, in order. The requests go to the
+        reader child in writes of at most `PIPELINE_BYTES` (it answers them in order; a
+        write that small never waits on a child that is busy writing its answers), and
+        every answer of one write is read before the next write."""
+        if not asks:
+            return []
+        action = f"listing {asks[0].path}" if asks[0].op == "list" else f"reading {asks[0].path}"
+        if len(asks) > 1:
+            action += f" and {len(asks) - 1} more of its files"
+        root = split(log_dir, log_dir)[0]
+        lines = [serve_request(a.op, split(log_dir, a.path)[1], a.limit, *a.more) for a in asks]
         async with self._lock:
             if self.closed:
                 raise RemoteError(self.host, action, "the node's file reader is closed")
@@ -293,13 +366,18 @@ class SharedFsNode(LocalFiles):
                         self._server = (root, proc, BufferedByteReceiveStream(proc.stdout))
                     _, proc, out = self._server
                     assert proc.stdin is not None
-                    await proc.stdin.send(request)
-                    head = await out.receive_until(b"\n", 64)
-                    answered = serve_head(head, op, limit)
-                    if answered is None:
-                        raise RemoteError(self.host, action, f"the reader answered {head!r}")
-                    word, n = answered
-                    return word, await _receive_exactly(out, n)
+                    got: list[tuple[str, bytes]] = []
+                    for start, end in _pipelined(lines):
+                        await proc.stdin.send(b"".join(lines[start:end]))
+                        for ask in asks[start:end]:
+                            head = await out.receive_until(b"\n", 64)
+                            answered = serve_head(head, ask.op, ask.limit)
+                            if answered is None:
+                                why = f"the reader answered {head!r}"
+                                raise RemoteError(self.host, action, why)
+                            word, n = answered
+                            got.append((word, await _receive_exactly(out, n)))
+                    return got
             except BaseException as exc:  # whatever happened, the reader starts afresh
                 await self._stop()
                 if isinstance(exc, TimeoutError):

@@ -220,50 +220,89 @@ async def tail_to_local(
 
 
 class RangeReader(Protocol):
-    """Reads part of a job's file: `jobfiles.SharedFsNode`."""
+    """Reads parts of a job's files, many in one round trip: `jobfiles.SharedFsNode`."""
 
-    async def read_from(
-        self, log_dir: str, path: str, offset: int, limit: int, *, time_limit: float = ...
-    ) -> bytes | None: ...
-
-
-COPY_CHUNK = 8 << 20  # bytes asked of the reader at a time by `copy_rest`
+    async def read_froms(
+        self, log_dir: str, reads: Sequence[tuple[str, int, int]], *, time_limit: float = ...
+    ) -> list[bytes | FileRefused | None]: ...
 
 
-async def copy_rest(
+COPY_CHUNK = 8 << 20  # bytes asked of the reader at a time for one file by `copy_rests`
+# How long `copy_rests` waits for a cancelled tailer to let go of a local copy (each
+# releases its copy's lock right after the cancel, before closing its channel).
+RELEASE_LIMIT_S = 10.0
+
+
+async def copy_rests(
     reader: RangeReader,
     log_dir: str,
-    remote_path: str,
-    local_path: Path,
+    files: Sequence[tuple[str, Path]],
     *,
     on_bytes: Callable[[int], None] | None = None,
     budget: CopyBudget | None = None,
     time_limit: float = 30.0,
-) -> None:
-    """Append what `remote_path` holds beyond the local copy's size, up to its current end
-    (one pass, no following: a run's end). The same copy rules as `tail_to_local`: the
-    local size is the offset, an exclusive flock, every chunk written whole, the budget
-    (`LogCapped`), `FileRefused` for a file that is not the job's; fsynced at the end.
-    Each chunk's read is bounded by `time_limit` (the reader's `RemoteError`)."""
-    copy = _LocalCopy(local_path, on_bytes, budget)
+) -> list[FileRefused | LogCapped]:
+    """Append what each (remote path, local copy) of `files` holds beyond the local copy's
+    size, up to its current end (one pass, no following: a run's end). The same copy
+    rules as `tail_to_local`: the local size is the offset, an exclusive flock (waiting up
+    to RELEASE_LIMIT_S for a cancelled tailer of the same copy to let go: TailConflict
+    after that), every chunk written whole, the budget, fsynced at the end. Every file's
+    next chunk is asked in one batch (`RangeReader.read_froms`, bounded by `time_limit`;
+    its `RemoteError`), so a run's dozen logs cost a round trip or two, not a dozen.
+    Returns why files were skipped: a `FileRefused` for one that is not the job's, a
+    `LogCapped` for one beyond the budget."""
+    copies: list[tuple[str, _LocalCopy]] = []
+    skipped: list[FileRefused | LogCapped] = []
     try:
-        if budget is not None and budget.allowed(copy.offset) == 0:
-            _log.info("tail.capped", local=str(local_path), offset=copy.offset)
-            return
-        while True:
+        for remote, local in files:
+            copy = await _open_released(local, on_bytes, budget)
+            copies.append((remote, copy))
+            if budget is not None and budget.allowed(copy.offset) == 0:
+                _log.info("tail.capped", local=str(local), offset=copy.offset)
+        pending = [
+            (remote, copy)
+            for remote, copy in copies
+            if budget is None or budget.allowed(copy.offset) > 0
+        ]
+        while pending:
             # One byte over the allowance: a file beyond it raises LogCapped (named).
-            allowed = COPY_CHUNK if budget is None else budget.allowed(copy.offset) + 1
-            want = min(COPY_CHUNK, allowed)
-            data = await reader.read_from(
-                log_dir, remote_path, copy.offset, want, time_limit=time_limit
-            )
-            if not data:
-                return
-            copy.append(data)
-            if len(data) < want:
-                return
+            wants = [
+                COPY_CHUNK if budget is None else min(COPY_CHUNK, budget.allowed(c.offset) + 1)
+                for _, c in pending
+            ]
+            reads = [(r, c.offset, w) for (r, c), w in zip(pending, wants, strict=True)]
+            got = await reader.read_froms(log_dir, reads, time_limit=time_limit)
+            more = []
+            for (remote, copy), want, data in zip(pending, wants, got, strict=True):
+                if isinstance(data, FileRefused):
+                    skipped.append(data)
+                elif data:
+                    try:
+                        copy.append(data)
+                    except LogCapped as exc:
+                        skipped.append(exc)
+                        continue
+                    if len(data) == want:
+                        more.append((remote, copy))
+            pending = more
     finally:
-        await copy.aclose()
+        for _, copy in copies:
+            await copy.aclose()
+    return skipped
+
+
+async def _open_released(
+    path: Path, on_bytes: Callable[[int], None] | None, budget: CopyBudget | None
+) -> _LocalCopy:
+    """The local copy at `path`, once a cancelled tailer of it has let go."""
+    deadline = anyio.current_time() + RELEASE_LIMIT_S
+    while True:
+        try:
+            return _LocalCopy(path, on_bytes, budget)
+        except TailConflict:
+            if anyio.current_time() >= deadline:
+                raise
+            await anyio.sleep(0.02)
 
 
 class _Drain:

@@ -20,8 +20,7 @@ from the ranks' status files, see `core.health`).
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -33,16 +32,14 @@ from llmd_supervisor.adapters import jobfiles
 from llmd_supervisor.adapters.remote import NodeLink
 from llmd_supervisor.adapters.slurm import CommandRunner, LocalRunner, SlurmClient
 from llmd_supervisor.adapters.slurm_ssh import SshRunner, ssh_settings
-from llmd_supervisor.adapters.tail import NodeFiles, copy_rest
+from llmd_supervisor.adapters.tail import NodeFiles, copy_rests
 from llmd_supervisor.core.config import Access, ClusterConfig, Config
 from llmd_supervisor.core.layout import RunLayout
 from llmd_supervisor.errors import (
     FileRefused,
-    LogCapped,
     RemoteError,
     SlurmCommandError,
     SupervisorError,
-    TailConflict,
 )
 from llmd_supervisor.supervision.attempt import Attempt, CopyState
 from llmd_supervisor.supervision.poller import Poller
@@ -52,8 +49,6 @@ log = structlog.get_logger("llmd_supervisor.cluster")
 # A run's log copies completed from the shared file system at its end may take this long
 # in all (multi-GiB logs on a slow file system); then they are left as exact prefixes.
 CATCH_UP_LIMIT_S = 600.0
-# How long the end-of-run copy waits for a cancelled tailer to release a copy's lock.
-RELEASE_LIMIT_S = 10.0
 
 
 class RunFiles(Protocol):
@@ -232,7 +227,8 @@ async def catch_up(
     """Append to each local copy what its log file (seen through the shared log directory)
     holds beyond it; copies files no tailer saw. Returns the bytes copied. A file that is
     not a plain file of the job, or beyond the copy budget, is skipped (a named event).
-    `reader` serves every file, chunk by chunk (a run's end waits for this)."""
+    `reader` serves every directory and file, each round of them in one batch (a run's
+    end waits for this)."""
     copied = 0
 
     def count(n: int) -> None:
@@ -242,52 +238,33 @@ async def catch_up(
 
     try:
         sources = dict(layout.batch_logs(job_id))  # copy name -> remote path
-        for directory in layout.log_dirs(job_id, None):
-            try:
-                names = await reader.list_dir(layout.log_dir, directory, time_limit=time_limit)
-            except FileRefused as exc:
-                await attempt.refused(exc)
-                names = []
+        directories = list(layout.log_dirs(job_id, None))
+        listed = await reader.list_dirs(layout.log_dir, directories, time_limit=time_limit)
+        for directory, names in zip(directories, listed, strict=True):
+            if isinstance(names, FileRefused):
+                await attempt.refused(names)
+                continue
             for name in names:
                 copy_name = layout.log_copy_name(job_id, None, directory, name)
                 if copy_name is not None:
                     sources.setdefault(copy_name, f"{directory}/{name}")
         local_dir = layout.copies(attempt.number)
         local_dir.mkdir(parents=True, exist_ok=True)
+        files = [(source, local_dir / copy_name) for copy_name, source in sources.items()]
         with anyio.fail_after(CATCH_UP_LIMIT_S):
-            for copy_name, source in sources.items():
-                local = local_dir / copy_name
-                local.parent.mkdir(parents=True, exist_ok=True)
-                try:
-                    copy = functools.partial(
-                        copy_rest,
-                        reader,
-                        layout.log_dir,
-                        source,
-                        local,
-                        on_bytes=count,
-                        budget=attempt.budget,
-                        time_limit=time_limit,
-                    )
-                    await _when_released(copy)
-                except (FileRefused, LogCapped) as exc:
-                    await attempt.refused(exc)
+            skipped = await copy_rests(
+                reader,
+                layout.log_dir,
+                files,
+                on_bytes=count,
+                budget=attempt.budget,
+                time_limit=time_limit,
+            )
+        for exc in skipped:
+            await attempt.refused(exc)
     except (RemoteError, TimeoutError) as exc:  # the reader failed or the FS hangs
         raise OSError(f"copying the logs here failed: {exc}") from None
     return copied
-
-
-async def _when_released(copy: Callable[[], Awaitable[None]]) -> None:
-    """Run `copy` once the cancelled tailer of the same local copy has let go of it (each
-    releases its copy's lock right after the cancel, before closing its channel)."""
-    deadline = anyio.current_time() + RELEASE_LIMIT_S
-    while True:
-        try:
-            return await copy()
-        except TailConflict:
-            if anyio.current_time() >= deadline:
-                raise
-            await anyio.sleep(0.02)
 
 
 @dataclass

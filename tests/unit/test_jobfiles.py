@@ -365,29 +365,43 @@ def test_a_reader_answer_that_lies_about_its_length_is_refused(
 
 
 @pytest.mark.asyncio
-async def test_copy_rest_appends_what_the_file_holds_beyond_the_copy(tmp_path: Path) -> None:
-    from llmd_supervisor.adapters.tail import copy_rest
+async def test_copy_rests_appends_what_each_file_holds_beyond_its_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llmd_supervisor.adapters import tail
 
+    # Small chunks and pipelined writes: several rounds, several writes per round.
+    monkeypatch.setattr(tail, "COPY_CHUNK", 3000)
+    monkeypatch.setattr(jobfiles, "PIPELINE_BYTES", 300)
     d = tmp_path / "L"
     d.mkdir()
     (d / "a.log").write_bytes(b"0123456789" * 1000)
+    for i in range(40):
+        (d / f"r{i}.log").write_bytes(f"rank {i}\n".encode() * (i + 1))
+    (d / "link.log").symlink_to(d / "a.log")
     local = tmp_path / "copy"
     local.write_bytes(b"0123")  # an exact prefix, as a cancelled tailer leaves it
+    files = [(str(d / "a.log"), local), (str(d / "missing.log"), tmp_path / "m")]
+    files += [(str(d / f"r{i}.log"), tmp_path / f"r{i}") for i in range(40)]
+    files.append((str(d / "link.log"), tmp_path / "l"))
     reader = jobfiles.SharedFsNode("localhost")
     try:
         seen: list[int] = []
-        await copy_rest(reader, str(d), str(d / "a.log"), local, on_bytes=seen.append)
-        assert local.read_bytes() == (d / "a.log").read_bytes() and sum(seen) == 9996
-        await copy_rest(reader, str(d), str(d / "a.log"), local)  # nothing more: no change
+        skipped = await tail.copy_rests(reader, str(d), files, on_bytes=seen.append)
+        assert [type(e) for e in skipped] == [FileRefused]  # the link, never followed
+        assert local.read_bytes() == (d / "a.log").read_bytes()
+        for i in range(40):
+            assert (tmp_path / f"r{i}").read_bytes() == (d / f"r{i}.log").read_bytes()
+        assert (tmp_path / "m").read_bytes() == b""  # missing: waited for by nobody
+        assert sum(seen) == 9996 + sum(len(f"rank {i}\n") * (i + 1) for i in range(40))
+        assert await tail.copy_rests(reader, str(d), files[:1]) == []  # nothing more
         assert local.read_bytes() == (d / "a.log").read_bytes()
         budget = CopyBudget(per_file=50, per_run=10**9)
         capped = tmp_path / "capped"
-        with pytest.raises(LogCapped):
-            await copy_rest(reader, str(d), str(d / "a.log"), capped, budget=budget, time_limit=5)
-        await copy_rest(reader, str(d), str(d / "missing.log"), tmp_path / "m")  # waits for none
-        (d / "link.log").symlink_to(d / "a.log")
-        with pytest.raises(FileRefused):
-            await copy_rest(reader, str(d), str(d / "link.log"), tmp_path / "l")
+        got = await tail.copy_rests(
+            reader, str(d), [(str(d / "a.log"), capped)], budget=budget, time_limit=5
+        )
+        assert [type(e) for e in got] == [LogCapped]
     finally:
         await reader.aclose()
     assert capped.read_bytes() == b"0123456789" * 5
