@@ -33,6 +33,7 @@ from llmd_supervisor.core.dashboard_pages import CSP
 from llmd_supervisor.core.spec import load_spec
 from llmd_supervisor.errors import SupervisorError
 from llmd_supervisor.supervision.dashboard import TAIL_BYTES, load_token, tail_offsets
+from tests.browser import CHROMIUM, free_port, http, playwright_chromium
 from tests.daemon_helpers import Daemon, demo_spec, run_to_end
 from tests.fakes.replay_world import ReplayWorld
 from tests.strangers import Stranger
@@ -41,55 +42,6 @@ pytestmark = pytest.mark.timeout(180)
 
 HOSTILE = "<img src=x onerror=alert(1)>"
 BENCHMARK = load_spec(demo_spec(Path("/tmp"))).benchmark  # the demo's, whatever its log dir
-CHROMIUM = "/usr/bin/chromium"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def http(
-    address: Path | tuple[str, int],
-    path: str,
-    *,
-    method: str = "GET",
-    headers: dict[str, str] | None = None,
-    timeout: float = 20,
-) -> tuple[int, dict[str, str], bytes]:
-    """One HTTP/1.1 request on a Unix socket (a path) or TCP; status, headers, body."""
-    family = socket.AF_UNIX if isinstance(address, Path) else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.settimeout(timeout)
-        s.connect(str(address) if isinstance(address, Path) else address)
-        head = {"Host": "localhost", "Connection": "close", **(headers or {})}
-        lines = [f"{method} {path} HTTP/1.1", *(f"{k}: {v}" for k, v in head.items())]
-        s.sendall(("\r\n".join(lines) + "\r\n\r\n").encode())
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    top, _, body = data.partition(b"\r\n\r\n")
-    status_line, *header_lines = top.decode("latin-1").split("\r\n")
-    found = {}
-    for line in header_lines:
-        k, _, v = line.partition(":")
-        found[k.strip().lower()] = v.strip()
-    if found.get("transfer-encoding") == "chunked":
-        body = _unchunk(body)
-    return int(status_line.split()[1]), found, body
-
-
-def _unchunk(body: bytes) -> bytes:
-    out = b""
-    while body:
-        size_text, _, rest = body.partition(b"\r\n")
-        size = int(size_text.split(b";")[0], 16)
-        if size == 0:
-            break
-        out += rest[:size]
-        body = rest[size + 2 :]
-    return out
 
 
 @contextlib.contextmanager
@@ -159,23 +111,6 @@ def running_run(daemon: Daemon, world: ReplayWorld, logs: Path) -> tuple[str, Pa
 def append(path: Path, text: str) -> None:
     with open(path, "a") as f:
         f.write(text)
-
-
-def playwright_chromium() -> Any:
-    """Playwright's sync API, or a failure naming what to install (never a skip)."""
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        pytest.fail(
-            "playwright is not installed, and the dashboard's browser test drives chromium "
-            "with it: pip install -e '.[dev]' (deploy/install-dev.sh does)."
-        )
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(
-            f"{CHROMIUM} is not installed, and the dashboard's browser test drives it: run "
-            "deploy/install-dev.sh (or apt-get install -y chromium)."
-        )
-    return sync_playwright
 
 
 def test_the_dashboard_in_a_browser_over_tcp_with_its_token(
