@@ -4,8 +4,11 @@ request at a time over a Unix socket or loopback TCP."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -77,3 +80,42 @@ def _unchunk(body: bytes) -> bytes:
         out += rest[:size]
         body = rest[size + 2 :]
     return out
+
+
+@dataclass
+class Seen:
+    """What a page did: the URLs it requested, its console messages, its dialogs."""
+
+    requests: list[str] = field(default_factory=list)
+    console: list[str] = field(default_factory=list)
+    dialogs: list[str] = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def browser_page() -> Iterator[tuple[Any, Seen]]:
+    """A page of a headless chromium driven by Playwright, and what it does (a dialog is
+    recorded and dismissed); the browser is closed at the end."""
+    sync_playwright = playwright_chromium()
+    seen = Seen()
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=["--no-sandbox"])
+        try:
+            page = browser.new_page()
+            page.on("request", lambda r: seen.requests.append(r.url))
+            page.on("console", lambda m: seen.console.append(f"{m.type}: {m.text}"))
+
+            def dialog(d: Any) -> None:
+                seen.dialogs.append(d.message)
+                d.dismiss()
+
+            page.on("dialog", dialog)
+            yield page, seen
+        finally:
+            browser.close()
+
+
+def screenshots(tmp_path: Path) -> Path:
+    """Where a test keeps its screenshots: $LLMD_TEST_ARTIFACTS when set."""
+    shots = Path(os.environ.get("LLMD_TEST_ARTIFACTS", str(tmp_path)))
+    shots.mkdir(parents=True, exist_ok=True)
+    return shots

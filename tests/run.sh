@@ -3,12 +3,13 @@
 # (deploy/install-dev.sh; a no-op when .ci/run has just run it), then runs three kinds of
 # pass:
 #
-#   1. lint and types, then the tests that need no cluster, once, two at a time (pytest
-#      -n 2), beside the cluster passes (their tests mostly wait for Slurm; its output is
-#      printed after them);
-#   2. the `slurm_contract` tests (what Slurm itself says or does) on every Slurm version
-#      of LLMD_TEST_SLURM_VERSIONS but the last (default "22.05 24.11": on 22.05);
-#   3. every cluster test on the last version (24.11 by default), once.
+#   1. every cluster test on the last version of LLMD_TEST_SLURM_VERSIONS (default "22.05
+#      24.11": on 24.11), once, on the machine's dev cluster;
+#   2. beside it, one after the other: the `slurm_contract` tests (what Slurm itself says
+#      or does) on every other version, each with a dev cluster of its own in network and
+#      mount namespaces of its own (tests/beside.sh), so two clusters run at once; then
+#      lint and types, and the tests that need no cluster, two at a time (pytest -n 2).
+#      Their output is printed after the first pass's.
 #
 # So with LLMD_TEST_SLURM_VERSIONS=22.05 the whole cluster suite runs once, on 22.05. Each
 # cluster pass brings its version's cluster up and down; its test ids end in
@@ -38,11 +39,16 @@ summary=()
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 export LLMD_TEST_NO_SKIP=1 # a skip in CI is a missing component: a failure
-run_pass() { # NAME PYTEST-ARGS... : runs one pass, leaves "<summary>" and its rc in $work
-    local name=$1 start=$SECONDS rc took line counts="$work/$1.counts"
+run_pass() { # NAME [tests/beside.sh RIG] PYTEST-ARGS... : runs one pass (through
+    # tests/beside.sh when given), leaves "<summary>" and its rc in $work
+    local name=$1 start=$SECONDS rc took line counts="$work/$1.counts" prefix=()
     shift
+    if [ "${1:-}" = tests/beside.sh ]; then
+        prefix=("$1" "$2")
+        shift 2
+    fi
     set +e
-    LLMD_TEST_COUNTS=$counts .venv/bin/python -m pytest --durations=15 "$@"
+    LLMD_TEST_COUNTS=$counts "${prefix[@]}" .venv/bin/python -m pytest --durations=15 "$@"
     rc=$?
     set -e
     took=$((SECONDS - start))
@@ -65,8 +71,21 @@ record() { # NAME: add a finished pass to the summary and the exit status
 # all of them fit CI's 90 minutes. LLMD_TEST_SESSION_LIMIT_S set by the caller applies to each.
 limit() { echo "${LLMD_TEST_SESSION_LIMIT_S:-$1}"; }
 fast="lint, types and the tests without the cluster"
-echo "tests/run.sh: $fast (beside the cluster passes; its output comes after theirs)" >&2
+beside=() # the passes run beside the first one, in order
+for v in "${versions[@]}"; do
+    [ "$v" = "$last" ] || beside+=("slurm_contract tests on Slurm $v")
+done
+beside+=("$fast")
+echo "tests/run.sh: beside the cluster pass on Slurm $last: ${beside[*]} (their output comes after its)" >&2
 {
+    for v in "${versions[@]}"; do
+        [ "$v" != "$last" ] || continue
+        # Its own dev cluster, in namespaces of its own, with its own rig and pytest tmp.
+        LLMD_TEST_SESSION_LIMIT_S=$(limit 900) run_pass "slurm_contract tests on Slurm $v" \
+            tests/beside.sh "/var/tmp/llmd-devcluster-beside-$v" \
+            -m "cluster and slurm_contract and not faults_full" --slurm-version "$v" \
+            --basetemp="/tmp/llmd-tests-$v" "$@"
+    done
     if lint; then
         LLMD_TEST_SESSION_LIMIT_S=$(limit 1200) run_pass "$fast" \
             -m "not cluster and not faults_full" -n 2 --basetemp=/tmp/llmd-tests-fast "$@"
@@ -75,26 +94,19 @@ echo "tests/run.sh: $fast (beside the cluster passes; its output comes after the
             >"$work/$fast.summary"
         echo 1 >"$work/$fast.rc"
     fi
-} >"$work/fast.log" 2>&1 &
-fast_pid=$!
-for v in "${versions[@]}"; do
-    if [ "$v" = "$last" ]; then
-        name="cluster tests on Slurm $v"
-        select=(-m "cluster and not faults_full")
-        secs=1800
-    else
-        name="slurm_contract tests on Slurm $v"
-        select=(-m "cluster and slurm_contract and not faults_full")
-        secs=900
-    fi
-    echo "tests/run.sh: $name" >&2
-    LLMD_TEST_SESSION_LIMIT_S=$(limit $secs) run_pass "$name" "${select[@]}" --slurm-version "$v" "$@"
+} >"$work/beside.log" 2>&1 &
+beside_pid=$!
+name="cluster tests on Slurm $last"
+echo "tests/run.sh: $name" >&2
+LLMD_TEST_SESSION_LIMIT_S=$(limit 1800) run_pass "$name" \
+    -m "cluster and not faults_full" --slurm-version "$last" "$@"
+record "$name"
+wait "$beside_pid" || true
+echo "tests/run.sh: ${beside[*]}" >&2
+cat "$work/beside.log"
+for name in "${beside[@]}"; do
     record "$name"
 done
-wait "$fast_pid" || true
-echo "tests/run.sh: $fast" >&2
-cat "$work/fast.log"
-record "$fast"
 printf 'tests/run.sh: %s\n' "${summary[@]}" >&2
 if [ "$status" -eq 0 ] && [ "$ran" -eq 0 ]; then
     status=5 # no pass ran a test

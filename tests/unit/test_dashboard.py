@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import shutil
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -33,7 +31,7 @@ from llmd_supervisor.core.dashboard_pages import CSP
 from llmd_supervisor.core.spec import load_spec
 from llmd_supervisor.errors import SupervisorError
 from llmd_supervisor.supervision.dashboard import TAIL_BYTES, load_token, tail_offsets
-from tests.browser import CHROMIUM, free_port, http, playwright_chromium
+from tests.browser import browser_page, free_port, http, screenshots
 from tests.daemon_helpers import Daemon, demo_spec, run_to_end
 from tests.fakes.replay_world import ReplayWorld
 from tests.strangers import Stranger
@@ -116,7 +114,6 @@ def append(path: Path, text: str) -> None:
 def test_the_dashboard_in_a_browser_over_tcp_with_its_token(
     world: ReplayWorld, tmp_path: Path
 ) -> None:
-    sync_playwright = playwright_chromium()
     root = tmp_path / "daemon"
     root.mkdir()
     port = free_port()
@@ -141,70 +138,51 @@ def test_the_dashboard_in_a_browser_over_tcp_with_its_token(
         assert http(("127.0.0.1", port), f"/?token={token}", headers=foreign)[0] == 403
         assert http(("127.0.0.1", port), "/", method="POST")[0] == 405
 
-        shots = Path(os.environ.get("LLMD_TEST_ARTIFACTS", str(tmp_path)))
-        shots.mkdir(parents=True, exist_ok=True)
-        requests: list[str] = []
-        console: list[str] = []
-        dialogs: list[str] = []
-        with sync_playwright() as p:
-            browser = p.chromium.launch(
-                executable_path=CHROMIUM, headless=True, args=["--no-sandbox"]
+        shots = screenshots(tmp_path)
+        with browser_page() as (page, seen):
+            response = page.goto(f"{origin}/?token={token}")
+            assert response is not None and response.status == 200
+            assert response.headers["content-security-policy"] == CSP
+            assert page.url == f"{origin}/"  # the token went into a cookie
+            row = page.locator("table.runs tbody tr", has_text=run)
+            assert row.count() == 1
+            assert "running" in row.inner_text()
+
+            response = page.goto(f"{origin}/runs/{run}")
+            assert response is not None and response.status == 200
+            assert response.headers["content-security-policy"] == CSP
+            log = page.locator("#log")
+            log.filter(has_text="line 19").wait_for(timeout=30_000)
+            marker = f"live line {time.monotonic_ns()}"
+            append(out, f"{marker}\n{HOSTILE}\n")
+            log.filter(has_text=marker).wait_for(timeout=30_000)
+            log.filter(has_text=HOSTILE).wait_for(timeout=30_000)
+            assert page.locator("#log img").count() == 0
+            assert page.locator("img[src=x]").count() == 0
+            page.screenshot(path=str(shots / "dashboard-run.png"), full_page=True)
+
+            # A finished run: its chart has one point per concurrency.
+            world.running_s = 1.0
+            done = run_to_end(daemon, demo_spec(tmp_path / "logs" / "done"))
+            assert done["outcome"] == "succeeded", done["reason"]
+            response = page.goto(f"{origin}/runs/{done['run']}")
+            assert response is not None and response.status == 200
+            chart = page.locator('img.chart[src*="/total-tput-vs-interactivity.svg"]')
+            assert chart.count() == 1
+            src = chart.get_attribute("src")
+            assert src is not None and src.startswith("/runs/")
+            svg = page.request.get(origin + src)
+            assert svg.status == 200 and svg.headers["content-type"] == "image/svg+xml"
+            points = svg.text().count('class="point"')
+            assert points == len(BENCHMARK.concurrencies), points
+            page.wait_for_function(
+                "document.querySelector('img.chart').naturalWidth > 0", timeout=60_000
             )
-            try:
-                page = browser.new_page()
-                page.on("request", lambda r: requests.append(r.url))
-                page.on("console", lambda m: console.append(f"{m.type}: {m.text}"))
-
-                def dialog(d: Any) -> None:
-                    dialogs.append(d.message)
-                    d.dismiss()
-
-                page.on("dialog", dialog)
-                response = page.goto(f"{origin}/?token={token}")
-                assert response is not None and response.status == 200
-                assert response.headers["content-security-policy"] == CSP
-                assert page.url == f"{origin}/"  # the token went into a cookie
-                row = page.locator("table.runs tbody tr", has_text=run)
-                assert row.count() == 1
-                assert "running" in row.inner_text()
-
-                response = page.goto(f"{origin}/runs/{run}")
-                assert response is not None and response.status == 200
-                assert response.headers["content-security-policy"] == CSP
-                log = page.locator("#log")
-                log.filter(has_text="line 19").wait_for(timeout=30_000)
-                marker = f"live line {time.monotonic_ns()}"
-                append(out, f"{marker}\n{HOSTILE}\n")
-                log.filter(has_text=marker).wait_for(timeout=30_000)
-                log.filter(has_text=HOSTILE).wait_for(timeout=30_000)
-                assert page.locator("#log img").count() == 0
-                assert page.locator("img[src=x]").count() == 0
-                page.screenshot(path=str(shots / "dashboard-run.png"), full_page=True)
-
-                # A finished run: its chart has one point per concurrency.
-                world.running_s = 1.0
-                done = run_to_end(daemon, demo_spec(tmp_path / "logs" / "done"))
-                assert done["outcome"] == "succeeded", done["reason"]
-                response = page.goto(f"{origin}/runs/{done['run']}")
-                assert response is not None and response.status == 200
-                chart = page.locator('img.chart[src*="/total-tput-vs-interactivity.svg"]')
-                assert chart.count() == 1
-                src = chart.get_attribute("src")
-                assert src is not None and src.startswith("/runs/")
-                svg = page.request.get(origin + src)
-                assert svg.status == 200 and svg.headers["content-type"] == "image/svg+xml"
-                points = svg.text().count('class="point"')
-                assert points == len(BENCHMARK.concurrencies), points
-                page.wait_for_function(
-                    "document.querySelector('img.chart').naturalWidth > 0", timeout=60_000
-                )
-                page.screenshot(path=str(shots / "dashboard-results.png"), full_page=True)
-            finally:
-                browser.close()
-        assert requests, "the browser made no request"
-        assert all(url.startswith(origin + "/") for url in requests), requests
-        assert not dialogs, dialogs
-        assert not [c for c in console if "Content Security Policy" in c], console
+            page.screenshot(path=str(shots / "dashboard-results.png"), full_page=True)
+        assert seen.requests, "the browser made no request"
+        assert all(url.startswith(origin + "/") for url in seen.requests), seen.requests
+        assert not seen.dialogs, seen.dialogs
+        assert not [c for c in seen.console if "Content Security Policy" in c], seen.console
     finally:
         daemon.stop()
 
