@@ -31,6 +31,8 @@ and raises the cancellation.
 from __future__ import annotations
 
 import contextlib
+import importlib
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -85,15 +87,17 @@ class Held:
     expires_at: datetime
 
 
+_PSYCOPG_MODULES: Final = ("psycopg", "psycopg.conninfo", "psycopg.sql")
+
+
 def _import_psycopg() -> None:
-    pass  # loaded here, off the event loop
+    for name in _PSYCOPG_MODULES:
+        importlib.import_module(name)
 
 
 async def _load_psycopg() -> None:
-    """Import psycopg in a worker thread, once (then a check of a dict)."""
-    import sys
-
-    if "psycopg.sql" not in sys.modules or "psycopg.conninfo" not in sys.modules:
+    """Import psycopg in a worker thread, once (afterwards a look in `sys.modules`)."""
+    if not all(name in sys.modules for name in _PSYCOPG_MODULES):
         await anyio.to_thread.run_sync(_import_psycopg)
 
 
