@@ -215,6 +215,20 @@ class JournalSchemaTooNew(JournalError):
         )
 
 
+class LeaseError(SupervisorError):
+    """A statement on a cluster's leadership lease (core.lease) failed or timed out; the
+    lease's row is unknown (the holder's state machine decides what that means)."""
+
+    def __init__(self, location: str, cluster: str, operation: str, why: str) -> None:
+        self.location = location
+        self.cluster = cluster
+        self.operation = operation
+        self.why = why
+        super().__init__(
+            f"The lease of cluster {cluster!r} in {location} could not {operation}: {why}."
+        )
+
+
 class FileRefused(SupervisorError):
     """A file of a job's log directory is not a plain file the daemon may read."""
 
