@@ -27,3 +27,4 @@ def test_the_campaign_bench_runs_once_without_a_harness_error(tmp_path: Path) ->
     values = report["values"]
     assert (values["jobs"], values["points"]) == (20, 80)
     assert set(TARGETS) <= set(values) and report["mode"] == "smoke"
+    assert set(values["slurm_calls_per_min"]) == {"one_run", "campaign"}
