@@ -67,6 +67,8 @@ __all__ = [
     "MAX_BODY_BYTES",
     "PROGRESS_INTERVAL",
     "SCHEMA",
+    "BestOf",
+    "BestOfData",
     "CampaignData",
     "CampaignFacts",
     "CampaignIds",
@@ -261,6 +263,16 @@ class CampaignProblem:
 
 
 @dataclass(frozen=True)
+class BestOf:
+    """Where a campaign's best point comes from: the run that verified it, its recipe and
+    its topology (the campaign's job that holds it)."""
+
+    run: str
+    recipe: str
+    topology: str
+
+
+@dataclass(frozen=True)
 class CampaignFacts:
     """A campaign's progress (campaign.progress) or its end (campaign.finished)."""
 
@@ -275,6 +287,7 @@ class CampaignFacts:
     gpu_hours_useful: float | None = None
     gpu_hours_lost: float | None = None
     best: PointFacts | None = None
+    best_of: BestOf | None = None  # where `best` comes from
     problems: tuple[CampaignProblem, ...] = ()
     links: Links = field(default_factory=Links)
 
@@ -474,6 +487,14 @@ class ProblemData(TypedDict):
     reason: str
 
 
+class BestOfData(TypedDict):
+    """Where a campaign's ``best_point`` comes from."""
+
+    run: str
+    recipe: str
+    topology: str
+
+
 class CampaignData(TypedDict):
     """``data`` of a campaign.* event."""
 
@@ -483,6 +504,7 @@ class CampaignData(TypedDict):
     reason: str
     gpu_hours: GpuHoursData
     best_point: PointData | None
+    best_point_of: BestOfData | None
     problems: list[ProblemData]  # per-point detail: dropped first when too large
     links: LinksData
 
@@ -760,6 +782,13 @@ def _campaign_data(f: CampaignFacts) -> CampaignData:
         "reason": _text(f.reason, TEXT_MAX),
         "gpu_hours": {"useful": _num(f.gpu_hours_useful), "lost": _num(f.gpu_hours_lost)},
         "best_point": _opt_point(f.best),
+        "best_point_of": None
+        if f.best_of is None
+        else {
+            "run": _name(f.best_of.run),
+            "recipe": _name(f.best_of.recipe),
+            "topology": _name(f.best_of.topology),
+        },
         "problems": [
             {
                 "recipe": _name(p.recipe),

@@ -184,7 +184,9 @@ def _campaign(f: CampaignFacts) -> tuple[list[tuple[str, str]], list[tuple[str, 
     ]
     paragraphs = [("Reason", job_text(f.reason))]
     if f.best is not None:
-        paragraphs.append(("Best point", _point(f.best)))
+        of = f.best_of
+        where = "" if of is None else f" ({job_text(of.topology, 64)}, run {job_text(of.run, 64)})"
+        paragraphs.append((f"Best point{where}", _point(f.best)))
     if f.problems:
         lines = [
             f"{job_text(p.state, 32)} {job_text(p.recipe, 64)[:12]} c={p.concurrency}: "

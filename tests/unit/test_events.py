@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from llmd_supervisor.core.events import (
     MAX_BODY_BYTES,
     SCHEMA,
+    BestOf,
     CampaignFacts,
     CampaignProblem,
     Event,
@@ -214,7 +215,8 @@ _RUN_BYTES = (
 _CAMPAIGN_BYTES = (
     b'{"data":{"best_point":{"completed":320,"concurrency":32,"num_prompts":320,"output_th'
     b'roughput":6000.25,"problem":null,"total_token_throughput":12345.5,"tpot_ms_median":1'
-    b'2.5,"ttft_ms_median":120.0,"valid":true},"campaign":{"cluster":"dev","id":"camp-1","'
+    b'2.5,"ttft_ms_median":120.0,"valid":true},"best_point_of":{"recipe":"r-c","run":"r-0'
+    b'007","topology":"2P+1D/2x1w/8gpn"},"campaign":{"cluster":"dev","id":"camp-1","'
     b'name":"sweep","owner":"alice","owner_uid":1001},"gpu_hours":{"lost":2.25,"useful":16'
     b'.5},"links":{"archive":"/srv/archive","dashboard":"https://dash/camp-1","report":"/s'
     b'rv/c.html"},"outcome":"finished","points":{"blocked":1,"failed":1,"pending":1,"runni'
@@ -254,6 +256,7 @@ def test_fully_populated_bodies_are_byte_for_byte_pinned() -> None:
         gpu_hours_useful=16.5,
         gpu_hours_lost=2.25,
         best=BEST,
+        best_of=BestOf(run="r-0007", recipe="r-c", topology="2P+1D/2x1w/8gpn"),
         problems=(
             CampaignProblem("r-a", 8, "failed", "oom"),
             CampaignProblem("r-b", 16, "blocked", "r-a failed"),

@@ -190,6 +190,8 @@ opt_in = true
     # the best of its verified points, read from the results of the run that verified them
     best = finished["best_point"]
     assert best["valid"] is True and best["concurrency"] in (1, 2), best
+    of = finished["best_point_of"]  # the run that verified it, its recipe and topology
+    assert of["topology"] and len(of["recipe"]) == 64 and of["run"], of
     assert finished["points"] == {
         "total": 2,
         "verified": 2,

@@ -29,6 +29,7 @@ from llmd_supervisor.core.campaign_admission import JobState
 from llmd_supervisor.core.campaign_run import JobView, point_counts
 from llmd_supervisor.core.event_facts import best_point, points_of_table
 from llmd_supervisor.core.events import (
+    BestOf,
     CampaignFacts,
     CampaignProblem,
     EventType,
@@ -103,7 +104,7 @@ class CampaignEvents:
         *,
         outcome: str | None = None,
         reason: str = "",
-        best: PointFacts | None = None,
+        best: tuple[PointFacts, BestOf] | None = None,
     ) -> CampaignFacts:
         """The campaign as its events tell it: point counts, GPU-hours of its runs, its
         failed and blocked points with their reasons."""
@@ -137,25 +138,26 @@ class CampaignEvents:
             gpu_hours_useful=round(useful, 6),
             gpu_hours_lost=round(lost, 6),
             problems=tuple(problems[:PROBLEMS_MAX]),
-            best=best,
+            best=None if best is None else best[0],
+            best_of=None if best is None else best[1],
             links=Links(
                 report=self._sup.config.dashboard.page(f"/campaigns/{c.campaign_id}#charts"),
                 dashboard=self._sup.config.dashboard.page(f"/campaigns/{c.campaign_id}"),
             ),
         )
 
-    async def best(self, jobs: Sequence[StoredJob]) -> PointFacts | None:
+    async def best(self, jobs: Sequence[StoredJob]) -> tuple[PointFacts, BestOf] | None:
         """The campaign's best verified point (`core.event_facts.best_point`'s rule: the
         highest total token throughput) among its points' archived results, read from the
-        runs that verified them (reused points too)."""
+        runs that verified them (reused points too), and where it comes from."""
         proofs = await self._store.verified(j.recipe_id for j in jobs)
-        wanted: dict[str, set[int]] = {}
+        wanted: dict[str, dict[int, StoredJob]] = {}  # run -> concurrency -> its job
         for j in jobs:
             for conc in j.concurrencies:
                 proof = proofs.get((j.recipe_id, conc))
                 if proof is not None:
-                    wanted.setdefault(proof.run_id, set()).add(conc)
-        points: list[PointFacts] = []
+                    wanted.setdefault(proof.run_id, {})[conc] = j
+        found: list[tuple[PointFacts, BestOf]] = []
         for run_id, concs in wanted.items():
             h = self._sup.handles.get(run_id)
             if h is None:
@@ -165,9 +167,12 @@ class CampaignEvents:
             except ControlError as exc:  # not a table this daemon wrote: none of its points
                 log.warning("event.results_unread", run_id=run_id, error=str(exc))
                 continue
-            table_dict = None if table is None else dict(table)
-            points += [p for p in points_of_table(table_dict) if p.concurrency in concs]
-        return best_point(points)
+            for p in points_of_table(None if table is None else dict(table)):
+                job = concs.get(p.concurrency)
+                if job is not None:
+                    found.append((p, BestOf(run_id, job.recipe_id, job.topology)))
+        best = best_point([p for p, _ in found])
+        return next(((p, of) for p, of in found if p is best), None)
 
     async def progress(self, c: StoredCampaign, jobs: Sequence[StoredJob]) -> None:
         """Journal a campaign.progress if its counts changed and the minute allows. A
