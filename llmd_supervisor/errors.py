@@ -283,6 +283,26 @@ class ControlError(SupervisorError):
         super().__init__(message)
 
 
+class NotLeader(ControlError):
+    """A request that changes a cluster's runs reached a daemon that does not lead that
+    cluster (a standby on a shared journal); `leader` is the lease's holder, if any."""
+
+    def __init__(self, cluster: str, holder: str, leader: str | None) -> None:
+        self.cluster = cluster
+        self.leader = leader
+        who = (
+            f"its leader is {leader}"
+            if leader
+            else "no daemon leads it at this moment (a takeover is under way)"
+        )
+        super().__init__(
+            "not_leader",
+            f"This daemon ({holder}) does not lead cluster {cluster!r}: {who}. A standby "
+            "answers list, status, wait and results; send submissions, cancels and "
+            "campaigns to the leader's control socket (or retry once the takeover is done).",
+        )
+
+
 class ControlSocketError(SupervisorError):
     """The daemon could not set up or keep its control socket."""
 

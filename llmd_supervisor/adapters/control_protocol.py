@@ -108,6 +108,7 @@ ERROR_CODES: Final = frozenset(
         "ambiguous",  # the run ref names several runs; the message names them and how to pick
         "conflict",  # the run is in a state that does not allow the op
         "forbidden",  # the peer may not do this (release a node without being an admin)
+        "not_leader",  # a standby of a shared journal: the message names the cluster's leader
         "busy",  # a connection or stream cap is reached; the message names it
         "timeout",  # the request did not arrive in time, or a reply was not taken; closed
         "internal",  # the daemon failed; details are in its log

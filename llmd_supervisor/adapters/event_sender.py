@@ -110,8 +110,10 @@ class EventSender:
         post: Post | None = None,
         sendmail: Sequence[str] = SENDMAIL,
         idle_s: float = IDLE_S,
+        may_send: Callable[[], bool] = lambda: True,
     ) -> None:
         self._outbox = outbox
+        self._may_send = may_send  # False: a standby of a shared journal (its leader sends)
         self._destinations = {d.name: d for d in events.destinations}
         self._clock = clock
         self._rng = rng
@@ -142,7 +144,8 @@ class EventSender:
             task_status.started()
             while True:
                 try:
-                    await self._start_due(tg)
+                    if self._may_send():
+                        await self._start_due(tg)
                 except SupervisorError as exc:  # the journal: busy, full, ...
                     log.warning("event.due_unread", error=str(exc), retry_in_s=ERROR_BACKOFF_S)
                     await anyio.sleep(ERROR_BACKOFF_S)

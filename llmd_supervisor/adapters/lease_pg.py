@@ -152,6 +152,17 @@ class PostgresLease:
 
         return await self._run(cluster, f"be released (epoch {epoch})", work)
 
+    async def holder(self, cluster: str) -> Held | None:
+        """Who holds `cluster`'s lease now and until when (None: no row); LeaseError when
+        the database cannot say."""
+        params = {"cluster": cluster}
+
+        async def work(conn: psycopg.AsyncConnection[_Row]) -> Held | None:
+            row = await (await conn.execute(_HOLDER_SQL, params)).fetchone()
+            return None if row is None else Held(row[0], row[1])
+
+        return await self._run(cluster, "be read", work)
+
     async def listen(
         self,
         cluster: str,

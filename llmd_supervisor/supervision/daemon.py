@@ -26,7 +26,8 @@ from llmd_supervisor.adapters import remote, result_parser
 from llmd_supervisor.adapters.campaign_store import CampaignStore
 from llmd_supervisor.adapters.control_server import ControlServer
 from llmd_supervisor.adapters.event_sender import EventSender
-from llmd_supervisor.adapters.journal import open_journal
+from llmd_supervisor.adapters.journal import Journal, open_journal
+from llmd_supervisor.adapters.lease_pg import PostgresLease
 from llmd_supervisor.adapters.metrics import (
     InstrumentedRunner,
     LinkCounts,
@@ -38,6 +39,7 @@ from llmd_supervisor.adapters.outbox_store import Outbox
 from llmd_supervisor.adapters.remote import NodeLink
 from llmd_supervisor.adapters.sdnotify import loop_monitor
 from llmd_supervisor.core.config import Config
+from llmd_supervisor.core.journal_url import PostgresJournal
 from llmd_supervisor.core.lifecycle import RunState
 from llmd_supervisor.core.render import bundled_node_sources
 from llmd_supervisor.core.summary import RunResults
@@ -48,6 +50,8 @@ from llmd_supervisor.supervision.campaign.runner import Campaigns
 from llmd_supervisor.supervision.cluster import Cluster, build_cluster
 from llmd_supervisor.supervision.dashboard import serve_dashboard
 from llmd_supervisor.supervision.events_api import EventOps
+from llmd_supervisor.supervision.leadership import LeaseKeeper
+from llmd_supervisor.supervision.leading import Roles, holder_name
 from llmd_supervisor.supervision.run.driver import Hooks, RunHandle, Supervisor
 from llmd_supervisor.supervision.views import run_results
 
@@ -176,10 +180,21 @@ async def _serve(
             # The node files every batch script carries, prepared once before any submission
             # (ten submissions at once would otherwise each prepare them, ~0.5 s of CPU)
             await anyio.to_thread.run_sync(bundled_node_sources)
-            supervisor = Supervisor(config, journal, clusters, tg, hooks=hooks)
-            resumed = await supervisor.resume_all()
+            roles = await _roles(config, journal, tg)
+            supervisor = Supervisor(config, journal, clusters, tg, hooks=hooks, roles=roles)
             campaigns = Campaigns(supervisor, CampaignStore(journal))
-            await campaigns.resume_all()  # after the runs: a campaign follows its runs
+            resumed = 0
+            if roles.shared:  # each cluster's runs start when this daemon leads it
+                for name in clusters:
+                    tg.start_soon(
+                        roles.follow,
+                        name,
+                        functools.partial(_take_over, supervisor, campaigns),
+                        supervisor.refresh,
+                    )
+            else:
+                resumed = await supervisor.resume_all()
+                await campaigns.resume_all()  # after the runs: a campaign follows its runs
             outbox = Outbox(journal)
             sender = await _start_sender(config, outbox, supervisor, tg)
             if sender is not None:
@@ -231,10 +246,40 @@ async def _start_sender(
     destinations = config.events.destinations
     if not destinations:
         return None
-    sender = EventSender(outbox, config.events, clock=supervisor.clock)
+    roles = supervisor.roles
+    sender = EventSender(
+        outbox,
+        config.events,
+        clock=supervisor.clock,
+        may_send=lambda: roles.any_writer() is not None,
+    )
     await tg.start(sender.run)
     log.info("events.sender_started", destinations=[d.name for d in destinations])
     return sender
+
+
+async def _roles(config: Config, journal: Journal, tg: anyio.abc.TaskGroup) -> Roles:
+    """Every cluster led by this daemon (SQLite), or each cluster's lease kept on the
+    shared journal's database, started (PostgreSQL; `supervision.leading`)."""
+    names = [c.name for c in config.clusters]
+    if not isinstance(config.journal, PostgresJournal):
+        return Roles.single_node(names)
+    holder = holder_name()
+    leases = {name: PostgresLease(config.journal) for name in names}
+    keepers = {name: LeaseKeeper(name, holder, lease) for name, lease in leases.items()}
+    roles = Roles(
+        holder, keepers, shared=True, leader_of=lambda cluster: leases[cluster].holder(cluster)
+    )
+    journal.set_default_writer(roles.any_writer)
+    for keeper in keepers.values():
+        await tg.start(keeper.run)
+    log.info("leading.candidate", holder=holder, clusters=names, journal=journal.location)
+    return roles
+
+
+async def _take_over(supervisor: Supervisor, campaigns: Campaigns, cluster: str) -> None:
+    await supervisor.take_over(cluster)
+    await campaigns.resume_all(cluster)  # after the runs: a campaign follows its runs
 
 
 STATUS_REFRESH_S = 2.0

@@ -200,6 +200,11 @@ class LeaseKeeper:
         while self.acting != acting:
             await self._changed.wait()
 
+    async def wait_epoch_change(self, epoch: int | None) -> None:
+        """Return once the epoch this keeper acts with is not `epoch` (None: not acting)."""
+        while self._acting_epoch == epoch:
+            await self._changed.wait()
+
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:

@@ -236,6 +236,7 @@ class Campaigns:
         except SpecError as exc:
             raise CampaignError(exc.field, exc.value, exc.hint) from None
         cluster_name = self.sup.config.cluster(cluster or plan.file.cluster).name
+        await self.sup.roles.require(cluster_name)
         limits = plan.file.limits
         stored = StoredCampaign(
             campaign_id=campaign_id,
@@ -290,16 +291,18 @@ class Campaigns:
             jobs=len(jobs),
             reused_points=len(plan.reused),
         )
-        self._start(campaign_id)
+        self._start(campaign_id, cluster_name)
         return stored
 
-    async def resume_all(self) -> int:
-        """Start the task of every campaign not final; after `Supervisor.resume_all`."""
+    async def resume_all(self, cluster: str | None = None) -> int:
+        """Start the task of every campaign not final (of `cluster`) that this daemon
+        leads the cluster of; after `Supervisor.resume_all` (or its `take_over`)."""
         count = 0
         for c in await self.store.campaigns():
+            if cluster is not None and c.cluster != cluster:
+                continue
             if not CampaignState(c.state).is_final:
-                self._start(c.campaign_id)
-                count += 1
+                count += self._start(c.campaign_id, c.cluster)
         return count
 
     async def cancel(self, campaign_id: str) -> None:
@@ -307,6 +310,7 @@ class Campaigns:
         c = await self.store.get(campaign_id)
         if c is None or CampaignState(c.state).is_final:
             return
+        await self.sup.roles.require(c.cluster)
         await self.store.set_state(campaign_id, CampaignState.CANCELLING.value, "cancel requested")
         self._live(campaign_id).touch()
 
@@ -322,9 +326,10 @@ class Campaigns:
     def _live(self, campaign_id: str) -> _Live:
         return self.live.setdefault(campaign_id, _Live())
 
-    def _start(self, campaign_id: str) -> None:
+    def _start(self, campaign_id: str, cluster: str) -> bool:
+        """Drive the campaign in its cluster's tenure (False: another daemon leads it)."""
         self._live(campaign_id)
-        self.sup.tg.start_soon(self._drive, campaign_id)
+        return self.sup.roles.start(self.sup.tg, cluster, self._drive, campaign_id)
 
     async def _drive(self, campaign_id: str) -> None:
         with structlog.contextvars.bound_contextvars(campaign_id=campaign_id):

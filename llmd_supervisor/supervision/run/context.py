@@ -82,6 +82,11 @@ class RunContext(Protocol):
 
     def now(self) -> datetime: ...
 
+    def lease_time_left(self) -> float:
+        """Seconds this daemon may still act for the run's cluster without renewing its
+        lease (inf on a single-node journal): an sbatch starts only with enough."""
+        ...
+
     def job_id(self) -> str:
         """The run's Slurm job id (IllegalTransition before it has one)."""
         ...

@@ -47,7 +47,8 @@ import structlog
 
 from llmd_supervisor.adapters import archive
 from llmd_supervisor.adapters.journal import Journal, NewEvent, RunMeta, StoredRun
-from llmd_supervisor.adapters.slurm import CommandRunner
+from llmd_supervisor.adapters.journal_writer import writing_as
+from llmd_supervisor.adapters.slurm import DEFAULT_TIMEOUT_S, CommandRunner
 from llmd_supervisor.core import foreign_spec as foreign_spec
 from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.event_facts import RunDetails, finished_details, point_of_evidence
@@ -93,6 +94,7 @@ from llmd_supervisor.supervision.access import host_name, user_name
 from llmd_supervisor.supervision.attempt import Attempt
 from llmd_supervisor.supervision.bench_files import JudgedFiles
 from llmd_supervisor.supervision.cluster import Cluster
+from llmd_supervisor.supervision.leading import Roles
 from llmd_supervisor.supervision.poller import QueueView
 from llmd_supervisor.supervision.run import (
     admission,
@@ -127,6 +129,11 @@ from llmd_supervisor.supervision.verify_job import utcnow
 from llmd_supervisor.supervision.views import results_table_of
 
 log = structlog.get_logger("llmd_supervisor.runs")
+
+# A new leader reconciles a run the previous one left `submitting` this long after it took
+# over: that leader started an sbatch only while it could act (`submit`), and its sbatch
+# ends (or is killed) within the Slurm client's timeout.
+IN_FLIGHT_S = DEFAULT_TIMEOUT_S + 2.0
 
 # The backoff after a failed step: doubling from the first delay up to the cap.
 RETRY_FIRST_S = 1.0
@@ -251,6 +258,7 @@ class Supervisor:
         *,
         clock: Callable[[], datetime] = utcnow,
         hooks: Hooks | None = None,
+        roles: Roles | None = None,
     ) -> None:
         self.config = config
         self.journal = journal
@@ -258,6 +266,7 @@ class Supervisor:
         self.tg = tg
         self.clock = clock
         self.hooks = hooks or Hooks()
+        self.roles = roles or Roles.single_node([c.name for c in config.clusters])
         self.handles: dict[str, RunHandle] = {}
         self._adopting = anyio.Lock()
 
@@ -274,6 +283,7 @@ class Supervisor:
         """Validate, render, journal as `accepted` and start supervising; SpecError if bad.
         A campaign chooses the `run_id` (12 hex digits) and journals it first, so that a
         restart in between finds out whether the run exists; JournalConflict if it does."""
+        await self.roles.require(self.config.cluster(cluster).name)
         spec = await self.admit(spec_toml, cluster)
         owner = Owner(owner_uid, user_name(owner_uid) or "")
         check_named(spec.notify, owner, self.config.events)
@@ -298,6 +308,7 @@ class Supervisor:
         """A user's own batch script (`submit --script`), submitted exactly once as it is,
         named uniquely; SpecError if its options are bad. A campaign chooses the `run_id`
         as for `submit`."""
+        await self.roles.require(self.config.cluster(cluster).name)
         spec = await self.admit_foreign(spec_json, cluster, "script")
         run_id = run_id or uuid.uuid4().hex[:12]
         run = new_run(run_id, spec.job_name(run_id), self.clock())
@@ -309,8 +320,9 @@ class Supervisor:
     ) -> RunHandle:
         """A job submitted without the daemon becomes a run (`adopt`); the same job adopted
         again is the run it already is. Only its owner (or `privileged`) may adopt it."""
-        spec = await self.admit_foreign(spec_json, cluster, "adopt")
         name = self.config.cluster(cluster).name
+        await self.roles.require(name)
+        spec = await self.admit_foreign(spec_json, cluster, "adopt")
         async with self._adopting:  # two adopts of one job make one run
             for h in self.handles.values():
                 if h.meta.cluster == name and h.run.slurm_job_id == spec.job_id:
@@ -325,7 +337,7 @@ class Supervisor:
                 run, spec, foreign_spec.dump(spec), "", owner, cluster, start=False
             )
             _use_job_files(handle, await foreign.note_job_files(self.context(handle), job))
-            self.tg.start_soon(self._supervise, handle)
+            self._start(handle)
             return handle
 
     async def _accept(
@@ -368,7 +380,7 @@ class Supervisor:
         handle = self._handle(StoredRun(run, meta), spec)
         log.info("run.accepted", run_id=run_id, job_name=run.job_name, cluster=cluster_cfg.name)
         if start:
-            self.tg.start_soon(self._supervise, handle)
+            self._start(handle)
         return handle
 
     async def admit(self, spec_toml: str, cluster: str | None = None) -> RunSpec:
@@ -380,21 +392,66 @@ class Supervisor:
         return await admission.admit_foreign(self.config, self.clusters, spec_json, cluster, kind)
 
     async def resume_all(self) -> int:
-        """Start a driver for every run the journal holds as not final; return how many."""
+        """Start a driver for every run the journal holds as not final; return how many
+        (a single-node journal: a shared one's runs start with each cluster's tenure,
+        `take_over`)."""
         count = 0
-        histories = await self.journal.events_of_kind(ATTEMPT_EVENT)
-        job_files = await self.journal.events_of_kind(JOB_FILES_EVENT)
+        for handle in await self._load():
+            count += self._start(handle)
+        return count
+
+    async def take_over(self, cluster: str) -> None:
+        """This daemon now leads `cluster` (`leading.Roles.follow`): load its runs from the
+        journal as they are now and drive every one not final. A run left `submitting`
+        by the previous leader is reconciled only after `IN_FLIGHT_S`: its sbatch, if one
+        was in flight, has ended by then."""
+        resumed = await self._load(cluster, full=True)
+        in_flight_until = anyio.current_time() + IN_FLIGHT_S
+        for handle in resumed:
+            if handle.run.state is RunState.SUBMITTING:
+                self.roles.start(self.tg, cluster, self._supervise_at, handle, in_flight_until)
+            else:
+                self._start(handle)
+        log.info("cluster.taken_over", cluster=cluster, resumed=len(resumed))
+
+    async def refresh(self, cluster: str) -> None:
+        """A standby's look at the journal: the leader's runs of `cluster` as they are
+        now, for list, status and wait."""
+        await self._load(cluster, full=False)
+
+    async def _load(self, cluster: str | None = None, *, full: bool = True) -> list[RunHandle]:
+        """Create or update the handles of the journal's runs (of `cluster`); the ones not
+        final that a driver could resume. `full`: their attempt histories and noted job
+        files too, and forget what a driver had learnt in memory (a takeover)."""
+        histories = await self.journal.events_of_kind(ATTEMPT_EVENT) if full else {}
+        job_files = await self.journal.events_of_kind(JOB_FILES_EVENT) if full else {}
+        resumable: list[RunHandle] = []
         for stored in await self.journal.list_runs():
-            run_id = stored.run.run_id
-            text = stored.meta.spec_toml
-            try:
-                spec = foreign_spec.load(text) if foreign_spec.is_foreign(text) else load_spec(text)
-            except SpecError as exc:  # a spec valid at submission fails validation now
-                log.error("run.resume_failed", run_id=run_id, error=str(exc))
+            if cluster is not None and stored.meta.cluster != cluster:
                 continue
-            handle = self._handle(StoredRun(stored.run, _slim(stored.meta, stored.run)), spec)
+            run_id = stored.run.run_id
+            handle = self.handles.get(run_id)
+            if handle is not None and not full:
+                if handle.run != stored.run:
+                    handle.stored = StoredRun(stored.run, _slim(handle.meta, stored.run))
+                    handle.notify()
+                continue
+            if handle is None:
+                text = stored.meta.spec_toml
+                try:
+                    spec = (
+                        foreign_spec.load(text)
+                        if foreign_spec.is_foreign(text)
+                        else load_spec(text)
+                    )
+                except SpecError as exc:  # a spec valid at submission fails validation now
+                    log.error("run.resume_failed", run_id=run_id, error=str(exc))
+                    continue
+                handle = self._handle(StoredRun(stored.run, _slim(stored.meta, stored.run)), spec)
+            else:
+                _forget(handle, StoredRun(stored.run, _slim(stored.meta, stored.run)))
             handle.history = [attempt_entry_of(e) for e in histories.get(run_id, [])]
-            if isinstance(spec, ForeignSpec):
+            if isinstance(handle.spec, ForeignSpec):
                 noted = foreign.recalled(job_files.get(run_id, []))
                 if noted is not None:
                     _use_job_files(handle, noted)
@@ -407,10 +464,18 @@ class Supervisor:
                     error=f"cluster {stored.meta.cluster!r} is no longer configured",
                 )
                 continue
-            count += 1
             log.info("run.resumed", run_id=run_id, state=stored.run.state.value)
-            self.tg.start_soon(self._supervise, handle)
-        return count
+            resumable.append(handle)
+        return resumable
+
+    def _start(self, handle: RunHandle) -> bool:
+        """Drive `handle` in its cluster's tenure; False when this daemon does not lead
+        that cluster (its leader drives it)."""
+        return self.roles.start(self.tg, handle.meta.cluster, self._supervise, handle)
+
+    async def _supervise_at(self, h: RunHandle, at: float) -> None:
+        await anyio.sleep_until(at)
+        await self._supervise(h)
 
     def get(self, ref: str) -> RunHandle | None:
         """A run by id, job name or Slurm job id."""
@@ -426,7 +491,9 @@ class Supervisor:
         runs held for want of nodes look again at once."""
         released = False
         if release is not None:
-            released = await self.journal.release_node(*release)
+            await self.roles.require(release[0])
+            with writing_as(functools.partial(self.roles.writer, release[0])):
+                released = await self.journal.release_node(*release)
             log.info("node.released", cluster=release[0], node=release[1], had=released)
             for h in self.handles.values():
                 if h.run.state is RunState.ACCEPTED:
@@ -438,7 +505,9 @@ class Supervisor:
     async def cancel(self, handle: RunHandle) -> None:
         """Journal the cancel request (IllegalTransition if the run is already final); the
         run's driver then makes sure the cancel sequence runs, now or after any retry."""
-        await self.apply(handle, CancelRequested())
+        await self.roles.require(handle.meta.cluster)
+        with writing_as(functools.partial(self.roles.writer, handle.meta.cluster)):
+            await self.apply(handle, CancelRequested())
 
     def _handle(self, stored: StoredRun, spec: RunSpec | ForeignSpec) -> RunHandle:
         watch = spec.watch if isinstance(spec, ForeignSpec) else None
@@ -775,6 +844,19 @@ def _log_dir(spec: RunSpec | ForeignSpec) -> str:
     return spec.watch.log_dir if isinstance(spec, ForeignSpec) else spec.log_dir
 
 
+def _forget(h: RunHandle, stored: StoredRun) -> None:
+    """What a driver of an earlier tenure learnt in memory is not this one's: the run is
+    the journal's now, and the next driver learns the rest again."""
+    h.stored = stored
+    h.attempt = None
+    h.scontrol_snapshot = None
+    h.judged_files = None
+    h.held_until = None
+    h.job_files_known, h.job_files_asked = False, 0
+    h.layout = dataclasses.replace(h.layout, job_name=stored.run.slurm_job_name, batch_paths=())
+    h.notify()
+
+
 def _slim(meta: RunMeta, run: Run) -> RunMeta:
     """Drop the rendered script (~75 KB: it embeds the node agent) once Slurm has it; the
     journal and the archive's job.sbatch keep it. Keeps the daemon small with many runs."""
@@ -853,6 +935,9 @@ class _Context:
 
     def job_id(self) -> str:
         return self._h.job_id()
+
+    def lease_time_left(self) -> float:
+        return self._sup.roles.time_left(self._h.meta.cluster)
 
     def starttime(self) -> str:
         return self._h.starttime()
