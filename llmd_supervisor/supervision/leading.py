@@ -206,7 +206,7 @@ class Roles:
                 self.begin_tenure(cluster, epoch)
                 log.info("leading.acting", cluster=cluster, epoch=epoch, holder=self.holder)
                 try:
-                    await take_over(cluster)
+                    await self._take_over(cluster, epoch, take_over)
                     await keeper.wait_epoch_change(epoch)
                 finally:
                     self.end_tenure(cluster)
@@ -218,6 +218,24 @@ class Roles:
                 log.warning("leading.refresh_failed", cluster=cluster, error=str(exc))
             with anyio.move_on_after(REFRESH_S):
                 await keeper.wait_epoch_change(None)
+
+    async def _take_over(
+        self, cluster: str, epoch: int, take_over: Callable[[str], Awaitable[None]]
+    ) -> None:
+        """`take_over` until it succeeds or the tenure ends (the journal may be briefly
+        away just as this daemon takes over)."""
+        while self.epoch(cluster) == epoch:
+            try:
+                await take_over(cluster)
+                return
+            except SupervisorError as exc:
+                log.error(
+                    "leading.take_over_failed",
+                    cluster=cluster,
+                    error=str(exc),
+                    retry_in_s=REFRESH_S,
+                )
+                await anyio.sleep(REFRESH_S)
 
 
 async def _cancel_when(ended: anyio.Event, task: anyio.CancelScope) -> None:

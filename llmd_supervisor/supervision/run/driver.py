@@ -429,6 +429,8 @@ class Supervisor:
         for stored in await self.journal.list_runs():
             if cluster is not None and stored.meta.cluster != cluster:
                 continue
+            if full and not stored.run.state.is_final:
+                stored = await self._archive_here(stored)
             run_id = stored.run.run_id
             handle = self.handles.get(run_id)
             if handle is not None and not full:
@@ -467,6 +469,28 @@ class Supervisor:
             log.info("run.resumed", run_id=run_id, state=stored.run.state.value)
             resumable.append(handle)
         return resumable
+
+    async def _archive_here(self, stored: StoredRun) -> StoredRun:
+        """The run with its archive in this daemon's archive root, prepared there if it
+        is not yet (a run another login node's daemon accepted: its archive directory
+        is that node's unless the archive root is shared)."""
+        here = archive.run_dir(self.config.archive_root, stored.run.run_id)
+        if Path(stored.meta.archive_dir) == here:
+            return stored
+        meta, shown = stored.meta, ("spec.toml", stored.meta.spec_toml)
+        if foreign_spec.is_foreign(meta.spec_toml):  # as `_accept` shows it: no env values
+            try:
+                loaded = foreign_spec.load(meta.spec_toml)
+            except SpecError:
+                return stored  # not resumable: `_load` says so
+            shown = ("foreign.json", foreign_spec.dump(loaded, with_env_values=False))
+        await anyio.to_thread.run_sync(
+            lambda: archive.prepare(
+                self.config.archive_root, stored.run.run_id, spec=shown, script=meta.script
+            )
+        )
+        log.info("run.archive_moved", run_id=stored.run.run_id, was=meta.archive_dir, now=str(here))
+        return StoredRun(stored.run, dataclasses.replace(meta, archive_dir=str(here)))
 
     def _start(self, handle: RunHandle) -> bool:
         """Drive `handle` in its cluster's tenure; False when this daemon does not lead
