@@ -38,7 +38,7 @@ from llmd_supervisor.core.outbox import DeliveryStatus
 from llmd_supervisor.core.retry_policy import Evidence, NodeFailure
 from llmd_supervisor.core.schema_versions import CODE_VERSION
 from llmd_supervisor.errors import ConfigError, JournalConflict, JournalError, JournalSchemaTooNew
-from tests.postgres import PgServer
+from tests.postgres import PgServer, lead_for_tests
 from tests.unit.test_campaign_store import campaign, job
 from tests.unit.test_journal import T0, at, inserted
 from tests.unit.test_outbox import SUCCESS, journaled_until, walk
@@ -53,6 +53,7 @@ def pg(postgres: PgServer) -> PostgresJournal:
 @pytest_asyncio.fixture
 async def journal(pg: PostgresJournal) -> AsyncIterator[Journal]:
     async with await Journal.open_postgres(pg) as j:
+        await lead_for_tests(j)
         yield j
 
 
@@ -135,6 +136,7 @@ async def test_daemons_starting_together_migrate_once(pg: PostgresJournal) -> No
         for _ in range(5):
             tg.start_soon(open_one)
     try:
+        await lead_for_tests(opened[0])
         await inserted(opened[0], "r-1")
         assert [s.run.run_id for s in await opened[4].list_runs()] == ["r-1"]
     finally:
@@ -204,6 +206,8 @@ async def test_racing_compare_and_set_across_daemons_has_one_winner(pg: Postgres
     """Two journals (two pools, as two daemons) race to save one transition: SERIALIZABLE
     writes and their retries leave exactly one winner."""
     async with await Journal.open_postgres(pg) as first, await Journal.open_postgres(pg) as second:
+        await lead_for_tests(first)
+        await lead_for_tests(second)
         run = await inserted(first, "r-1")
         outcomes: list[str] = []
 
@@ -402,6 +406,7 @@ async def test_journal_migrate_copies_every_table_in_one_transaction(
     assert all(counts[t] > 0 for t in TABLES), counts
     async with await Journal.open_postgres(pg) as copied:
         assert await _everything(copied) == before
+        await lead_for_tests(copied)
         # New rows after the copy get new ids (the identity sequences moved on).
         await copied.add_event("r-2", "after", {}, at(9))
         await inserted(copied, "r-3")
