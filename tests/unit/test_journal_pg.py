@@ -27,7 +27,7 @@ from llmd_supervisor.adapters.journal_db import Db, PostgresDb
 from llmd_supervisor.adapters.journal_pg import read_password
 from llmd_supervisor.adapters.journal_schema import TABLES
 from llmd_supervisor.adapters.outbox_store import Outbox
-from llmd_supervisor.cli.journal import copy_journal
+from llmd_supervisor.cli.journal import MIGRATE_CLUSTER, copy_journal
 from llmd_supervisor.cli.main import main
 from llmd_supervisor.core.config import load_config
 from llmd_supervisor.core.fencing import FENCED_TABLES
@@ -414,6 +414,35 @@ async def test_journal_migrate_copies_every_table_in_one_transaction(
     with pytest.raises(JournalError, match=r"already holds rows .*--replace"):
         await copy_journal(source, pg, replace=False)
     assert await copy_journal(source, pg, replace=True) == counts
+
+
+@pytest.mark.asyncio
+async def test_journal_migrate_writes_as_the_leader_of_its_own_pseudo_cluster(
+    pg: PostgresJournal, postgres: PgServer, tmp_path: Path
+) -> None:
+    """The target's fence accepts the copy because it holds the lease of MIGRATE_CLUSTER
+    while it copies; it releases it at the end, and a copy that finds it held (another
+    copy running) copies nothing."""
+    source = tmp_path / "journal.sqlite3"
+    await _sqlite_journal(source)
+    counts = await copy_journal(source, pg, replace=False)
+    lease = f"SELECT holder, epoch FROM {LEASE_TABLE} WHERE cluster = '{MIGRATE_CLUSTER}'"
+    assert _admin_rows(postgres, pg.dbname, lease) == [(None, 1)]  # released
+    assert await copy_journal(source, pg, replace=True) == counts
+    assert _admin_rows(postgres, pg.dbname, lease) == [(None, 2)]  # a new tenure each
+    _admin_rows(
+        postgres,
+        pg.dbname,
+        f"UPDATE {LEASE_TABLE} SET holder = 'journal-migrate@elsewhere:1', "
+        f"expires_at = now() + interval '1 hour' WHERE cluster = '{MIGRATE_CLUSTER}'",
+    )
+    empty = tmp_path / "empty.sqlite3"
+    async with await Journal.open(empty):
+        pass
+    with pytest.raises(JournalError, match=re.escape("(journal-migrate@elsewhere:1) is copying")):
+        await copy_journal(empty, pg, replace=True)  # would empty every table
+    assert _admin_rows(postgres, pg.dbname, "SELECT count(*) FROM runs") == [(counts["runs"],)]
+    assert _admin_rows(postgres, pg.dbname, lease) == [("journal-migrate@elsewhere:1", 2)]
 
 
 def test_journal_migrate_command_reports_row_counts(
