@@ -29,10 +29,19 @@ not psycopg's async API). This module owns what differs:
   password) and the operation, with the SQLSTATE. A connection lost during COMMIT is an
   error whose outcome is unknown; the caller re-reads, as after a cancellation.
 
-Ready for leadership (a later phase): the schema already has `core.lease`'s lease table;
-fencing will add `core.fencing`'s trigger on every table as a migration step and
-`core.fencing.SET_WRITER_SQL` as the first statement of every write transaction (after
-the ``BEGIN`` of `PostgresBackend._run_sync`), so that no store function changes.
+Fencing (`core.fencing`; leadership itself is `core.lease` and `adapters.lease_pg`):
+schema version 7 puts the fence trigger on every journal table, and every write
+transaction states its writer (`core.fencing.SET_WRITER_SQL`, right after the ``BEGIN``
+of `_transaction`), so no store function changes. The writer is resolved on the event
+loop when the write's turn comes: the writing task's `adapters.journal_writer.writing_as`
+source, else the journal's default (`PostgresBackend.set_default_writer`), else none, and
+a write without a writer is refused (fails closed). Reads state none and need none. The
+fence's refusals (SQLSTATE ``LD001`` stale epoch, ``LD002`` no epoch) roll the whole
+transaction back, are never retried, and become `errors.FencedWrite` (`fenced_write`),
+counted (`PostgresBackend.fenced_refusals`) and logged (``journal.write_fenced``). The
+schema migration states no writer either: its steps create tables and triggers, which
+fire no row trigger; a later step that writes rows of a fenced table must disable that
+table's trigger around it (`adapters.journal_schema`).
 
 Cancellation is the SQLite journal's: a task cancelled while it waits for its turn does
 nothing; once its transaction runs in the worker thread it runs to its end (commit or
