@@ -183,7 +183,8 @@ class JournalConflict(JournalError):
 
 class FencedWrite(JournalError):
     """A shared journal refused a write: the writer's lease epoch is not the cluster's
-    current one (core.fencing). ``lease_epoch`` is None when the cluster has no lease."""
+    current one (core.fencing). ``lease_epoch`` is None when the cluster has no lease;
+    ``writer_epoch`` is None (and ``cluster`` may be "") when the write stated no writer."""
 
     def __init__(
         self, location: str, cluster: str, writer_epoch: int | None, lease_epoch: int | None
@@ -191,14 +192,24 @@ class FencedWrite(JournalError):
         self.cluster = cluster
         self.writer_epoch = writer_epoch
         self.lease_epoch = lease_epoch
-        carried = "no epoch" if writer_epoch is None else f"epoch {writer_epoch}"
-        lease = "has no lease" if lease_epoch is None else f"is at epoch {lease_epoch}"
-        super().__init__(
-            location,
-            f"write for cluster {cluster!r}",
-            f"the write carried {carried} but the cluster's lease {lease} (another daemon "
-            "leads it now); this daemon stops acting for the cluster",
-        )
+        what = f"write for cluster {cluster!r}" if cluster else "write"
+        if writer_epoch is None:
+            # core.fencing's NO_EPOCH: the writer (this daemon) leads no cluster it named.
+            why = (
+                "the write stated no cluster and epoch, and a shared journal accepts only "
+                "the writes of a cluster's current leader"
+            )
+        else:
+            lease = (
+                "the cluster has no lease"
+                if lease_epoch is None
+                else f"the cluster's lease is at epoch {lease_epoch}"
+            )
+            why = (
+                f"the write carried epoch {writer_epoch} but {lease} (another daemon leads "
+                "it now); this daemon stops acting for the cluster"
+            )
+        super().__init__(location, what, why)
 
 
 class JournalSchemaTooNew(JournalError):

@@ -14,6 +14,11 @@ turns into a failure (tests/conftest.py).
 `journal_target` parametrises a test over both backends: ``[sqlite]`` and
 ``[postgresql]`` (the session's shared journal database, emptied for each test; a test
 of the schema or of migrations takes `PgServer.new_database`).
+
+A PostgreSQL journal refuses writes that do not come from its cluster's current leader
+(`core.fencing`). `JournalTarget.open` makes the tests' journal a leader: `lead_for_tests`
+holds the lease of `TEST_CLUSTER` until far in the future and makes its epoch the
+journal's default writer. A test that opens a PostgreSQL journal otherwise calls it too.
 """
 
 from __future__ import annotations
@@ -36,11 +41,21 @@ import psycopg
 import pytest
 
 from llmd_supervisor.adapters.journal import Journal
+from llmd_supervisor.adapters.journal_db import Db
 from llmd_supervisor.adapters.journal_pg import PostgresSettings
 from llmd_supervisor.adapters.journal_schema import TABLES
+from llmd_supervisor.core.fencing import Writer
 from llmd_supervisor.core.journal_url import PostgresJournal, parse_journal
+from llmd_supervisor.core.lease import LEASE_TABLE
 
-__all__ = ["JournalTarget", "PgServer", "journal_target", "postgres"]
+__all__ = [
+    "TEST_CLUSTER",
+    "JournalTarget",
+    "PgServer",
+    "journal_target",
+    "lead_for_tests",
+    "postgres",
+]
 
 PG_BIN = Path(os.environ.get("LLMD_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
 ROLE = "llmd"
@@ -244,6 +259,34 @@ def _stop(server: PgServer) -> None:
             process.wait(_STOP_TIMEOUT_S)
 
 
+# The cluster the tests' journals write for (no daemon of a test leads it), and its holder.
+TEST_CLUSTER = "journal-tests"
+_TEST_HOLDER = "tests/postgres.py"
+# Held until far in the future; the epoch is kept when the row exists (a test may have
+# moved it on: the journal then writes with the epoch it is at).
+_TEST_LEASE_SQL = f"""
+INSERT INTO {LEASE_TABLE} AS l (cluster, holder, epoch, expires_at)
+VALUES (?, ?, 1, now() + interval '100 years')
+ON CONFLICT (cluster) DO UPDATE SET holder = excluded.holder, expires_at = excluded.expires_at
+RETURNING epoch
+"""
+
+
+async def lead_for_tests(journal: Journal, cluster: str = TEST_CLUSTER) -> Writer:
+    """Make a PostgreSQL journal's writes pass its fence: `cluster`'s lease row, held
+    until far in the future, and its epoch as the journal's default writer (returned)."""
+
+    def hold(db: Db) -> int:
+        row = db.execute(_TEST_LEASE_SQL, (cluster, _TEST_HOLDER)).fetchone()
+        assert row is not None
+        return int(str(row[0]))
+
+    # The lease table is not fenced: this write needs no writer.
+    writer = Writer(cluster, await journal.write(f"hold the lease of {cluster}", hold))
+    journal.set_default_writer(lambda: writer)
+    return writer
+
+
 @dataclass(frozen=True)
 class JournalTarget:
     """Where a test's journal lives: an SQLite file, or a database of the session's server."""
@@ -257,9 +300,17 @@ class JournalTarget:
         return str(self.sqlite_path) if self.postgres is None else self.postgres.url
 
     async def open(self, settings: PostgresSettings | None = None) -> Journal:
+        """The journal, open; on PostgreSQL, writing as `TEST_CLUSTER`'s leader
+        (`lead_for_tests`)."""
         if self.postgres is None:
             return await Journal.open(self.sqlite_path)
-        return await Journal.open_postgres(self.postgres, settings)
+        journal = await Journal.open_postgres(self.postgres, settings)
+        try:
+            await lead_for_tests(journal)
+        except BaseException:
+            await journal.aclose()
+            raise
+        return journal
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -63,6 +63,7 @@ from llmd_supervisor.adapters.journal_rows import (
     transition_rows,
 )
 from llmd_supervisor.adapters.journal_schema import MIGRATIONS
+from llmd_supervisor.adapters.journal_writer import WriterSource
 from llmd_supervisor.adapters.outbox_rows import insert_outgoing
 from llmd_supervisor.core.journal_url import JournalBackend, PostgresJournal
 from llmd_supervisor.core.lifecycle import Run, RunState
@@ -126,6 +127,16 @@ class Backend(Protocol):
         """Close (idempotent); later calls raise JournalError."""
         ...
 
+    @property
+    def fenced_refusals(self) -> int:
+        """How many writes the fence refused (`core.fencing`; always 0 on SQLite)."""
+        ...
+
+    def set_default_writer(self, source: WriterSource | None) -> None:
+        """The writer of writes whose task states none (`adapters.journal_writer`);
+        ignored by SQLite."""
+        ...
+
 
 async def open_journal(backend: JournalBackend, sqlite_path: Path) -> Journal:
     """The journal the daemon config names: SQLite at `sqlite_path` by default, or the
@@ -147,6 +158,19 @@ class Journal:
     def location(self) -> str:
         """The database, for messages: the SQLite file's path or the PostgreSQL URL."""
         return self._backend.location
+
+    @property
+    def fenced_refusals(self) -> int:
+        """How many writes a shared journal's fence refused since it was opened
+        (`errors.FencedWrite`, `core.fencing`): stale writes rejected. 0 on SQLite."""
+        return self._backend.fenced_refusals
+
+    def set_default_writer(self, source: WriterSource | None) -> None:
+        """Who writes (`core.fencing.Writer`: cluster and lease epoch) when the writing
+        task runs in no `adapters.journal_writer.writing_as`; ``source()`` is called as
+        each write is handed to the database, and a write without a writer is refused by
+        a PostgreSQL journal's fence. A no-op on SQLite (one daemon, no lease)."""
+        self._backend.set_default_writer(source)
 
     @property
     def path(self) -> Path:
@@ -556,6 +580,13 @@ class _SqliteBackend:
 
     async def run(self, operation: str, fn: Callable[[Db], _T], *, write: bool) -> _T:
         return await self._batches.call(operation, fn, write=write)
+
+    @property
+    def fenced_refusals(self) -> int:
+        return 0  # no fence: one daemon owns the file
+
+    def set_default_writer(self, source: WriterSource | None) -> None:
+        pass  # every write is the single-node writer's (core.fencing.SINGLE_NODE_EPOCH)
 
     def _execute(self, batch: list[Op[Db]]) -> None:
         """Run a batch in the worker thread (`_run_batch`); then close if it ends so."""

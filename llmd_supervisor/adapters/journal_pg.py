@@ -29,10 +29,19 @@ not psycopg's async API). This module owns what differs:
   password) and the operation, with the SQLSTATE. A connection lost during COMMIT is an
   error whose outcome is unknown; the caller re-reads, as after a cancellation.
 
-Ready for leadership (a later phase): the schema already has `core.lease`'s lease table;
-fencing will add `core.fencing`'s trigger on every table as a migration step and
-`core.fencing.SET_WRITER_SQL` as the first statement of every write transaction (after
-the ``BEGIN`` of `PostgresBackend._run_sync`), so that no store function changes.
+Fencing (`core.fencing`; leadership itself is `core.lease` and `adapters.lease_pg`):
+schema version 7 puts the fence trigger on every journal table, and every write
+transaction states its writer (`core.fencing.SET_WRITER_SQL`, right after the ``BEGIN``
+of `_transaction`), so no store function changes. The writer is resolved on the event
+loop when the write's turn comes: the writing task's `adapters.journal_writer.writing_as`
+source, else the journal's default (`PostgresBackend.set_default_writer`), else none, and
+a write without a writer is refused (fails closed). Reads state none and need none. The
+fence's refusals (SQLSTATE ``LD001`` stale epoch, ``LD002`` no epoch) roll the whole
+transaction back, are never retried, and become `errors.FencedWrite` (`fenced_write`),
+counted (`PostgresBackend.fenced_refusals`) and logged (``journal.write_fenced``). The
+schema migration states no writer either: its steps create tables and triggers, which
+fire no row trigger; a later step that writes rows of a fenced table must disable that
+table's trigger around it (`adapters.journal_schema`).
 
 Cancellation is the SQLite journal's: a task cancelled while it waits for its turn does
 nothing; once its transaction runs in the worker thread it runs to its end (commit or
@@ -59,6 +68,13 @@ import structlog
 
 from llmd_supervisor.adapters.journal_db import Db, PostgresDb, Row
 from llmd_supervisor.adapters.journal_schema import POSTGRES_MIGRATIONS
+from llmd_supervisor.adapters.journal_writer import WriterSource, current_writer
+from llmd_supervisor.core.fencing import (
+    NO_EPOCH_SQLSTATE,
+    SET_WRITER_SQL,
+    STALE_EPOCH_SQLSTATE,
+    Writer,
+)
 from llmd_supervisor.core.journal_url import PostgresJournal, password_file_problem
 from llmd_supervisor.core.schema_versions import (
     CODE_VERSION,
@@ -68,13 +84,13 @@ from llmd_supervisor.core.schema_versions import (
     Refuse,
     plan,
 )
-from llmd_supervisor.errors import ConfigError, JournalError, JournalSchemaTooNew
+from llmd_supervisor.errors import ConfigError, FencedWrite, JournalError, JournalSchemaTooNew
 
 if TYPE_CHECKING:
     import psycopg
     from psycopg_pool import ConnectionPool
 
-__all__ = ["MAX_TRIES", "PostgresBackend", "PostgresSettings", "read_password"]
+__all__ = ["MAX_TRIES", "PostgresBackend", "PostgresSettings", "fenced_write", "read_password"]
 
 _T = TypeVar("_T")
 
@@ -84,6 +100,8 @@ MAX_TRIES: Final = 8  # of one write transaction that keeps failing to serialise
 _PASSWORD_MAX: Final = 4096
 # SQLSTATEs after which the transaction is run again: nothing of it was committed.
 _RETRY_SQLSTATES: Final = ("40001", "40P01")  # serialization_failure, deadlock_detected
+# The fence's refusals (core.fencing): never retried, errors.FencedWrite.
+_FENCE_SQLSTATES: Final = (STALE_EPOCH_SQLSTATE, NO_EPOCH_SQLSTATE)
 _PASSWORD_KEY: Final = "journal.password_file"
 
 assert len(POSTGRES_MIGRATIONS) == CODE_VERSION, "POSTGRES_MIGRATIONS and schema_versions"
@@ -160,10 +178,22 @@ class PostgresBackend:
         self._pool: ConnectionPool[psycopg.Connection[Row]] | None = pool
         self._threads = anyio.CapacityLimiter(size)  # one per connection
         self._writes = anyio.Lock()  # this journal's writes, one at a time
+        self._default_writer: WriterSource | None = None
+        self._fenced_refusals = 0
 
     @property
     def location(self) -> str:
         return self._config.url
+
+    @property
+    def fenced_refusals(self) -> int:
+        """How many write transactions the fence refused (`errors.FencedWrite`)."""
+        return self._fenced_refusals
+
+    def set_default_writer(self, source: WriterSource | None) -> None:
+        """Who writes when the writing task states no source of its own
+        (`adapters.journal_writer`); None: nobody, every such write is refused."""
+        self._default_writer = source
 
     @classmethod
     async def open(
@@ -193,16 +223,33 @@ class PostgresBackend:
                 self._writes.release()
 
     async def run(self, operation: str, fn: Callable[[Db], _T], *, write: bool) -> _T:
-        if write:
-            async with self._writes:
+        if not write:
+            return await anyio.to_thread.run_sync(
+                self._run_sync, operation, fn, False, None, limiter=self._threads
+            )
+        async with self._writes:
+            # Once it is this write's turn, on the event loop: the writer as it is now
+            # (a leader that stopped acting while the write waited states no epoch).
+            writer = current_writer(self._default_writer)
+            try:
                 return await anyio.to_thread.run_sync(
-                    self._run_sync, operation, fn, True, limiter=self._threads
+                    self._run_sync, operation, fn, True, writer, limiter=self._threads
                 )
-        return await anyio.to_thread.run_sync(
-            self._run_sync, operation, fn, False, limiter=self._threads
-        )
+            except FencedWrite as exc:
+                self._fenced_refusals += 1
+                log.warning(
+                    "journal.write_fenced",
+                    journal=self.location,
+                    cluster=exc.cluster,
+                    writer_epoch=exc.writer_epoch,
+                    lease_epoch=exc.lease_epoch,
+                    operation=operation,
+                )
+                raise
 
-    def _run_sync(self, operation: str, fn: Callable[[Db], _T], write: bool) -> _T:
+    def _run_sync(
+        self, operation: str, fn: Callable[[Db], _T], write: bool, writer: Writer | None
+    ) -> _T:
         import psycopg
         from psycopg_pool import PoolTimeout
 
@@ -218,7 +265,7 @@ class PostgresBackend:
             with pool.connection() as conn:
                 for attempt in range(1, MAX_TRIES + 1):
                     try:
-                        return _transaction(conn, begin, fn)
+                        return _transaction(conn, begin, fn, writer)
                     except psycopg.Error as exc:
                         if exc.sqlstate not in _RETRY_SQLSTATES or attempt == MAX_TRIES:
                             raise
@@ -236,15 +283,26 @@ class PostgresBackend:
                 self.location, operation, f"no database connection was free or could be made: {exc}"
             ) from exc
         except psycopg.Error as exc:
+            if exc.sqlstate in _FENCE_SQLSTATES:
+                raise fenced_write(self.location, writer, exc) from exc
             raise pg_error(self.location, operation, exc) from exc
 
 
-def _transaction(conn: psycopg.Connection[Row], begin: str, fn: Callable[[Db], _T]) -> _T:
-    """Run ``fn`` in one transaction on `conn` (autocommit: we issue BEGIN/COMMIT)."""
+def _transaction(
+    conn: psycopg.Connection[Row],
+    begin: str,
+    fn: Callable[[Db], _T],
+    writer: Writer | None = None,
+) -> _T:
+    """Run ``fn`` in one transaction on `conn` (autocommit: we issue BEGIN/COMMIT),
+    stating `writer` to the fence first when there is one (`core.fencing`)."""
     import psycopg.pq
 
     conn.execute(begin)
     try:
+        if writer is not None and writer.cluster and writer.epoch is not None:
+            # Directly on the connection: SET_WRITER_SQL's parameters are psycopg's.
+            conn.execute(SET_WRITER_SQL, {"cluster": writer.cluster, "epoch": str(writer.epoch)})
         result = fn(PostgresDb(conn))
         conn.execute("COMMIT")
     except BaseException:
@@ -254,6 +312,32 @@ def _transaction(conn: psycopg.Connection[Row], begin: str, fn: Callable[[Db], _
                 conn.execute("ROLLBACK")
         raise
     return result
+
+
+def fenced_write(location: str, writer: Writer | None, exc: psycopg.Error) -> FencedWrite:
+    """The fence's refusal (SQLSTATE `core.fencing.STALE_EPOCH_SQLSTATE` or
+    `NO_EPOCH_SQLSTATE`) as FencedWrite: the cluster is the writer's, the epochs are the
+    trigger's DETAIL's (``cluster=%s writer_epoch=%s lease_epoch=%s``; None when empty,
+    and both None when the transaction stated no writer, which has no DETAIL)."""
+    fields: dict[str, str] = {}
+    for part in (exc.diag.message_detail or "").split():
+        key, sep, value = part.partition("=")
+        if sep:
+            fields[key] = value
+    cluster = writer.cluster if writer is not None and writer.cluster else fields.get("cluster")
+    return FencedWrite(
+        location,
+        cluster or "",
+        _epoch(fields.get("writer_epoch")),
+        _epoch(fields.get("lease_epoch")),
+    )
+
+
+def _epoch(text: str | None) -> int | None:
+    try:
+        return None if not text else int(text)
+    except ValueError:
+        return None
 
 
 def pg_error(location: str, operation: str, exc: BaseException) -> JournalError:

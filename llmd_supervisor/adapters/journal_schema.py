@@ -4,15 +4,16 @@
 how many have been), `POSTGRES_MIGRATIONS` PostgreSQL's (`adapters.journal_pg`; its
 ``schema_version`` table says). Version N is the same schema on both
 (`core.schema_versions.VERSIONS` names each); PostgreSQL keeps two more things of its own:
-the ``schema_version`` table, and the ``leader_lease`` table that leadership and fencing
-will use (`core.lease`, `core.fencing`; SQLite has one daemon and no lease).
+the ``schema_version`` table, and leadership's ``leader_lease`` table with the fence on
+every journal table (`core.lease`, `core.fencing`: version 7; SQLite has one daemon and
+no lease, so its version 7 changes nothing but the number).
 """
 
 from __future__ import annotations
 
 from typing import Final
 
-from llmd_supervisor.core.fencing import FENCED_TABLES
+from llmd_supervisor.core.fencing import FENCE_FUNCTION_SQL, FENCED_TABLES, fence_trigger_sql
 from llmd_supervisor.core.lease import LEASE_TABLE_DDL
 
 __all__ = ["MIGRATIONS", "POSTGRES_MIGRATIONS", "TABLES"]
@@ -220,6 +221,9 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         )
         """,
     ),
+    # 6 -> 7: the fence (core.fencing) is PostgreSQL's alone: one daemon owns an SQLite
+    # journal, whose writes carry the single-node epoch and are always accepted.
+    (),
 )
 
 
@@ -382,9 +386,28 @@ _POSTGRES_6: Final = (
         since       text COLLATE "C" NOT NULL
     )
     """,
-    # Leadership's lease (core.lease), ready for the standby and fencing; nothing uses it
-    # yet. The fence (core.fencing's trigger) comes with leadership, as a step of its own.
+    # Leadership's lease (core.lease); the fence that reads it is step 7's.
     LEASE_TABLE_DDL,
 )
 
-POSTGRES_MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = ((), (), (), (), (), _POSTGRES_6)
+# 6 -> 7: the fence (core.fencing): every journal table refuses a row written by a
+# transaction that did not state the writer's cluster and its current lease epoch
+# (`core.fencing.SET_WRITER_SQL`). Creating a trigger fires none, so this step (and the
+# rest of the migration transaction) writes no fenced row. A later step that INSERTs,
+# UPDATEs or DELETEs rows of a fenced table runs after this one in the same transaction,
+# which states no writer: it must disable the table's trigger around its statement
+# (``ALTER TABLE ... DISABLE TRIGGER <table>_fence`` ... ``ENABLE TRIGGER``).
+_POSTGRES_7: Final = (
+    FENCE_FUNCTION_SQL,
+    *(fence_trigger_sql(table) for table in FENCED_TABLES),
+)
+
+POSTGRES_MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
+    (),
+    (),
+    (),
+    (),
+    (),
+    _POSTGRES_6,
+    _POSTGRES_7,
+)

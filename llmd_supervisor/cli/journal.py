@@ -7,11 +7,22 @@ is older) and read in one snapshot; the PostgreSQL schema is created or migrated
 the target holds all of the journal or none of it. A target that already holds rows is
 refused unless ``--replace`` is given (its rows are deleted in the same transaction).
 Stop the daemon first: what it writes after the snapshot is not copied.
+
+The target's fence (`core.fencing`) accepts only the writes of a cluster's current
+leader, so the copy leads a pseudo cluster of its own, `MIGRATE_CLUSTER`: it acquires
+that cluster's lease (`core.lease.ACQUIRE_SQL`, holder naming the host and the process),
+copies as its writer, and releases the lease at the end (best effort: it expires after
+`core.lease.LEASE_S` anyway). A second copy into the same database started meanwhile
+finds the lease held and copies nothing, or, once the lease expired, takes it over, and
+the first copy is then refused as a whole.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import socket
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,13 +31,15 @@ from typing import Any, cast
 import anyio
 
 from llmd_supervisor.adapters.journal import Journal
-from llmd_supervisor.adapters.journal_db import Db, Row, SqliteDb
+from llmd_supervisor.adapters.journal_db import Db, PostgresDb, Row, SqliteDb
 from llmd_supervisor.adapters.journal_pg import PostgresSettings, table_counts
 from llmd_supervisor.adapters.journal_schema import TABLES
+from llmd_supervisor.core.fencing import Writer
 from llmd_supervisor.core.journal_url import PostgresJournal, parse_journal
+from llmd_supervisor.core.lease import ACQUIRE_SQL, LEASE_S, LEASE_TABLE, RELEASE_SQL
 from llmd_supervisor.errors import ConfigError, ConfigErrors, JournalError
 
-__all__ = ["IDENTITY_COLUMNS", "add_parsers", "copy_journal"]
+__all__ = ["IDENTITY_COLUMNS", "MIGRATE_CLUSTER", "add_parsers", "copy_journal"]
 
 _PROG = "llmd-supervisor journal migrate"
 # PostgreSQL's generated columns, copied with their SQLite values; their sequences are
@@ -36,6 +49,9 @@ IDENTITY_COLUMNS: tuple[tuple[str, str], ...] = (
     ("events", "id"),
     ("node_failures", "id"),
 )
+
+# The pseudo cluster whose lease a copy holds, to write past the target's fence.
+MIGRATE_CLUSTER = "journal-migrate"
 
 # table -> (columns, rows)
 Dump = Mapping[str, tuple[tuple[str, ...], list[Row]]]
@@ -129,9 +145,54 @@ async def copy_journal(source: Path, target: PostgresJournal, replace: bool) -> 
         dump = await journal.read(f"read {source} to copy it", _dump)
     settings = PostgresSettings(pool_size=1, statement_timeout_s=0)
     async with await Journal.open_postgres(target, settings) as journal:
-        operation = f"copy the SQLite journal {source}"
-        where = journal.location
-        return await journal.write(operation, lambda db: _load(db, dump, replace, where))
+        holder = f"journal-migrate@{socket.gethostname()}:{os.getpid()}"
+        writer = await _acquire(journal, holder)
+        try:
+            journal.set_default_writer(lambda: writer)
+            operation = f"copy the SQLite journal {source}"
+            where = journal.location
+            return await journal.write(operation, lambda db: _load(db, dump, replace, where))
+        finally:
+            with anyio.CancelScope(shield=True), contextlib.suppress(JournalError):
+                await _release(journal, holder, writer)
+
+
+async def _acquire(journal: Journal, holder: str) -> Writer:
+    """`MIGRATE_CLUSTER`'s lease for `holder`, as the copy's writer; JournalError when
+    another copy holds it."""
+
+    def acquire(db: Db) -> tuple[int | None, str | None]:
+        conn = cast(PostgresDb, db).conn  # core.lease's SQL has psycopg's parameters
+        params = {"cluster": MIGRATE_CLUSTER, "holder": holder, "lease_s": LEASE_S}
+        won = conn.execute(ACQUIRE_SQL, params).fetchone()
+        if won is not None:
+            return int(won[0]), None
+        held = conn.execute(
+            f"SELECT holder FROM {LEASE_TABLE} WHERE cluster = %(cluster)s", params
+        ).fetchone()
+        return None, None if held is None else str(held[0])
+
+    # The lease table is not fenced: acquiring needs no writer.
+    operation = f"hold the {MIGRATE_CLUSTER} lease"
+    epoch, other = await journal.write(operation, acquire)
+    if epoch is None:
+        raise JournalError(
+            journal.location,
+            operation,
+            f"another journal migrate ({other}) is copying into this database; nothing was "
+            f"copied. Wait for it to end (or {LEASE_S:g} s after it died) and run this again",
+        )
+    return Writer(MIGRATE_CLUSTER, epoch)
+
+
+async def _release(journal: Journal, holder: str, writer: Writer) -> None:
+    def release(db: Db) -> None:
+        conn = cast(PostgresDb, db).conn
+        conn.execute(
+            RELEASE_SQL, {"cluster": MIGRATE_CLUSTER, "holder": holder, "epoch": writer.epoch}
+        )
+
+    await journal.write(f"release the {MIGRATE_CLUSTER} lease", release)
 
 
 def _dump(db: Db) -> Dump:

@@ -40,6 +40,7 @@ VERSIONS: Final = (
     "node failures one row each, with their owner and evidence",
     "campaigns, their jobs and the ledger of verified points",
     "the outbox: outbound events and their deliveries per destination",
+    "the fence: a shared journal accepts writes only from its cluster's current leader",
 )
 CODE_VERSION: Final = len(VERSIONS)
 

@@ -27,7 +27,7 @@ from llmd_supervisor.adapters.journal_db import Db, PostgresDb
 from llmd_supervisor.adapters.journal_pg import read_password
 from llmd_supervisor.adapters.journal_schema import TABLES
 from llmd_supervisor.adapters.outbox_store import Outbox
-from llmd_supervisor.cli.journal import copy_journal
+from llmd_supervisor.cli.journal import MIGRATE_CLUSTER, copy_journal
 from llmd_supervisor.cli.main import main
 from llmd_supervisor.core.config import load_config
 from llmd_supervisor.core.fencing import FENCED_TABLES
@@ -38,7 +38,7 @@ from llmd_supervisor.core.outbox import DeliveryStatus
 from llmd_supervisor.core.retry_policy import Evidence, NodeFailure
 from llmd_supervisor.core.schema_versions import CODE_VERSION
 from llmd_supervisor.errors import ConfigError, JournalConflict, JournalError, JournalSchemaTooNew
-from tests.postgres import PgServer
+from tests.postgres import PgServer, lead_for_tests
 from tests.unit.test_campaign_store import campaign, job
 from tests.unit.test_journal import T0, at, inserted
 from tests.unit.test_outbox import SUCCESS, journaled_until, walk
@@ -53,6 +53,7 @@ def pg(postgres: PgServer) -> PostgresJournal:
 @pytest_asyncio.fixture
 async def journal(pg: PostgresJournal) -> AsyncIterator[Journal]:
     async with await Journal.open_postgres(pg) as j:
+        await lead_for_tests(j)
         yield j
 
 
@@ -135,6 +136,7 @@ async def test_daemons_starting_together_migrate_once(pg: PostgresJournal) -> No
         for _ in range(5):
             tg.start_soon(open_one)
     try:
+        await lead_for_tests(opened[0])
         await inserted(opened[0], "r-1")
         assert [s.run.run_id for s in await opened[4].list_runs()] == ["r-1"]
     finally:
@@ -204,6 +206,8 @@ async def test_racing_compare_and_set_across_daemons_has_one_winner(pg: Postgres
     """Two journals (two pools, as two daemons) race to save one transition: SERIALIZABLE
     writes and their retries leave exactly one winner."""
     async with await Journal.open_postgres(pg) as first, await Journal.open_postgres(pg) as second:
+        await lead_for_tests(first)
+        await lead_for_tests(second)
         run = await inserted(first, "r-1")
         outcomes: list[str] = []
 
@@ -402,6 +406,7 @@ async def test_journal_migrate_copies_every_table_in_one_transaction(
     assert all(counts[t] > 0 for t in TABLES), counts
     async with await Journal.open_postgres(pg) as copied:
         assert await _everything(copied) == before
+        await lead_for_tests(copied)
         # New rows after the copy get new ids (the identity sequences moved on).
         await copied.add_event("r-2", "after", {}, at(9))
         await inserted(copied, "r-3")
@@ -409,6 +414,35 @@ async def test_journal_migrate_copies_every_table_in_one_transaction(
     with pytest.raises(JournalError, match=r"already holds rows .*--replace"):
         await copy_journal(source, pg, replace=False)
     assert await copy_journal(source, pg, replace=True) == counts
+
+
+@pytest.mark.asyncio
+async def test_journal_migrate_writes_as_the_leader_of_its_own_pseudo_cluster(
+    pg: PostgresJournal, postgres: PgServer, tmp_path: Path
+) -> None:
+    """The target's fence accepts the copy because it holds the lease of MIGRATE_CLUSTER
+    while it copies; it releases it at the end, and a copy that finds it held (another
+    copy running) copies nothing."""
+    source = tmp_path / "journal.sqlite3"
+    await _sqlite_journal(source)
+    counts = await copy_journal(source, pg, replace=False)
+    lease = f"SELECT holder, epoch FROM {LEASE_TABLE} WHERE cluster = '{MIGRATE_CLUSTER}'"
+    assert _admin_rows(postgres, pg.dbname, lease) == [(None, 1)]  # released
+    assert await copy_journal(source, pg, replace=True) == counts
+    assert _admin_rows(postgres, pg.dbname, lease) == [(None, 2)]  # a new tenure each
+    _admin_rows(
+        postgres,
+        pg.dbname,
+        f"UPDATE {LEASE_TABLE} SET holder = 'journal-migrate@elsewhere:1', "
+        f"expires_at = now() + interval '1 hour' WHERE cluster = '{MIGRATE_CLUSTER}'",
+    )
+    empty = tmp_path / "empty.sqlite3"
+    async with await Journal.open(empty):
+        pass
+    with pytest.raises(JournalError, match=re.escape("(journal-migrate@elsewhere:1) is copying")):
+        await copy_journal(empty, pg, replace=True)  # would empty every table
+    assert _admin_rows(postgres, pg.dbname, "SELECT count(*) FROM runs") == [(counts["runs"],)]
+    assert _admin_rows(postgres, pg.dbname, lease) == [("journal-migrate@elsewhere:1", 2)]
 
 
 def test_journal_migrate_command_reports_row_counts(
