@@ -40,6 +40,7 @@ from llmd_supervisor.adapters.remote import NodeLink
 from llmd_supervisor.adapters.sdnotify import loop_monitor
 from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.journal_url import PostgresJournal
+from llmd_supervisor.core.lease import STATEMENT_TIMEOUT_S
 from llmd_supervisor.core.lifecycle import RunState
 from llmd_supervisor.core.render import bundled_node_sources
 from llmd_supervisor.core.summary import RunResults
@@ -186,7 +187,7 @@ async def _serve(
             resumed = 0
             if roles.shared:  # each cluster's runs start when this daemon leads it
                 for name in clusters:
-                    tg.start_soon(
+                    await tg.start(
                         roles.follow,
                         name,
                         functools.partial(_take_over, supervisor, campaigns),
@@ -273,6 +274,9 @@ async def _roles(config: Config, journal: Journal, tg: anyio.abc.TaskGroup) -> R
     journal.set_default_writer(roles.any_writer)
     for keeper in keepers.values():
         await tg.start(keeper.run)
+    with anyio.move_on_after(2 * STATEMENT_TIMEOUT_S):  # ready knowing what it is, if it can
+        for keeper in keepers.values():
+            await keeper.wait_first_answer()
     log.info("leading.candidate", holder=holder, clusters=names, journal=journal.location)
     return roles
 

@@ -172,6 +172,7 @@ class LeaseKeeper:
         self._busy = False  # the worker has a statement whose event was not stepped yet
         self._started = False  # `run` was called
         self._finished = anyio.Event()  # `run` returned
+        self._answered = anyio.Event()  # a first statement's outcome was stepped
 
     @property
     def acting(self) -> bool:
@@ -199,6 +200,11 @@ class LeaseKeeper:
         """Return once `acting` is what the keeper says (at once if it is)."""
         while self.acting != acting:
             await self._changed.wait()
+
+    async def wait_first_answer(self) -> None:
+        """Return once the first statement's outcome (won, held, failed) was stepped: the
+        keeper then says whether this daemon leads, as far as it can know."""
+        await self._answered.wait()
 
     async def wait_epoch_change(self, epoch: int | None) -> None:
         """Return once the epoch this keeper acts with is not `epoch` (None: not acting)."""
@@ -248,6 +254,8 @@ class LeaseKeeper:
             if event is not None:
                 assert self._state is not None
                 self._apply(step(self._state, event))
+            if isinstance(item, _Performed):
+                self._answered.set()
             self._dispatch()
 
     def _apply(self, decision: Decision) -> None:

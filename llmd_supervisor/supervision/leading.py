@@ -196,10 +196,14 @@ class Roles:
         cluster: str,
         take_over: Callable[[str], Awaitable[None]],
         refresh: Callable[[str], Awaitable[None]],
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
         """Act for `cluster` while this daemon leads it, follow the leader otherwise; for
-        ever (module docstring)."""
+        ever (module docstring). Started once the cluster's runs are loaded (taken over
+        or refreshed) the first time."""
         keeper = self._keepers[cluster]
+        started = False
         while True:
             epoch = keeper.epoch
             if epoch is not None:
@@ -207,6 +211,9 @@ class Roles:
                 log.info("leading.acting", cluster=cluster, epoch=epoch, holder=self.holder)
                 try:
                     await self._take_over(cluster, epoch, take_over)
+                    if not started:
+                        task_status.started()
+                        started = True
                     await keeper.wait_epoch_change(epoch)
                 finally:
                     self.end_tenure(cluster)
@@ -216,6 +223,9 @@ class Roles:
                 await refresh(cluster)
             except SupervisorError as exc:  # the database is away: views go stale, no more
                 log.warning("leading.refresh_failed", cluster=cluster, error=str(exc))
+            if not started:
+                task_status.started()
+                started = True
             with anyio.move_on_after(REFRESH_S):
                 await keeper.wait_epoch_change(None)
 

@@ -1,0 +1,165 @@
+"""Two daemons on one PostgreSQL journal (issue 3.7), on a replayed Slurm cluster.
+
+Two daemon processes, each with its own state directory, socket and archive, share one
+journal database: the first to start leads the cluster, the other is its standby. The
+standby answers list/status/wait from the database and refuses a submission naming the
+leader. When the leader is SIGKILLed mid-run (or stopped gracefully), the standby takes
+over and supervises the run to its verified outcome, on the same Slurm job.
+
+The same faults on the real dev cluster, with the two daemons as two login nodes in
+network namespaces, are in tests/faults/test_takeover_cluster.py; the repeated trials
+and their report are tests/faults/ha_trials.py's.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.daemon_helpers import Daemon, demo_spec
+from tests.fakes.replay_world import ReplayWorld
+from tests.postgres import PgServer
+
+# The lease (core.lease): a standby acquires once the killed leader's lease expired (15 s
+# after its last renewal) at its next attempt (every 2 s); a released lease at once.
+TAKEOVER_AFTER_KILL_S = 30.0
+TAKEOVER_AFTER_STOP_S = 8.0
+
+
+@dataclass
+class Pair:
+    """Two daemons on one journal database."""
+
+    a: Daemon
+    b: Daemon
+
+    def leader(self, timeout: float = 20.0) -> tuple[Daemon, Daemon]:
+        """(leader, standby) once exactly one of them acts for the cluster."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            acting = [d for d in (self.a, self.b) if _acting(d)]
+            if len(acting) == 1:
+                other = self.b if acting[0] is self.a else self.a
+                return acting[0], other
+            time.sleep(0.1)
+        raise AssertionError(f"no single leader after {timeout:g} s: {_tails(self)}")
+
+
+def _acting(d: Daemon) -> bool:
+    """Whether `d`'s log says it acts for the cluster now."""
+    acting = False
+    for line in d.log_text().splitlines():
+        if '"leading.acting"' in line:
+            acting = True
+        elif '"leading.stopped_acting"' in line:
+            acting = False
+    alive = d.proc is not None and d.proc.poll() is None
+    return acting and alive
+
+
+def _tails(pair: Pair) -> str:
+    return "\n".join(f"--- {d.root.name}\n{d.log_text()[-1500:]}" for d in (pair.a, pair.b))
+
+
+def _journal_config(postgres: PgServer) -> str:
+    database = postgres.new_database()
+    return f"""
+[journal]
+url = "{postgres.url(database)}"
+password_file = "{postgres.password_file}"
+"""
+
+
+@pytest.fixture
+def pair(world: ReplayWorld, tmp_path: Path, postgres: PgServer) -> Iterator[Pair]:
+    journal = _journal_config(postgres)
+    daemons = []
+    for name in ("a", "b"):
+        root = tmp_path / name
+        root.mkdir()
+        daemons.append(Daemon(world, root, replay_socket=world.socket, extra_config=journal))
+    p = Pair(*daemons)
+    p.a.start()
+    p.b.start()
+    try:
+        yield p
+    finally:
+        for d in daemons:
+            if d.proc is not None and d.proc.poll() is None:
+                d.stop()
+
+
+def _wait_in_background(d: Daemon, run: str) -> tuple[threading.Thread, list[str]]:
+    """`wait RUN --json` on `d`'s socket in a thread; its stdout lands in the list."""
+    out: list[str] = []
+
+    def wait() -> None:
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "llmd_supervisor",
+                "wait",
+                run,
+                "--json",
+                "--socket",
+                str(d.socket),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=False,
+        )
+        out.append(proc.stdout)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    return t, out
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "graceful"])
+def test_the_standby_finishes_the_run_of_a_leader_that_is_gone(
+    pair: Pair, world: ReplayWorld, tmp_path: Path, fault: str
+) -> None:
+    leader, standby = pair.leader()
+    refused = standby.submit(demo_spec(tmp_path / "logs-refused", port=8400))
+    assert refused.returncode != 0
+    assert "does not lead cluster 'dev'" in refused.stderr, refused.stderr
+    assert leader.root.name not in refused.stderr or "its leader is" in refused.stderr
+
+    submitted = leader.submit(demo_spec(tmp_path / "logs", port=8410))
+    assert submitted.returncode == 0, submitted.stderr
+    run = str(json.loads(submitted.stdout)["run"])
+    leader.wait_state(run, {"running"})
+    world.pause()  # the job keeps running while the daemons change
+    waiter, waited = _wait_in_background(standby, run)  # a client of the standby
+    standby.wait_state(run, {"running"}, timeout=10)  # its view, from the journal
+
+    gone = time.monotonic()
+    leader.stop(signal.SIGKILL if fault == "sigkill" else signal.SIGTERM)
+    limit = TAKEOVER_AFTER_KILL_S if fault == "sigkill" else TAKEOVER_AFTER_STOP_S
+    new_leader, _ = pair.leader(timeout=limit + 5)
+    took = time.monotonic() - gone
+    assert new_leader is standby
+    assert took <= limit, f"takeover took {took:.1f} s"
+    world.pause(False)
+
+    waiter.join(240)
+    assert waited, "wait on the standby did not return"
+    final = json.loads(waited[0])
+    assert final["outcome"] == "succeeded", final.get("reason")
+    names = world.sbatch_names()
+    assert len(names) == 1, f"jobs submitted: {names}"
+    assert world.job_ids_named(str(final["job_name"])) == [str(final["slurm_job_id"])]
+    receipt = json.loads((Path(str(final["archive"])) / "receipt.json").read_text())
+    assert receipt["outcome"] == "succeeded"
+    assert Path(str(final["archive"])).is_relative_to(standby.root)  # its own archive
