@@ -53,7 +53,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -127,11 +127,14 @@ class Login:
         return ["nsenter", f"--net=/run/netns/{self.netns}", f"--uts={self.uts}"]
 
 
-def _run(argv: Sequence[str], *, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+def _run(
+    argv: Sequence[str], *, check: bool = True, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout, check=False)
     if check and proc.returncode != 0:
         raise HaNetError(
-            f"`{' '.join(argv)}` exited {proc.returncode}: {proc.stderr.strip() or proc.stdout.strip()}"
+            f"`{' '.join(argv)}` exited {proc.returncode}: "
+            f"{proc.stderr.strip() or proc.stdout.strip()}"
         )
     return proc
 
@@ -287,10 +290,8 @@ def _kill_all(netns: str) -> None:
         if not pids:
             return
         for pid in pids:
-            try:
+            with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         time.sleep(0.1)
     raise HaNetError(f"processes {_netns_pids(netns)} in {netns} survived SIGKILL")
 
@@ -311,7 +312,10 @@ def leftovers(nodes: Sequence[str] = ()) -> list[str]:
         left.append(f"bridge {HA_BRIDGE}")
     for node in nodes:
         ns = _node_netns(node)
-        if _netns_exists(ns) and _run(["ip", "-n", ns, "route", "show", HA_SUBNET], check=False).stdout.strip():
+        if (
+            _netns_exists(ns)
+            and _run(["ip", "-n", ns, "route", "show", HA_SUBNET], check=False).stdout.strip()
+        ):
             left.append(f"route to {HA_SUBNET} in {ns}")
     routes = _run(["ip", "route", "show", HA_SUBNET], check=False).stdout.strip()
     if routes:
@@ -398,7 +402,9 @@ def _cut_rules(port: int) -> str:
 """
 
 
-def cut(login: Login, port: int | None = None, *, net: HaNet | None = None, whole_link: bool = False) -> None:
+def cut(
+    login: Login, port: int | None = None, *, net: HaNet | None = None, whole_link: bool = False
+) -> None:
     """Cut the login's link to the database (`port` on 10.78.0.1; else `net.db_port`), or
     with `whole_link` its whole link (the root-side veth down)."""
     if whole_link:

@@ -40,7 +40,15 @@ from llmd_supervisor.adapters.journal_pg import PostgresSettings
 from llmd_supervisor.adapters.journal_schema import TABLES
 from llmd_supervisor.core.journal_url import PostgresJournal, parse_journal
 
-__all__ = ["JournalTarget", "PgServer", "journal_target", "postgres"]
+__all__ = [
+    "JournalTarget",
+    "PgServer",
+    "journal_target",
+    "postgres",
+    "restart_immediate",
+    "start_server",
+    "stop_server",
+]
 
 PG_BIN = Path(os.environ.get("LLMD_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
 ROLE = "llmd"
@@ -58,6 +66,7 @@ class PgServer:
     process: subprocess.Popen[bytes]
     _databases: Iterator[int]
     _shared: tuple[str, psycopg.Connection[tuple[object, ...]]] | None = None
+    listen: tuple[str, ...] = ("127.0.0.1",)  # the addresses it listens on
 
     def admin(self) -> psycopg.Connection[tuple[object, ...]]:
         """A superuser connection over the Unix socket (autocommit); close it after use."""
@@ -65,8 +74,11 @@ class PgServer:
             host=str(self.base), port=self.port, user="postgres", dbname="postgres", autocommit=True
         )
 
-    def url(self, dbname: str) -> str:
-        return f"postgresql://{ROLE}@127.0.0.1:{self.port}/{dbname}"
+    def url(self, dbname: str, host: str = "127.0.0.1") -> str:
+        return f"postgresql://{ROLE}@{host}:{self.port}/{dbname}"
+
+    def password(self) -> str:
+        return self.password_file.read_text().strip()
 
     def journal_config(self, dbname: str) -> PostgresJournal:
         backend = parse_journal({"url": self.url(dbname), "password_file": str(self.password_file)})
@@ -133,6 +145,20 @@ def postgres() -> Iterator[PgServer]:
     """The session's PostgreSQL server (started here, stopped by PID at the end)."""
     if not (PG_BIN / "initdb").is_file():
         pytest.skip(f"PostgreSQL is not installed ({PG_BIN}/initdb); deploy/install-dev.sh")
+    server = start_server()
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
+def start_server(listen: tuple[str, ...] = ("127.0.0.1",), hba: tuple[str, ...] = ()) -> PgServer:
+    """A new PostgreSQL server: a cluster initialised in a temporary directory as the
+    postgres user, listening on the addresses `listen` (each must exist) on a free port,
+    with the journal's role (scram-sha-256 over TCP from loopback and from the networks
+    `hba`, e.g. ``("10.78.0.0/24",)``). `stop_server` stops it and removes its directory."""
+    if not (PG_BIN / "initdb").is_file():
+        pytest.fail(f"PostgreSQL is not installed ({PG_BIN}/initdb); deploy/install-dev.sh")
     base = Path(tempfile.mkdtemp(prefix="llmd-pg-"))
     as_postgres = _as_postgres()
     try:
@@ -162,9 +188,64 @@ def postgres() -> Iterator[PgServer]:
         )
         if initdb.returncode != 0:
             pytest.fail(f"initdb failed ({initdb.returncode}):\n{initdb.stdout}{initdb.stderr}")
+        if hba:
+            with open(base / "data" / "pg_hba.conf", "a") as f:
+                f.writelines(f"host all all {net} scram-sha-256\n" for net in hba)
         port = _free_port()
-        log = open(base / "server.log", "wb")  # noqa: SIM115  # the server writes it until the end
-        process = subprocess.Popen(
+        process = _spawn(base, port, listen)
+    except BaseException:
+        shutil.rmtree(base, ignore_errors=True)
+        raise
+    password = secrets.token_urlsafe(16)
+    password_file = base / "password"
+    fd = os.open(password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, f"{password}\n".encode())
+    os.close(fd)
+    server = PgServer(base, port, password_file, process, itertools.count(1), listen=listen)
+    try:
+        _wait_ready(server)
+        with server.admin() as conn:
+            conn.execute(f"CREATE ROLE {ROLE} LOGIN PASSWORD '{password}'")
+    except BaseException:
+        stop_server(server)
+        raise
+    return server
+
+
+def stop_server(server: PgServer) -> None:
+    """Stop the server by its PID (fast shutdown) and remove its directory."""
+    try:
+        server.close()
+        _stop(server)
+    finally:
+        shutil.rmtree(server.base, ignore_errors=True)
+
+
+def restart_immediate(server: PgServer) -> float:
+    """The 'PostgreSQL restarted' fault: an immediate shutdown (SIGQUIT to the postmaster:
+    every backend ends at once, no checkpoint, as after a crash), then the server started
+    again on the same data directory, addresses and port, and waited for (crash recovery
+    included). Returns the seconds from the SIGQUIT until it accepted connections again."""
+    server.close()  # the shared connection dies with the server
+    start = time.monotonic()
+    process = server.process
+    if process.poll() is None:
+        process.send_signal(signal.SIGQUIT)
+        try:
+            process.wait(_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(_STOP_TIMEOUT_S)
+    server.process = _spawn(server.base, server.port, server.listen)
+    _wait_ready(server)
+    return time.monotonic() - start
+
+
+def _spawn(base: Path, port: int, listen: tuple[str, ...]) -> subprocess.Popen[bytes]:
+    """Start the postmaster of the cluster in `base` (as the postgres user when root)."""
+    log = open(base / "server.log", "ab")  # noqa: SIM115  # the server writes it until the end
+    try:
+        process: subprocess.Popen[bytes] = subprocess.Popen(
             [
                 str(PG_BIN / "postgres"),
                 "-D",
@@ -172,7 +253,7 @@ def postgres() -> Iterator[PgServer]:
                 "-p",
                 str(port),
                 "-c",
-                "listen_addresses=127.0.0.1",
+                f"listen_addresses={','.join(listen)}",
                 "-c",
                 f"unix_socket_directories={base}",
                 "-c",
@@ -191,27 +272,11 @@ def postgres() -> Iterator[PgServer]:
             stdin=subprocess.DEVNULL,
             cwd=base,
             start_new_session=True,
-            **as_postgres,  # type: ignore[call-overload]  # as above
+            **_as_postgres(),  # type: ignore[call-overload]  # user/group/extra_groups
         )
-        log.close()
-    except BaseException:
-        shutil.rmtree(base, ignore_errors=True)
-        raise
-    password = secrets.token_urlsafe(16)
-    password_file = base / "password"
-    fd = os.open(password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.write(fd, f"{password}\n".encode())
-    os.close(fd)
-    server = PgServer(base, port, password_file, process, itertools.count(1))
-    try:
-        _wait_ready(server)
-        with server.admin() as conn:
-            conn.execute(f"CREATE ROLE {ROLE} LOGIN PASSWORD '{password}'")
-        yield server
     finally:
-        server.close()
-        _stop(server)
-        shutil.rmtree(base, ignore_errors=True)
+        log.close()
+    return process
 
 
 def _wait_ready(server: PgServer) -> None:
