@@ -56,6 +56,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Literal, overload
 
 __all__ = [
     "DEV_BRIDGE",
@@ -372,17 +373,43 @@ def run_in(
     return proc
 
 
+@overload
 def popen_in(
     login: Login,
     argv: Sequence[str],
     env: Mapping[str, str] | None = None,
-    **kwargs: object,
-) -> subprocess.Popen[bytes]:
-    """Start a command in the login; the caller stops it (by its PID). `nsenter` execs the
-    command, so the Popen's PID is the command's own (signals reach it directly)."""
-    return subprocess.Popen(  # type: ignore[call-overload, no-any-return]
-        [*login.enter(), *argv], env=dict(env) if env is not None else None, **kwargs
+    *,
+    text: Literal[False] = False,
+    **kwargs: Any,
+) -> subprocess.Popen[bytes]: ...
+
+
+@overload
+def popen_in(
+    login: Login,
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    text: Literal[True],
+    **kwargs: Any,
+) -> subprocess.Popen[str]: ...
+
+
+def popen_in(
+    login: Login,
+    argv: Sequence[str],
+    env: Mapping[str, str] | None = None,
+    *,
+    text: bool = False,
+    **kwargs: Any,
+) -> subprocess.Popen[bytes] | subprocess.Popen[str]:
+    """Start a command in the login (Popen's keywords pass through; `text` as Popen's);
+    the caller stops it, by its PID. `nsenter` execs the command, so the Popen's PID is the
+    command's own (signals reach it directly)."""
+    proc: subprocess.Popen[bytes] | subprocess.Popen[str] = subprocess.Popen(
+        [*login.enter(), *argv], env=dict(env) if env is not None else None, text=text, **kwargs
     )
+    return proc
 
 
 # ---------------------------------------------------------------- faults

@@ -67,6 +67,7 @@ class PgServer:
     _databases: Iterator[int]
     _shared: tuple[str, psycopg.Connection[tuple[object, ...]]] | None = None
     listen: tuple[str, ...] = ("127.0.0.1",)  # the addresses it listens on
+    durable: bool = False  # synchronous_commit on (start_server)
 
     def admin(self) -> psycopg.Connection[tuple[object, ...]]:
         """A superuser connection over the Unix socket (autocommit); close it after use."""
@@ -152,11 +153,19 @@ def postgres() -> Iterator[PgServer]:
         stop_server(server)
 
 
-def start_server(listen: tuple[str, ...] = ("127.0.0.1",), hba: tuple[str, ...] = ()) -> PgServer:
+def start_server(
+    listen: tuple[str, ...] = ("127.0.0.1",), hba: tuple[str, ...] = (), *, durable: bool = False
+) -> PgServer:
     """A new PostgreSQL server: a cluster initialised in a temporary directory as the
     postgres user, listening on the addresses `listen` (each must exist) on a free port,
     with the journal's role (scram-sha-256 over TCP from loopback and from the networks
-    `hba`, e.g. ``("10.78.0.0/24",)``). `stop_server` stops it and removes its directory."""
+    `hba`, e.g. ``("10.78.0.0/24",)``). `stop_server` stops it and removes its directory.
+
+    Not `durable` (the session's server): ``synchronous_commit=off``, so a commit
+    acknowledged less than ~0.2 s (wal_writer_delay) before `restart_immediate` can be
+    lost. `durable` keeps PostgreSQL's default (on), as a production journal has: what a
+    client saw committed survives the restart. ``fsync`` is off either way (the machine
+    does not crash in these tests)."""
     if not (PG_BIN / "initdb").is_file():
         pytest.fail(f"PostgreSQL is not installed ({PG_BIN}/initdb); deploy/install-dev.sh")
     base = Path(tempfile.mkdtemp(prefix="llmd-pg-"))
@@ -192,7 +201,7 @@ def start_server(listen: tuple[str, ...] = ("127.0.0.1",), hba: tuple[str, ...] 
             with open(base / "data" / "pg_hba.conf", "a") as f:
                 f.writelines(f"host all all {net} scram-sha-256\n" for net in hba)
         port = _free_port()
-        process = _spawn(base, port, listen)
+        process = _spawn(base, port, listen, durable)
     except BaseException:
         shutil.rmtree(base, ignore_errors=True)
         raise
@@ -201,7 +210,9 @@ def start_server(listen: tuple[str, ...] = ("127.0.0.1",), hba: tuple[str, ...] 
     fd = os.open(password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, f"{password}\n".encode())
     os.close(fd)
-    server = PgServer(base, port, password_file, process, itertools.count(1), listen=listen)
+    server = PgServer(
+        base, port, password_file, process, itertools.count(1), listen=listen, durable=durable
+    )
     try:
         _wait_ready(server)
         with server.admin() as conn:
@@ -236,12 +247,14 @@ def restart_immediate(server: PgServer) -> float:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(_STOP_TIMEOUT_S)
-    server.process = _spawn(server.base, server.port, server.listen)
+    server.process = _spawn(server.base, server.port, server.listen, server.durable)
     _wait_ready(server)
     return time.monotonic() - start
 
 
-def _spawn(base: Path, port: int, listen: tuple[str, ...]) -> subprocess.Popen[bytes]:
+def _spawn(
+    base: Path, port: int, listen: tuple[str, ...], durable: bool
+) -> subprocess.Popen[bytes]:
     """Start the postmaster of the cluster in `base` (as the postgres user when root)."""
     log = open(base / "server.log", "ab")  # noqa: SIM115  # the server writes it until the end
     try:
@@ -259,7 +272,7 @@ def _spawn(base: Path, port: int, listen: tuple[str, ...]) -> subprocess.Popen[b
                 "-c",
                 "fsync=off",
                 "-c",
-                "synchronous_commit=off",
+                f"synchronous_commit={'on' if durable else 'off'}",
                 "-c",
                 "full_page_writes=off",
                 "-c",
