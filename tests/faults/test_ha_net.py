@@ -156,37 +156,33 @@ def test_database_cut_is_real_narrow_and_restored(ha: Ha) -> None:
     login1, login2 = ha.net.login("login1"), ha.net.login("login2")
     # An established connection of login1 with a TCP user timeout of 2 s (as a daemon's
     # journal connection would be configured), waiting for its next query.
-    held = popen_in(
+    with popen_in(
         login1,
         [sys.executable, "-c", ha.psql_code(tcp_user_timeout_ms=2000, wait_stdin=True)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
         text=True,
-    )
-    try:
-        assert held.stdout is not None and held.stdin is not None
-        assert held.stdout.readline().strip() == login1.addr
-        cut(login1, net=ha.net)
-        noticed = _wait(lambda: is_cut(login1, ha.pg.port, timeout=1.0), NOTICE_S)
-        assert noticed is not None, (
-            f"login1 still reaches the database {NOTICE_S:g} s after the cut"
-        )
-        # Narrow: login1 still reaches slurmctld and the nodes; login2 the database.
-        assert connect_time(login1, DEV_GATEWAY, SLURMCTLD_PORT) is not None
-        assert connect_time(login1, next(iter(ha.cluster.addrs.values())), 22) is not None
-        assert run_in(login1, ["sinfo", "-h"], ha.slurm_env()).returncode == 0
-        assert connect_time(login2, HA_BRIDGE_ADDR, ha.pg.port) is not None
-        # The held connection's next query fails on its TCP user timeout, not sooner
-        # (no RST, no ICMP: packets vanish) and not much later.
-        held.stdin.write("\n")
-        held.stdin.flush()
-        word, took_s, *_ = held.stdout.readline().split()
-        assert word == "failed"
-        assert 1.5 <= float(took_s) <= 2.0 + NOTICE_S, took_s
-    finally:
-        held.kill()
-        held.wait()
+    ) as held:
+        try:
+            assert held.stdout is not None and held.stdin is not None
+            assert held.stdout.readline().strip() == login1.addr
+            cut(login1, net=ha.net)
+            noticed = _wait(lambda: is_cut(login1, ha.pg.port, timeout=1.0), NOTICE_S)
+            assert noticed is not None, f"login1 reaches the database {NOTICE_S:g} s after the cut"
+            # Narrow: login1 still reaches slurmctld and the nodes; login2 the database.
+            assert connect_time(login1, DEV_GATEWAY, SLURMCTLD_PORT) is not None
+            assert connect_time(login1, next(iter(ha.cluster.addrs.values())), 22) is not None
+            assert run_in(login1, ["sinfo", "-h"], ha.slurm_env()).returncode == 0
+            assert connect_time(login2, HA_BRIDGE_ADDR, ha.pg.port) is not None
+            # The held connection's next query fails on its TCP user timeout, not sooner
+            # (no RST, no ICMP: packets vanish) and not much later.
+            held.stdin.write("\n")
+            held.stdin.flush()
+            word, took_s, *_ = held.stdout.readline().split()
+            assert word == "failed"
+            assert 1.5 <= float(took_s) <= 2.0 + NOTICE_S, took_s
+        finally:
+            held.kill()
     restore(login1)
     back = _wait(lambda: connect_time(login1, HA_BRIDGE_ADDR, ha.pg.port, timeout=1.0), NOTICE_S)
     assert back is not None, "login1 does not reach the database after restore"
@@ -212,7 +208,7 @@ def test_whole_link_cut_and_restore(ha: Ha) -> None:
 
 
 def test_postgres_restart_immediate(ha: Ha) -> None:
-    url = ha.pg.url("postgres")
+    url = ha.pg.url(ha.pg.new_database())
     with psycopg.connect(url, password=ha.pg.password(), autocommit=True) as conn:
         conn.execute("CREATE TABLE marks (n int)")
         conn.execute("INSERT INTO marks VALUES (1)")  # acknowledged just before the fault
