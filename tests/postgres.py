@@ -68,6 +68,7 @@ class PgServer:
     _shared: tuple[str, psycopg.Connection[tuple[object, ...]]] | None = None
     listen: tuple[str, ...] = ("127.0.0.1",)  # the addresses it listens on
     durable: bool = False  # synchronous_commit on (start_server)
+    ca_file: Path | None = None  # the CA of its TLS certificate (start_server(tls=True))
 
     def admin(self) -> psycopg.Connection[tuple[object, ...]]:
         """A superuser connection over the Unix socket (autocommit); close it after use."""
@@ -77,6 +78,11 @@ class PgServer:
 
     def url(self, dbname: str, host: str = "127.0.0.1") -> str:
         return f"postgresql://{ROLE}@{host}:{self.port}/{dbname}"
+
+    def tls_query(self) -> str:
+        """The URL query that makes a client verify this server's certificate."""
+        assert self.ca_file is not None, "started without tls"
+        return f"sslmode=verify-full&sslrootcert={self.ca_file}"
 
     def password(self) -> str:
         return self.password_file.read_text().strip()
@@ -154,7 +160,11 @@ def postgres() -> Iterator[PgServer]:
 
 
 def start_server(
-    listen: tuple[str, ...] = ("127.0.0.1",), hba: tuple[str, ...] = (), *, durable: bool = False
+    listen: tuple[str, ...] = ("127.0.0.1",),
+    hba: tuple[str, ...] = (),
+    *,
+    durable: bool = False,
+    tls: bool = False,
 ) -> PgServer:
     """A new PostgreSQL server: a cluster initialised in a temporary directory as the
     postgres user, listening on the addresses `listen` (each must exist) on a free port,
@@ -165,7 +175,12 @@ def start_server(
     acknowledged less than ~0.2 s (wal_writer_delay) before `restart_immediate` can be
     lost. `durable` keeps PostgreSQL's default (on), as a production journal has: what a
     client saw committed survives the restart. ``fsync`` is off either way (the machine
-    does not crash in these tests)."""
+    does not crash in these tests).
+
+    `tls`: the server speaks TLS (``ssl=on``) with a certificate for its `listen`
+    addresses signed by a CA of its own (`PgServer.ca_file`), so a daemon can reach it
+    over a non-loopback address with ``sslmode=verify-full`` (which the journal's URL
+    requires there; `PgServer.tls_query`)."""
     if not (PG_BIN / "initdb").is_file():
         pytest.fail(f"PostgreSQL is not installed ({PG_BIN}/initdb); deploy/install-dev.sh")
     base = Path(tempfile.mkdtemp(prefix="llmd-pg-"))
@@ -200,6 +215,8 @@ def start_server(
         if hba:
             with open(base / "data" / "pg_hba.conf", "a") as f:
                 f.writelines(f"host all all {net} scram-sha-256\n" for net in hba)
+        if tls:
+            _make_tls(base, listen, as_postgres)
         port = _free_port()
         process = _spawn(base, port, listen, durable)
     except BaseException:
@@ -211,7 +228,14 @@ def start_server(
     os.write(fd, f"{password}\n".encode())
     os.close(fd)
     server = PgServer(
-        base, port, password_file, process, itertools.count(1), listen=listen, durable=durable
+        base,
+        port,
+        password_file,
+        process,
+        itertools.count(1),
+        listen=listen,
+        durable=durable,
+        ca_file=base / "tls" / "ca.crt" if tls else None,
     )
     try:
         _wait_ready(server)
@@ -252,10 +276,82 @@ def restart_immediate(server: PgServer) -> float:
     return time.monotonic() - start
 
 
+def _make_tls(base: Path, addrs: tuple[str, ...], as_postgres: dict[str, object]) -> None:
+    """A CA and a server certificate for `addrs` (and localhost) under base/tls; the key
+    readable by the server's user only."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    tls_dir = base / "tls"
+    tls_dir.mkdir(mode=0o755)
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "llmd test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = [x509.DNSName("localhost")]
+    names += [x509.IPAddress(ipaddress.ip_address(a)) for a in addrs]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, addrs[0])]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    (tls_dir / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (tls_dir / "server.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file = tls_dir / "server.key"
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(
+        fd,
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
+        ),
+    )
+    os.close(fd)
+    if as_postgres:
+        pw = pwd.getpwnam("postgres")
+        os.chown(key_file, pw.pw_uid, pw.pw_gid)
+
+
 def _spawn(
     base: Path, port: int, listen: tuple[str, ...], durable: bool
 ) -> subprocess.Popen[bytes]:
     """Start the postmaster of the cluster in `base` (as the postgres user when root)."""
+    tls_dir = base / "tls"
+    tls_args = (
+        [
+            "-c",
+            "ssl=on",
+            "-c",
+            f"ssl_cert_file={tls_dir / 'server.crt'}",
+            "-c",
+            f"ssl_key_file={tls_dir / 'server.key'}",
+        ]
+        if (tls_dir / "server.key").exists()
+        else []
+    )
     log = open(base / "server.log", "ab")  # noqa: SIM115  # the server writes it until the end
     try:
         process: subprocess.Popen[bytes] = subprocess.Popen(
@@ -279,6 +375,7 @@ def _spawn(
                 "shared_buffers=32MB",
                 "-c",
                 "max_connections=80",
+                *tls_args,
             ],
             stdout=log,
             stderr=subprocess.STDOUT,

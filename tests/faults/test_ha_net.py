@@ -22,11 +22,11 @@ import psycopg
 import pytest
 
 from tests.devcluster import DevCluster
+from tests.faults.ha_daemons import HaRig, ha_rig, login_daemon
 from tests.ha_net import (
     DEV_BRIDGE,
     DEV_GATEWAY,
     HA_BRIDGE_ADDR,
-    HA_SUBNET,
     SLURMCTLD_PORT,
     HaNet,
     HaNetError,
@@ -41,7 +41,7 @@ from tests.ha_net import (
     restore,
     run_in,
 )
-from tests.postgres import PgServer, restart_immediate, start_server, stop_server
+from tests.postgres import PgServer, restart_immediate
 
 # A cut must show within this (the brief of issue 3.7: "within a few seconds").
 NOTICE_S = 5.0
@@ -92,19 +92,13 @@ def _forwarding() -> dict[str, str]:
 @pytest.fixture
 def ha(cluster: DevCluster) -> Iterator[Ha]:
     """Two logins and a PostgreSQL server on 10.78.0.1 (and 127.0.0.1); after the test,
-    nothing of them may be left."""
+    nothing of them may be left (ha_rig checks the network, this the forwarding switches)."""
     missing = missing_tools()
     if missing:
         pytest.fail(f"missing {', '.join(missing)}: deploy/install-dev.sh installs them")
     before = _forwarding()
-    with ha_network(nodes=cluster.nodes) as net:
-        pg = start_server(listen=("127.0.0.1", HA_BRIDGE_ADDR), hba=(HA_SUBNET,), durable=True)
-        net.db_port = pg.port
-        try:
-            yield Ha(net, pg, cluster)
-        finally:
-            stop_server(pg)
-    assert leftovers(cluster.nodes) == []
+    with ha_rig(cluster) as rig:
+        yield Ha(rig.net, rig.pg, cluster)
     assert _forwarding() == before
 
 
@@ -254,3 +248,20 @@ def test_teardown_while_cut_leaves_nothing(cluster: DevCluster) -> None:
             ["ip", "-n", f"llmd-{node}", "route", "show"], capture_output=True, text=True
         ).stdout
         assert now == routes, node
+
+
+def test_a_daemon_in_a_login_runs_on_the_database_at_the_bridge(
+    cluster: DevCluster, tmp_path: Path
+) -> None:
+    with ha_rig(cluster) as rig:
+        daemon = login_daemon(rig, "login1", tmp_path / "d1", rig.pg.new_database())
+        daemon.start()
+        assert daemon.cli("list", "--json").returncode == 0
+        # Its journal connections come from the login's address.
+        with rig.pg.admin() as conn:
+            rows = conn.execute(
+                "SELECT DISTINCT host(client_addr) FROM pg_stat_activity WHERE usename = 'llmd'"
+            ).fetchall()
+        assert [r[0] for r in rows] == [rig.net.login("login1").addr]
+        assert isinstance(rig, HaRig)
+        assert daemon.stop() == 0
