@@ -33,6 +33,8 @@ command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 /usr/bin/python3 -c 'import ensurepip, venv' >/dev/null 2>&1 || missing+=(python3-venv)
 # The journal's tests start a PostgreSQL 15 server of their own (tests/postgres.py).
 [ -x /usr/lib/postgresql/15/bin/initdb ] || missing+=(postgresql)
+# The two-login fault tests cut a login's link to the database with nftables (tests/ha_net.py).
+command -v nft >/dev/null 2>&1 || missing+=(nftables)
 if [ ${#missing[@]} -gt 0 ]; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}"

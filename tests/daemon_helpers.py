@@ -140,6 +140,8 @@ class Daemon:
     daemon_keys: str = ""  # more [daemon] keys (e.g. socket_group)
     replay_socket: Path | None = None  # Slurm commands go to a replayed cluster served here
     qos_backoff_s: float | None = None  # a campaign's back-off after a QOS refusal (seam)
+    # Runs the daemon under this command prefix: a login node's `nsenter` (tests/ha_net.py).
+    prefix: list[str] = field(default_factory=list)
 
     @property
     def socket(self) -> Path:
@@ -191,7 +193,7 @@ log_format = "json"
             if self.qos_backoff_s is not None:
                 argv += ["--qos-backoff-s", str(self.qos_backoff_s)]
         self.proc = subprocess.Popen(
-            [*argv, "--config", str(self.config_path)],
+            [*self.prefix, *argv, "--config", str(self.config_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **self.cluster.slurm_env, **self.env},

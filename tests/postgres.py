@@ -55,6 +55,9 @@ __all__ = [
     "journal_target",
     "lead_for_tests",
     "postgres",
+    "restart_immediate",
+    "start_server",
+    "stop_server",
 ]
 
 PG_BIN = Path(os.environ.get("LLMD_TEST_PG_BIN", "/usr/lib/postgresql/15/bin"))
@@ -73,6 +76,9 @@ class PgServer:
     process: subprocess.Popen[bytes]
     _databases: Iterator[int]
     _shared: tuple[str, psycopg.Connection[tuple[object, ...]]] | None = None
+    listen: tuple[str, ...] = ("127.0.0.1",)  # the addresses it listens on
+    durable: bool = False  # synchronous_commit on (start_server)
+    ca_file: Path | None = None  # the CA of its TLS certificate (start_server(tls=True))
 
     def admin(self) -> psycopg.Connection[tuple[object, ...]]:
         """A superuser connection over the Unix socket (autocommit); close it after use."""
@@ -80,8 +86,16 @@ class PgServer:
             host=str(self.base), port=self.port, user="postgres", dbname="postgres", autocommit=True
         )
 
-    def url(self, dbname: str) -> str:
-        return f"postgresql://{ROLE}@127.0.0.1:{self.port}/{dbname}"
+    def url(self, dbname: str, host: str = "127.0.0.1") -> str:
+        return f"postgresql://{ROLE}@{host}:{self.port}/{dbname}"
+
+    def tls_query(self) -> str:
+        """The URL query that makes a client verify this server's certificate."""
+        assert self.ca_file is not None, "started without tls"
+        return f"sslmode=verify-full&sslrootcert={self.ca_file}"
+
+    def password(self) -> str:
+        return self.password_file.read_text().strip()
 
     def journal_config(self, dbname: str) -> PostgresJournal:
         backend = parse_journal({"url": self.url(dbname), "password_file": str(self.password_file)})
@@ -148,6 +162,37 @@ def postgres() -> Iterator[PgServer]:
     """The session's PostgreSQL server (started here, stopped by PID at the end)."""
     if not (PG_BIN / "initdb").is_file():
         pytest.skip(f"PostgreSQL is not installed ({PG_BIN}/initdb); deploy/install-dev.sh")
+    server = start_server()
+    try:
+        yield server
+    finally:
+        stop_server(server)
+
+
+def start_server(
+    listen: tuple[str, ...] = ("127.0.0.1",),
+    hba: tuple[str, ...] = (),
+    *,
+    durable: bool = False,
+    tls: bool = False,
+) -> PgServer:
+    """A new PostgreSQL server: a cluster initialised in a temporary directory as the
+    postgres user, listening on the addresses `listen` (each must exist) on a free port,
+    with the journal's role (scram-sha-256 over TCP from loopback and from the networks
+    `hba`, e.g. ``("10.78.0.0/24",)``). `stop_server` stops it and removes its directory.
+
+    Not `durable` (the session's server): ``synchronous_commit=off``, so a commit
+    acknowledged less than ~0.2 s (wal_writer_delay) before `restart_immediate` can be
+    lost. `durable` keeps PostgreSQL's default (on), as a production journal has: what a
+    client saw committed survives the restart. ``fsync`` is off either way (the machine
+    does not crash in these tests).
+
+    `tls`: the server speaks TLS (``ssl=on``) with a certificate for its `listen`
+    addresses signed by a CA of its own (`PgServer.ca_file`), so a daemon can reach it
+    over a non-loopback address with ``sslmode=verify-full`` (which the journal's URL
+    requires there; `PgServer.tls_query`)."""
+    if not (PG_BIN / "initdb").is_file():
+        pytest.fail(f"PostgreSQL is not installed ({PG_BIN}/initdb); deploy/install-dev.sh")
     base = Path(tempfile.mkdtemp(prefix="llmd-pg-"))
     as_postgres = _as_postgres()
     try:
@@ -177,38 +222,13 @@ def postgres() -> Iterator[PgServer]:
         )
         if initdb.returncode != 0:
             pytest.fail(f"initdb failed ({initdb.returncode}):\n{initdb.stdout}{initdb.stderr}")
+        if hba:
+            with open(base / "data" / "pg_hba.conf", "a") as f:
+                f.writelines(f"host all all {net} scram-sha-256\n" for net in hba)
+        if tls:
+            _make_tls(base, listen, as_postgres)
         port = _free_port()
-        log = open(base / "server.log", "wb")  # noqa: SIM115  # the server writes it until the end
-        process = subprocess.Popen(
-            [
-                str(PG_BIN / "postgres"),
-                "-D",
-                str(base / "data"),
-                "-p",
-                str(port),
-                "-c",
-                "listen_addresses=127.0.0.1",
-                "-c",
-                f"unix_socket_directories={base}",
-                "-c",
-                "fsync=off",
-                "-c",
-                "synchronous_commit=off",
-                "-c",
-                "full_page_writes=off",
-                "-c",
-                "shared_buffers=32MB",
-                "-c",
-                "max_connections=80",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            cwd=base,
-            start_new_session=True,
-            **as_postgres,  # type: ignore[call-overload]  # as above
-        )
-        log.close()
+        process = _spawn(base, port, listen, durable)
     except BaseException:
         shutil.rmtree(base, ignore_errors=True)
         raise
@@ -217,16 +237,166 @@ def postgres() -> Iterator[PgServer]:
     fd = os.open(password_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     os.write(fd, f"{password}\n".encode())
     os.close(fd)
-    server = PgServer(base, port, password_file, process, itertools.count(1))
+    server = PgServer(
+        base,
+        port,
+        password_file,
+        process,
+        itertools.count(1),
+        listen=listen,
+        durable=durable,
+        ca_file=base / "tls" / "ca.crt" if tls else None,
+    )
     try:
         _wait_ready(server)
         with server.admin() as conn:
             conn.execute(f"CREATE ROLE {ROLE} LOGIN PASSWORD '{password}'")
-        yield server
-    finally:
+    except BaseException:
+        stop_server(server)
+        raise
+    return server
+
+
+def stop_server(server: PgServer) -> None:
+    """Stop the server by its PID (fast shutdown) and remove its directory."""
+    try:
         server.close()
         _stop(server)
-        shutil.rmtree(base, ignore_errors=True)
+    finally:
+        shutil.rmtree(server.base, ignore_errors=True)
+
+
+def restart_immediate(server: PgServer) -> float:
+    """The 'PostgreSQL restarted' fault: an immediate shutdown (SIGQUIT to the postmaster:
+    every backend ends at once, no checkpoint, as after a crash), then the server started
+    again on the same data directory, addresses and port, and waited for (crash recovery
+    included). Returns the seconds from the SIGQUIT until it accepted connections again."""
+    server.close()  # the shared connection dies with the server
+    start = time.monotonic()
+    process = server.process
+    if process.poll() is None:
+        process.send_signal(signal.SIGQUIT)
+        try:
+            process.wait(_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(_STOP_TIMEOUT_S)
+    server.process = _spawn(server.base, server.port, server.listen, server.durable)
+    _wait_ready(server)
+    return time.monotonic() - start
+
+
+def _make_tls(base: Path, addrs: tuple[str, ...], as_postgres: dict[str, object]) -> None:
+    """A CA and a server certificate for `addrs` (and localhost) under base/tls; the key
+    readable by the server's user only."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    tls_dir = base / "tls"
+    tls_dir.mkdir(mode=0o755)
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "llmd test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = [x509.DNSName("localhost")]
+    names += [x509.IPAddress(ipaddress.ip_address(a)) for a in addrs]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, addrs[0])]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(x509.SubjectAlternativeName(names), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    (tls_dir / "ca.crt").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    (tls_dir / "server.crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_file = tls_dir / "server.key"
+    fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(
+        fd,
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.TraditionalOpenSSL,
+            serialization.NoEncryption(),
+        ),
+    )
+    os.close(fd)
+    if as_postgres:
+        pw = pwd.getpwnam("postgres")
+        os.chown(key_file, pw.pw_uid, pw.pw_gid)
+
+
+def _spawn(
+    base: Path, port: int, listen: tuple[str, ...], durable: bool
+) -> subprocess.Popen[bytes]:
+    """Start the postmaster of the cluster in `base` (as the postgres user when root)."""
+    tls_dir = base / "tls"
+    tls_args = (
+        [
+            "-c",
+            "ssl=on",
+            "-c",
+            f"ssl_cert_file={tls_dir / 'server.crt'}",
+            "-c",
+            f"ssl_key_file={tls_dir / 'server.key'}",
+        ]
+        if (tls_dir / "server.key").exists()
+        else []
+    )
+    log = open(base / "server.log", "ab")  # noqa: SIM115  # the server writes it until the end
+    try:
+        process: subprocess.Popen[bytes] = subprocess.Popen(
+            [
+                str(PG_BIN / "postgres"),
+                "-D",
+                str(base / "data"),
+                "-p",
+                str(port),
+                "-c",
+                f"listen_addresses={','.join(listen)}",
+                "-c",
+                f"unix_socket_directories={base}",
+                "-c",
+                "fsync=off",
+                "-c",
+                f"synchronous_commit={'on' if durable else 'off'}",
+                "-c",
+                "full_page_writes=off",
+                "-c",
+                "shared_buffers=32MB",
+                "-c",
+                "max_connections=80",
+                *tls_args,
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            cwd=base,
+            start_new_session=True,
+            **_as_postgres(),  # type: ignore[call-overload]  # user/group/extra_groups
+        )
+    finally:
+        log.close()
+    return process
 
 
 def _wait_ready(server: PgServer) -> None:
