@@ -163,6 +163,15 @@ class NameLookup:
 
     job_id: str | None
     certain: bool  # both squeue and sacct answered: a None job_id means "never submitted"
+    others: tuple[str, ...] = ()  # more jobs of that name: duplicates (the first is job_id)
+
+
+def _named(ids: list[str], certain: bool) -> NameLookup:
+    """The first submitted of the jobs `ids` of one name, and the others."""
+    distinct = sorted(set(ids), key=lambda i: (len(i), i))  # numeric order of job ids
+    if not distinct:
+        return NameLookup(None, certain)
+    return NameLookup(distinct[0], certain, tuple(distinct[1:]))
 
 
 # What `id -un` may print for the account to be usable in `--user=`: one name, no list.
@@ -235,7 +244,7 @@ class SlurmClient:
         )
         ids = queue.stdout.split()
         if ids:
-            return NameLookup(ids[-1], certain=True)
+            return _named(ids, certain=True)
         acct = await self._run(
             [
                 "sacct",
@@ -252,8 +261,7 @@ class SlurmClient:
             return NameLookup(None, certain=False)
         if not acct.ok:
             raise SlurmCommandError(acct.argv, acct.returncode, _tail(acct.stderr))
-        ids = acct.stdout.split()
-        return NameLookup(ids[-1] if ids else None, certain=True)
+        return _named(acct.stdout.split(), certain=True)
 
     async def submit_limit(self) -> int | None:
         """How many jobs this client's account may have pending or running at once

@@ -8,6 +8,7 @@ a driver, a daemon or a cluster.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -64,9 +65,13 @@ class FakeRun:
     emitted: list[dict[str, object]] = field(default_factory=list)  # {"at", "kind", **fields}
     waited: list[float] = field(default_factory=list)  # what `wait_change` was asked to wait
     changed: anyio.Event = field(default_factory=anyio.Event)
+    lease_left: float = math.inf  # this daemon's time left to act (a shared journal's)
 
     def now(self) -> datetime:
         return self.clock
+
+    def lease_time_left(self) -> float:
+        return self.lease_left
 
     def job_id(self) -> str:
         if self.run.slurm_job_id is None:

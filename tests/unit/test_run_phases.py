@@ -104,6 +104,34 @@ async def test_reconcile_finds_the_job_by_name_or_says_to_submit_once(
         assert ctx.replay.count("sbatch") == 0
 
 
+@pytest.mark.asyncio
+async def test_reconcile_keeps_the_first_job_of_the_name_and_cancels_the_others(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two daemons both submitted (the fence and the in-flight window make it impossible;
+    this is the alarm if it happens all the same)."""
+    monkeypatch.setattr(submit, "SUBMIT_SETTLE_S", 0.0)
+    async with fake_run(tmp_path) as ctx:
+        first = ctx.replay.add_job("llmd-r1")
+        second = ctx.replay.add_job("llmd-r1")
+        assert await submit.reconcile(ctx) == Submitted(first.job_id)
+        cancelled = [a[-1] for a in ctx.replay.argvs("scancel")]
+        assert cancelled == [second.job_id]
+
+
+@pytest.mark.asyncio
+async def test_sbatch_waits_until_the_daemon_may_act_long_enough(tmp_path: Path) -> None:
+    async with fake_run(tmp_path) as ctx:
+        ctx.lease_left = 1.0  # its lease was last renewed 9 s ago
+        with anyio.move_on_after(0.6):
+            await submit.submit(ctx, ())
+        assert ctx.replay.count("sbatch") == 0
+        ctx.lease_left = 9.5  # renewed
+        with anyio.fail_after(5):
+            got = await submit.submit(ctx, ())
+        assert got == Submitted(ctx.replay.job("llmd-r1").job_id)
+
+
 # --- follow ---------------------------------------------------------------------------------
 
 

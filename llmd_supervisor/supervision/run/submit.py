@@ -29,6 +29,13 @@ SUBMIT_SETTLE_S = 5.0
 LOOKUPS: Final = 5  # find_by_name tries before the run is left in `submitting`
 
 
+# sbatch starts only with this much time left to act for the cluster (`core.lease`: a
+# leader renews every 2 s and may act 10 s after its last renewal). Whatever it then takes,
+# the next leader reconciles only after the in-flight window (`driver.IN_FLIGHT_S`).
+SBATCH_LEASE_LEFT_S: Final = 5.0
+_LEASE_LOOK_S: Final = 0.25
+
+
 class Resubmit(Enum):
     """`reconcile`'s answer when no job can have the run's name: submit it (once)."""
 
@@ -49,6 +56,23 @@ async def submit(ctx: RunContext, exclude: tuple[str, ...]) -> Submitted | Submi
         log.info("run.reconciled", job_name=ctx.run.slurm_job_name, slurm_job_id=lookup.job_id)
         return Submitted(lookup.job_id)
     return SubmitFailed(f"sbatch failed: {sbatch}")
+
+
+async def _cancel_duplicates(ctx: RunContext, lookup: NameLookup) -> None:
+    """Jobs beyond the first of the run's name should not exist (two daemons both
+    submitted): cancel them and say so loudly. The first is the run's."""
+    for job_id in lookup.others:
+        log.error(
+            "run.duplicate_job",
+            job_name=ctx.run.slurm_job_name,
+            slurm_job_id=job_id,
+            kept=lookup.job_id,
+            action="cancelled",
+        )
+        try:
+            await ctx.cluster.client.scancel(job_id)
+        except SlurmCommandError as exc:
+            log.error("run.duplicate_job_cancel_failed", slurm_job_id=job_id, error=str(exc))
 
 
 async def reconcile(ctx: RunContext) -> Submitted | SubmitFailed | Literal[Resubmit.RESUBMIT]:
@@ -74,13 +98,31 @@ async def reconcile(ctx: RunContext) -> Submitted | SubmitFailed | Literal[Resub
     )
 
 
+async def _lease_time(ctx: RunContext) -> None:
+    """Wait until this daemon may act long enough for an sbatch (at once on a single-node
+    journal). A daemon that stops acting meanwhile has this task cancelled."""
+    waited = False
+    while ctx.lease_time_left() < SBATCH_LEASE_LEFT_S:
+        if not waited:
+            log.info(
+                "run.sbatch_waits_for_lease",
+                job_name=ctx.run.slurm_job_name,
+                left_s=round(ctx.lease_time_left(), 2),
+                needs_s=SBATCH_LEASE_LEFT_S,
+            )
+            waited = True
+        await anyio.sleep(_LEASE_LOOK_S)
+
+
 async def _lookup(ctx: RunContext) -> NameLookup:
-    """find_by_name with retries; SupervisorError (run left in `submitting`, reconciled by
-    the next loop) if Slurm cannot answer at all."""
+    """find_by_name with retries (duplicates cancelled); SupervisorError (run left in
+    `submitting`, reconciled by the next loop) if Slurm cannot answer at all."""
     name = ctx.run.slurm_job_name
     for attempt in range(LOOKUPS):
         try:
-            return await ctx.cluster.client.find_by_name(name, starttime=ctx.starttime())
+            lookup = await ctx.cluster.client.find_by_name(name, starttime=ctx.starttime())
+            await _cancel_duplicates(ctx, lookup)
+            return lookup
         except SlurmCommandError as exc:
             log.warning("run.lookup_failed", job_name=name, error=str(exc))
             await anyio.sleep(min(2**attempt, 30))
@@ -92,7 +134,9 @@ async def _lookup(ctx: RunContext) -> NameLookup:
 
 async def _sbatch(ctx: RunContext, exclude: tuple[str, ...]) -> Submitted | str:
     """Submit the run's script (a retry's rendered again with its own job name), keeping
-    `exclude` out: `Submitted`, else the error text."""
+    `exclude` out: `Submitted`, else the error text. On a shared journal sbatch starts
+    only while this daemon may act for `SBATCH_LEASE_LEFT_S` more (`_lease_time`)."""
+    await _lease_time(ctx)
     client, spec, name = ctx.cluster.client, ctx.spec, ctx.run.slurm_job_name
     if isinstance(spec, ForeignSpec):
         script, options, env = spec.script, spec.sbatch_options(name), spec.env
