@@ -41,9 +41,13 @@ async def serve_replay(
     cluster: ReplayCluster,
     path: Path,
     *,
+    slow: Mapping[str, float] | None = None,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Answer `ReplayRunner` calls from `cluster` on the Unix socket `path` until cancelled."""
+    """Answer `ReplayRunner` calls from `cluster` on the Unix socket `path` until cancelled.
+    `slow` (read at each call: a test may change it) delays a program's answer by that
+    many seconds BEFORE it takes effect, as a slow sbatch does; the command takes effect
+    even if the caller is gone meanwhile."""
 
     async def handle(stream: anyio.abc.SocketStream) -> None:
         async with stream:
@@ -52,6 +56,9 @@ async def serve_replay(
             except (anyio.EndOfStream, anyio.BrokenResourceError):
                 return  # the daemon died before it sent the whole command: nothing ran
             stdin = request["stdin"]
+            delay = (slow or {}).get(str(request["argv"][0]), 0.0)
+            if delay:
+                await anyio.sleep(delay)
             try:
                 result = await cluster.run(
                     request["argv"],

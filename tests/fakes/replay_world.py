@@ -12,6 +12,7 @@ restarted while its jobs go on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -89,6 +90,7 @@ class ReplayWorld:
     plant: JobAction | None = None
     finish: JobAction | None = None
     paused: bool = False  # jobs stay as they are (and the clock stands) while set
+    slow: dict[str, float] = field(default_factory=dict)  # program -> seconds (serve_replay)
 
     @property
     def socket(self) -> Path:
@@ -178,7 +180,11 @@ def replay_world(
         async def background(*, task_status: anyio.abc.TaskStatus[anyio.CancelScope]) -> None:
             with anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as tg:
-                    await tg.start(serve_replay, world.cluster, world.socket)
+                    await tg.start(
+                        functools.partial(serve_replay, slow=world.slow),
+                        world.cluster,
+                        world.socket,
+                    )
                     tg.start_soon(world._run_jobs)
                     task_status.started(scope)
 

@@ -163,3 +163,26 @@ def test_the_standby_finishes_the_run_of_a_leader_that_is_gone(
     receipt = json.loads((Path(str(final["archive"])) / "receipt.json").read_text())
     assert receipt["outcome"] == "succeeded"
     assert Path(str(final["archive"])).is_relative_to(standby.root)  # its own archive
+
+
+def test_a_slow_sbatch_that_straddles_the_takeover_makes_one_job(
+    pair: Pair, world: ReplayWorld, tmp_path: Path
+) -> None:
+    """The leader dies while its sbatch is in flight; the job appears afterwards. The new
+    leader waits out the in-flight window, then finds the job by its name and adopts it:
+    one job, never a second submission."""
+    leader, standby = pair.leader()
+    world.slow["sbatch"] = 6.0  # the job exists 6 s after the call, whoever waits for it
+    submitted = leader.submit(demo_spec(tmp_path / "logs", port=8420))
+    assert submitted.returncode == 0, submitted.stderr
+    run = str(json.loads(submitted.stdout)["run"])
+    leader.wait_state(run, {"submitting"}, timeout=10)
+    time.sleep(1.0)  # sbatch is in flight
+    leader.stop(signal.SIGKILL)
+    waiter, waited = _wait_in_background(standby, run)
+    waiter.join(240)
+    assert waited, "wait on the standby did not return"
+    final = json.loads(waited[0])
+    assert final["outcome"] == "succeeded", final.get("reason")
+    assert world.sbatch_names() == [final["job_name"]]  # one sbatch, the dead leader's
+    assert standby.events("run.reconciled"), standby.log_text()[-2000:]
