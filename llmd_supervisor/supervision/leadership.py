@@ -176,12 +176,17 @@ class LeaseKeeper:
 
     @property
     def acting(self) -> bool:
-        """Whether this daemon acts for the cluster now."""
-        return self._acting_epoch is not None
+        """Whether this daemon acts for the cluster now (`epoch`)."""
+        return self.epoch is not None
 
     @property
     def epoch(self) -> int | None:
-        """The epoch every write of this daemon carries while it acts; None otherwise."""
+        """The epoch every write of this daemon carries while it acts; None otherwise,
+        and None as soon as the stop-acting deadline has passed, even before the tick
+        that says so was taken (a process that was stopped, SIGSTOP or a stalled loop,
+        wakes up past its deadline with other tasks' timers due too)."""
+        if self._acting_epoch is None or self.acting_time_left() <= 0:
+            return None
         return self._acting_epoch
 
     @property
@@ -192,7 +197,7 @@ class LeaseKeeper:
     def acting_time_left(self) -> float:
         """Seconds this daemon may still act before a renewal must have succeeded (0 when
         it does not act): start a side effect of up to T seconds only when this is > T."""
-        if self._state is None or not self.acting:
+        if self._state is None or self._acting_epoch is None:
             return 0.0
         return acting_time_left(self._state, self._clock())
 
@@ -261,7 +266,7 @@ class LeaseKeeper:
     def _apply(self, decision: Decision) -> None:
         """Take `decision`'s state and carry out its actions in order (the statements are
         queued for the worker in that order)."""
-        self._state = decision.state
+        before, self._state = self._state, decision.state
         self._next_tick = decision.next_tick
         for action in decision.actions:
             if isinstance(action, Act):
@@ -273,7 +278,19 @@ class LeaseKeeper:
                 if action.reason is StopReason.SHUTDOWN:
                     self._log.info("lease.stepping_down", epoch=action.epoch)
                 else:
-                    self._log.warning("lease.lost", epoch=action.epoch, reason=action.reason.value)
+                    # How long ago acting really ended (the deadline, when this stop comes
+                    # late: the process was stopped or its loop stalled), for the record.
+                    late = (
+                        max(0.0, self._clock() - before.acting_until)
+                        if isinstance(before, Leader) and action.reason is StopReason.SILENCE
+                        else 0.0
+                    )
+                    self._log.warning(
+                        "lease.lost",
+                        epoch=action.epoch,
+                        reason=action.reason.value,
+                        late_s=round(late, 3),
+                    )
             else:
                 self._pending.append(action)
         self._dispatch()

@@ -27,7 +27,7 @@ import statistics
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from pathlib import Path
 
 __all__ = [
@@ -122,12 +122,16 @@ def parse_lease_events(daemon: str, lines: Iterable[str]) -> list[LeaseEvent]:
         if not isinstance(cluster, str) or not isinstance(stamp, str):
             raise ValueError(f"{daemon}: {event} without cluster or timestamp: {line}")
         epoch = record.get("epoch")
+        # A stop logged late (the process was stopped past its deadline) says how late:
+        # the daemon acted until then (its writes and sbatch stop at the deadline).
+        late = record.get("late_s")
+        late_s = float(late) if isinstance(late, int | float) else 0.0
         out.append(
             LeaseEvent(
                 daemon=daemon,
                 event=str(event),
                 cluster=cluster,
-                at=parse_timestamp(stamp),
+                at=parse_timestamp(stamp) - timedelta(seconds=late_s),
                 epoch=epoch if isinstance(epoch, int) else None,
             )
         )

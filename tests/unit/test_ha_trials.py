@@ -70,6 +70,16 @@ def test_parse_reads_structlog_timestamps() -> None:
     assert got.epoch is None
 
 
+def test_a_stop_logged_late_ends_acting_at_the_deadline() -> None:
+    """A SIGSTOPped leader logs lease.lost when it wakes; it acted until its deadline."""
+    text = (
+        '{"event": "lease.lost", "cluster": "c", "reason": "silence", "late_s": 14.75,'
+        ' "timestamp": "2026-12-06T07:00:20Z"}'
+    )
+    (got,) = parse_lease_events("d", [text])
+    assert got.at == at(5.25)
+
+
 def test_parse_refuses_a_lease_event_without_cluster() -> None:
     with pytest.raises(ValueError, match="without cluster"):
         parse_lease_events("d", ['{"event": "lease.lost", "timestamp": "2026-12-06T07:00:00Z"}'])
