@@ -142,6 +142,7 @@ def test_the_standby_finishes_the_run_of_a_leader_that_is_gone(
     leader.wait_state(run, {"running"})
     world.pause()  # the job keeps running while the daemons change
     waiter, waited = _wait_in_background(standby, run)  # a client of the standby
+    standby.wait_known(run)
     standby.wait_state(run, {"running"}, timeout=10)  # its view, from the journal
 
     gone = time.monotonic()
