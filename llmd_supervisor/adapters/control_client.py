@@ -360,12 +360,18 @@ async def call_retrying(
             await retry.failed(exc)
 
 
-async def list_all(client: ControlClient, *, all_runs: bool) -> Mapping[str, object]:
-    """Every page of ``list`` on one connection, as one ``{"runs": [...]}`` result."""
+async def list_all(
+    client: ControlClient, *, all_runs: bool, cluster: str | None = None
+) -> Mapping[str, object]:
+    """Every page of ``list`` (of `cluster`'s runs) on one connection, as one
+    ``{"runs": [...]}`` result."""
     runs: list[object] = []
     after: object = None
     while True:
-        page = await client.call("list", {"all": all_runs, "after": after})
+        args: dict[str, object] = {"all": all_runs, "after": after}
+        if cluster is not None:
+            args["cluster"] = cluster
+        page = await client.call("list", args)
         got = page.get("runs")
         if not isinstance(got, list):
             return page  # not a list result: the caller's reader says what is wrong

@@ -174,6 +174,8 @@ OPS: Final[Mapping[str, OpSpec]] = MappingProxyType(
                 "limit": ArgSpec(frozenset({"int", "null"}), default=None),
                 # the previous page's ``next``; None: from the oldest run
                 "after": ArgSpec(frozenset({"str", "null"}), default=None),
+                # one cluster's runs (a shared journal holds several); None: every cluster's
+                "cluster": ArgSpec(frozenset({"str", "null"}), default=None),
             }
         ),
         "status": OpSpec({"run": _RUN}),

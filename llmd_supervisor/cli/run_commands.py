@@ -164,6 +164,11 @@ def add_parsers(sub: argparse._SubParsersAction[Any]) -> None:
     p.set_defaults(handler=cmd_nodes)
     p = client("list", "list runs", run=False)
     p.add_argument("--all", action="store_true", help="include finished runs")
+    p.add_argument(
+        "--cluster",
+        default=None,
+        help="only this cluster's runs (a shared journal holds every cluster's of the team)",
+    )
     p.set_defaults(handler=cmd_simple, op="list")
     p = client("status", "show one run")
     offline.add_arguments(p)
@@ -247,7 +252,7 @@ def cmd_simple(args: argparse.Namespace) -> int:
     async def go() -> Mapping[str, object]:
         async with ControlClient(args.socket) as c:
             if args.op == "list":  # every page, fetched one after another
-                return await list_all(c, all_runs=args.all)
+                return await list_all(c, all_runs=args.all, cluster=args.cluster)
             return await c.call(args.op, params)
 
     result = _run(args.op, go)

@@ -288,11 +288,13 @@ class ControlApi(Generic[H]):
                     f"page, got {show(after)}.",
                 )
             start = (created, run_id)
-        sees, now = self._sees(peer), self.clock()
+        sees, now, cluster = self._sees(peer), self.clock(), args["cluster"]
         keyed = []
         for n, h in enumerate(list(self.sup.handles.values())):
             if n % LIST_YIELD_EVERY == LIST_YIELD_EVERY - 1:
                 await anyio.lowlevel.checkpoint()  # thousands of runs: let others go too
+            if cluster is not None and h.meta.cluster != cluster:
+                continue
             if sees(h) and (args["all"] or now - run_end(h.run, now) <= LIST_RECENT):
                 keyed.append(((h.meta.created_at.isoformat(), h.run.run_id), h))
         keyed.sort(key=lambda item: item[0])

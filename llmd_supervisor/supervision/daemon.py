@@ -52,7 +52,7 @@ from llmd_supervisor.supervision.cluster import Cluster, build_cluster
 from llmd_supervisor.supervision.dashboard import serve_dashboard
 from llmd_supervisor.supervision.events_api import EventOps
 from llmd_supervisor.supervision.leadership import LeaseKeeper
-from llmd_supervisor.supervision.leading import Roles, holder_name
+from llmd_supervisor.supervision.leading import REFRESH_S, Roles, holder_name
 from llmd_supervisor.supervision.run.driver import Hooks, RunHandle, Supervisor
 from llmd_supervisor.supervision.views import run_results
 
@@ -186,6 +186,7 @@ async def _serve(
             campaigns = Campaigns(supervisor, CampaignStore(journal))
             resumed = 0
             if roles.shared:  # each cluster's runs start when this daemon leads it
+                tg.start_soon(_follow_elsewhere, supervisor)
                 for name in clusters:
                     await tg.start(
                         roles.follow,
@@ -279,6 +280,17 @@ async def _roles(config: Config, journal: Journal, tg: anyio.abc.TaskGroup) -> R
             await keeper.wait_first_answer()
     log.info("leading.candidate", holder=holder, clusters=names, journal=journal.location)
     return roles
+
+
+async def _follow_elsewhere(supervisor: Supervisor) -> None:
+    """The team's runs on clusters this daemon does not have, kept up to date from the
+    shared journal (`list` shows them; `list --cluster` picks one)."""
+    while True:
+        try:
+            await supervisor.refresh_elsewhere()
+        except SupervisorError as exc:
+            log.warning("leading.refresh_failed", cluster=None, error=str(exc))
+        await anyio.sleep(REFRESH_S)
 
 
 async def _take_over(supervisor: Supervisor, campaigns: Campaigns, cluster: str) -> None:

@@ -173,9 +173,13 @@ GOOD: list[tuple[str, dict[str, object], dict[str, object]]] = [
         {"spec_toml": "", "spec_path": "/a/b.toml", "dry_run": True, "cluster": "dev"},
         {"spec_toml": "", "spec_path": "/a/b.toml", "dry_run": True, "cluster": "dev"},
     ),
-    ("list", {}, {"all": False, "limit": None, "after": None}),
-    ("list", {"all": True}, {"all": True, "limit": None, "after": None}),
-    ("list", {"limit": 5, "after": "x|y"}, {"all": False, "limit": 5, "after": "x|y"}),
+    ("list", {}, {"all": False, "limit": None, "after": None, "cluster": None}),
+    ("list", {"all": True}, {"all": True, "limit": None, "after": None, "cluster": None}),
+    (
+        "list",
+        {"limit": 5, "after": "x|y"},
+        {"all": False, "limit": 5, "after": "x|y", "cluster": None},
+    ),
     ("status", {"run": "r1"}, {"run": "r1"}),
     ("logs", {"run": "r1"}, {"run": "r1", "rank": None, "follow": False, "offsets": None}),
     (

@@ -308,6 +308,18 @@ def test_list_reads_an_older_daemons_briefs() -> None:
 
 
 @pytest.mark.asyncio
+async def test_list_of_one_cluster(sup: Supervisor) -> None:
+    """A shared journal holds the team's runs of several clusters: `list --cluster`."""
+    sup.add("here")
+    sup.add("there", cluster="gpu-b")
+    api = ControlApi(sup)
+    runs = read(RunList, await api.handle(request("list", cluster="gpu-b"), ME, no_stream))
+    assert [r["run"] for r in runs["runs"]] == ["there"]
+    every = read(RunList, await api.handle(request("list"), ME, no_stream))["runs"]
+    assert [r["cluster"] for r in every] == ["dev", "gpu-b"]
+
+
+@pytest.mark.asyncio
 async def test_a_strangers_run_is_refused_and_not_listed(sup: Supervisor) -> None:
     sup.add("mine")
     sup.add("theirs", owner=OTHER.uid)

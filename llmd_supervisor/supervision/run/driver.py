@@ -417,17 +417,26 @@ class Supervisor:
     async def refresh(self, cluster: str) -> None:
         """A standby's look at the journal: the leader's runs of `cluster` as they are
         now, for list, status and wait."""
-        await self._load(cluster, full=False)
+        await self._load(lambda name: name == cluster, full=False)
 
-    async def _load(self, cluster: str | None = None, *, full: bool = True) -> list[RunHandle]:
-        """Create or update the handles of the journal's runs (of `cluster`); the ones not
-        final that a driver could resume. `full`: their attempt histories and noted job
-        files too, and forget what a driver had learnt in memory (a takeover)."""
+    async def refresh_elsewhere(self) -> None:
+        """The shared journal's runs of clusters this daemon does not have (the team's
+        other clusters), as they are now, for list and status."""
+        await self._load(lambda name: name not in self.clusters, full=False)
+
+    async def _load(
+        self, of: Callable[[str], bool] | str | None = None, *, full: bool = True
+    ) -> list[RunHandle]:
+        """Create or update the handles of the journal's runs (of the clusters `of` names,
+        one or a test; None: all); the ones not final that a driver could resume. `full`:
+        their attempt histories and noted job files too, and forget what a driver had
+        learnt in memory (a takeover)."""
         histories = await self.journal.events_of_kind(ATTEMPT_EVENT) if full else {}
         job_files = await self.journal.events_of_kind(JOB_FILES_EVENT) if full else {}
+        wanted = (lambda name: name == of) if isinstance(of, str) else of
         resumable: list[RunHandle] = []
         for stored in await self.journal.list_runs():
-            if cluster is not None and stored.meta.cluster != cluster:
+            if wanted is not None and not wanted(stored.meta.cluster):
                 continue
             if full and not stored.run.state.is_final:
                 stored = await self._archive_here(stored)
