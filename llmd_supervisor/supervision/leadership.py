@@ -333,7 +333,8 @@ class LeaseKeeper:
             self._set_acting(None)
             return
         self._set_acting(None)
-        self._log.warning("lease.lost", epoch=state.epoch, reason="cancelled")
+        # The keeper's task is cancelled when the daemon stops (SIGTERM): a stop, not a loss.
+        self._log.info("lease.stepping_down", epoch=state.epoch, reason="cancelled")
         with anyio.CancelScope(shield=True), anyio.move_on_after(_RELEASE_ON_CANCEL_S):
             await self._release(state.epoch)
 

@@ -62,6 +62,10 @@ class Trial:
     stale_writes_rejected: int = 0  # journal writes of a superseded epoch refused (fencing)
     stale_writes_committed: int = 0  # ... that got through: must stay 0
     runs_lost: int = 0  # runs submitted before the fault that no daemon finished
+    # After a takeover, the trial writes once as the deposed leader's epoch: 1 if the
+    # database refused it (the fence is in place after the fault), 0 if not tried.
+    probes_refused: int = 0
+    probes_committed: int = 0  # ... such writes that got through: must stay 0
 
     @property
     def duplicate_jobs(self) -> dict[str, int]:
@@ -252,8 +256,9 @@ def render_report(trials: Sequence[Trial], *, title: str, notes: str = "") -> st
         lines += [notes.strip(), ""]
     lines += [
         "| fault | n | takeovers | worst takeover s | median takeover s | max two-leader s "
-        "| duplicate jobs | stale writes rejected | stale writes committed | runs lost |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| duplicate jobs | stale writes rejected | stale writes committed "
+        "| deposed-epoch probes refused / committed | runs lost |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def row(label: str, group: Sequence[Trial]) -> str:
@@ -266,6 +271,7 @@ def render_report(trials: Sequence[Trial], *, title: str, notes: str = "") -> st
             f"| {', '.join(dups) if dups else 'none'} "
             f"| {sum(t.stale_writes_rejected for t in group)} "
             f"| {sum(t.stale_writes_committed for t in group)} "
+            f"| {sum(t.probes_refused for t in group)} / {sum(t.probes_committed for t in group)} "
             f"| {sum(t.runs_lost for t in group)} |"
         )
 
@@ -280,7 +286,11 @@ def render_report(trials: Sequence[Trial], *, title: str, notes: str = "") -> st
         "`released` or death); duplicate jobs: job names with more than one Slurm job "
         "(`sacct -X -D --name=...`).",
     ]
-    bad = [t for t in trials if t.duplicate_jobs or t.stale_writes_committed or t.runs_lost]
+    bad = [
+        t
+        for t in trials
+        if t.duplicate_jobs or t.stale_writes_committed or t.probes_committed or t.runs_lost
+    ]
     if bad:
         lines += ["", "## Trials with a duplicate job, a stale write committed or a run lost", ""]
         for t in bad:

@@ -15,11 +15,12 @@ A run is submitted to the leader and, once it runs, the fault is injected:
 Then the run must reach its verified outcome (``succeeded``), told by a ``wait`` on the
 standby's socket (which serves it from the journal whoever finishes it), on one Slurm job.
 
-Measured: takeover time (fault to the next ``lease.acquired``), time with two leaders
-(from both daemons' lease events), jobs per job name (sacct), stale writes rejected (the
-``journal.write_fenced`` warnings of both daemons) and stale writes committed (the run
-transitions a daemon journaled outside its own tenures: each ``run.transition`` is logged
-after its write committed), runs lost.
+After a takeover the trial writes once as the first leader's epoch (a probe: the
+database must refuse it). Measured: takeover time (fault to the next
+``lease.acquired``), time with two leaders (from both daemons' lease events), jobs per
+job name (sacct), stale writes rejected (the ``journal.write_fenced`` warnings of both
+daemons) and stale writes committed (the run transitions a daemon journaled outside its
+own tenures: each ``run.transition`` is logged after its write committed), runs lost.
 
 Used by tests/faults/test_takeover_cluster.py (one trial per fault) and by
 tests/faults/takeover_trials.py (N per fault, the report).
@@ -38,10 +39,15 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Final
 
+import psycopg
+
+from llmd_supervisor.core.fencing import SET_WRITER_SQL, STALE_EPOCH_SQLSTATE
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.faults.ha_daemons import HaRig, login_daemon
 from tests.faults.ha_trials import (
+    ACQUIRED,
     Interval,
+    LeaseEvent,
     Trial,
     jobs_per_name,
     leader_intervals,
@@ -99,11 +105,17 @@ def run_trial(rig: HaRig, fault: str, root: Path, *, port: int = 8600) -> Trial:
             if d.proc is not None and d.proc.poll() is None:
                 d.stop()
     logs = {"login1": leader.log_text(), "login2": standby.log_text()}
-    events = [e for name, text in logs.items() for e in parse_lease_events(name, text.split("\n"))]
+    events = [  # what followed the fault until the outcome, not the trial's own teardown
+        e
+        for name, text in logs.items()
+        for e in parse_lease_events(name, text.split("\n"))
+        if e.at <= end
+    ]
     intervals = leader_intervals(
         events, until=end, died={"login1": died} if died is not None else None
     )
     sacct = rig.cluster.slurm(sacct_argv([job_name]))
+    refused, committed = _probe(rig, db, run, events)
     return Trial(
         fault=FAULTS[fault],
         takeover_s=takeover_s(intervals, CLUSTER, fault_at),
@@ -112,7 +124,27 @@ def run_trial(rig: HaRig, fault: str, root: Path, *, port: int = 8600) -> Trial:
         stale_writes_rejected=sum(_count(text, "journal.write_fenced") for text in logs.values()),
         stale_writes_committed=sum(_outside(name, text, intervals) for name, text in logs.items()),
         runs_lost=0,
+        probes_refused=refused,
+        probes_committed=committed,
     )
+
+
+def _probe(rig: HaRig, db: str, run: str, events: list[LeaseEvent]) -> tuple[int, int]:
+    """After a takeover, write once as the first leader's epoch (a no-op update of the
+    run's row): (1, 0) when the database refused it, (0, 1) when it committed; (0, 0)
+    without a takeover (that epoch may still be the current one)."""
+    epochs = [e.epoch for e in events if e.event == ACQUIRED and e.epoch is not None]
+    if len(set(epochs)) < 2:
+        return 0, 0
+    with psycopg.connect(rig.pg.url(db), password=rig.pg.password(), autocommit=True) as conn:
+        try:
+            with conn.transaction():
+                conn.execute(SET_WRITER_SQL, {"cluster": CLUSTER, "epoch": str(min(epochs))})
+                conn.execute("UPDATE runs SET reason = reason WHERE run_id = %s", (run,))
+        except psycopg.Error as exc:
+            assert exc.sqlstate == STALE_EPOCH_SQLSTATE, exc
+            return 1, 0
+    return 0, 1
 
 
 def _inject(rig: HaRig, fault: str, leader: Daemon) -> datetime | None:

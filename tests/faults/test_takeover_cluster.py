@@ -36,6 +36,8 @@ def test_one_leader_one_job_and_the_run_verified_whatever_the_fault(
     assert trial.duplicate_jobs == {}, trial
     assert sum(trial.jobs_per_name.values()) == 1, trial
     assert trial.stale_writes_committed == 0, trial
+    assert trial.probes_committed == 0, trial
     assert trial.runs_lost == 0, trial
     if fault in ("sigkill", "sigstop", "cut", "graceful"):  # the leader was away
         assert trial.takeover_s is not None and trial.takeover_s <= TAKEOVER_GOAL_S, trial
+        assert trial.probes_refused == 1, trial  # the fence is in place after the fault

@@ -275,9 +275,9 @@ def test_render_report_rows() -> None:
     text = render_report(TRIALS, title="Takeover trials")
     rows = [r for r in text.splitlines() if r.startswith("| ") and not r.startswith("| fault")]
     assert rows == [
-        "| leader SIGKILL | 3 | 3 | 6.00 | 5.00 | 0.50 | none | 0 | 0 | 0 |",
-        "| database link cut 30 s | 2 | 1 | 12.00 | 12.00 | 2.00 | r4 | 3 | 1 | 1 |",
-        "| **all** | 5 | 4 | 12.00 | 5.50 | 2.00 | r4 | 3 | 1 | 1 |",
+        "| leader SIGKILL | 3 | 3 | 6.00 | 5.00 | 0.50 | none | 0 | 0 | 0 / 0 | 0 |",
+        "| database link cut 30 s | 2 | 1 | 12.00 | 12.00 | 2.00 | r4 | 3 | 1 | 0 / 0 | 1 |",
+        "| **all** | 5 | 4 | 12.00 | 5.50 | 2.00 | r4 | 3 | 1 | 0 / 0 | 1 |",
     ]
     assert "## Trials with a duplicate job" in text
     assert text.startswith("# Takeover trials\n")
@@ -285,7 +285,7 @@ def test_render_report_rows() -> None:
 
 def test_render_report_no_takeover_at_all() -> None:
     text = render_report([Trial("standby SIGKILL", None, 0.0)], title="t")
-    assert "| standby SIGKILL | 1 | 0 | - | - | 0.00 | none | 0 | 0 | 0 |" in text
+    assert "| standby SIGKILL | 1 | 0 | - | - | 0.00 | none | 0 | 0 | 0 / 0 | 0 |" in text
     assert "## Trials with" not in text
 
 
