@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tests.devcluster import DevCluster
 from tests.faults.ha_daemons import ha_rig
-from tests.faults.ha_trials import Trial, write_report
+from tests.faults.ha_trials import RESULTS, Trial, write_report
 from tests.faults.takeover_trial import FAULTS, run_trial
 from tests.perf.common import say
 
@@ -29,11 +29,12 @@ the next `lease.acquired` (goal <= 30 s; a lease lasts 15 s, a standby tries eve
 Stale writes committed: run transitions a daemon journaled outside its own tenures."""
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=10)
     parser.add_argument("--faults", default=",".join(FAULTS))
-    args = parser.parse_args()
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the report's directory")
+    args = parser.parse_args(argv)
     faults = [f for f in args.faults.split(",") if f]
     unknown = [f for f in faults if f not in FAULTS]
     if unknown:
@@ -52,7 +53,9 @@ def main() -> int:
                     say(f"trial {n + 1} {fault}: FAILED {str(exc)[:300]}")
                 trials.append(trial)
                 say(f"trial {n + 1} {fault}: {trial}")
-    path = write_report(trials, notes=NOTES.format(version=cluster.slurm_version))
+    path = write_report(
+        trials, directory=args.results, notes=NOTES.format(version=cluster.slurm_version)
+    )
     say(f"report: {path}")
     return 0 if all(t.runs_lost == 0 and not t.duplicate_jobs for t in trials) else 1
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.devcluster import DevCluster
+from tests.faults import takeover_trials
 from tests.faults.ha_daemons import HaRig, ha_rig
 from tests.faults.takeover_trial import FAULTS, run_trial
 from tests.ha_net import missing_tools
@@ -41,3 +42,13 @@ def test_one_leader_one_job_and_the_run_verified_whatever_the_fault(
     if fault in ("sigkill", "sigstop", "cut", "graceful"):  # the leader was away
         assert trial.takeover_s is not None and trial.takeover_s <= TAKEOVER_GOAL_S, trial
         assert trial.probes_refused == 1, trial  # the fence is in place after the fault
+
+
+def test_the_trials_script_writes_its_report(cluster: DevCluster, tmp_path: Path) -> None:
+    """A smoke pass of tests/faults/takeover_trials.py (its own rig): one graceful trial."""
+    assert (
+        takeover_trials.main(["--trials", "1", "--faults", "graceful", "--results", str(tmp_path)])
+        == 0
+    )
+    (report,) = tmp_path.glob("*-takeover-trials.md")
+    assert "| leader stopped (SIGTERM) | 1 | 1 |" in report.read_text()
