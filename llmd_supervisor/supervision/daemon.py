@@ -164,6 +164,7 @@ async def _serve(
 ) -> None:
     metrics = Metrics()
     login_links: list[NodeLink] = []
+    leases: list[PostgresLease] = []
     clusters: dict[str, Cluster] = {}
     journal = await open_journal(config.journal, config.journal_path)
     try:
@@ -181,7 +182,7 @@ async def _serve(
             # The node files every batch script carries, prepared once before any submission
             # (ten submissions at once would otherwise each prepare them, ~0.5 s of CPU)
             await anyio.to_thread.run_sync(bundled_node_sources)
-            roles = await _roles(config, journal, tg)
+            roles = await _roles(config, journal, tg, leases)
             supervisor = Supervisor(config, journal, clusters, tg, hooks=hooks, roles=roles)
             campaigns = Campaigns(supervisor, CampaignStore(journal))
             resumed = 0
@@ -237,6 +238,8 @@ async def _serve(
                 await cluster.files.aclose()
             for link in login_links:
                 await link.aclose()
+            for lease in leases:
+                await lease.aclose()
             await journal.aclose()
         log.info("daemon.stopped")
 
@@ -260,17 +263,21 @@ async def _start_sender(
     return sender
 
 
-async def _roles(config: Config, journal: Journal, tg: anyio.abc.TaskGroup) -> Roles:
+async def _roles(
+    config: Config, journal: Journal, tg: anyio.abc.TaskGroup, leases: list[PostgresLease]
+) -> Roles:
     """Every cluster led by this daemon (SQLite), or each cluster's lease kept on the
-    shared journal's database, started (PostgreSQL; `supervision.leading`)."""
+    shared journal's database, started (PostgreSQL; `supervision.leading`); the leases'
+    connections are added to `leases` (the caller closes them)."""
     names = [c.name for c in config.clusters]
     if not isinstance(config.journal, PostgresJournal):
         return Roles.single_node(names)
     holder = holder_name()
-    leases = {name: PostgresLease(config.journal) for name in names}
-    keepers = {name: LeaseKeeper(name, holder, lease) for name, lease in leases.items()}
+    by_cluster = {name: PostgresLease(config.journal) for name in names}
+    leases.extend(by_cluster.values())
+    keepers = {name: LeaseKeeper(name, holder, lease) for name, lease in by_cluster.items()}
     roles = Roles(
-        holder, keepers, shared=True, leader_of=lambda cluster: leases[cluster].holder(cluster)
+        holder, keepers, shared=True, leader_of=lambda cluster: by_cluster[cluster].holder(cluster)
     )
     journal.set_default_writer(roles.any_writer)
     for keeper in keepers.values():
