@@ -266,15 +266,6 @@ log_format = "json"
         assert isinstance(result, dict)
         return result
 
-    def wait_known(self, run: str, timeout: float = 10) -> None:
-        """Until this daemon knows `run` (a standby learns its leader's new runs from the
-        shared journal within its refresh period)."""
-        deadline = time.monotonic() + timeout
-        while self.cli("status", run, "--json", check=False).returncode != 0:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"run {run} unknown to {self.root} after {timeout:g} s")
-            time.sleep(0.2)
-
     def wait_state(self, run: str, states: set[str], timeout: float = 120) -> dict[str, object]:
         deadline = time.monotonic() + timeout
         last: dict[str, object] = {}

@@ -104,6 +104,7 @@ class SupervisorView(Protocol[H]):
     @property
     def handles(self) -> Mapping[str, H]: ...
     def get(self, ref: str) -> H | None: ...
+    async def look_again(self) -> bool: ...
     async def admit(self, spec_toml: str, cluster: str | None = None) -> RunSpec: ...
     async def submit(self, spec_toml: str, *, owner_uid: int, cluster: str | None = None) -> H: ...
     async def submit_script(
@@ -162,7 +163,17 @@ class ControlApi(Generic[H]):
         everyone = sees_all(peer, self.sup.config.admin_group)
         return lambda h: everyone or h.meta.owner_uid == peer.uid
 
-    def _visible(self, args: Mapping[str, object], peer: Peer) -> H:
+    async def _visible(self, args: Mapping[str, object], peer: Peer) -> H:
+        """`_find`, again after the journal was read once more if it found nothing (a
+        standby: another daemon may have accepted the run since its last refresh)."""
+        try:
+            return self._find(args, peer)
+        except ControlError as exc:
+            if exc.code != "not_found" or not await self.sup.look_again():
+                raise
+        return self._find(args, peer)
+
+    def _find(self, args: Mapping[str, object], peer: Peer) -> H:
         """The run `args["run"]` names among those the peer may see; ControlError otherwise.
 
         A run the peer may not see is not found, as if it did not exist, and neither does
@@ -350,10 +361,10 @@ class ControlApi(Generic[H]):
         return {"nodes": shown, "released": released}
 
     async def _status(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunSummary:
-        return run_summary(self._visible(args, peer), self.clock())
+        return run_summary(await self._visible(args, peer), self.clock())
 
     async def _cancel(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunSummary:
-        handle = self._visible(args, peer)
+        handle = await self._visible(args, peer)
         try:
             await self.sup.cancel(handle)
         except IllegalTransition as exc:
@@ -363,16 +374,16 @@ class ControlApi(Generic[H]):
         return run_summary(handle, self.clock())
 
     async def _archive(self, args: Mapping[str, object], peer: Peer, send: Send) -> ArchiveInfo:
-        handle = self._visible(args, peer)
+        handle = await self._visible(args, peer)
         return {"archive": handle.meta.archive_dir, "state": handle.run.state.value}
 
     async def _results(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunResults:
-        return await run_results(self._visible(args, peer), self.clock())
+        return await run_results(await self._visible(args, peer), self.clock())
 
     async def _wait(self, args: Mapping[str, object], peer: Peer, send: Send) -> RunSummary:
         """Stream a summary whenever the run changed visibly (and every WAIT_REFRESH_S)
         until it is final; the final summary is the result."""
-        handle = self._visible(args, peer)
+        handle = await self._visible(args, peer)
         shown: RunSummary | None = None
         refresh_at = 0.0
         while not handle.run.state.is_final:
@@ -391,7 +402,7 @@ class ControlApi(Generic[H]):
     async def _logs(self, args: Mapping[str, object], peer: Peer, send: Send) -> LogsDone:
         """Stream the local log copies (batch .out/.err, or one rank's logs) from the
         requested offsets; with follow, until the run is final and the copies are read."""
-        handle = self._visible(args, peer)
+        handle = await self._visible(args, peer)
         rank, follow = args["rank"], bool(args["follow"])
         nodes = handle.run.nodes
         if isinstance(rank, int) and handle.layout.watch is None and nodes and rank >= len(nodes):

@@ -1,6 +1,6 @@
 """A webhook receiver on 127.0.0.1 (a port of its own), for the outbox's tests: real HTTP/1.1
-over TCP, answering each request with the next of a script of answers (then 200), and
-keeping every request it got."""
+over TCP, answering each request with the answer set for its ``webhook-id`` (once), else
+with the next of a script of answers (then 200), and keeping every request it got."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ class Receiver:
     """Serve with ``port = await tg.start(receiver.serve)``."""
 
     script: list[Answer] = field(default_factory=list)
+    once_for: dict[str, Answer] = field(default_factory=dict)  # webhook-id -> its next answer
     got: list[Received] = field(default_factory=list)
     changed: anyio.Event = field(default_factory=anyio.Event)
 
@@ -63,7 +64,9 @@ class Receiver:
             while len(body) < length:
                 body += await stream.receive()
             self.got.append(Received(request_line.split(" ")[1], headers, body))
-            answer = self.script.pop(0) if self.script else Answer(200)
+            answer = self.once_for.pop(headers.get("webhook-id", ""), None)
+            if answer is None:
+                answer = self.script.pop(0) if self.script else Answer(200)
             extra = "".join(f"{k}: {v}\r\n" for k, v in answer.headers)
             await stream.send(
                 f"HTTP/1.1 {answer.status} X\r\nContent-Length: 2\r\n{extra}"

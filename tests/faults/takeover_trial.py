@@ -90,7 +90,6 @@ def run_trial(rig: HaRig, fault: str, root: Path, *, port: int = 8600) -> Trial:
         run = str(json.loads(submitted.stdout)["run"])
         job_name = str(json.loads(submitted.stdout)["job_name"])
         leader.wait_state(run, {"running"}, timeout=180)
-        standby.wait_known(run)
         standby.wait_state(run, {"running"}, timeout=10)  # its view, refreshed every 2 s
         waiter, waited = _wait_on(standby, run)
         fault_at = datetime.now(UTC)

@@ -98,9 +98,11 @@ def pair(world: ReplayWorld, tmp_path: Path, postgres: PgServer) -> Iterator[Pai
                 d.stop()
 
 
-def _wait_in_background(d: Daemon, run: str) -> tuple[threading.Thread, list[str]]:
-    """`wait RUN --json` on `d`'s socket in a thread; its stdout lands in the list."""
-    out: list[str] = []
+def _wait_in_background(
+    d: Daemon, run: str
+) -> tuple[threading.Thread, list[subprocess.CompletedProcess[str]]]:
+    """`wait RUN --json` on `d`'s socket in a thread; the finished command lands in the list."""
+    out: list[subprocess.CompletedProcess[str]] = []
 
     def wait() -> None:
         proc = subprocess.run(
@@ -119,7 +121,7 @@ def _wait_in_background(d: Daemon, run: str) -> tuple[threading.Thread, list[str
             timeout=240,
             check=False,
         )
-        out.append(proc.stdout)
+        out.append(proc)
 
     t = threading.Thread(target=wait, daemon=True)
     t.start()
@@ -142,7 +144,6 @@ def test_the_standby_finishes_the_run_of_a_leader_that_is_gone(
     leader.wait_state(run, {"running"})
     world.pause()  # the job keeps running while the daemons change
     waiter, waited = _wait_in_background(standby, run)  # a client of the standby
-    standby.wait_known(run)
     standby.wait_state(run, {"running"}, timeout=10)  # its view, from the journal
 
     gone = time.monotonic()
@@ -156,7 +157,8 @@ def test_the_standby_finishes_the_run_of_a_leader_that_is_gone(
 
     waiter.join(240)
     assert waited, "wait on the standby did not return"
-    final = json.loads(waited[0])
+    assert waited[0].returncode == 0, waited[0].stderr
+    final = json.loads(waited[0].stdout)
     assert final["outcome"] == "succeeded", final.get("reason")
     names = world.sbatch_names()
     assert len(names) == 1, f"jobs submitted: {names}"
@@ -177,13 +179,15 @@ def test_a_slow_sbatch_that_straddles_the_takeover_makes_one_job(
     submitted = leader.submit(demo_spec(tmp_path / "logs", port=8420))
     assert submitted.returncode == 0, submitted.stderr
     run = str(json.loads(submitted.stdout)["run"])
+    assert standby.status(run)["run"] == run  # known at once: it reads the journal again
     leader.wait_state(run, {"submitting"}, timeout=10)
     time.sleep(1.0)  # sbatch is in flight
     leader.stop(signal.SIGKILL)
     waiter, waited = _wait_in_background(standby, run)
     waiter.join(240)
     assert waited, "wait on the standby did not return"
-    final = json.loads(waited[0])
+    assert waited[0].returncode == 0, waited[0].stderr
+    final = json.loads(waited[0].stdout)
     assert final["outcome"] == "succeeded", final.get("reason")
     assert world.sbatch_names() == [final["job_name"]]  # one sbatch, the dead leader's
     assert standby.events("run.reconciled"), standby.log_text()[-2000:]

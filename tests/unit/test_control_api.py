@@ -90,6 +90,8 @@ class Supervisor:
         self.handles: dict[str, Handle] = {}
         self.cancelled: list[str] = []
         self.released: list[tuple[str, str]] = []
+        self.unseen: dict[str, Handle] = {}  # in the shared journal, not yet read
+        self.looks = 0
 
     def add(
         self,
@@ -111,6 +113,12 @@ class Supervisor:
 
     def get(self, ref: str) -> Handle | None:
         return self.handles.get(ref)
+
+    async def look_again(self) -> bool:
+        self.looks += 1
+        self.handles.update(self.unseen)
+        self.unseen.clear()
+        return True
 
     async def admit(self, spec_toml: str, cluster: str | None = None) -> RunSpec:
         return load_spec(spec_toml)
@@ -342,6 +350,25 @@ async def test_a_strangers_run_is_refused_and_not_listed(sup: Supervisor) -> Non
     root = Peer(0, 0, 3)
     listed = read(RunList, await a.handle(request("list", all=True), root, no_stream))
     assert sorted(r["run"] for r in listed["runs"]) == ["mine", "theirs"]
+
+
+@pytest.mark.asyncio
+async def test_a_run_another_daemon_accepted_since_the_last_refresh_is_found(
+    sup: Supervisor,
+) -> None:
+    """A standby asked for a run it does not know reads the journal once more before it
+    answers not found; a run it knows costs no read."""
+    sup.add("known")
+    late = sup.add("late")
+    sup.unseen["late"] = sup.handles.pop("late")
+    a = ControlApi(sup)
+    await a.handle(request("status", run="known"), ME, no_stream)
+    assert sup.looks == 0
+    status = read(RunSummary, await a.handle(request("status", run="late"), ME, no_stream))
+    assert status["run"] == late.run.run_id and sup.looks == 1
+    with pytest.raises(ControlError) as missing:
+        await a.handle(request("status", run="nope"), ME, no_stream)
+    assert missing.value.code == "not_found" and sup.looks == 2
 
 
 @pytest.mark.asyncio

@@ -403,8 +403,8 @@ async def test_events_ops_show_a_user_their_own_runs_events(tmp_path: Path) -> N
 
 
 async def _events_ops(world: World) -> None:
-    world.receiver.script[:] = [Answer(404)]
     mine = await world.submitted("r-1")
+    world.receiver.once_for[mine.id] = Answer(404)  # the sender's order is by id, not ours
     theirs = await world.submitted("r-2", owner=2000)
     campaign = await _campaign_progress(world, owner=1000)
     woken: list[bool] = []

@@ -135,6 +135,10 @@ log = structlog.get_logger("llmd_supervisor.runs")
 # ends (or is killed) within the Slurm client's timeout.
 IN_FLIGHT_S = DEFAULT_TIMEOUT_S + 2.0
 
+# A standby asked for a run it does not know reads the shared journal again at most this
+# often (`Supervisor.look_again`): unknown refs cost one read a second, however many come.
+LOOK_AGAIN_S = 1.0
+
 # The backoff after a failed step: doubling from the first delay up to the cap.
 RETRY_FIRST_S = 1.0
 RETRY_CAP_S = 60.0
@@ -269,6 +273,7 @@ class Supervisor:
         self.roles = roles or Roles.single_node([c.name for c in config.clusters])
         self.handles: dict[str, RunHandle] = {}
         self._adopting = anyio.Lock()
+        self._looked_again_at = -LOOK_AGAIN_S
 
     # --- entry points ------------------------------------------------------------------
 
@@ -423,6 +428,22 @@ class Supervisor:
         """The shared journal's runs of clusters this daemon does not have (the team's
         other clusters), as they are now, for list and status."""
         await self._load(lambda name: name not in self.clusters, full=False)
+
+    async def look_again(self) -> bool:
+        """A run ref no handle answers: on a shared journal another daemon may have
+        accepted the run since this one's last refresh (every `leading.REFRESH_S`). Read
+        the journal's runs of the clusters this daemon does not act for, at most once per
+        `LOOK_AGAIN_S`; whether it read them (never on a journal of its own)."""
+        now = anyio.current_time()
+        if not self.roles.shared or now - self._looked_again_at < LOOK_AGAIN_S:
+            return False
+        self._looked_again_at = now
+        try:  # checked per run as it is updated: a takeover meanwhile keeps its own
+            await self._load(lambda name: not self.roles.acting(name), full=False)
+        except SupervisorError as exc:  # the database is away: the answer stays not found
+            log.warning("leading.refresh_failed", cluster=None, error=str(exc))
+            return False
+        return True
 
     async def _load(
         self, of: Callable[[str], bool] | str | None = None, *, full: bool = True
