@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -255,6 +256,30 @@ log_format = "json"
                 f"llmd-supervisor {' '.join(args)} exited {proc.returncode}: {proc.stderr}"
             )
         return proc
+
+    def wait_in_background(
+        self, run: str, timeout: float = 240
+    ) -> tuple[threading.Thread, list[subprocess.CompletedProcess[str]]]:
+        """`wait RUN --json` in a thread (a client waiting while the test does harm); the
+        finished command lands in the list."""
+        out: list[subprocess.CompletedProcess[str]] = []
+
+        def wait() -> None:
+            out.append(self.cli("wait", run, "--json", check=False, timeout=timeout))
+
+        t = threading.Thread(target=wait, daemon=True)
+        t.start()
+        return t, out
+
+    def leads(self) -> bool:
+        """Whether its log says it acts for a cluster now (a shared journal)."""
+        acting = False
+        for line in self.log_text().splitlines():
+            if '"leading.acting"' in line:
+                acting = True
+            elif '"leading.stopped_acting"' in line:
+                acting = False
+        return acting
 
     def submit(self, spec_text: str, *extra: str) -> subprocess.CompletedProcess[str]:
         spec = self.root / f"spec-{time.monotonic_ns()}.toml"

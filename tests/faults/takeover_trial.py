@@ -30,9 +30,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterable
 from datetime import UTC, datetime
@@ -83,7 +80,7 @@ def run_trial(rig: HaRig, fault: str, root: Path, *, port: int = 8600) -> Trial:
     standby = login_daemon(rig, "login2", root / "login2", db)
     try:
         leader.start()
-        _wait_for(lambda: _acting_now(leader), 20, "login1 to lead", leader, standby)
+        _wait_for(leader.leads, 20, "login1 to lead", leader, standby)
         standby.start()
         submitted = leader.submit(demo_spec(root / "logs", port=port))
         assert submitted.returncode == 0, submitted.stderr
@@ -91,13 +88,14 @@ def run_trial(rig: HaRig, fault: str, root: Path, *, port: int = 8600) -> Trial:
         job_name = str(json.loads(submitted.stdout)["job_name"])
         leader.wait_state(run, {"running"}, timeout=180)
         standby.wait_state(run, {"running"}, timeout=10)  # its view, refreshed every 2 s
-        waiter, waited = _wait_on(standby, run)
+        waiter, waited = standby.wait_in_background(run, WAIT_S)
         fault_at = datetime.now(UTC)
         died = _inject(rig, fault, leader)
         waiter.join(WAIT_S)
         end = datetime.now(UTC)
         assert waited, f"wait on the standby did not return: {_tails(leader, standby)}"
-        final = json.loads(waited[0])
+        assert waited[0].returncode == 0, waited[0].stderr
+        final = json.loads(waited[0].stdout)
         assert final["outcome"] == "succeeded", (final.get("reason"), _tails(leader, standby))
     finally:
         for d in (leader, standby):
@@ -172,36 +170,6 @@ def _inject(rig: HaRig, fault: str, leader: Daemon) -> datetime | None:
     else:
         raise ValueError(f"unknown fault {fault!r}; one of {', '.join(FAULTS)}")
     return None
-
-
-def _wait_on(d: Daemon, run: str) -> tuple[threading.Thread, list[str]]:
-    """`wait RUN --json` on `d`'s socket, in a thread; its stdout lands in the list."""
-    out: list[str] = []
-    sock = str(d.socket)
-
-    def wait() -> None:
-        proc = subprocess.run(
-            [sys.executable, "-m", "llmd_supervisor", "wait", run, "--json", "--socket", sock],
-            capture_output=True,
-            text=True,
-            timeout=WAIT_S,
-            check=False,
-        )
-        out.append(proc.stdout)
-
-    t = threading.Thread(target=wait, daemon=True)
-    t.start()
-    return t, out
-
-
-def _acting_now(d: Daemon) -> bool:
-    acting = False
-    for line in d.log_text().splitlines():
-        if '"leading.acting"' in line:
-            acting = True
-        elif '"leading.stopped_acting"' in line:
-            acting = False
-    return acting
 
 
 def _wait_for(predicate: object, timeout: float, what: str, *daemons: Daemon) -> None:

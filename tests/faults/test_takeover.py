@@ -15,9 +15,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
-import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -55,15 +52,8 @@ class Pair:
 
 
 def _acting(d: Daemon) -> bool:
-    """Whether `d`'s log says it acts for the cluster now."""
-    acting = False
-    for line in d.log_text().splitlines():
-        if '"leading.acting"' in line:
-            acting = True
-        elif '"leading.stopped_acting"' in line:
-            acting = False
-    alive = d.proc is not None and d.proc.poll() is None
-    return acting and alive
+    """Whether `d` is alive and its log says it acts for the cluster now."""
+    return d.proc is not None and d.proc.poll() is None and d.leads()
 
 
 def _tails(pair: Pair) -> str:
@@ -98,36 +88,6 @@ def pair(world: ReplayWorld, tmp_path: Path, postgres: PgServer) -> Iterator[Pai
                 d.stop()
 
 
-def _wait_in_background(
-    d: Daemon, run: str
-) -> tuple[threading.Thread, list[subprocess.CompletedProcess[str]]]:
-    """`wait RUN --json` on `d`'s socket in a thread; the finished command lands in the list."""
-    out: list[subprocess.CompletedProcess[str]] = []
-
-    def wait() -> None:
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "llmd_supervisor",
-                "wait",
-                run,
-                "--json",
-                "--socket",
-                str(d.socket),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=240,
-            check=False,
-        )
-        out.append(proc)
-
-    t = threading.Thread(target=wait, daemon=True)
-    t.start()
-    return t, out
-
-
 @pytest.mark.parametrize("fault", ["sigkill", "graceful"])
 def test_the_standby_finishes_the_run_of_a_leader_that_is_gone(
     pair: Pair, world: ReplayWorld, tmp_path: Path, fault: str
@@ -143,7 +103,7 @@ def test_the_standby_finishes_the_run_of_a_leader_that_is_gone(
     run = str(json.loads(submitted.stdout)["run"])
     leader.wait_state(run, {"running"})
     world.pause()  # the job keeps running while the daemons change
-    waiter, waited = _wait_in_background(standby, run)  # a client of the standby
+    waiter, waited = standby.wait_in_background(run)  # a client of the standby
     standby.wait_state(run, {"running"}, timeout=10)  # its view, from the journal
 
     gone = time.monotonic()
@@ -183,7 +143,7 @@ def test_a_slow_sbatch_that_straddles_the_takeover_makes_one_job(
     leader.wait_state(run, {"submitting"}, timeout=10)
     time.sleep(1.0)  # sbatch is in flight
     leader.stop(signal.SIGKILL)
-    waiter, waited = _wait_in_background(standby, run)
+    waiter, waited = standby.wait_in_background(run)
     waiter.join(240)
     assert waited, "wait on the standby did not return"
     assert waited[0].returncode == 0, waited[0].stderr
