@@ -45,8 +45,8 @@ from tests.daemon_helpers import Daemon, stop_started
 from tests.devcluster import SLURM_VERSIONS, DevCluster, devcluster, with_slurm_bin
 
 # The `stranger` and `root_dir` fixtures (another local user); `world` (a replayed Slurm
-# cluster and node that daemon processes use, tests/fakes/replay_world.py); `postgres` and
-# `journal_target` (a real PostgreSQL server for the journal's tests, tests/postgres.py).
+# cluster and node that daemon processes use, tests/fakes/replay_world.py); `postgres`, `pg`
+# and `journal_target` (a real PostgreSQL server for the journal's tests, tests/postgres.py).
 pytest_plugins = ["tests.strangers", "tests.fakes.replay_world", "tests.postgres"]
 
 # An async test fails when one callback (one step of a task) held the event loop this long.

@@ -13,7 +13,7 @@ turns into a failure (tests/conftest.py).
 
 `journal_target` parametrises a test over both backends: ``[sqlite]`` and
 ``[postgresql]`` (the session's shared journal database, emptied for each test; a test
-of the schema or of migrations takes `PgServer.new_database`).
+of the schema or of migrations takes `pg`, the config of a new database of its own).
 
 A PostgreSQL journal refuses writes that do not come from its cluster's current leader
 (`core.fencing`). `JournalTarget.open` makes the tests' journal a leader: `lead_for_tests`
@@ -167,6 +167,12 @@ def postgres() -> Iterator[PgServer]:
         yield server
     finally:
         stop_server(server)
+
+
+@pytest.fixture
+def pg(postgres: PgServer) -> PostgresJournal:
+    """The journal config of a new, empty database of the session's server."""
+    return postgres.journal_config(postgres.new_database())
 
 
 def start_server(

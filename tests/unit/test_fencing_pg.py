@@ -33,12 +33,6 @@ from tests.unit.test_journal import at, inserted
 CLUSTER = "gpu-a"
 
 
-@pytest.fixture
-def pg(postgres: PgServer) -> PostgresJournal:
-    """A new, empty database of the session's server."""
-    return postgres.journal_config(postgres.new_database())
-
-
 @pytest_asyncio.fixture
 async def journal(pg: PostgresJournal) -> AsyncIterator[Journal]:
     """A journal with no writer of its own (each test says who writes)."""

@@ -44,12 +44,6 @@ from tests.unit.test_journal import T0, at, inserted
 from tests.unit.test_outbox import SUCCESS, journaled_until, walk
 
 
-@pytest.fixture
-def pg(postgres: PgServer) -> PostgresJournal:
-    """A new, empty database of the session's server."""
-    return postgres.journal_config(postgres.new_database())
-
-
 @pytest_asyncio.fixture
 async def journal(pg: PostgresJournal) -> AsyncIterator[Journal]:
     async with await Journal.open_postgres(pg) as j:
