@@ -9,7 +9,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -123,6 +123,26 @@ connect_timeout_s = 0.5
 [[clusters]]
 name = "dev"
 """
+
+
+@dataclass
+class BackgroundWait:
+    """A `wait` client in a thread (`Daemon.wait_in_background`)."""
+
+    timeout: float
+    thread: threading.Thread | None = None
+    done: list[subprocess.CompletedProcess[str]] = field(default_factory=list)
+
+    def final(self, context: Callable[[], str] = str) -> dict[str, object]:
+        """The run's final summary once the client returned (an assertion if it did not,
+        or failed; `context` adds to its message)."""
+        assert self.thread is not None
+        self.thread.join(self.timeout)
+        assert self.done, f"wait did not return within {self.timeout:g} s{context()}"
+        assert self.done[0].returncode == 0, self.done[0].stderr
+        result = json.loads(self.done[0].stdout)
+        assert isinstance(result, dict)
+        return result
 
 
 @dataclass
@@ -257,19 +277,16 @@ log_format = "json"
             )
         return proc
 
-    def wait_in_background(
-        self, run: str, timeout: float = 240
-    ) -> tuple[threading.Thread, list[subprocess.CompletedProcess[str]]]:
-        """`wait RUN --json` in a thread (a client waiting while the test does harm); the
-        finished command lands in the list."""
-        out: list[subprocess.CompletedProcess[str]] = []
+    def wait_in_background(self, run: str, timeout: float = 240) -> BackgroundWait:
+        """`wait RUN --json` in a thread: a client waiting while the test does harm."""
+        waiting = BackgroundWait(timeout)
 
         def wait() -> None:
-            out.append(self.cli("wait", run, "--json", check=False, timeout=timeout))
+            waiting.done.append(self.cli("wait", run, "--json", check=False, timeout=timeout))
 
-        t = threading.Thread(target=wait, daemon=True)
-        t.start()
-        return t, out
+        waiting.thread = threading.Thread(target=wait, daemon=True)
+        waiting.thread.start()
+        return waiting
 
     def leads(self) -> bool:
         """Whether its log says it acts for a cluster now (a shared journal)."""
