@@ -60,9 +60,14 @@ def excluded(got: dict[str, object]) -> str:
 
 
 def sacct_submit_line(cluster: DevCluster, job: str) -> str:
-    """The job's sbatch command line as sacct keeps it (`SubmitLine`)."""
+    """The job's sbatch command line as sacct keeps it (`SubmitLine`), once slurmdbd has
+    it: slurmctld sends the job's record to slurmdbd asynchronously, so a job the daemon
+    already verified may have none for a few seconds (seen on 22.05)."""
     argv = ["sacct", "--noheader", "--parsable2", "-X", "--format=SubmitLine", "-j", job]
-    return cluster.slurm(argv).stdout.strip()
+    deadline = time.monotonic() + 60
+    while not (line := cluster.slurm(argv).stdout.strip()) and time.monotonic() < deadline:
+        time.sleep(1)
+    return line
 
 
 def assert_retried_without_bad(cluster: DevCluster, got: dict[str, object]) -> None:
