@@ -76,6 +76,23 @@ for v in "${versions[@]}"; do
     [ "$v" = "$last" ] || beside+=("slurm_contract tests on Slurm $v")
 done
 beside+=("$fast")
+# A dev cluster left up by an earlier command (deploy/quickstart.sh leaves its Slurm 22.05
+# cluster up on purpose) is reused when it is what the cluster pass tests (Slurm $last,
+# accounting on); otherwise it is taken down here, and we say so: the cluster pass would
+# refuse it. The other versions' passes have clusters of their own (tests/beside.sh).
+if deploy/devcluster/devcluster status --quiet >/dev/null 2>&1; then
+    left=$(deploy/devcluster/devcluster env)
+    left_version=$(sed -n "s/^export DEVCLUSTER_SLURM='\(.*\)'$/\1/p" <<<"$left")
+    left_accounting=$(sed -n "s/^export DEVCLUSTER_ACCOUNTING='\(.*\)'$/\1/p" <<<"$left")
+    if [ "$left_version" != "$last" ] || [ "$left_accounting" != 1 ]; then
+        what="Slurm $left_version"
+        [ "$left_accounting" = 1 ] || what="$what without accounting"
+        echo "tests/run.sh: the dev cluster left up ($what) is not the one the cluster pass" \
+            "tests (Slurm $last with accounting): taking it down first;" \
+            "\`deploy/devcluster/devcluster up --slurm $left_version\` brings it back" >&2
+        deploy/devcluster/devcluster down >&2
+    fi
+fi
 echo "tests/run.sh: beside the cluster pass on Slurm $last: ${beside[*]} (their output comes after its)" >&2
 {
     for v in "${versions[@]}"; do
