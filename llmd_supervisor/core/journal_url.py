@@ -4,9 +4,11 @@
 ``[journal]`` absent or without ``url``: the SQLite journal in the state directory (the
 default; nothing else changes). ``url = "postgresql://USER@HOST[:PORT][,HOST2[:PORT]]/DBNAME
 [?sslmode=...]"`` (``postgres://`` too): a shared PostgreSQL journal. The URL never
-holds a password (``user:password@`` and ``?password=`` are refused); a password, if the
-role needs one, is in ``password_file``: an absolute path to a file owned by the
-service's account (or root) and not readable, writable or executable by group or others
+holds a secret: ``user:password@``, and ``password`` or ``sslpassword`` in the query in
+any case or percent-encoding (libpq decodes a key before it looks it up), are refused, and
+a refusal shows the URL with every secret and every unknown parameter's value masked. A
+password, if the role needs one, is in ``password_file``: an absolute path to a file owned
+by the service's account (or root) and not readable, writable or executable by group or others
 (`password_file_problem`, libpq's own rule for ``.pgpass``). A host may be a Unix socket
 directory, percent-encoded (``postgresql://llmd@%2Frun%2Fpostgresql/llmd``).
 
@@ -19,6 +21,7 @@ defaults to ``read-write`` so the daemon reaches the primary.
 
 from __future__ import annotations
 
+import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -72,6 +75,8 @@ _QUERY_KEYS: Final = (
     "application_name",
     "target_session_attrs",
 )
+# The shape of a libpq keyword: a query key of any other shape is never shown.
+_KEYWORD: Final = re.compile(r"[a-z_]{1,40}")
 _LOOPBACK: Final = ("localhost", "127.0.0.1", "::1")
 _URL: Final = "journal.url"
 _PASSWORD_FILE: Final = "journal.password_file"
@@ -187,33 +192,86 @@ def _password_file(value: object) -> str:
 
 
 def _refuse(value: str, hint: str) -> ConfigError:
-    return ConfigError(_URL, value, hint)
+    return ConfigError(_URL, _redacted(value), hint)
+
+
+def _param_key(pair: str) -> str:
+    """The libpq keyword of one ``key=value`` of a URL's query: percent-decoded, as libpq
+    decodes it before looking it up."""
+    return unquote(pair.partition("=")[0])
+
+
+def _secret_key(key: str) -> bool:
+    """Whether a (decoded) query key names a secret, in any case (``password``,
+    ``sslpassword``)."""
+    return "password" in key.casefold()
+
+
+def _shown_key(key: str) -> str | None:
+    """A decoded query key as it may be shown in a message: only the shape of a libpq
+    keyword (None: anything else, which may be a pasted secret)."""
+    return key if _KEYWORD.fullmatch(key) else None
+
+
+def _userinfo_password(url: str) -> bool:
+    """Whether the URL's user information (before the last ``@`` ahead of its query) holds
+    a password (``user:password``; libpq splits at the first ``:`` before decoding)."""
+    userinfo, at, _ = url.partition("?")[0].rpartition("://")[2].rpartition("@")
+    return bool(at) and ":" in userinfo
+
+
+def _secrets(url: str) -> list[str]:
+    """Where `url` holds a secret, as phrases naming the place and never the secret."""
+    found = ["user:password@ before the host"] if _userinfo_password(url) else []
+    for pair in url.partition("?")[2].split("&"):
+        key = _param_key(pair)
+        if _secret_key(key):
+            shown = _shown_key(key.casefold()) or "password"
+            where = f"the parameter {shown}"
+            if where not in found:
+                found.append(where)
+    return found
 
 
 def _redacted(url: str) -> str:
-    """`url` with any password (``user:password@``, ``password=``) shown as ``***``."""
+    """`url` as a message may show it: a password (``user:password@``), the value of any
+    query key that is not an allowed libpq keyword and every key that is not shaped like
+    one shown as ``***``, however the URL spelled them (percent-encoded, upper case)."""
     head, q, query = url.partition("?")
     scheme, sep, rest = head.rpartition("://")
     userinfo, at, hosts = rest.rpartition("@")
     if at and ":" in userinfo:
         rest = f"{userinfo.split(':', 1)[0]}:***@{hosts}"
-    pairs = [
-        "password=***" if part.split("=", 1)[0] == "password" else part for part in query.split("&")
-    ]
+    pairs = []
+    for pair in query.split("&") if q else ():
+        key = _param_key(pair)
+        if key in _QUERY_KEYS or key in LINK_SETTINGS:
+            pairs.append(pair)
+        else:
+            shown = _shown_key(key.casefold() if _secret_key(key) else key)
+            pairs.append("***" if shown is None else f"{shown}=***")
     return f"{scheme}{sep}{rest}{q}{'&'.join(pairs)}"
 
 
 def _postgres(value: object, password_file: str | None) -> PostgresJournal:
-    if isinstance(value, str) and _redacted(value) != value:
-        raise _refuse(
-            _redacted(value),
-            "the URL holds a password; remove it from the URL and put it in a file named by "
-            "journal.password_file (mode 0600, owned by the daemon's account)",
-        )
+    secrets = _secrets(value) if isinstance(value, str) else []
+    if isinstance(value, str) and secrets:
+        places = " and ".join(secrets)
+        if any("sslpassword" in s for s in secrets):
+            fix = (
+                "remove it; the daemon reads a client key (sslkey) that needs no passphrase, "
+                "in a file of mode 0600 owned by the daemon's account"
+            )
+        else:
+            fix = (
+                "remove it from the URL and put it in a file named by journal.password_file "
+                "(mode 0600, owned by the daemon's account)"
+            )
+        raise _refuse(value, f"the URL holds a secret ({places}); {fix}")
     if not isinstance(value, str) or "://" not in value:
         raise ConfigError(
             _URL,
-            value,
+            _redacted(value) if isinstance(value, str) else value,
             'use a PostgreSQL URL such as "postgresql://llmd@db.example.org/llmd", or '
             "leave journal.url unset for the SQLite journal in the state directory",
         )
@@ -238,9 +296,15 @@ def _postgres(value: object, password_file: str | None) -> PostgresJournal:
                 f"remove {k} from the URL",
             )
         if k not in _QUERY_KEYS:
+            shown = _shown_key(k)
+            named = (
+                "a parameter not shaped like a keyword"
+                if shown is None
+                else f"the parameter {shown!r}"
+            )
             raise _refuse(
                 value,
-                f"the parameter {k!r} is not supported here; allowed: {', '.join(_QUERY_KEYS)} "
+                f"{named} is not supported here; allowed: {', '.join(_QUERY_KEYS)} "
                 "(host, port, user and database go in the URL itself)",
             )
         params[k] = v

@@ -221,3 +221,54 @@ def test_password_file_rules(mode: int, uid: int, problem: str | None) -> None:
     else:
         assert found is not None and problem in found
         assert found.startswith("/etc/llmd/db-password ")
+
+
+# Every spelling of a secret in a journal URL (issue 4.1, item 8): libpq decodes a query
+# key before it looks it up, so a key is judged decoded, and the refusal shows the URL
+# with every secret masked, in whatever spelling it came.
+SECRET_SPELLINGS = [
+    ("percent-encoded key", "postgresql://u@db/d?pass%77ord=hunter2", "password"),
+    ("fully encoded key", "postgresql://u@db/d?%70%61%73%73%77%6f%72%64=hunter2", "password"),
+    ("percent-encoded value", "postgresql://u@db/d?password=hunter%32", "password"),
+    ("upper case", "postgresql://u@db/d?PASSWORD=hunter2", "password"),
+    ("mixed case", "postgresql://u@db/d?sslmode=require&PassWord=hunter2", "password"),
+    ("sslpassword", "postgresql://u@db/d?sslkey=/k.pem&sslpassword=hunter2", "sslpassword"),
+    ("encoded sslpassword", "postgresql://u@db/d?SSL%50assword=hunter2", "sslpassword"),
+    ("userinfo", "postgresql://u:hunter2@db/d", "user:password@"),
+    ("userinfo, encoded", "postgresql://u:hunter%32@db/d", "user:password@"),
+    ("userinfo with @", "postgresql://u:hun@ter2@db/d", "user:password@"),
+    ("repeated key", "postgresql://u@db/d?password=x&password=hunter2", "password"),
+    ("repeated, spelled twice", "postgresql://u@db/d?password=a&pass%77ord=hunter2", "password"),
+    ("key and value in one", "postgresql://u@db/d?password%3Dhunter2", "password"),
+    ("blank value", "postgresql://u@db/d?password=&sslmode=require", "password"),
+]
+
+
+@pytest.mark.parametrize(
+    ("url", "named"), [s[1:] for s in SECRET_SPELLINGS], ids=[s[0] for s in SECRET_SPELLINGS]
+)
+def test_a_secret_in_any_spelling_is_refused_and_never_shown(url: str, named: str) -> None:
+    error = refusal({"url": url})
+    message = str(error)
+    assert len(error.problems) == 1 and error.key == "journal.url"
+    assert "holds a" in message and named in message, message
+    for shown in ("hunter2", "hunter%32", "hun@ter2", "%3Dhunter2"):
+        assert shown not in message and shown not in repr(error.value), message
+    assert "postgresql://u" in message  # the URL is still named, masked
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://u@db/d?sslmode=require&X%3Dhunter2=1",
+        "postgresql://u@db/d?sslmode=require&hunter2%26=1",
+        "postgresql://u@db/d?sslmode=require&Hunter2x",
+    ],
+)
+def test_an_unknown_parameter_is_refused_without_echoing_what_it_may_hide(url: str) -> None:
+    message = str(refusal({"url": url}))
+    assert "not supported here" in message and "hunter2" not in message.lower(), message
+
+
+def test_a_decoded_allowed_key_is_the_key() -> None:
+    assert pg("postgresql://u@db/d?ssl%6Dode=require").sslmode == "require"
