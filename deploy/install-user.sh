@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The per-user llmd-supervisor service, installed as yourself (no root): run it as
 # `deploy/install.sh --user`. Safe to run again (it upgrades the package and keeps an
-# existing config). Knobs (environment): PREFIX (the venv), PYTHON (python3, >= 3.11),
-# XDG_CONFIG_HOME, XDG_STATE_HOME, XDG_RUNTIME_DIR, XDG_DATA_HOME (the usual defaults).
+# existing config). Knobs (environment): PREFIX (the venv), PYTHON (python3, >= 3.11, with
+# its venv module: Debian's python3-venv), LLMD_EXTRAS (as for install.sh: "report" by
+# default; "report,postgresql" adds the PostgreSQL journal's driver), XDG_CONFIG_HOME,
+# XDG_STATE_HOME, XDG_RUNTIME_DIR, XDG_DATA_HOME (the usual defaults).
 set -euo pipefail
 
 SRC=$(cd "$(dirname "$0")/.." && pwd)
@@ -12,6 +14,8 @@ die() { say "$*"; exit 1; }
 [ "$(id -u)" -ne 0 ] || die "run it as the user who will submit (root has the system service: install.sh)"
 [ -n "${HOME:-}" ] && [ -d "$HOME" ] || die "HOME is not set to your home directory"
 PYTHON=${PYTHON:-python3}
+command -v "$PYTHON" >/dev/null 2>&1 \
+    || die "$PYTHON is not installed (ask for python3 and python3-venv), or set PYTHON=/path/to/python3.11"
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
     || die "$PYTHON is older than 3.11; set PYTHON=/path/to/python3.11"
 DATA=${XDG_DATA_HOME:-$HOME/.local/share}
@@ -25,12 +29,14 @@ CONFIG=$CONF/llmd-supervisor/config.toml
 umask 077
 
 # --- the package ----------------------------------------------------------------------
-if [ ! -x "$PREFIX/bin/python" ]; then
-    install -d -m 0700 "$(dirname "$PREFIX")"
-    "$PYTHON" -m venv "$PREFIX"
-    say "created the venv $PREFIX"
-fi
-"$PREFIX/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade "$SRC"
+[ -d "$(dirname "$PREFIX")" ] || install -d -m 0700 "$(dirname "$PREFIX")"
+# shellcheck source=deploy/venv.sh
+. "$SRC/deploy/venv.sh"
+ensure_venv "$PYTHON" "$PREFIX" \
+    "ask the machine's administrator to install python3-venv, or set PYTHON=/path/to/a python3.11 that has them"
+EXTRAS=${LLMD_EXTRAS-report}
+"$PREFIX/bin/python" -m pip install --quiet --disable-pip-version-check --upgrade \
+    "$SRC${EXTRAS:+[$EXTRAS]}"
 install -m 0644 "$SRC/README.md" "$PREFIX/README.md"
 install -d -m 0755 "$BIN"
 ln -sfn "$PREFIX/bin/llmd-supervisor" "$BIN/llmd-supervisor"

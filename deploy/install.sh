@@ -13,8 +13,10 @@
 #   - runs `systemctl daemon-reload` when systemd is running, and prints the next steps.
 #
 # Knobs (environment): PREFIX (venv, /opt/llmd-supervisor), LLMD_USER / LLMD_GROUP
-# (llmd), PYTHON (python3, >= 3.11), LLMD_EXTRAS (the package's extras, "report" by
-# default: matplotlib for `llmd-supervisor report`; empty for none), DESTDIR (install
+# (llmd), PYTHON (python3, >= 3.11, with its venv module: Debian's python3-venv),
+# LLMD_EXTRAS (the package's extras, comma-separated: "report" by default, matplotlib for
+# `llmd-supervisor report`; "report,postgresql" adds the PostgreSQL journal's driver;
+# empty for none), DESTDIR (install
 # under a scratch root, for tests and packaging; then users are created only with
 # LLMD_CREATE_USER=1 and systemd is left alone).
 #
@@ -52,7 +54,9 @@ UNIT=/etc/systemd/system/llmd-supervisor.service
 say() { echo "install.sh: $*" >&2; }
 die() { say "$*"; exit 1; }
 
-[ "$(id -u)" -eq 0 ] || die "must run as root (it creates a system user and installs a service)"
+[ "$(id -u)" -eq 0 ] || die "must run as root (it creates a system user and installs a service); as yourself: install.sh --user"
+command -v "$PYTHON" >/dev/null 2>&1 \
+    || die "$PYTHON is not installed (apt-get install python3 python3-venv), or set PYTHON=/path/to/python3.11"
 "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))' \
     || die "$PYTHON is older than 3.11; set PYTHON=/path/to/python3.11"
 
@@ -93,10 +97,10 @@ own "$OWNER" "$DESTDIR$STATE/.ssh/id_ed25519" "$DESTDIR$STATE/.ssh/id_ed25519.pu
     "$DESTDIR$STATE/.ssh/known_hosts"
 
 # --- the package ----------------------------------------------------------------------
-if [ ! -x "$DESTDIR$PREFIX/bin/python" ]; then
-    "$PYTHON" -m venv "$DESTDIR$PREFIX"
-    say "created the venv $PREFIX"
-fi
+# shellcheck source=deploy/venv.sh
+. "$SRC/deploy/venv.sh"
+ensure_venv "$PYTHON" "$DESTDIR$PREFIX" \
+    "apt-get install python3-venv, or set PYTHON=/path/to/a python3.11 that has them"
 EXTRAS=${LLMD_EXTRAS-report}
 "$DESTDIR$PREFIX/bin/python" -m pip install --quiet --disable-pip-version-check \
     --upgrade "$SRC${EXTRAS:+[$EXTRAS]}"
