@@ -31,12 +31,19 @@ case "$SLURM" in
     *) echo "quickstart: --slurm '$SLURM' is not a version the dev cluster runs; use 22.05 or 24.11" >&2; exit 2 ;;
 esac
 cd "$(dirname "$0")/.."
-deploy/install-dev.sh
-deploy/devcluster/devcluster up --slurm "$SLURM"
-eval "$(deploy/devcluster/devcluster env)"
-
 QS=/var/tmp/llmd-quickstart
 mkdir -p "$QS"
+# The setup's output (apt, pip, the cluster's start) goes to one file; one line per step here.
+SETUP_LOG=$QS/setup.log
+: >"$SETUP_LOG"
+# shellcheck source=deploy/steps.sh
+. deploy/steps.sh
+echo "quickstart: the setup's full output goes to $SETUP_LOG" >&2
+step "$SETUP_LOG" "installing what is missing (deploy/install-dev.sh)" deploy/install-dev.sh
+step "$SETUP_LOG" "starting the Slurm $SLURM dev cluster" \
+    deploy/devcluster/devcluster up --slurm "$SLURM"
+eval "$(deploy/devcluster/devcluster env)"
+
 # The events' destination: a Standard Webhooks receiver on loopback, with a fresh secret
 # readable only by root (the daemon's account here). It appends what it verified to
 # $QS/events.jsonl.
