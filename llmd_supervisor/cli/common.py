@@ -68,6 +68,22 @@ def _run(command: str, go: Callable[[], Awaitable[T]]) -> T:
         raise _Exit(status) from None
 
 
+def unreadable(what: str, path: Path, exc: OSError | UnicodeDecodeError) -> str:
+    """The sentence for a file the user named that cannot be read (`what`: "run spec")."""
+    if isinstance(exc, UnicodeDecodeError):
+        why = "is not UTF-8 text; give the text file itself"
+    elif isinstance(exc, FileNotFoundError):
+        where = "" if path.is_absolute() else f" (looked for {os.path.abspath(path)})"
+        why = f"does not exist{where}; check the path"
+    elif isinstance(exc, IsADirectoryError):
+        why = "is a directory; give the file in it"
+    elif isinstance(exc, PermissionError):
+        why = "cannot be read by you (permission denied); check its mode and directories"
+    else:
+        why = f"cannot be read ({exc.strerror or exc})"
+    return f"The {what} {path} {why}."
+
+
 def _silence_stdout() -> None:
     """Point stdout at /dev/null, so the interpreter's last flush finds no broken pipe."""
     devnull = os.open(os.devnull, os.O_WRONLY)

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 from typing import Literal
 
-from llmd_supervisor.cli.common import _Exit
+from llmd_supervisor.cli.common import _Exit, unreadable
 from llmd_supervisor.core import foreign_spec
 from llmd_supervisor.core.summary import NodesView
-from llmd_supervisor.errors import SupervisorError
+from llmd_supervisor.errors import SpecError, SupervisorError
 
 
 def add_script_options(p: argparse.ArgumentParser) -> None:
@@ -152,12 +152,32 @@ def nodes_table(view: NodesView) -> list[str]:
     ]
 
 
+def _option_error(exc: SpecError) -> str:
+    """A foreign spec's error as the command line's (its fields are options, not a spec's)."""
+    if exc.field == "SBATCH-ARGS":
+        what = f"The sbatch option {exc.value!r} (after --)"
+    elif exc.field == "JOBID":
+        what = f"The job id {exc.value!r}"
+    elif exc.field.startswith("--"):
+        what = f"The option {exc.field} {exc.value!r}"
+    else:
+        return str(exc)
+    return f"{what} is not accepted: {exc.hint}."
+
+
 def checked_spec(args: argparse.Namespace, kind: Literal["script", "adopt"]) -> str:
     """The foreign spec JSON the daemon takes, checked here first (exit 2 when bad)."""
     command = "submit" if kind == "script" else "adopt"
     try:
         text, dropped = foreign_spec_json(args, kind)
-    except (OSError, UnicodeDecodeError, SupervisorError) as exc:
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"llmd-supervisor {command}: {unreadable('batch script', args.script, exc)}",
+              file=sys.stderr)  # fmt: skip
+        raise _Exit(2) from None
+    except SpecError as exc:
+        print(f"llmd-supervisor {command}: {_option_error(exc)}", file=sys.stderr)
+        raise _Exit(2) from None
+    except SupervisorError as exc:
         print(f"llmd-supervisor {command}: {exc}", file=sys.stderr)
         raise _Exit(2) from None
     if dropped:

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import sys
-import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from llmd_supervisor import __version__
 from llmd_supervisor.cli.common import socket_default
 from llmd_supervisor.errors import SpecError
+
+if TYPE_CHECKING:
+    from llmd_supervisor.core.spec import RunSpec
 
 # A subcommand handler takes the parsed args and returns the process exit status.
 Handler = Callable[[argparse.Namespace], int]
@@ -113,14 +116,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     if words[:1] == ["submit"] and "--" in words:  # submit --script JOB -- SBATCH-ARGS
         cut = words.index("--")
         words, sbatch_args = words[:cut], words[cut + 1 :]
+    if words[:1] == ["submit"]:
+        args, unknown = parser.parse_known_args(words)
+        if unknown and args.script is not None:  # sbatch's own options, given too early
+            # `-N 3`: argparse takes the 3 for the SPEC (which --script does not take)
+            extra = {*unknown, *([str(args.spec)] if args.spec is not None else [])}
+            shown = " ".join(w for w in words if w in extra)
+            print(
+                f"llmd-supervisor submit: {shown}: not options of submit; sbatch options go"
+                f" after `--`: llmd-supervisor submit --script {args.script} [submit's"
+                f" options] -- {shown}",
+                file=sys.stderr,
+            )
+            return 2
     args = parser.parse_args(words)
     if sbatch_args:
         args.sbatch_args = sbatch_args
     if args.command is None:
         parser.print_help(sys.stderr)
         return 2
+    if words[:2] == ["campaign", "submit"] and _run_spec_given(args.file):
+        return 2
     handler: Handler = args.handler
     return handler(args)
+
+
+def _run_spec_given(path: Path) -> bool:
+    """Whether `campaign submit` was given a run spec (said on stderr, naming `submit`)."""
+    from llmd_supervisor.core.file_kind import wrong_kind
+
+    try:
+        with path.open("rb") as f:
+            text = f.read(1 << 20).decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False  # the command says what is wrong with the file
+    said = wrong_kind(text, str(path), "campaign file")
+    if said is not None:
+        print(f"llmd-supervisor campaign submit: {said}", file=sys.stderr)
+    return said is not None
 
 
 # --- render -----------------------------------------------------------------------------
@@ -136,13 +169,17 @@ def _add_render_parser(sub: argparse._SubParsersAction[Any]) -> None:
     p.add_argument(
         "--job-name",
         default=None,
-        help="Slurm job name (default: llmd-<spec name>-<random>; must be unique per run)",
+        help="Slurm job name (default: llmd-<[run] name or file name>-<the spec's sha256,"
+        " 8 hex digits>, so the same spec renders the same bytes; a job submitted with sbatch"
+        " by hand wants a name of its own per run)",
     )
     p.set_defaults(handler=_cmd_render)
 
 
 def _cmd_render(args: argparse.Namespace) -> int:
     """Print the batch script; a bad spec prints the SpecError to stderr and exits 2."""
+    from llmd_supervisor.cli.common import unreadable
+    from llmd_supervisor.core.file_kind import wrong_kind
     from llmd_supervisor.core.render import render_sbatch
     from llmd_supervisor.core.spec import load_spec
 
@@ -150,17 +187,28 @@ def _cmd_render(args: argparse.Namespace) -> int:
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        print(f"llmd-supervisor render: cannot read {path}: {exc}", file=sys.stderr)
+        print(f"llmd-supervisor render: {unreadable('run spec', path, exc)}", file=sys.stderr)
         return 2
-    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem).strip("-.")[:40] or "run"
-    job_name = args.job_name or f"llmd-{stem}-{uuid.uuid4().hex[:8]}"
+    other = wrong_kind(text, str(path), "run spec")
+    if other is not None:
+        print(f"llmd-supervisor render: {other}", file=sys.stderr)
+        return 2
     try:
-        script = render_sbatch(load_spec(text), job_name=job_name)
+        spec = load_spec(text)
+        script = render_sbatch(spec, job_name=args.job_name or render_job_name(spec, path, text))
     except SpecError as exc:
         print(f"llmd-supervisor render: {path}: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(script)
     return 0
+
+
+def render_job_name(spec: RunSpec, path: Path, text: str) -> str:
+    """`render`'s job name, from the spec alone (so the same spec renders the same bytes):
+    ``llmd-<[run] name, else the file's name>-<sha256 of the text, 8 hex digits>``. The
+    daemon names each submitted run itself (``llmd-<run id>``), unique per run."""
+    name = spec.name or re.sub(r"[^A-Za-z0-9._-]+", "-", path.stem).strip("-.") or "run"
+    return f"llmd-{name[:40]}-{hashlib.sha256(text.encode()).hexdigest()[:8]}"
 
 
 # --- verify -----------------------------------------------------------------------------

@@ -51,6 +51,7 @@ from llmd_supervisor.cli.common import (
     _write,
     fit_to_terminal,
     socket_default,
+    unreadable,
 )
 from llmd_supervisor.cli.signals import DEFAULT_CANCEL_MARGIN_S, WAIT_EXIT_STATUS, Interrupts
 from llmd_supervisor.core.jobtext import job_text
@@ -65,7 +66,7 @@ from llmd_supervisor.core.summary import (
     chunk_bytes,
 )
 from llmd_supervisor.core.verdict import Outcome
-from llmd_supervisor.errors import OfflineError, SupervisorError
+from llmd_supervisor.errors import DaemonUnreachable, OfflineError, SpecError, SupervisorError
 
 DEFAULT_RECONNECT_S = 600.0
 
@@ -376,22 +377,69 @@ def cmd_submit(args: argparse.Namespace) -> int:
         why = f"{', '.join(foreign_used)} need --script" if foreign_used else "give a run SPEC"
         print(f"llmd-supervisor submit: {why} (or a SPEC alone)", file=sys.stderr)
         return 2
-    try:
-        spec_toml = args.spec.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        print(f"llmd-supervisor submit: cannot read {args.spec}: {exc}", file=sys.stderr)
-        return 2
+    spec_toml = _checked_spec_text(args.spec)
     params = {
         "spec_toml": spec_toml,
         "spec_path": str(args.spec),
         "dry_run": args.dry_run,
         "cluster": args.cluster,
     }
-    result = _send_submission(args, "submit", params, waits=_waits(args))
     if args.dry_run:
-        sys.stdout.write(_read("submit", DryRun, result)["script"])
-        return 0
+        return _dry_run(args, params)
+    result = _send_submission(args, "submit", params, waits=_waits(args))
     return _submitted(args, _read("submit", RunSummary, result))
+
+
+def _checked_spec_text(path: Path) -> str:
+    """The run spec's text, checked here before any daemon is asked (exit 2, naming the
+    file, when it cannot be read, is a campaign file, or is not a valid run spec)."""
+    from llmd_supervisor.core.file_kind import wrong_kind
+    from llmd_supervisor.core.spec import load_spec
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        print(f"llmd-supervisor submit: {unreadable('run spec', path, exc)}", file=sys.stderr)
+        raise _Exit(2) from None
+    problem = wrong_kind(text, str(path), "run spec")
+    if problem is None:
+        try:
+            load_spec(text)
+        except SpecError as exc:
+            problem = f"{path}: {exc}"
+    if problem is not None:
+        print(f"llmd-supervisor submit: {problem}", file=sys.stderr)
+        raise _Exit(2)
+    return text
+
+
+def _dry_run(args: argparse.Namespace, params: dict[str, object]) -> int:
+    """Print the script the daemon would submit; with no daemon, the one the spec renders
+    here (checked as a spec, not against a daemon's configuration), and say so."""
+
+    async def go() -> Mapping[str, object] | DaemonUnreachable:
+        try:
+            async with ControlClient(args.socket) as c:
+                return await c.call("submit", params)
+        except DaemonUnreachable as exc:
+            return exc
+
+    result = _run("submit", go)
+    if isinstance(result, DaemonUnreachable):
+        from llmd_supervisor.core.render import render_sbatch
+        from llmd_supervisor.core.spec import load_spec
+
+        script = render_sbatch(load_spec(str(params["spec_toml"])), job_name="llmd-dry-run")
+        print(
+            f"llmd-supervisor submit: {str(result).rstrip('.')}. The spec is valid and its"
+            " script follows, rendered here; the daemon's own checks (daemon.log_roots, the"
+            " cluster, [notify] destinations) run when it is submitted.",
+            file=sys.stderr,
+        )
+        sys.stdout.write(script)
+        return 0
+    sys.stdout.write(_read("submit", DryRun, result)["script"])
+    return 0
 
 
 @_exits
@@ -404,7 +452,12 @@ def _waits(args: argparse.Namespace) -> bool:
 
 
 def _send_submission(
-    args: argparse.Namespace, op: str, params: dict[str, object], *, waits: bool
+    args: argparse.Namespace,
+    op: str,
+    params: dict[str, object],
+    *,
+    waits: bool,
+    command: str | None = None,
 ) -> Mapping[str, object]:
     # Waiting for a daemon that is not up yet is part of waiting; a broken connection
     # after the request was sent is not retried (it may have been accepted).
@@ -415,14 +468,15 @@ def _send_submission(
             args.socket, op, params, reconnect=policy, resend=False, on_lost=_lost(policy)
         )
 
-    return _run(op, go)
+    return _run(command or op, go)
 
 
 def _submit_foreign(args: argparse.Namespace, op: str, spec_json: str) -> int:
     params: dict[str, object] = {"spec_json": spec_json, "cluster": args.cluster}
-    result = _send_submission(args, op, params, waits=_waits(args))
+    command = "adopt" if op == "adopt" else "submit"  # what the user typed, not the op
+    result = _send_submission(args, op, params, waits=_waits(args), command=command)
     return _submitted(
-        args, _read(op, RunSummary, result), verb="adopted" if op == "adopt" else "submitted"
+        args, _read(command, RunSummary, result), verb="adopted" if op == "adopt" else "submitted"
     )
 
 
