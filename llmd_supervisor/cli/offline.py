@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -30,6 +31,7 @@ from llmd_supervisor.supervision.views import results_table_of
 
 RECEIPT = "receipt.json"
 RECEIPT_MAX = 16 << 20  # bytes of a receipt read (its raw records are bounded already)
+RUN_ID_RE = re.compile(r"[0-9a-f]{12}")  # a run id (supervision.run.driver)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,7 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--state-dir",
         type=Path,
         metavar="DIR",
-        help="read the run from the daemon's state directory's archive, DIR/archive/RUN",
+        help="read the run from the daemon's state directory's archive, DIR/archive/RUN"
+        " (the archive directory itself is taken too)",
     )
 
 
@@ -54,20 +57,86 @@ def wanted(args: argparse.Namespace) -> bool:
     return args.archive is not None or args.state_dir is not None
 
 
+ARCHIVES_SCANNED = 100_000  # run archives looked at for a Slurm job id
+
+
+def archive_root(args: argparse.Namespace) -> Path:
+    """Where the run archives are: --archive DIR, or --state-dir DIR's ``archive``; either
+    one given the other kind of directory (a state directory as --archive, the archive
+    root or a run's archive as --state-dir) is taken for what it is."""
+    given: Path = args.archive if args.archive is not None else args.state_dir
+    below = given / "archive"
+    if (given / RECEIPT).is_file() or not below.is_dir():
+        return given  # a run's own archive, or an archive root (or nothing: said later)
+    return below
+
+
+def _run_id_of(root: Path, ref: str) -> str:
+    """The run id `ref` names: itself, its Slurm job name (``PREFIX-<run id>``,
+    ``adopted-<run id>``), or a Slurm job id of one archived run (ambiguity refused)."""
+    if (root / ref / RECEIPT).is_file():
+        return ref
+    _, dash, tail = ref.rpartition("-")
+    if dash and RUN_ID_RE.fullmatch(tail) and (root / tail / RECEIPT).is_file():
+        return tail
+    if root.is_dir():
+        found = sorted(_runs_of_job(root, ref))
+        if len(found) == 1:
+            return found[0]
+        if found:
+            raise OfflineError(
+                f"{ref} names {len(found)} archived runs ({', '.join(found[:10])});"
+                " give the run id."
+            )
+    return ref
+
+
+def _runs_of_job(root: Path, ref: str) -> list[str]:
+    """The archived runs under `root` whose receipt names Slurm job id or job name `ref`
+    (any attempt's)."""
+    found = []
+    with os.scandir(root) as entries:
+        for n, entry in enumerate(entries):
+            if n >= ARCHIVES_SCANNED:
+                break
+            if not RUN_ID_RE.fullmatch(entry.name):
+                continue
+            try:
+                receipt = receipt_of(Path(entry.path))
+            except OfflineError:
+                continue
+            attempts = receipt.get("attempts")
+            rows = (
+                [a for a in attempts if isinstance(a, dict)] if isinstance(attempts, list) else []
+            )
+            names = {str(receipt.get("job_id"))}
+            names |= {str(a.get(k)) for a in rows for k in ("slurm_job_id", "job_name")}
+            if ref in names:
+                found.append(entry.name)
+    return found
+
+
 def archive_of(args: argparse.Namespace, ref: str) -> Path:
-    """The archive directory of run `ref` under the command's --archive / --state-dir."""
-    root: Path = args.archive if args.archive is not None else args.state_dir / "archive"
+    """The archive directory of run `ref` (its run id, job name or Slurm job id) under the
+    command's --archive / --state-dir."""
+    root = archive_root(args)
     if (root / RECEIPT).is_file() and root.name == ref:
         return root
     if os.sep in ref or ref in ("", ".", ".."):
-        raise OfflineError(f"Run {ref!r} is not a run id; give the id (a directory of {root}).")
+        raise OfflineError(
+            f"Run {ref!r} is not a run id, job name or Slurm job id; give one of them"
+            f" (a run id is a directory of {root})."
+        )
+    if not (root / RECEIPT).is_file():
+        ref = _run_id_of(root, ref)
     found = root / ref
     if not (found / RECEIPT).is_file():
         if (root / RECEIPT).is_file():
             raise OfflineError(f"{root} is the archive of run {root.name}, not of run {ref}.")
         raise OfflineError(
-            f"No archive of run {ref} in {root} (no {RECEIPT} in {found}); give the archive"
-            " root (the daemon's <state_dir>/archive) or the run's own directory."
+            f"No archive of run {ref} in {root} (no {RECEIPT} in {found}, and no archived"
+            " run has that job name or Slurm job id); give the daemon's state directory, its"
+            " archive root (<state_dir>/archive) or the run's own directory."
         )
     return found
 
