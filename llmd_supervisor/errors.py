@@ -183,17 +183,31 @@ class JournalConflict(JournalError):
 
 class FencedWrite(JournalError):
     """A shared journal refused a write: the writer's lease epoch is not the cluster's
-    current one (core.fencing). ``lease_epoch`` is None when the cluster has no lease;
+    current one, or the row is another cluster's (``row_cluster``; core.fencing).
+    ``lease_epoch`` is None when the cluster has no lease;
     ``writer_epoch`` is None (and ``cluster`` may be "") when the write stated no writer."""
 
     def __init__(
-        self, location: str, cluster: str, writer_epoch: int | None, lease_epoch: int | None
+        self,
+        location: str,
+        cluster: str,
+        writer_epoch: int | None,
+        lease_epoch: int | None,
+        row_cluster: str | None = None,
     ) -> None:
         self.cluster = cluster
         self.writer_epoch = writer_epoch
         self.lease_epoch = lease_epoch
+        self.row_cluster = row_cluster  # set: the row was another cluster's
         what = f"write for cluster {cluster!r}" if cluster else "write"
-        if writer_epoch is None:
+        if row_cluster is not None:
+            # core.fencing's WRONG_CLUSTER: a bug of the writer, not a lost lease.
+            why = (
+                f"it touched a row of cluster {row_cluster!r}, and a cluster's leader writes "
+                "only its own cluster's rows; the write must state the row's cluster "
+                "(adapters.journal_writer.writing_as)"
+            )
+        elif writer_epoch is None:
             # core.fencing's NO_EPOCH: the writer (this daemon) leads no cluster it named.
             why = (
                 "the write stated no cluster and epoch, and a shared journal accepts only "

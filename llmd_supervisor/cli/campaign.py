@@ -263,9 +263,22 @@ def _dry_run_lines(r: CampaignDryRun) -> list[str]:
     lines += fit_to_terminal(_aligned(rows))
     if len(jobs) < r["jobs"]:
         lines.append(f"... and {r['jobs'] - len(jobs)} more jobs")
+    lines += _reuse_lines(jobs)
     if r["script"]:
         lines += _env_lines(r, jobs)
     return lines
+
+
+def _reuse_lines(jobs: Sequence[DryRunJob]) -> list[str]:
+    """Why each point that some run verified is reused or runs again (a point no run has
+    verified yet goes unsaid)."""
+    lines = []
+    for j in jobs:
+        for note in j.get("reuse", []):
+            if note["run"] is not None or not note["why"].startswith("no run has"):
+                state = "reused" if note["run"] is not None else "runs"
+                lines.append(f"job {j['job']} c={note['concurrency']}: {state}: {note['why']}")
+    return ["reuse:", *(f"  {ln}" for ln in lines)] if lines else []
 
 
 def _env_lines(r: CampaignDryRun, jobs: Sequence[DryRunJob]) -> list[str]:

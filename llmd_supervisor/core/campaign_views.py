@@ -25,6 +25,7 @@ __all__ = [
     "CampaignStatus",
     "DryRunJob",
     "MatrixValues",
+    "ReuseNote",
 ]
 
 # A job's matrix values: each key of the campaign's [matrix] (a spec field such as
@@ -89,6 +90,14 @@ class CampaignStatus(TypedDict):
     exit_status: int | None  # `campaign wait`'s exit status once final (null before)
 
 
+class ReuseNote(TypedDict):
+    """Whether one point of a dry run's job is reused, and why (`core.campaign_reuse`)."""
+
+    concurrency: int
+    run: str | None  # the run whose proof is reused (null: the point runs)
+    why: str
+
+
 class DryRunJob(TypedDict):
     """One job of a dry run's expansion."""
 
@@ -98,6 +107,7 @@ class DryRunJob(TypedDict):
     values: MatrixValues
     concurrencies: list[int]  # every point of the job
     reused: list[int]  # its points verified before (not run again)
+    reuse: list[ReuseNote]  # each point: reused or not, and why
     env: dict[str, str] | None  # a script campaign's variables for it (null: a spec's)
 
 

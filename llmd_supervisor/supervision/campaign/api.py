@@ -112,6 +112,7 @@ class CampaignOps:
                 rerun=bool(args["rerun"]),
                 file_dir=file_dir,
                 export_env=_exported(args["export_env_json"]),
+                peer=peer,
             )
         except SpecError as exc:
             raise ControlError("bad_request", f"{where}: {exc}") from exc
@@ -178,11 +179,13 @@ class CampaignOps:
         cache: dict[str, RunResults] = {}
         points = 0
         for j in jobs:
-            for p in (proofs.get((j.recipe_id, conc)) for conc in j.concurrencies):
-                if p is not None and p.run_id not in cache:
-                    got = await self.run_results(p.run_id)
-                    if got is not None:
-                        cache[p.run_id] = got
+            shown = {p.run_id for conc in j.concurrencies if (p := proofs.get((j.recipe_id, conc)))}
+            if j.run_id is not None and j.state == "succeeded":
+                shown.add(j.run_id)  # its own points' results (views.job_results picks)
+            for run_id in sorted(shown - cache.keys()):
+                got = await self.run_results(run_id)
+                if got is not None:
+                    cache[run_id] = got
             item = views.job_results(c, j, proofs, cache)
             points += len(j.concurrencies)
             await send(item)

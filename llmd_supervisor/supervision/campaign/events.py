@@ -49,6 +49,7 @@ from llmd_supervisor.core.outbox import (
 from llmd_supervisor.core.usage import split
 from llmd_supervisor.errors import ControlError, SupervisorError
 from llmd_supervisor.supervision.access import host_name, user_name
+from llmd_supervisor.supervision.campaign.points import proof_of
 from llmd_supervisor.supervision.run.driver import Supervisor
 from llmd_supervisor.supervision.views import results_table_of
 
@@ -154,9 +155,12 @@ class CampaignEvents:
         wanted: dict[str, dict[int, StoredJob]] = {}  # run -> concurrency -> its job
         for j in jobs:
             for conc in j.concurrencies:
-                proof = proofs.get((j.recipe_id, conc))
-                if proof is not None:
-                    wanted.setdefault(proof.run_id, {})[conc] = j
+                ran = conc in j.to_run
+                proof = proof_of(proofs, j.recipe_id, conc, ran=ran, run_id=j.run_id)
+                own = j.run_id if ran and j.state == "succeeded" else None
+                run_id = proof.run_id if proof is not None else own
+                if run_id is not None:
+                    wanted.setdefault(run_id, {})[conc] = j
         found: list[tuple[PointFacts, BestOf]] = []
         for run_id, concs in wanted.items():
             h = self._sup.handles.get(run_id)

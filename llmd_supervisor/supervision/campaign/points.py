@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Final
@@ -23,7 +23,7 @@ from llmd_supervisor.core.layout import RESULTS
 from llmd_supervisor.errors import ControlError
 from llmd_supervisor.supervision.views import results_table_of
 
-__all__ = ["still_good", "verified_of"]
+__all__ = ["archived_result", "proof_of", "still_good", "verified_of"]
 
 RESULT_FILE_MAX: Final = 64 << 20  # an archived result file larger than this proves nothing
 
@@ -42,6 +42,20 @@ def _sha256(path: Path) -> str | None:
     except OSError:
         return None
     return h.hexdigest()
+
+
+def archived_result(archive: Path, proof: VerifiedPoint) -> bytes | None:
+    """The proof's archived result file's bytes while it still has the proof's sha256
+    (None: missing, not a regular file, too large or changed). Read once, bounded: the
+    bytes judged again are the bytes whose digest was checked."""
+    try:
+        with (archive / proof.result_file).open("rb") as f:
+            data = f.read(RESULT_FILE_MAX + 1)
+    except OSError:
+        return None
+    if len(data) > RESULT_FILE_MAX or hashlib.sha256(data).hexdigest() != proof.sha256:
+        return None
+    return data
 
 
 def verified_of(
@@ -74,6 +88,23 @@ def verified_of(
         if digest is not None:
             out.append(VerifiedPoint(recipe_id, conc, run_id, campaign_id, relative, digest, now))
     return out
+
+
+def proof_of(
+    proofs: Mapping[tuple[str, int], VerifiedPoint],
+    recipe_id: str,
+    concurrency: int,
+    *,
+    ran: bool,
+    run_id: str | None,
+) -> VerifiedPoint | None:
+    """The ledger's proof a campaign job's point shows: a point it reused, the ledger's; a
+    point the job ran itself (`ran`), only its own run's (the ledger keeps a point's first
+    proof, which may be another user's run the job's owner may not see)."""
+    proof = proofs.get((recipe_id, concurrency))
+    if ran and proof is not None and proof.run_id != run_id:
+        return None
+    return proof
 
 
 def _below(name: str) -> bool:

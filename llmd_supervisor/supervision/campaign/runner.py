@@ -29,10 +29,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import posixpath
+import pwd
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Final
@@ -48,10 +50,20 @@ from llmd_supervisor.adapters.campaign_store import (
     StoredJob,
     VerifiedPoint,
 )
+from llmd_supervisor.adapters.control_protocol import Peer
+from llmd_supervisor.adapters.journal_writer import writing_as
+from llmd_supervisor.adapters.result_parser import ParseLimits, parse_many
 from llmd_supervisor.adapters.slurm import command_env
 from llmd_supervisor.core import campaign as core
 from llmd_supervisor.core import foreign_spec
 from llmd_supervisor.core.campaign_admission import Admission, CampaignLimits, JobState, admit
+from llmd_supervisor.core.campaign_reuse import (
+    Candidate,
+    PointGate,
+    Reuse,
+    gate_of_job,
+    reuse_verdict,
+)
 from llmd_supervisor.core.campaign_run import (
     ACTIVE_JOB_STATES,
     CampaignState,
@@ -66,9 +78,9 @@ from llmd_supervisor.core.lifecycle import RunState
 from llmd_supervisor.core.spec_toml import decode_toml
 from llmd_supervisor.core.toml_write import dump_toml
 from llmd_supervisor.errors import CampaignError, IllegalTransition, SpecError, SupervisorError
-from llmd_supervisor.supervision.access import user_name
+from llmd_supervisor.supervision.access import sees_all, user_name
 from llmd_supervisor.supervision.campaign.events import CampaignEvents
-from llmd_supervisor.supervision.campaign.points import still_good, verified_of
+from llmd_supervisor.supervision.campaign.points import archived_result, verified_of
 from llmd_supervisor.supervision.run.driver import RunHandle, Supervisor
 
 __all__ = ["Campaigns", "Plan"]
@@ -96,6 +108,8 @@ class Plan:
     reused: Mapping[tuple[str, int], VerifiedPoint]  # points verified before, still good
     rerun: bool
     export_env: Mapping[str, str] | None = None  # a script campaign's --export-env
+    # Each point's reuse answer, reused or not and why (empty with --rerun).
+    notes: Mapping[tuple[str, int], Reuse] = field(default_factory=dict)
 
 
 @dataclass
@@ -137,11 +151,13 @@ class Campaigns:
         rerun: bool,
         file_dir: str | None = None,
         export_env: Mapping[str, str] | None = None,
+        peer: Peer | None = None,
     ) -> Plan:
         """Parse, expand and validate a campaign (CampaignError / SpecError if bad) and find
-        which of its points are verified already. A script campaign's `base_text` is the
-        script, `file_dir` the campaign file's directory, `export_env` the client's
-        environment (``--export-env``, filtered as `submit --script` filters it)."""
+        which of its points are verified already, for `peer` (the submitter: None, root).
+        A script campaign's `base_text` is the script, `file_dir` the campaign file's
+        directory, `export_env` the client's environment (``--export-env``, filtered as
+        `submit --script` filters it)."""
         cf = core.parse_campaign(file_text, default_name=default_name)
         try:
             check_named(cf.notify, None, self.sup.config.events)
@@ -160,8 +176,18 @@ class Campaigns:
             expansion = await self._expand_script(
                 cf, base_text, cluster, max_points, file_dir, export_env
             )
-        reused = {} if rerun else await self._still_verified(j.recipe_id for j in expansion.jobs)
-        return Plan(cf, file_text, base_text, expansion, reused, rerun, export_env)
+        notes: dict[tuple[str, int], tuple[VerifiedPoint | None, Reuse]] = {}
+        if not rerun:
+            viewer = peer or Peer(0, 0, 0)
+            everyone = await anyio.to_thread.run_sync(sees_all, viewer, self.sup.config.admin_group)
+            points = [
+                (j.recipe_id, j.concurrencies, gate_of_job(core.job_text(j)))
+                for j in expansion.jobs
+            ]
+            notes = await self._reusable(points, viewer_uid=viewer.uid, everyone=everyone)
+        reused = {k: p for k, (p, _) in notes.items() if p is not None}
+        why = {k: r for k, (_, r) in notes.items()}
+        return Plan(cf, file_text, base_text, expansion, reused, rerun, export_env, why)
 
     async def _expand_spec(
         self, cf: core.CampaignFile, base_text: str, cluster: str | None, max_points: int
@@ -283,7 +309,8 @@ class Campaigns:
                     updated_at=now,
                 )
             )
-        await self.store.insert(stored, jobs)
+        with writing_as(functools.partial(self.sup.roles.writer, cluster_name)):
+            await self.store.insert(stored, jobs)
         log.info(
             "campaign.created",
             campaign_id=campaign_id,
@@ -311,7 +338,10 @@ class Campaigns:
         if c is None or CampaignState(c.state).is_final:
             return
         await self.sup.roles.require(c.cluster)
-        await self.store.set_state(campaign_id, CampaignState.CANCELLING.value, "cancel requested")
+        with writing_as(functools.partial(self.sup.roles.writer, c.cluster)):
+            await self.store.set_state(
+                campaign_id, CampaignState.CANCELLING.value, "cancel requested"
+            )
         self._live(campaign_id).touch()
 
     def changed(self, campaign_id: str) -> anyio.Event:
@@ -450,10 +480,17 @@ class Campaigns:
 
     async def _submit(self, c: StoredCampaign, job: StoredJob) -> None:
         """Submit the job's points not verified by now (none left: `reused`)."""
-        verified = await self._still_verified([job.recipe_id])
-        to_run = tuple(
-            x for x in job.to_run if (job.recipe_id, x) not in verified or c.settings.get("rerun")
-        )
+        verified: dict[tuple[str, int], VerifiedPoint] = {}
+        if not c.settings.get("rerun"):
+            viewer = await anyio.to_thread.run_sync(_peer_of, c.owner_uid)
+            everyone = await anyio.to_thread.run_sync(sees_all, viewer, self.sup.config.admin_group)
+            got = await self._reusable(
+                [(job.recipe_id, job.to_run, gate_of_job(job.spec_toml))],
+                viewer_uid=c.owner_uid,
+                everyone=everyone,
+            )
+            verified = {k: p for k, (p, _) in got.items() if p is not None}
+        to_run = tuple(x for x in job.to_run if (job.recipe_id, x) not in verified)
         if not to_run:
             await self.store.set_job(
                 c.campaign_id,
@@ -568,26 +605,77 @@ class Campaigns:
         self._live(c.campaign_id).touch()
         return True
 
-    async def _still_verified(
-        self, recipe_ids: Iterable[str]
-    ) -> dict[tuple[str, int], VerifiedPoint]:
-        """The ledger's proofs of these recipes whose archived files still match; a proof
-        that no longer does is dropped from the ledger (its point runs again)."""
-        proofs = await self.store.verified(recipe_ids)
-        if not proofs:
-            return {}
-        points = list(proofs.values())
-        archive_of = {
-            p.run_id: Path(h.meta.archive_dir)
-            for p in points
+    async def _reusable(
+        self,
+        points: Sequence[tuple[str, Sequence[int], PointGate]],
+        *,
+        viewer_uid: int,
+        everyone: bool,
+    ) -> dict[tuple[str, int], tuple[VerifiedPoint | None, Reuse]]:
+        """Each point (recipe id, its concurrencies, its job's gate) with the ledger's proof
+        this campaign reuses (None: it runs again) and why (`core.campaign_reuse`). A proof
+        whose run is gone or whose archived file no longer matches its sha256 is dropped
+        from the ledger (its point runs again)."""
+        proofs = await self.store.verified(r for r, _, _ in points)
+        runs = {
+            p.run_id: (h.meta.owner_uid, Path(h.meta.archive_dir))
+            for p in proofs.values()
             if (h := self.sup.handles.get(p.run_id)) is not None
         }
-        good = await anyio.to_thread.run_sync(still_good, points, archive_of)
-        stale = [(p.recipe_id, p.concurrency) for p, ok in zip(points, good, strict=True) if not ok]
+        # Only a proof the viewer may see is read and judged again.
+        visible = {
+            k: p
+            for k, p in proofs.items()
+            if p.run_id in runs and (everyone or runs[p.run_id][0] == viewer_uid)
+        }
+        data = await anyio.to_thread.run_sync(
+            lambda: {k: archived_result(runs[p.run_id][1], p) for k, p in visible.items()}
+        )
+        stale = [k for k, p in proofs.items() if p.run_id not in runs or data.get(k, b"") is None]
         if stale:
             log.warning("campaign.proofs_dropped", points=len(stale))
             await self.store.forget_verified(stale)
-        return {k: p for (k, p), ok in zip(proofs.items(), good, strict=True) if ok}
+        gates = {recipe: g for recipe, _, g in points}
+        items = [
+            (f"{r}/{c}", raw, gates[r].formats)
+            for (r, c), raw in data.items()
+            if raw is not None and r in gates
+        ]
+        parsed = await parse_many(items, ParseLimits.of(self.sup.config.limits))
+        out: dict[tuple[str, int], tuple[VerifiedPoint | None, Reuse]] = {}
+        for recipe, concurrencies, point_gate in points:
+            for conc in concurrencies:
+                key = (recipe, conc)
+                proof = proofs.get(key)
+                candidate = None
+                if proof is not None:
+                    owner = runs.get(proof.run_id, (None, None))[0]
+                    candidate = Candidate(
+                        proof.run_id,
+                        proof.campaign_id,
+                        owner,
+                        intact=data.get(key) is not None,
+                        parsed=parsed.get(f"{recipe}/{conc}"),
+                    )
+                answer = reuse_verdict(
+                    conc,
+                    candidate,
+                    viewer_uid=viewer_uid,
+                    sees_all=everyone,
+                    point_gate=point_gate,
+                )
+                out[key] = (proof if answer.run_id is not None else None, answer)
+        return out
+
+
+def _peer_of(uid: int) -> Peer:
+    """A campaign's owner as the control socket's access rule sees a peer (its primary
+    group; NSS, may block)."""
+    try:
+        gid = pwd.getpwuid(uid).pw_gid
+    except (KeyError, OverflowError):
+        gid = -1
+    return Peer(uid, gid, 0)
 
 
 def _base_env(exported: Mapping[str, object] | None) -> dict[str, str]:

@@ -32,6 +32,7 @@ from llmd_supervisor.core.campaign_views import (
 from llmd_supervisor.core.lifecycle import RunState
 from llmd_supervisor.core.summary import RunResults
 from llmd_supervisor.core.usage import split as split_usage
+from llmd_supervisor.supervision.campaign.points import proof_of
 from llmd_supervisor.supervision.campaign.runner import Plan
 from llmd_supervisor.supervision.run.driver import RunHandle
 
@@ -185,6 +186,14 @@ def dry_run(plan: Plan) -> CampaignDryRun:
                 "values": dict(j.values),
                 "concurrencies": list(j.concurrencies),
                 "reused": [c for c in j.concurrencies if (j.recipe_id, c) in plan.reused],
+                "reuse": [
+                    {
+                        "concurrency": c,
+                        "run": note.run_id if (note := plan.notes.get((j.recipe_id, c))) else None,
+                        "why": note.why if note else "run again (--rerun)",
+                    }
+                    for c in j.concurrencies
+                ],
                 "env": _job_env(
                     j, [c for c in j.concurrencies if (j.recipe_id, c) not in plan.reused]
                 ),
@@ -205,8 +214,9 @@ def job_results(
     rows: list[CampaignPoint] = []
     runs: dict[str, RunResults] = {}
     for conc in j.concurrencies:
-        proof = proofs.get((j.recipe_id, conc))
         state = point_state(JobState(j.state), conc, j.to_run)
+        ran = conc in j.to_run
+        proof = proof_of(proofs, j.recipe_id, conc, ran=ran, run_id=j.run_id)
         run_id = proof.run_id if proof is not None else j.run_id
         rows.append(
             {
@@ -217,8 +227,9 @@ def job_results(
                 "reason": "" if state in ("verified", "reused") else j.reason,
             }
         )
-        if proof is not None and proof.run_id in results_of:
-            runs[proof.run_id] = results_of[proof.run_id]
+        shown = proof.run_id if proof is not None else (j.run_id if state == "verified" else None)
+        if shown is not None and shown in results_of:
+            runs[shown] = results_of[shown]
     return {
         "campaign": c.campaign_id,
         "job": j.job_key,
