@@ -121,6 +121,19 @@ class SocketLimits:
 
 
 @dataclass(frozen=True)
+class WebLimits:
+    """What one peer, and all of them, may hold of one HTTP listener (the dashboard's
+    [dashboard] keys; the metrics endpoint keeps the defaults). A peer is a uid on a Unix
+    socket, a source address on TCP; each listener has its own caps."""
+
+    max_connections: int = 256  # open connections per listener; more get 503 and are closed
+    max_connections_per_peer: int = 64
+    head_timeout_s: float = 10.0  # a request head must be whole this long after it may start
+    max_streams: int = 64  # live log streams per listener
+    max_streams_per_viewer: int = 16  # ... and per viewer (a uid; a token holder's address)
+
+
+@dataclass(frozen=True)
 class DashboardConfig:
     """The read-only web dashboard ([dashboard]): a Unix socket, and optionally loopback TCP."""
 
@@ -136,6 +149,7 @@ class DashboardConfig:
     # Where people open the dashboard (e.g. http://localhost:8080 after `ssh -L`): outbound
     # events link a run's or campaign's page under it (None: events carry no such link).
     url: str | None = None
+    limits: WebLimits = field(default_factory=WebLimits)
 
     def page(self, path: str) -> str | None:
         """The link to the dashboard's page `path` ("/runs/ID"), if `url` is set."""
@@ -502,7 +516,16 @@ def _loopback(t: Mapping[str, object], key: str, example: str) -> str | None:
     return listen
 
 
-_DASHBOARD_KEYS = ("enabled", "socket", "socket_mode", "tcp", "token_file", "hosts", "url")
+_DASHBOARD_KEYS = (
+    "enabled",
+    "socket",
+    "socket_mode",
+    "tcp",
+    "token_file",
+    "hosts",
+    "url",
+    *WebLimits.__dataclass_fields__,
+)
 _URL_MAX = 200
 
 
@@ -531,6 +554,23 @@ def _dashboard(t: Mapping[str, object]) -> DashboardConfig:
         token_file=None if token_file is None else str(token_file),
         hosts=tuple(h.lower() for h in hosts),
         url=_dashboard_url(t),
+        limits=_web_limits(t),
+    )
+
+
+def _web_limits(t: Mapping[str, object]) -> WebLimits:
+    """The dashboard listeners' connection and stream caps and their head timeout."""
+    base = WebLimits()
+
+    def count(n: str) -> int:
+        return _int(t, f"dashboard.{n}", getattr(base, n), 1, 1 << 16)
+
+    return WebLimits(
+        max_connections=count("max_connections"),
+        max_connections_per_peer=count("max_connections_per_peer"),
+        head_timeout_s=_num(t, "dashboard.head_timeout_s", base.head_timeout_s, 0.1, 3600),
+        max_streams=count("max_streams"),
+        max_streams_per_viewer=count("max_streams_per_viewer"),
     )
 
 
@@ -682,6 +722,7 @@ def effective(config: Config) -> dict[str, object]:
             "token_file": config.dashboard.token_file,
             "hosts": list(config.dashboard.hosts),
             "url": config.dashboard.url,
+            **{n: getattr(config.dashboard.limits, n) for n in WebLimits.__dataclass_fields__},
         },
         "clusters": [
             {

@@ -30,6 +30,7 @@ from llmd_supervisor.core.report_html import (
     run_title,
 )
 from llmd_supervisor.core.summary import RunBrief, RunResults, RunSummary
+from llmd_supervisor.errors import ControlError
 
 if TYPE_CHECKING:  # core.outbox builds mails: email.utils loads socket
     from llmd_supervisor.core.outbox import DeliveryView
@@ -111,15 +112,20 @@ def encode_offsets(offsets: Mapping[str, int]) -> str:
 def decode_offsets(event_id: str | None) -> dict[str, int]:
     """The offsets of a ``Last-Event-ID`` (`encode_offsets`); {} for anything else: a
     client's header is input, and a bad one starts the stream from the tail afresh."""
+    return parse_offsets(event_id) or {}
+
+
+def parse_offsets(event_id: str | None) -> dict[str, int] | None:
+    """The offsets of an `encode_offsets` text; None for anything else."""
     if not event_id or len(event_id) > OFFSETS_MAX_CHARS:
-        return {}
+        return None
     try:
         raw = base64.urlsafe_b64decode(event_id + "=" * (-len(event_id) % 4))
         value = json.loads(raw)
     except (ValueError, binascii.Error, RecursionError):
-        return {}
+        return None
     if not isinstance(value, dict) or len(value) > OFFSETS_MAX_FILES:
-        return {}
+        return None
     out: dict[str, int] = {}
     for key, offset in value.items():
         if (
@@ -129,9 +135,93 @@ def decode_offsets(event_id: str | None) -> dict[str, int]:
             or not isinstance(offset, int)
             or not 0 <= offset < 1 << 62
         ):
-            return {}
+            return None
         out[key] = offset
     return out
+
+
+# --------------------------------------------------------------------------- queries
+
+RANK_MAX: Final = (1 << 16) - 1
+DELIVERY_STATUSES: Final = ("queued", "retrying", "delivered", "dead", "disabled")
+_RANK = re.compile(r"[0-9]{1,5}")
+
+
+class Query:
+    """The query parameters a page reads, each given at most once: a value the page cannot
+    use is a `ControlError` ``bad_request`` (a 400 page) naming the parameter, the value
+    and what it takes. Parameters a page does not read are ignored."""
+
+    def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
+        self._values: dict[str, list[str]] = {}
+        for key, value in pairs:
+            self._values.setdefault(key, []).append(value)
+
+    def _one(self, name: str, takes: str) -> str | None:
+        given = self._values.get(name)
+        if not given:
+            return None
+        if len(given) > 1:
+            raise ControlError(
+                "bad_request",
+                f"The query parameter {name!r} is given {len(given)} times; give it once "
+                f"({takes}).",
+            )
+        return given[0]
+
+    def _bad(self, name: str, value: str, takes: str) -> ControlError:
+        shown = job_text(value, 40)
+        return ControlError(
+            "bad_request",
+            f"The query parameter {name}={shown!r} cannot be used; give {takes}.",
+        )
+
+    def flag(self, name: str) -> bool:
+        """``1`` (true) or ``0``; absent is false."""
+        takes = f"{name}=1 or {name}=0"
+        value = self._one(name, takes)
+        if value is None or value == "0":
+            return False
+        if value == "1":
+            return True
+        raise self._bad(name, value, takes)
+
+    def choice(self, name: str, choices: Sequence[str]) -> str:
+        """One of `choices`, or "" (absent or empty: any)."""
+        takes = f"one of {', '.join(choices)}, or nothing for any"
+        value = self._one(name, takes) or ""
+        if value and value not in choices:
+            raise self._bad(name, value, takes)
+        return value
+
+    def text(self, name: str, limit: int) -> str:
+        """Printable text of at most `limit` characters, or "" (any)."""
+        takes = f"printable text of at most {limit} characters, or nothing for any"
+        value = self._one(name, takes) or ""
+        if len(value) > limit or not value.isprintable() or "\ufffd" in value:
+            raise self._bad(name, value, takes)  # (U+FFFD: bytes that were not UTF-8)
+        return value
+
+    def rank(self, name: str = "rank") -> int | None:
+        """A node's rank: decimal digits 0-9 (not any Unicode digit), at most RANK_MAX."""
+        takes = f"a rank from 0 to {RANK_MAX} in the digits 0-9"
+        value = self._one(name, takes)
+        if value is None:
+            return None
+        if not _RANK.fullmatch(value) or int(value) > RANK_MAX:
+            raise self._bad(name, value, takes)
+        return int(value)
+
+    def offsets(self, name: str) -> dict[str, int] | None:
+        """A log stream's resume point as its events' ids carry it (`encode_offsets`)."""
+        takes = "a log event's id (as the stream sent it)"
+        value = self._one(name, takes)
+        if value is None:
+            return None
+        found = parse_offsets(value)
+        if found is None:
+            raise self._bad(name, value, takes)
+        return found
 
 
 def sse_event(event: str, data: Mapping[str, object], event_id: str | None = None) -> bytes:
@@ -556,7 +646,7 @@ def events_page(deliveries: Sequence[DeliveryView], *, status: str, who: str) ->
         + _th("next attempt")
         + _th("last error")
     )
-    statuses = ["queued", "retrying", "delivered", "dead", "disabled"]
+    statuses = list(DELIVERY_STATUSES)
     form = (
         '<form class="filter" method="get" action="/events">'
         f"status {_select('status', statuses, status)} "

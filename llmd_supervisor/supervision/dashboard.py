@@ -19,16 +19,23 @@ On both, the request's Host must name the loopback or a host of ``dashboard.host
 must not reach it by pointing its own name at 127.0.0.1 (DNS rebinding).
 
 Only GET and HEAD are answered (405 otherwise); every response carries the strict
-Content-Security-Policy of `core.dashboard_pages`. Live logs are server-sent events whose
-ids are the per-file byte offsets, so a browser that reconnects (``Last-Event-ID``) resumes
-exactly where it stopped. Charts are the report's (`core.report_html`), drawn by
-matplotlib in a worker thread, one at a time, and cached per results version.
+Content-Security-Policy of `core.dashboard_pages`. A query parameter a page reads that it
+cannot use (`dashboard_pages.Query`) is a 400 page, before anything is asked. Live logs are
+server-sent events whose ids are the per-file byte offsets, so a browser that reconnects
+(``Last-Event-ID``) resumes exactly where it stopped; each listener has its own cap on open
+streams and within it a cap per viewer (a uid on the Unix socket, a source address on TCP,
+so that one token holder cannot take them all): over one, a stream is answered 503.
+Connections are capped per listener and per peer, and a request head must be whole in
+time, by `adapters.web_server` (``dashboard.max_connections*``, ``head_timeout_s``).
+Charts are the report's (`core.report_html`), drawn by matplotlib in a worker thread, one
+at a time, and cached per results version.
 """
 
 from __future__ import annotations
 
 import base64
 import collections
+import dataclasses
 import functools
 import hashlib
 import json
@@ -51,9 +58,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmd_supervisor.adapters.chart_svg import chart_svg, have_matplotlib
+from llmd_supervisor.adapters.control_limits import Caps
 from llmd_supervisor.adapters.control_protocol import Peer, Request, decode_request, encode
 from llmd_supervisor.adapters.control_server import bind_unix_socket, remove_socket_file
-from llmd_supervisor.adapters.web_server import bind_tcp, serve_asgi
+from llmd_supervisor.adapters.web_server import LISTENERS, bind_tcp, serve_asgi
 from llmd_supervisor.core import dashboard_pages as pages
 from llmd_supervisor.core.campaign_views import (
     CampaignJobResults,
@@ -83,8 +91,6 @@ STAGES_MAX: Final = 200  # running runs whose stage (agents' states) the runs pa
 TAIL_BYTES: Final = 256 << 10  # a log stream without a resume point starts this far back
 TAIL_FILES_MAX: Final = 256
 SSE_PING_S: Final = 15.0
-STREAMS_MAX: Final = 64  # live log streams in all
-STREAMS_PER_UID: Final = 16
 CHARTS_CACHED: Final = 64
 TOKEN_BYTES: Final = 32
 
@@ -185,7 +191,19 @@ class Dashboard:
             collections.OrderedDict()
         )
         self._draw_lock = anyio.Lock()  # matplotlib's rc settings are process-wide
-        self._streams: collections.Counter[int] = collections.Counter()
+        lim = config.limits
+        where = {"unix": "Unix socket", "tcp": "TCP listener"}
+        self._streams: dict[str, Caps[int | str]] = {
+            kind: Caps(
+                lim.max_streams,
+                lim.max_streams_per_viewer,
+                holder=f"The dashboard's {where[kind]}",
+                what="live log streams",
+                keys=("dashboard.max_streams", "dashboard.max_streams_per_viewer"),
+                per="per-viewer",
+            )
+            for kind in LISTENERS
+        }
         self._names: dict[int, str] = {}
         self._js = (STATIC / "dashboard.js").read_bytes()
 
@@ -249,7 +267,13 @@ class Dashboard:
 
     async def _runs(self, request: WebRequest) -> Response:
         peer = _peer(request)
-        show_all = request.query_params.get("all") == "1"
+        query = pages.Query(request.query_params.multi_items())
+        try:
+            show_all = query.flag("all")
+            state = query.choice("state", [s.value for s in RunState])
+            owner = query.text("owner", pages.SHOWN_MAX)
+        except ControlError as exc:
+            return self._problem(request, exc)
         briefs: list[RunBrief] = []
         after: str | None = None
         while len(briefs) < RUNS_MAX:
@@ -277,8 +301,8 @@ class Dashboard:
             now=self.clock(),
             owner_names={b["owner_uid"]: self.owner(b["owner_uid"]) for b in briefs},
             stages=stages,
-            state=request.query_params.get("state", "")[:40],
-            owner=request.query_params.get("owner", "")[:64],
+            state=state,
+            owner=owner,
             states=[s.value for s in RunState],
             who=_who(request),
         )
@@ -287,6 +311,7 @@ class Dashboard:
     async def _run(self, request: WebRequest) -> Response:
         peer, run = _peer(request), request.path_params["run"]
         try:
+            pages.Query(request.query_params.multi_items()).rank()  # the page's log link's
             summary = cast(RunSummary, await self.call("status", {"run": run}, peer))
             results = cast(RunResults, await self.call("results", {"run": run}, peer))
         except ControlError as exc:
@@ -396,8 +421,10 @@ class Dashboard:
 
     async def _events(self, request: WebRequest) -> Response:
         peer = _peer(request)
-        status = request.query_params.get("status", "")[:20]
         try:
+            status = pages.Query(request.query_params.multi_items()).choice(
+                "status", pages.DELIVERY_STATUSES
+            )
             found = cast(
                 EventList, await self.call("events_list", {"status": status or None}, peer)
             )
@@ -415,28 +442,26 @@ class Dashboard:
 
     async def _logs(self, request: WebRequest) -> Response:
         peer, run = _peer(request), request.path_params["run"]
-        rank_text = request.query_params.get("rank")
-        rank = int(rank_text) if rank_text is not None and rank_text.isdigit() else None
-        resume = pages.decode_offsets(
-            request.headers.get("last-event-id") or request.query_params.get("from")
-        )
+        query = pages.Query(request.query_params.multi_items())
         try:
+            rank = query.rank()
+            given = query.offsets("from")
+            # The header is the browser's own (a bad one starts afresh); `from` is a link's.
+            resume = pages.decode_offsets(request.headers.get("last-event-id")) or given or {}
             summary = cast(RunSummary, await self.call("status", {"run": run}, peer))
         except ControlError as exc:
             return self._problem(request, exc)
         if not resume:
             root = Path(summary["archive"]) / LOGS
             resume = await anyio.to_thread.run_sync(tail_offsets, root)
-        if sum(self._streams.values()) >= STREAMS_MAX or self._streams[peer.uid] >= (
-            STREAMS_PER_UID
-        ):
-            return Response(
-                f"Too many live log streams are open (at most {STREAMS_MAX}, "
-                f"{STREAMS_PER_UID} per user); close some pages.\n",
-                status_code=503,
-                media_type="text/plain",
-            )
-        return _LogStream(self, summary["run"], rank, resume, peer)
+        listener, viewer, shown = _viewer(request)
+        streams = self._streams[listener]
+        refusal = streams.refusal(viewer, shown)
+        if refusal is not None:
+            log.info("dashboard.stream_refused", reason=refusal[0], listener=listener, peer=shown)
+            return Response(refusal[1] + "\n", status_code=503, media_type="text/plain")
+        streams.opened(viewer)  # counted at once: a burst of requests cannot overshoot
+        return _LogStream(self, summary["run"], rank, resume, peer, (streams, viewer))
 
 
 class _LogStream(Response):
@@ -444,7 +469,13 @@ class _LogStream(Response):
     (then an ``end`` event), the client goes, or the dashboard closes."""
 
     def __init__(
-        self, dash: Dashboard, run: str, rank: int | None, offsets: dict[str, int], peer: Peer
+        self,
+        dash: Dashboard,
+        run: str,
+        rank: int | None,
+        offsets: dict[str, int],
+        peer: Peer,
+        held: tuple[Caps[int | str], int | str],
     ) -> None:
         # No body, so no Content-Length (as Starlette's StreamingResponse does it)
         self.status_code = 200
@@ -452,15 +483,20 @@ class _LogStream(Response):
         self.media_type = "text/event-stream"
         self.init_headers({"Cache-Control": "no-store", "X-Accel-Buffering": "no"})
         self.dash, self.run, self.rank, self.offsets, self.peer = dash, run, rank, offsets, peer
+        self.held = held  # the stream's place in its listener's caps, given back at its end
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self._stream(scope, receive, send)
+        finally:
+            self.held[0].closed(self.held[1])
+
+    async def _stream(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
         if scope["method"] == "HEAD":
             await send({"type": "http.response.body", "body": b""})
             return
         lock = anyio.Lock()
-        streams = self.dash._streams
-        streams[self.peer.uid] += 1
 
         async def write(data: bytes) -> None:
             async with lock:
@@ -481,38 +517,33 @@ class _LogStream(Response):
                 )
             )
 
-        try:
-            async with anyio.create_task_group() as tg:
+        async with anyio.create_task_group() as tg:
 
-                async def until_gone() -> None:
-                    while (await receive())["type"] != "http.disconnect":
-                        pass
-                    tg.cancel_scope.cancel()
-
-                async def until_closing() -> None:
-                    await self.dash.closing.wait()
-                    tg.cancel_scope.cancel()
-
-                async def ping() -> None:
-                    while True:
-                        await anyio.sleep(SSE_PING_S)
-                        await write(pages.SSE_PING)
-
-                tg.start_soon(until_gone)
-                tg.start_soon(until_closing)
-                tg.start_soon(ping)
-                args = {"run": self.run, "rank": self.rank, "follow": True, "offsets": self.offsets}
-                try:
-                    done = await self.dash.call("logs", args, self.peer, chunk)
-                    await write(pages.sse_event("end", {"state": str(done.get("state"))}))
-                except ControlError as exc:
-                    await write(pages.sse_event("problem", {"message": exc.message}))
+            async def until_gone() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
                 tg.cancel_scope.cancel()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        finally:
-            streams[self.peer.uid] -= 1
-            if streams[self.peer.uid] <= 0:
-                del streams[self.peer.uid]
+
+            async def until_closing() -> None:
+                await self.dash.closing.wait()
+                tg.cancel_scope.cancel()
+
+            async def ping() -> None:
+                while True:
+                    await anyio.sleep(SSE_PING_S)
+                    await write(pages.SSE_PING)
+
+            tg.start_soon(until_gone)
+            tg.start_soon(until_closing)
+            tg.start_soon(ping)
+            args = {"run": self.run, "rank": self.rank, "follow": True, "offsets": self.offsets}
+            try:
+                done = await self.dash.call("logs", args, self.peer, chunk)
+                await write(pages.sse_event("end", {"state": str(done.get("state"))}))
+            except ControlError as exc:
+                await write(pages.sse_event("problem", {"message": exc.message}))
+            tg.cancel_scope.cancel()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _b64(text: str) -> bytes:
@@ -535,6 +566,18 @@ def _peer(request: WebRequest) -> Peer:
     peer = request.scope["state"].get("viewer")
     assert isinstance(peer, Peer)  # set by _Guard for every request it lets through
     return peer
+
+
+def _viewer(request: WebRequest) -> tuple[str, int | str, str]:
+    """The listener and who the viewer is in it, for the stream caps (as key and as shown):
+    a uid on the Unix socket; on TCP, where every token holder is the same `TOKEN_PEER`,
+    the source address."""
+    state = request.scope["state"]
+    if state.get("listener") == "unix":
+        uid = _peer(request).uid
+        return "unix", uid, f"uid {uid}"
+    source = str(state.get("source") or "?")
+    return "tcp", source, source
 
 
 def _who(request: WebRequest) -> str:
@@ -690,9 +733,15 @@ async def serve_dashboard(
             token_file=None if token_path is None else str(token_path),
             reach=f"ssh -L 8080:{path} {socket.gethostname() or 'LOGIN-NODE'}, then "
             "http://localhost:8080/",
+            **dataclasses.asdict(d.limits),
         )
         await serve_asgi(
-            dash.app(), sockets, name="dashboard", on_stop=dash.stop, task_status=task_status
+            dash.app(),
+            sockets,
+            name="dashboard",
+            limits=d.limits,
+            on_stop=dash.stop,
+            task_status=task_status,
         )
     finally:
         for s in sockets:
