@@ -175,7 +175,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     if loaded is None:
         return 2
     path, config = loaded
-    problems = environment_problems(config) + secret_problems(config) + journal_problems(config)
+    problems = (
+        environment_problems(config)
+        + secret_problems(config)
+        + journal_problems(config)
+        + start_problems(config)
+    )
     for problem in problems:
         print(f"llmd-supervisor config check: {path}: {problem}", file=sys.stderr)
     if problems:
@@ -186,6 +191,40 @@ def cmd_check(args: argparse.Namespace) -> int:
     for warning in shared_fs_warnings(config):
         print(f"llmd-supervisor config check: {path}: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def start_problems(config: Config) -> list[ConfigError]:
+    """What the daemon needs at start or to deliver that is not here: the dashboard's
+    ``token_file`` (read at start when the dashboard listens on TCP), and the local
+    ``sendmail`` of a mail destination."""
+    problems: list[ConfigError] = []
+    d = config.dashboard
+    if d.enabled and d.tcp is not None and d.token_file is not None:
+        from llmd_supervisor.supervision.dashboard import load_token  # the check's alone
+
+        try:
+            load_token(d, config.state_dir)
+        except SupervisorError as exc:
+            why = str(exc).rstrip(".") + "; the daemon would not start"
+            problems.append(ConfigError("dashboard.token_file", d.token_file, why))
+    from llmd_supervisor.adapters import event_sender
+    from llmd_supervisor.core.event_routing import DestinationKind
+
+    sendmail = event_sender.SENDMAIL[0]
+    if not os.access(sendmail, os.X_OK):
+        for i, dest in enumerate(config.events.destinations):
+            if dest.kind is DestinationKind.MAIL:
+                problems.append(
+                    ConfigError(
+                        f"events.destination[{i}]",
+                        dest.name,
+                        f"a mail destination hands its mails to {sendmail}, which is not"
+                        " installed here; install a mail transfer agent that provides it"
+                        " (e.g. apt-get install msmtp-mta, or postfix) or remove the"
+                        " destination",
+                    )
+                )
+    return problems
 
 
 def journal_problems(config: Config) -> list[ConfigError]:
@@ -252,6 +291,11 @@ def cmd_show(args: argparse.Namespace) -> int:
     tables = effective(config)
     if args.json:
         print(json.dumps(tables, indent=2))
-    else:
+    elif path.exists():
         sys.stdout.write(f"# effective configuration of {path}\n" + to_toml(tables))
+    else:
+        sys.stdout.write(
+            f"# no configuration file at {path}: the built-in defaults (write them there"
+            " to start one)\n" + to_toml(tables)
+        )
     return 0

@@ -1,0 +1,93 @@
+"""`config check` checks what the daemon will need at start and to deliver (issue 4.7):
+the dashboard's token file, the local sendmail of a mail destination; and `config show`
+without a file says it shows the built-in defaults."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from llmd_supervisor.cli.main import main
+
+
+def _good(tmp_path: Path, more: str) -> Path:
+    key, hosts = tmp_path / "key", tmp_path / "known_hosts"
+    key.write_text("k")
+    hosts.write_text("")
+    (tmp_path / "runs").mkdir(exist_ok=True)
+    path = tmp_path / "c.toml"
+    path.write_text(
+        f"""
+[daemon]
+state_dir = "{tmp_path}/state"
+log_roots = ["{tmp_path / "runs"}"]
+[ssh]
+identity_files = ["{key}"]
+known_hosts = "{hosts}"
+[[clusters]]
+name = "here"
+{more}
+"""
+    )
+    return path
+
+
+def test_a_dashboard_token_file_the_daemon_cannot_read_fails_the_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    token = tmp_path / "dashboard.token"
+    path = _good(tmp_path, f'[dashboard]\ntcp = "127.0.0.1:8765"\ntoken_file = "{token}"\n')
+    assert main(["config", "check", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"Configuration key 'dashboard.token_file' has invalid value '{token}'" in err
+    assert "cannot be opened: No such file or directory; the daemon would not start" in err
+    token.write_text("x" * 40)
+    token.chmod(0o644)
+    assert main(["config", "check", "--config", str(path)]) == 2
+    assert f"chmod 600 {token}" in capsys.readouterr().err
+    token.chmod(0o600)
+    assert main(["config", "check", "--config", str(path)]) == 0, capsys.readouterr().err
+    # Without tcp the daemon never reads it: nothing to check.
+    token.unlink()
+    path.write_text(path.read_text().replace('tcp = "127.0.0.1:8765"\n', ""))
+    assert main(["config", "check", "--config", str(path)]) == 0, capsys.readouterr().err
+
+
+def test_a_mail_destination_without_sendmail_fails_the_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llmd_supervisor.adapters import event_sender
+
+    mail = '[[events.destination]]\nname = "oncall"\nkind = "mail"\nto = ["oncall@example.org"]\n'
+    path = _good(tmp_path, mail)
+    missing = tmp_path / "no" / "sendmail"
+    monkeypatch.setattr(event_sender, "SENDMAIL", (str(missing), "-t", "-oi"))
+    assert main(["config", "check", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "Configuration key 'events.destination[0]' has invalid value 'oncall'" in err
+    assert f"hands its mails to {missing}, which is not installed here" in err
+    present = tmp_path / "sendmail"
+    present.write_text("#!/bin/sh\nexit 0\n")
+    present.chmod(0o755)
+    monkeypatch.setattr(event_sender, "SENDMAIL", (str(present), "-t", "-oi"))
+    assert main(["config", "check", "--config", str(path)]) == 0, capsys.readouterr().err
+
+
+def test_config_show_without_a_file_says_it_shows_the_defaults(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from llmd_supervisor.cli import config as cli_config
+    from llmd_supervisor.core import config as core_config
+
+    absent = tmp_path / "etc" / "config.toml"  # the default path, where no file is
+    monkeypatch.setattr(core_config, "DEFAULT_PATH", absent)
+    monkeypatch.setattr(cli_config, "config_default", lambda: absent)
+    assert main(["config", "show"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == (
+        f"# no configuration file at {absent}: the built-in defaults (write them there to"
+        " start one)"
+    )
+    assert "# effective configuration of" not in out
+    assert not absent.exists()
