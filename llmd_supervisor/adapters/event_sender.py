@@ -17,10 +17,16 @@ One attempt:
   ``sendmail -t -oi`` (`SENDMAIL`), which takes its recipients from the mail's headers;
   its exit status decides (`core.delivery.SendmailExit`).
 
-HTTP: HTTP/1.1 over anyio's TCP (TLS for https, the system's trust store), one request
-per connection, `core.delivery.TIMEOUT_S` for all of it (connect, send, the answer's
-head), redirects never followed; only the status and ``Retry-After`` of the answer are
-read. What is done next is `core.delivery.next_step`'s decision, journaled: a delivery
+HTTP: httpx (HTTP/1.1 on anyio), one client and one connection per attempt,
+`core.delivery.TIMEOUT_S` for all of it (connect, send, the answer's head), redirects
+never followed; only the status and ``Retry-After`` of the answer are read (its head is
+bounded by httpcore at 100 KiB, its body never read). TLS verifies against the system's
+trust store (``ssl.create_default_context()``: OpenSSL's default paths, which honour
+SSL_CERT_FILE and SSL_CERT_DIR; not httpx's default, certifi's bundle). A login node
+reaches the outside through an HTTP proxy: `core.event_routing.proxy_for` picks it per
+URL (``[events] proxy``, else HTTPS_PROXY / HTTP_PROXY / ALL_PROXY of the daemon's
+environment, none for a host in NO_PROXY); https goes through it with CONNECT.
+What is done next is `core.delivery.next_step`'s decision, journaled: a delivery
 is ``delivered`` only once that write has committed (the write is shielded from
 cancellation), so a stop between the receiver's 2xx and the commit sends it again, with
 the same ``webhook-id``. A 410 Gone disables the destination (`Outbox.finish_attempt`).
@@ -34,7 +40,6 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import re
 import ssl
 import stat
 import subprocess
@@ -42,11 +47,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Final
-from urllib.parse import urlsplit
 
 import anyio
 import anyio.abc
 import anyio.to_thread
+import httpx
 import structlog
 
 from llmd_supervisor import __version__
@@ -60,7 +65,13 @@ from llmd_supervisor.core.delivery import (
     Step,
     next_step,
 )
-from llmd_supervisor.core.event_routing import Destination, DestinationKind, EventsConfig
+from llmd_supervisor.core.event_routing import (
+    Destination,
+    DestinationKind,
+    EventsConfig,
+    proxy_for,
+    shown_proxy,
+)
 from llmd_supervisor.core.outbox import DeliveryStatus
 from llmd_supervisor.core.webhooks import (
     SigningKey,
@@ -88,13 +99,12 @@ PER_DESTINATION: Final = 2  # attempts in flight per destination
 ERROR_BACKOFF_S: Final = 5.0  # after the journal failed to answer
 COUNT_EVERY_S: Final = 10.0  # how often the deliveries are counted for the metrics
 CLOSE_S: Final = 1.0  # closing a connection once its answer is read
-RESPONSE_HEAD_MAX: Final = 16 << 10  # bytes of an answer's status line and headers
 SECRET_FILE_MAX: Final = 16 << 10
 USER_AGENT: Final = f"llmd-supervisor/{__version__}"
 SENDMAIL: Final = ("/usr/sbin/sendmail", "-t", "-oi")
-_STATUS_LINE: Final = re.compile(rb"HTTP/1\.[01] ([0-9]{3})(?: |\r\n|$)")
 
-Post = Callable[[str, bytes, Mapping[str, str], float], Awaitable[Result]]
+# (url, body, headers, timeout in seconds, the proxy to go through or None): `post_json`.
+Post = Callable[[str, bytes, Mapping[str, str], float, str | None], Awaitable[Result]]
 
 
 class EventSender:
@@ -111,10 +121,13 @@ class EventSender:
         sendmail: Sequence[str] = SENDMAIL,
         idle_s: float = IDLE_S,
         may_send: Callable[[], bool] = lambda: True,
+        environ: Mapping[str, str] | None = None,
     ) -> None:
         self._outbox = outbox
         self._may_send = may_send  # False: a standby of a shared journal (its leader sends)
         self._destinations = {d.name: d for d in events.destinations}
+        self._proxy = events.proxy  # [events] proxy: wins over the environment's
+        self._environ = dict(environ if environ is not None else os.environ)
         self._clock = clock
         self._rng = rng
         self._post: Post = post or post_json
@@ -210,7 +223,8 @@ class EventSender:
                 return NetworkFailure(f"not sent: {exc}")
             stamp = unix_seconds(self._clock())
             headers = webhook_headers(keys, d.event_id, stamp, payload)
-        return await self._post(dest.url, payload, headers, TIMEOUT_S)
+        proxy = proxy_for(dest.url, self._proxy, self._environ)
+        return await self._post(dest.url, payload, headers, TIMEOUT_S, proxy)
 
     async def _finish(
         self,
@@ -312,75 +326,83 @@ def read_secret_file_now(path: Path) -> tuple[SigningKey, ...]:
     return parse_secret_file(text, str(path))
 
 
-async def post_json(url: str, body: bytes, headers: Mapping[str, str], timeout_s: float) -> Result:
-    """POST `body` (JSON) to `url` over HTTP/1.1 with `headers`; the answer's status and
-    Retry-After, or the network failure (the timeout included). Never follows a redirect
-    (a 3xx is the answer)."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
-    https = parts.scheme == "https"
-    port = parts.port or (443 if https else 80)
-    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-    shown_host = f"[{host}]" if ":" in host else host
-    authority = shown_host if parts.port is None else f"{shown_host}:{port}"
-    lines = [
-        f"POST {target} HTTP/1.1",
-        f"Host: {authority}",
-        f"User-Agent: {USER_AGENT}",
-        "Content-Type: application/json",
-        f"Content-Length: {len(body)}",
-        "Connection: close",
-        *(f"{k}: {v}" for k, v in headers.items()),
-    ]
-    request = ("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + body
-    stream: anyio.abc.ByteStream | None = None
+async def post_json(
+    url: str,
+    body: bytes,
+    headers: Mapping[str, str],
+    timeout_s: float,
+    proxy: str | None = None,
+) -> Result:
+    """POST `body` (JSON) to `url` with `headers`, through the HTTP `proxy` if given
+    (CONNECT for https); the answer's status and Retry-After, or the network failure (the
+    timeout included). Never follows a redirect (a 3xx is the answer); the answer's body
+    is never read."""
+    shown = _shown(proxy)
+    try:
+        client = httpx.AsyncClient(
+            verify=await anyio.to_thread.run_sync(ssl.create_default_context),
+            proxy=proxy,
+            trust_env=False,  # the caller chose the proxy (core.event_routing.proxy_for)
+            follow_redirects=False,
+            timeout=httpx.Timeout(timeout_s),
+            limits=httpx.Limits(max_connections=1, max_keepalive_connections=0),
+        )
+    except (ValueError, ImportError):  # its text may hold the proxy URL's password
+        return NetworkFailure(f"the proxy {shown} cannot be used; give an http:// proxy URL")
+    response: httpx.Response | None = None
     try:
         with anyio.fail_after(timeout_s):
-            if https:
-                # Not standard-compatible: the answer's head is all that is read, and the
-                # close does not wait for the receiver's close_notify.
-                stream = await anyio.connect_tcp(
-                    host,
-                    port,
-                    tls=True,
-                    ssl_context=ssl.create_default_context(),
-                    tls_hostname=host,
-                    tls_standard_compatible=False,
-                )
-            else:
-                stream = await anyio.connect_tcp(host, port)
-            await stream.send(request)
-            head = await _read_head(stream)
-    except TimeoutError:
+            request = client.build_request(
+                "POST",
+                url,
+                content=body,
+                headers={"User-Agent": USER_AGENT, "Content-Type": "application/json", **headers},
+            )
+            response = await client.send(request, stream=True)
+    except (TimeoutError, httpx.TimeoutException):
         return NetworkFailure(f"no answer within {timeout_s:g} s")
-    except (OSError, ssl.SSLError, anyio.BrokenResourceError) as exc:
-        return NetworkFailure(f"{type(exc).__name__}: {exc}")
-    finally:
-        if stream is not None:  # the answer is in: closing cannot change it
-            with anyio.move_on_after(CLOSE_S, shield=True), contextlib.suppress(Exception):
-                await stream.aclose()
-    return _answer(head)
+    except httpx.ProxyError as exc:
+        return NetworkFailure(f"the proxy {shown} refused to forward it: {_cause(exc)}")
+    except httpx.RemoteProtocolError as exc:
+        return NetworkFailure(f"not an HTTP/1.x answer: {_cause(exc)}")
+    except httpx.ConnectError as exc:
+        if _tls_failure(exc):
+            return NetworkFailure(f"TLS failed: {_cause(exc)}")
+        if proxy is not None:
+            return NetworkFailure(f"the proxy {shown} cannot be reached: {_cause(exc)}")
+        return NetworkFailure(f"ConnectError: {_cause(exc)}")
+    except httpx.HTTPError as exc:
+        return NetworkFailure(f"{type(exc).__name__}: {_cause(exc)}")
+    except (httpx.InvalidURL, ValueError):  # its text may hold the proxy URL's password
+        return NetworkFailure(f"the URL or the proxy {shown} cannot be used")
+    finally:  # the answer is in: closing cannot change it
+        with anyio.move_on_after(CLOSE_S, shield=True), contextlib.suppress(Exception):
+            if response is not None:
+                await response.aclose()
+            await client.aclose()
+    return HttpResponse(
+        status=response.status_code, retry_after=response.headers.get("retry-after")
+    )
 
 
-async def _read_head(stream: anyio.abc.ByteReceiveStream) -> bytes:
-    """The answer up to the end of its headers (or what came before the peer closed)."""
-    buf = b""
-    while b"\r\n\r\n" not in buf and len(buf) < RESPONSE_HEAD_MAX:
-        try:
-            buf += await stream.receive()
-        except anyio.EndOfStream:
-            break
-    return buf[:RESPONSE_HEAD_MAX]
+def _tls_failure(exc: BaseException) -> bool:
+    """Whether an httpx error came from the TLS handshake (httpcore maps it to ConnectError)."""
+    seen: BaseException | None = exc
+    for _ in range(8):  # a chain of causes is short; bound it anyway
+        if seen is None:
+            return False
+        if isinstance(seen, ssl.SSLError):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
-def _answer(head: bytes) -> Result:
-    match = _STATUS_LINE.match(head)
-    if match is None:
-        shown = head[:40].decode("ascii", "replace")
-        return NetworkFailure(f"not an HTTP/1.x answer: {shown!r}")
-    retry_after = None
-    for line in head.split(b"\r\n")[1:]:
-        name, sep, value = line.partition(b":")
-        if sep and name.strip().lower() == b"retry-after":
-            retry_after = value.strip().decode("latin-1")
-    return HttpResponse(status=int(match.group(1)), retry_after=retry_after)
+def _shown(proxy: str | None) -> str:
+    return "(none)" if proxy is None else shown_proxy(proxy)  # never its user or password
+
+
+def _cause(exc: BaseException) -> str:
+    """An httpx error's text, one line and bounded (it never holds a proxy's password:
+    httpx names no URL in its transport errors)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text[:300]

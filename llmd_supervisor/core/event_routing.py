@@ -35,6 +35,7 @@ credential: `Destination` never shows it (`shown_url`), nor does any error messa
 
 from __future__ import annotations
 
+import ipaddress
 import re
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,7 +53,9 @@ __all__ = [
     "check_named",
     "parse_events",
     "parse_named",
+    "proxy_for",
     "routes",
+    "shown_proxy",
     "shown_url",
 ]
 
@@ -117,6 +120,9 @@ class EventsConfig:
     """The ``[events]`` table."""
 
     destinations: tuple[Destination, ...] = ()
+    # The HTTP proxy webhook and Slack deliveries go through (`proxy_for`); None: the
+    # environment's (HTTPS_PROXY, HTTP_PROXY, ALL_PROXY), if any. May hold user:password.
+    proxy: str | None = field(default=None, repr=False)
 
     def destination(self, name: str) -> Destination:
         """The destination of that name; ConfigError naming the configured ones."""
@@ -205,10 +211,18 @@ def parse_events(table: Mapping[str, object]) -> EventsConfig:
     naming its key (``events.destination[1].url``), the value and the fix."""
     problems: list[ConfigError] = []
     for key in table:
-        if key != "destination":
+        if key not in ("destination", "proxy"):
             problems.append(
-                ConfigError(f"events.{key}", table[key], "unknown key; allowed here: destination")
+                ConfigError(
+                    f"events.{key}", table[key], "unknown key; allowed here: destination, proxy"
+                )
             )
+    proxy = None
+    if "proxy" in table:
+        try:
+            proxy = _proxy(table["proxy"])
+        except ConfigError as exc:
+            problems.append(exc)
     raw = table.get("destination", [])
     if not isinstance(raw, list):
         problems.append(ConfigError("events.destination", raw, "use [[events.destination]] tables"))
@@ -242,7 +256,7 @@ def parse_events(table: Mapping[str, object]) -> EventsConfig:
         seen.add(d.name)
     if problems:
         raise ConfigErrors(problems)
-    return EventsConfig(destinations=tuple(d for _, d in found))
+    return EventsConfig(destinations=tuple(d for _, d in found), proxy=proxy)
 
 
 def _destination(prefix: str, t: Mapping[str, object]) -> Destination:
@@ -434,3 +448,100 @@ def shown_url(url: str) -> str:
     netloc = shown_host if port is None else f"{shown_host}:{port}"
     rest = "/..." if (parts.path not in ("", "/") or parts.query) else parts.path
     return f"{parts.scheme}://{netloc}{rest}"
+
+
+def _proxy(value: object) -> str:
+    """``[events] proxy``: an http:// or https:// URL of a host (and port), nothing else."""
+    key = "events.proxy"
+    example = 'an http:// or https:// URL such as "http://proxy.example.org:3128"'
+    if not isinstance(value, str) or any(ch.isspace() or not ch.isprintable() for ch in value):
+        raise ConfigError(key, shown_proxy(value) if isinstance(value, str) else value, example)
+    shown = shown_proxy(value)
+    try:
+        parts = urlsplit(value)
+        _ = parts.port  # ValueError when it is not a port number
+    except ValueError:
+        raise ConfigError(key, shown, example) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(key, shown, example)
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(key, shown, f"no path, query or fragment: {example}")
+    return value
+
+
+def shown_proxy(url: str) -> str:
+    """A proxy URL as it may be shown: scheme, host and port (never a user or password)."""
+    try:
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        host, port = parts.hostname, parts.port
+    except ValueError:
+        return f"(a proxy URL of {len(url)} characters, not shown)"
+    if not host:
+        return f"(a proxy URL of {len(url)} characters, not shown)"
+    shown_host = f"[{host}]" if ":" in host else host
+    return f"{parts.scheme}://{shown_host}" + ("" if port is None else f":{port}")
+
+
+def proxy_for(url: str, configured: str | None, environ: Mapping[str, str]) -> str | None:
+    """The HTTP proxy a request to `url` goes through (None: directly): none when the
+    host is in NO_PROXY (``no_proxy``); else `configured` (``[events] proxy``); else
+    the environment's for the URL's scheme (``https_proxy``/``HTTPS_PROXY`` for https,
+    ``http_proxy``/``HTTP_PROXY`` for http, then ``all_proxy``/``ALL_PROXY``; lower case
+    first, as curl and Python's urllib read them). A proxy without a scheme is http://.
+
+    NO_PROXY is a comma-separated list of: ``*`` (every host); a host name, which also
+    covers its subdomains (``example.org`` and ``.example.org`` both cover
+    ``hooks.example.org`` and ``example.org``); an IP address (IPv6 with or without
+    brackets) or a CIDR network; each optionally with ``:port``, then only for that port."""
+    parts = urlsplit(url)
+    host = (parts.hostname or "").lower()
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:
+        port = 0
+    no_proxy = _env(environ, "no_proxy") or ""
+    if any(_bypasses(entry, host, port) for entry in no_proxy.split(",")):
+        return None
+    chosen = configured or _env(environ, f"{parts.scheme}_proxy") or _env(environ, "all_proxy")
+    if not chosen:
+        return None
+    return chosen if "://" in chosen else f"http://{chosen}"
+
+
+def _env(environ: Mapping[str, str], name: str) -> str | None:
+    """A proxy variable, the lower-case spelling first; blank is unset."""
+    for spelled in (name, name.upper()):
+        value = environ.get(spelled, "").strip()
+        if value:
+            return value
+    return None
+
+
+def _bypasses(entry: str, host: str, port: int) -> bool:
+    """Whether one NO_PROXY entry covers `host` (lower case) on `port`."""
+    entry = entry.strip().lower()
+    if not entry:
+        return False
+    if entry == "*":
+        return True
+    name, wanted = entry, None
+    if entry.startswith("["):  # [IPv6] or [IPv6]:port
+        name, _, tail = entry[1:].partition("]")
+        if tail.startswith(":") and tail[1:].isdigit():
+            wanted = int(tail[1:])
+    elif entry.count(":") == 1:  # name:port (more colons: a bare IPv6 address)
+        name, _, port_text = entry.partition(":")
+        if not port_text.isdigit():
+            return False
+        wanted = int(port_text)
+    if wanted is not None and wanted != port:
+        return False
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        name = name.lstrip(".")
+        return bool(name) and (host == name or host.endswith(f".{name}"))
+    try:
+        return address in ipaddress.ip_network(name, strict=False)
+    except ValueError:
+        return False

@@ -39,6 +39,7 @@ from llmd_supervisor.adapters.outbox_store import Outbox
 from llmd_supervisor.adapters.remote import NodeLink
 from llmd_supervisor.adapters.sdnotify import loop_monitor
 from llmd_supervisor.core.config import Config
+from llmd_supervisor.core.event_routing import shown_proxy
 from llmd_supervisor.core.journal_url import PostgresJournal
 from llmd_supervisor.core.lease import STATEMENT_TIMEOUT_S
 from llmd_supervisor.core.lifecycle import RunState
@@ -259,7 +260,13 @@ async def _start_sender(
         may_send=lambda: roles.any_writer() is not None,
     )
     await tg.start(sender.run)
-    log.info("events.sender_started", destinations=[d.name for d in destinations])
+    proxy = config.events.proxy
+    log.info(
+        "events.sender_started",
+        destinations=[d.name for d in destinations],
+        proxy=None if proxy is None else shown_proxy(proxy),  # None: the environment's
+        proxy_env=sorted(k for k in os.environ if k.lower().endswith("_proxy")),
+    )
     return sender
 
 

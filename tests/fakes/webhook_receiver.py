@@ -1,14 +1,18 @@
 """A webhook receiver on 127.0.0.1 (a port of its own), for the outbox's tests: real HTTP/1.1
-over TCP, answering each request with the answer set for its ``webhook-id`` (once), else
-with the next of a script of answers (then 200), and keeping every request it got."""
+over TCP (or TLS), answering each request with the answer set for its ``webhook-id``
+(once), else with the next of a script of answers (then 200), and keeping every request
+it got."""
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import anyio.abc
+from anyio.streams.tls import TLSListener
 
 
 @dataclass(frozen=True)
@@ -34,11 +38,17 @@ class Receiver:
     changed: anyio.Event = field(default_factory=anyio.Event)
 
     async def serve(
-        self, *, task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED
+        self,
+        *,
+        tls: ssl.SSLContext | None = None,
+        task_status: anyio.abc.TaskStatus[int] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
-        listener = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        """Serve until cancelled; over TLS with `tls` (a server context)."""
+        tcp = await anyio.create_tcp_listener(local_host="127.0.0.1", local_port=0)
+        port = int(tcp.extra(anyio.abc.SocketAttribute.local_port))
+        listener: anyio.abc.Listener[Any] = tcp if tls is None else TLSListener(tcp, tls)
         async with listener:
-            task_status.started(int(listener.extra(anyio.abc.SocketAttribute.local_port)))
+            task_status.started(port)
             await listener.serve(self._handle)
 
     async def until(self, count: int, timeout_s: float = 20) -> Sequence[Received]:
@@ -49,7 +59,7 @@ class Receiver:
                 await changed.wait()
         return self.got
 
-    async def _handle(self, stream: anyio.abc.SocketStream) -> None:
+    async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         async with stream:
             buf = b""
             while b"\r\n\r\n" not in buf:

@@ -88,7 +88,9 @@ class CrashAfterSbatch:
         return result
 
 
-AsyncPost = Callable[[str, bytes, Mapping[str, str], float], Coroutine[Any, Any, Result]]
+AsyncPost = Callable[
+    [str, bytes, Mapping[str, str], float, str | None], Coroutine[Any, Any, Result]
+]
 
 
 def crash_after_webhook_2xx(post: AsyncPost) -> AsyncPost:
@@ -96,9 +98,9 @@ def crash_after_webhook_2xx(post: AsyncPost) -> AsyncPost:
     journals the delivery ``delivered`` (the outbox's at-least-once seam)."""
 
     async def post_then_crash(
-        url: str, body: bytes, headers: Mapping[str, str], timeout_s: float
+        url: str, body: bytes, headers: Mapping[str, str], timeout_s: float, proxy: str | None
     ) -> Result:
-        result = await post(url, body, headers, timeout_s)
+        result = await post(url, body, headers, timeout_s, proxy)
         if isinstance(result, HttpResponse) and 200 <= result.status < 300:
             _crash(after="webhook_2xx", webhook_id=headers.get("webhook-id"))
         return result
