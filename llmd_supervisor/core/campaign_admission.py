@@ -50,8 +50,10 @@ __all__ = [
     "AdmissionJob",
     "CampaignLimits",
     "JobState",
+    "UserWork",
     "admit",
     "canary_order",
+    "share_room",
     "topology_key",
 ]
 
@@ -191,8 +193,14 @@ def admit(
     backoff_until: float | None = None,
     now: float = 0.0,
     failures: Mapping[str, str] | None = None,
+    gpu_cap: int | None = None,
+    per_user_max_gpus: int | None = None,
 ) -> Admission:
     """What to submit next; see the module docstring for the rules.
+
+    `gpu_cap` is the GPUs this campaign may hold now beside its owner's other campaigns
+    (the daemon's ``[limits] per_user_max_gpus`` less theirs; None: no cap); a job that
+    alone needs more than `per_user_max_gpus` is blocked.
 
     `states` has every job's state (a job missing from it is WAITING). `qos_cap` is the
     number of jobs the cluster lets this campaign have submitted now (None: unknown; the
@@ -208,6 +216,11 @@ def admit(
     failed: list[str] = []
     for job in jobs:  # jobs no cap could ever hold
         too_big = _too_big(job, limits)
+        if too_big is None and per_user_max_gpus is not None and job.gpus > per_user_max_gpus:
+            too_big = (
+                f"it needs {job.gpus} GPUs, more than the daemon's"
+                f" limits.per_user_max_gpus = {per_user_max_gpus}"
+            )
         if state[job.key] is JobState.WAITING and too_big is not None:
             block[job.key] = too_big
     for topo, group in groups.items():
@@ -233,7 +246,8 @@ def admit(
     done = not any(s in ACTIVE for s in state.values()) and (stop is not None or not still_waiting)
     if stop is not None or (backoff_until is not None and now < backoff_until):
         return Admission((), block, stop, done)
-    return Admission(_fill(jobs, state, groups, eligible, limits, qos_cap), block, None, done)
+    chosen = _fill(jobs, state, groups, eligible, limits, qos_cap, gpu_cap)
+    return Admission(chosen, block, None, done)
 
 
 def _too_big(job: AdmissionJob, limits: CampaignLimits) -> str | None:
@@ -265,6 +279,7 @@ def _fill(
     eligible: Mapping[str, Sequence[AdmissionJob]],
     limits: CampaignLimits,
     qos_cap: int | None,
+    gpu_cap: int | None = None,
 ) -> tuple[str, ...]:
     """The eligible jobs to submit, in turn order, as far as the caps allow."""
     active = [j for j in jobs if state[j.key] in ACTIVE]
@@ -282,8 +297,10 @@ def _fill(
     while slots > 0 and queues:
         topo = min(queues, key=lambda t: (started[t], order[t]))
         job = queues[topo][0]
-        if (limits.max_nodes is not None and nodes + job.nodes > limits.max_nodes) or (
-            limits.max_gpus is not None and gpus + max(job.gpus, 0) > limits.max_gpus
+        if (
+            (limits.max_nodes is not None and nodes + job.nodes > limits.max_nodes)
+            or (limits.max_gpus is not None and gpus + max(job.gpus, 0) > limits.max_gpus)
+            or (gpu_cap is not None and gpus + max(job.gpus, 0) > gpu_cap)
         ):
             del queues[topo]  # strict order within a topology: it waits for room
             continue
@@ -296,3 +313,38 @@ def _fill(
         if not queues[topo]:
             del queues[topo]
     return tuple(submit)
+
+
+@dataclass(frozen=True)
+class UserWork:
+    """One user's campaigns on a cluster, as fair sharing sees them."""
+
+    uid: int
+    wanted: int  # jobs submitted or running + jobs waiting (not blocked): the most it uses
+
+
+def share_room(
+    users: Sequence[UserWork], room: int | None, per_user_max_jobs: int | None
+) -> dict[int, int | None]:
+    """How many campaign jobs each user may hold (None: no cap), sharing `room` (the jobs
+    the account's submit limit leaves beside runs that are no campaign's; None: unknown)
+    among the users with work, in turns.
+
+    Each turn gives one job to the user holding the fewest so far (ties: the lower uid)
+    among those that want more and are under `per_user_max_jobs`. Nothing is taken back:
+    a user who holds more than its share keeps its jobs and gets no new one until the
+    others caught up, so the first campaign to tick no longer keeps the whole room.
+    """
+    if room is None:
+        return {u.uid: per_user_max_jobs for u in users}
+    cap = {u.uid: min(u.wanted, per_user_max_jobs or u.wanted) for u in users}
+    given = {u.uid: 0 for u in users}
+    left = max(0, room)
+    while left > 0:
+        open_ = [uid for uid in given if given[uid] < cap[uid]]
+        if not open_:
+            break
+        uid = min(open_, key=lambda x: (given[x], x))
+        given[uid] += 1
+        left -= 1
+    return {u.uid: given[u.uid] for u in users}

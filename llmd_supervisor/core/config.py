@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Final, TypeVar
 
 from llmd_supervisor.core.event_routing import (
     Destination,
@@ -103,6 +103,11 @@ class Limits:
     # A run held for want of nodes that are not excluded fails after this long (a spec's
     # `retry.hold_timeout_s` overrides it).
     hold_timeout_s: float = 1800.0
+    # Campaign jobs one user may hold at once over all their campaigns of a cluster, and
+    # their counted GPUs (None: no cap); the room under the account's submit limit is
+    # shared among the users with campaign work, in turns (core.campaign_admission).
+    per_user_max_jobs: int | None = None
+    per_user_max_gpus: int | None = None
 
 
 @dataclass(frozen=True)
@@ -445,6 +450,9 @@ def _poll(p: Mapping[str, object]) -> PollConfig:
     return poll
 
 
+_PER_USER: Final = ("per_user_max_jobs", "per_user_max_gpus")
+
+
 def _limits(lim: Mapping[str, object]) -> Limits:
     names = tuple(Limits.__dataclass_fields__)
     _keys("limits", lim, names)
@@ -457,8 +465,10 @@ def _limits(lim: Mapping[str, object]) -> Limits:
     values: dict[str, Any] = {
         n: _num(lim, f"limits.{n}", float(getattr(defaults, n)), 0.1, 86400)
         for n in names
-        if n not in sizes + counts
+        if n not in (*sizes, *counts, *_PER_USER)
     }
+    for n in _PER_USER:  # absent: no cap
+        values[n] = _int(lim, f"limits.{n}", 0, 1, 100_000) if n in lim else None
     for n in counts:
         values[n] = _int(lim, f"limits.{n}", getattr(defaults, n), 1, 1000)
     for n in sizes:

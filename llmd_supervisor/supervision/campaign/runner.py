@@ -56,7 +56,14 @@ from llmd_supervisor.adapters.result_parser import ParseLimits, parse_many
 from llmd_supervisor.adapters.slurm import command_env
 from llmd_supervisor.core import campaign as core
 from llmd_supervisor.core import foreign_spec
-from llmd_supervisor.core.campaign_admission import Admission, CampaignLimits, JobState, admit
+from llmd_supervisor.core.campaign_admission import (
+    Admission,
+    CampaignLimits,
+    JobState,
+    UserWork,
+    admit,
+    share_room,
+)
 from llmd_supervisor.core.campaign_reuse import (
     Candidate,
     PointGate,
@@ -112,6 +119,17 @@ class Plan:
     notes: Mapping[tuple[str, int], Reuse] = field(default_factory=dict)
 
 
+@dataclass(frozen=True)
+class _Share:
+    """One campaign's hold on its cluster, for sharing the room among users."""
+
+    cluster: str
+    owner_uid: int
+    runs: frozenset[str]  # the runs of its jobs submitted or running
+    wanted: int  # those + its jobs waiting to be submitted
+    gpus: int  # counted GPUs of its jobs submitted or running
+
+
 @dataclass
 class _Live:
     """A campaign's in-memory companion: its change signal and QOS back-off."""
@@ -123,6 +141,8 @@ class _Live:
     refused: str = ""  # a submit limit an sbatch named since the last step
     submit_limit: int | None = None  # sacctmgr's, for the daemon's account (None: none)
     limit_read_at: float | None = None  # anyio.current_time() of the last reading
+    # What fair sharing sees of it, as of its last step (None: final, or not stepped yet).
+    share: _Share | None = None
 
     def touch(self) -> None:
         self.changed.set()
@@ -366,6 +386,7 @@ class Campaigns:
             while True:
                 try:
                     if await self._step(campaign_id):
+                        self._live(campaign_id).share = None
                         return
                 except (OSError, SupervisorError) as exc:  # logged, tried again
                     log.error("campaign.step_failed", error=str(exc))
@@ -396,14 +417,24 @@ class Campaigns:
         if state is CampaignState.CANCELLING:
             return await self._cancelling(c, jobs, active)
         await self.events.progress(c, jobs)
+        live.share = _Share(
+            c.cluster,
+            c.owner_uid,
+            frozenset(j.run_id for j in active if j.run_id is not None),
+            wanted=len(active) + sum(1 for j in jobs if JobState(j.state) is JobState.WAITING),
+            gpus=sum(max(j.gpus, 0) for j in active),
+        )
+        sys_limits = self.sup.config.limits
         decision = admit(
             [_Job(j) for j in jobs],
             {j.job_key: JobState(j.state) for j in jobs},
             limits_of(c),
-            qos_cap=await self._qos_cap(c, live, {j.run_id for j in active}),
+            qos_cap=await self._qos_cap(c, live),
             backoff_until=live.backoff_until,
             now=anyio.current_time(),
             failures={j.job_key: j.reason for j in jobs if j.reason},
+            gpu_cap=self._gpu_cap(c),
+            per_user_max_gpus=sys_limits.per_user_max_gpus,
         )
         await self._apply(c, jobs, decision, state)
         if decision.done:
@@ -418,9 +449,11 @@ class Campaigns:
             return True
         return False
 
-    async def _qos_cap(self, c: StoredCampaign, live: _Live, own: set[str | None]) -> int | None:
-        """The lower of the cap a refusal taught and what sacctmgr's submit limit leaves
-        beside the daemon's other jobs on the cluster (None: no limit known)."""
+    async def _qos_cap(self, c: StoredCampaign, live: _Live) -> int | None:
+        """The jobs this campaign may hold now (None: no cap known): the lower of the cap a
+        refusal taught and its owner's turn-based share (`share_room`) of what sacctmgr's
+        submit limit leaves beside the daemon's runs that are no campaign's, and of
+        ``[limits] per_user_max_jobs``, less the owner's jobs in its other campaigns."""
         now = anyio.current_time()
         cluster = self.sup.clusters.get(c.cluster)
         if cluster is not None and (
@@ -434,16 +467,54 @@ class Campaigns:
                 live.submit_limit = None
             log.info("campaign.submit_limit", limit=live.submit_limit)
         caps = [live.qos_cap] if live.qos_cap is not None else []
+        per_user = self.sup.config.limits.per_user_max_jobs
+        if live.submit_limit is None and per_user is None:
+            return min(caps) if caps else None
+        shares = self._shares(c.cluster)
+        campaign_runs = {r for s in shares.values() for r in s.runs}
+        room = None
         if live.submit_limit is not None:
             others = sum(
                 1
                 for h in self.sup.handles.values()
                 if h.meta.cluster == c.cluster
-                and h.run.run_id not in own
+                and h.run.run_id not in campaign_runs
                 and h.run.state in _QUEUED
             )
-            caps.append(max(0, live.submit_limit - others))
+            room = max(0, live.submit_limit - others)
+        wanted: dict[int, int] = {}
+        for s in shares.values():
+            wanted[s.owner_uid] = wanted.get(s.owner_uid, 0) + s.wanted
+        users = [UserWork(uid, n) for uid, n in sorted(wanted.items())]
+        allowance = share_room(users, room, per_user).get(c.owner_uid)
+        if allowance is not None:
+            elsewhere = sum(
+                len(s.runs)
+                for cid, s in shares.items()
+                if s.owner_uid == c.owner_uid and cid != c.campaign_id
+            )
+            caps.append(max(0, allowance - elsewhere))
         return min(caps) if caps else None
+
+    def _gpu_cap(self, c: StoredCampaign) -> int | None:
+        """``[limits] per_user_max_gpus`` less the GPUs its owner's other campaigns hold."""
+        cap = self.sup.config.limits.per_user_max_gpus
+        if cap is None:
+            return None
+        held = sum(
+            s.gpus
+            for cid, s in self._shares(c.cluster).items()
+            if s.owner_uid == c.owner_uid and cid != c.campaign_id
+        )
+        return max(0, cap - held)
+
+    def _shares(self, cluster: str) -> dict[str, _Share]:
+        """Every campaign's last hold on `cluster` (campaigns not final), by campaign id."""
+        return {
+            cid: live.share
+            for cid, live in self.live.items()
+            if live.share is not None and live.share.cluster == cluster
+        }
 
     async def _apply(
         self,
