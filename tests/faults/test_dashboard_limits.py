@@ -17,7 +17,7 @@ import subprocess
 import sys
 import urllib.parse
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,8 +25,10 @@ import pytest
 from llmd_supervisor.core.config import DashboardConfig, load_config
 from tests.browser import free_port
 from tests.daemon_helpers import Daemon
+from tests.fakes.replay_world import ReplayWorld
 from tests.faults.test_socket_limits import daemon_for, finished_run, journal_runs
 from tests.strangers import Stranger
+from tests.unit.test_dashboard import running_run
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -198,6 +200,69 @@ def test_the_daemon_logs_its_dashboard_limits_with_a_10_s_head_timeout(
     (listening,) = d.events("dashboard.listening")
     assert listening["head_timeout_s"] == 10, listening
     assert listening["max_connections"] == 256 and listening["max_connections_per_peer"] == 64
+
+
+# ----------------------------------------------------------------------------- streams
+
+
+@contextmanager
+def stream(
+    address: Path | tuple[str, int], target: str, source: str | None = None
+) -> Iterator[tuple[int, bytes]]:
+    """A log stream's request, held open: its status and what came with its head."""
+    if isinstance(address, Path):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    else:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        if source is not None:
+            s.bind((source, 0))
+    with s:
+        s.settimeout(20)
+        s.connect(str(address) if isinstance(address, Path) else address)
+        cookie = f"Cookie: llmd_dashboard={TOKEN}\r\n"
+        s.sendall(f"GET {target} HTTP/1.1\r\nHost: localhost\r\n{cookie}\r\n".encode())
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            assert chunk, data
+            data += chunk
+        yield int(data.split(b" ", 2)[1]), data
+
+
+def test_one_token_holder_cannot_take_every_live_log_stream(
+    world: ReplayWorld, tmp_path: Path
+) -> None:
+    root = tmp_path / "daemon"
+    root.mkdir()
+    port = free_port()
+    token_file = root / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    daemon = Daemon(
+        world,
+        root,
+        replay_socket=world.socket,
+        extra_config=f'[dashboard]\ntcp = "127.0.0.1:{port}"\ntoken_file = "{token_file}"\n',
+    )
+    daemon.start()
+    web = daemon.socket.parent / "web.sock"
+    per_viewer = DashboardConfig().limits.max_streams_per_viewer
+    try:
+        run, _ = running_run(daemon, world, tmp_path / "logs")
+        logs = f"/runs/{run}/logs"
+        tcp = ("127.0.0.1", port)
+        with ExitStack() as held:
+            # One token holder (one source address) opens its share of streams ...
+            statuses = [held.enter_context(stream(tcp, logs))[0] for _ in range(per_viewer)]
+            over, body = get(tcp, logs)
+            # ... and another token holder, and root on web.sock, still get theirs.
+            other = held.enter_context(stream(tcp, logs, source="127.0.0.2"))[0]
+            unix = held.enter_context(stream(web, logs))[0]
+    finally:
+        daemon.stop()
+    assert statuses == [200] * per_viewer
+    assert (over, other, unix) == (503, 200, 200), body
+    assert f"dashboard.max_streams_per_viewer = {per_viewer}".encode() in body
 
 
 # ----------------------------------------------------------------------------- queries
