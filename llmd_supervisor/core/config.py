@@ -21,6 +21,7 @@ from llmd_supervisor.core.event_routing import (
     DestinationKind,
     EventsConfig,
     parse_events,
+    shown_proxy,
     shown_url,
 )
 from llmd_supervisor.core.journal_url import JournalBackend, SqliteJournal, parse_journal
@@ -743,6 +744,10 @@ def effective(config: Config) -> dict[str, object]:
             }
             for c in config.clusters
         ],
+        # The proxy without its user or password; None: the environment's (HTTPS_PROXY, ...).
+        "events": {
+            "proxy": None if config.events.proxy is None else shown_proxy(config.events.proxy)
+        },
         # Rendered as [[events.destination]] tables; a URL shown without its path (a
         # Slack webhook's path is its credential).
         "events.destination": [_destination(d) for d in config.events.destinations],
