@@ -32,8 +32,8 @@ keys are ``env.<NAME>``, ``launcher.nodes``, ``launcher.gpus_per_node`` and
 ``launcher.concurrencies`` (a list of integer lists). A point's environment is
 ``[launcher.env]`` with its ``env.<NAME>`` values over it, each as the script reads it
 (`env_text`: ``true``/``false`` for booleans). Names must be shell names that the submit
-path exports (`foreign_spec.env_refused`), not ``SBATCH_*`` (sbatch would read them as its
-options) and not ``concurrency_env``: a job's run gets that variable, its concurrencies
+path exports (`foreign_spec.env_refused`: not ``SBATCH_*`` either, which sbatch would read
+as its options) and not ``concurrency_env``: a job's run gets that variable, its concurrencies
 joined by the separator.
 
 Every job runs in the one ``chdir``: ``{env.NAME}`` in a ``logs`` or ``results`` pattern
@@ -262,16 +262,14 @@ def check_env_name(fld: str, name: str, concurrency_env: str | None) -> None:
             " (at most 128)",
         )
     if foreign_spec.env_refused(name):
-        raise CampaignError(
-            fld,
-            name,
-            "submit --script never exports this variable (it would change what sbatch"
-            " executes or how it names, places or exports the job); set it in the script",
-        )
-    if name.startswith("SBATCH_"):
-        raise CampaignError(
-            fld, name, "sbatch reads SBATCH_* as its own options; give them in launcher.sbatch_args"
-        )
+        if name.startswith(foreign_spec.SBATCH_ENV_PREFIX):
+            why = "sbatch reads SBATCH_* as its own options; give them in launcher.sbatch_args"
+        else:
+            why = (
+                "submit --script never exports this variable (it would change what sbatch"
+                " executes or how it names, places or exports the job); set it in the script"
+            )
+        raise CampaignError(fld, name, why)
     if name == concurrency_env:
         raise CampaignError(
             fld,

@@ -69,12 +69,14 @@ _SBATCH_REFUSED: Final[Mapping[str, str]] = {
     "--hold": "a held job would never start (submit it, then `adopt` it once released)",
 }
 # Variables of the client's environment that never reach sbatch: they would change what
-# the daemon's account executes or how the job is named, exported or placed.
-_ENV_DROPPED_PREFIXES: Final = ("LD_", "BASH_FUNC_", "SBATCH_EXPORT", "SLURM_")
+# the daemon's account executes or how the job is named, exported or placed. Every
+# SBATCH_* is one of sbatch's input variables (SBATCH_CLUSTERS, SBATCH_TIMELIMIT,
+# SBATCH_OUTPUT, ...): an option given past the checks of SBATCH-ARGS.
+SBATCH_ENV_PREFIX: Final = "SBATCH_"
+_ENV_DROPPED_PREFIXES: Final = ("LD_", "BASH_FUNC_", SBATCH_ENV_PREFIX, "SLURM_")
 _ENV_DROPPED: Final = frozenset(
-    {"BASH_ENV", "ENV", "IFS", "PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME", "SBATCH_JOB_NAME",
-     "SBATCH_CHDIR", "SBATCH_WAIT", "SBATCH_HOLD"}
-)  # fmt: skip
+    {"BASH_ENV", "ENV", "IFS", "PYTHONPATH", "PYTHONSTARTUP", "PYTHONHOME"}
+)
 
 
 class MarkerFormat(StrEnum):
@@ -408,7 +410,8 @@ def _check_sbatch_arg(arg: str) -> None:
 def env_refused(name: str) -> bool:
     """Whether an exported environment leaves `name` out: it would change what sbatch
     executes or how it names, places or exports the job (`LD_*`, `BASH_ENV`, `SLURM_*`,
-    ...)."""
+    `SBATCH_*`, ...). The one filter of `--export-env` (client and daemon) and of a
+    script campaign's ``[launcher.env]`` and matrix."""
     return name in _ENV_DROPPED or name.startswith(_ENV_DROPPED_PREFIXES)
 
 
