@@ -103,6 +103,19 @@ class CampaignError(SpecError):
         self.args = (message,)
 
 
+class ExpansionStopped(SupervisorError):
+    """A campaign's expansion was told to stop (its client went away) before it ended."""
+
+    def __init__(self, campaign: str, built: int, combinations: int) -> None:
+        self.campaign = campaign
+        self.built = built  # points built (run specs validated) before it stopped
+        self.combinations = combinations
+        super().__init__(
+            f"The expansion of campaign {campaign!r} stopped after {built} points of at most"
+            f" {combinations}: its client went away. Submit the campaign again to expand it."
+        )
+
+
 class RemoteError(SupervisorError):
     """An SSH operation on an allocated node failed."""
 

@@ -201,6 +201,8 @@ OPS: Final[Mapping[str, OpSpec]] = MappingProxyType(
         "results": OpSpec({"run": _RUN}),
         # campaigns (supervision.campaign.api): a campaign file and its base spec's text
         # (or its batch script's)
+        # streaming (though it sends no item): a client that goes away cancels it, and
+        # with it the campaign's expansion (supervision.campaign.expansion)
         "campaign_submit": OpSpec(
             {
                 "file_text": ArgSpec(_STR, required=True),
@@ -214,9 +216,12 @@ OPS: Final[Mapping[str, OpSpec]] = MappingProxyType(
                 "name": ArgSpec(_STR, required=True),  # the default name: the file's stem
                 "dry_run": ArgSpec(_BOOL, default=False),
                 "rerun": ArgSpec(_BOOL, default=False),
-                "max_points": ArgSpec(frozenset({"int"}), default=10_000),
+                # at most this many points (null: the daemon's limits.campaign_max_points,
+                # which also caps it)
+                "max_points": ArgSpec(frozenset({"int", "null"}), default=None),
                 "cluster": _CLUSTER,
-            }
+            },
+            streaming=True,
         ),
         "campaign_list": OpSpec({}),
         "campaign_status": OpSpec({"campaign": _CAMPAIGN}),

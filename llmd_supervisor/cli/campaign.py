@@ -96,8 +96,9 @@ def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[
     p.add_argument(
         "--max-points",
         type=int,
-        default=10_000,
-        help="refuse a campaign of more points than this (default 10000)",
+        default=None,
+        help="refuse a campaign of more points than this (default, and at most: the"
+        " daemon's [limits] campaign_max_points, 10000 unless its operator set another)",
     )
     p.add_argument("--cluster", default=None, help="configured cluster (default: the first)")
     p.set_defaults(handler=_cmd_submit)

@@ -64,12 +64,13 @@ from llmd_supervisor.core.spec_bench import VALIDITY_KEYS
 from llmd_supervisor.core.spec_fields import CONTROL_RE, shown
 from llmd_supervisor.core.spec_toml import decode_toml
 from llmd_supervisor.core.toml_write import dump_toml
-from llmd_supervisor.errors import CampaignError, SpecError
+from llmd_supervisor.errors import CampaignError, ExpansionStopped, SpecError
 
 __all__ = [
     "CAMPAIGN_KEYS",
     "ISL_OSL",
     "LIMIT_KEYS",
+    "MAX_EXCLUDES",
     "RECIPE_ID_SCHEMA",
     "Axis",
     "CampaignFile",
@@ -77,7 +78,9 @@ __all__ = [
     "CampaignLimits",
     "Duplicate",
     "Expansion",
+    "PointLimit",
     "Variant",
+    "combinations",
     "expand",
     "expand_script",
     "job_spec",
@@ -98,10 +101,17 @@ MAX_GPUS: Final = 1_000_000
 MAX_POINTS: Final = 10_000
 # Combinations looked at per allowed point (the rest must be excluded) before refusing.
 MAX_COMBINATIONS_PER_POINT: Final = 100
+# [[exclude]] tables: each is checked against every combination looked at.
+MAX_EXCLUDES: Final = 100
+# Combinations x [[exclude]] tables over two or more keys checked at most (~2 s of CPU).
+MAX_EXCLUDE_CHECKS: Final = 10_000_000
+# Combinations looked at between two questions whether the expansion should stop.
+_STOP_EVERY: Final = 1024
 _ENV_ROLES: Final = SPEC_FIELDS["env"]
 
 Values = tuple[tuple[str, object], ...]
 Check = Callable[[str, str, object], None]  # (field, key, value): CampaignError if bad
+Stop = Callable[[], bool]  # true once an expansion should stop (its client went away)
 
 
 @dataclass(frozen=True)
@@ -319,7 +329,15 @@ def _points(
     data: Mapping[str, object], section: str, axis_keys: Sequence[str], check: _Keys
 ) -> list[Values]:
     out: list[Values] = []
-    for i, t in enumerate(_tables(data, section)):
+    tables = _tables(data, section)
+    if section == "exclude" and len(tables) > MAX_EXCLUDES:
+        raise CampaignError(
+            "exclude",
+            f"{len(tables)} tables",
+            f"give at most {MAX_EXCLUDES} [[exclude]] tables; list only the values wanted in"
+            " [matrix], or split the campaign",
+        )
+    for i, t in enumerate(tables):
         if section == "exclude" and not t:
             raise CampaignError(
                 f"exclude[{i}]", {}, "an empty exclude would drop every point; give key = value"
@@ -555,48 +573,141 @@ def _same(a: object, b: object) -> bool:
     return json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
 
 
-def _excluded(values: Values, excludes: Sequence[Values]) -> bool:
-    have = dict(values)
-    return any(all(k in have and _same(have[k], v) for k, v in exclude) for exclude in excludes)
+@dataclass(frozen=True)
+class PointLimit:
+    """How many points an expansion may have: what the client asked for (``--max-points``;
+    None: what the daemon allows), never more than the daemon's ``[limits]
+    campaign_max_points`` (`daemon`; None: the client's bound alone)."""
+
+    asked: int | None
+    daemon: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.asked is None and self.daemon is None:
+            raise ValueError("a point limit needs the client's bound or the daemon's")
+
+    @property
+    def points(self) -> int:
+        return min(b for b in (self.asked, self.daemon) if b is not None)
+
+    def refusal(
+        self, count: int, what: str = "points", verb: str = "expands to at least"
+    ) -> CampaignError:
+        """The error of a campaign of `count` `what`: it names the bound that refused it
+        (the client's or the daemon's) and what to do."""
+        if self.daemon is not None and (self.asked is None or self.asked >= self.daemon):
+            allows = f"this daemon allows ([limits] campaign_max_points = {self.daemon}"
+            fix = (
+                "remove matrix values or split the campaign into smaller ones (the daemon's"
+                " operator sets [limits] campaign_max_points)"
+            )
+        else:
+            allows = f"--max-points allows ({self.points}"
+            fix = "remove matrix values or raise --max-points"
+            if self.daemon is not None:
+                fix += f" (this daemon allows up to {self.daemon})"
+        return CampaignError(
+            "matrix",
+            f"{count} {what}",
+            f"the campaign {verb} {count} {what}, more than {allows}; points are (recipe,"
+            f" concurrency) pairs counted before duplicates are merged); {fix}",
+        )
 
 
-def _too_many(
-    count: int, max_points: int, what: str = "points", verb: str = "expands to at least"
-) -> CampaignError:
-    return CampaignError(
-        "matrix",
-        f"{count} {what}",
-        f"the campaign {verb} {count} {what}, more than --max-points allows ({max_points};"
-        " points are (recipe, concurrency) pairs counted before duplicates are merged);"
-        " remove matrix values or raise --max-points",
-    )
+def _limit(max_points: int | PointLimit) -> PointLimit:
+    return max_points if isinstance(max_points, PointLimit) else PointLimit(max_points)
 
 
-def _combinations(campaign: CampaignFile, max_points: int) -> list[Values]:
+def combinations(campaign: CampaignFile) -> int:
+    """How many combinations the campaign has at most, counted without building any: the
+    product of its axes' lengths (a [[zip]] is one axis) and its includes (excludes can
+    only make it fewer)."""
+    return math.prod(len(a.rows) for a in campaign.axes) + len(campaign.includes)
+
+
+Exclusion = tuple[tuple[int, frozenset[int]], ...]  # (axis index, its rows matched), ...
+
+
+def _exclusions(campaign: CampaignFile) -> tuple[list[list[int]], list[Exclusion]]:
+    """The rows of each axis that no exclude on that axis alone drops, and the excludes
+    over two or more axes, each as the rows it matches per axis it names: a combination
+    is excluded when its row of each of those axes is among them. A key an exclude names
+    that every row of its axis matches constrains nothing; an exclude that no row
+    matches is left out."""
+    banned: list[set[int]] = [set() for _ in campaign.axes]
+    multi: list[Exclusion] = []
+    for exclude in campaign.excludes:
+        want = dict(exclude)
+        rows_of = []
+        for ai, axis in enumerate(campaign.axes):
+            named = [(ki, want[k]) for ki, k in enumerate(axis.keys) if k in want]
+            if not named:
+                continue
+            rows = frozenset(
+                ri for ri, row in enumerate(axis.rows) if all(_same(row[ki], v) for ki, v in named)
+            )
+            if len(rows) < len(axis.rows):
+                rows_of.append((ai, rows))
+        if any(not rows for _, rows in rows_of):
+            continue  # matches no combination
+        if not rows_of:  # matches every combination
+            return [[] for _ in campaign.axes], []
+        if len(rows_of) == 1:
+            banned[rows_of[0][0]] |= rows_of[0][1]
+        else:
+            multi.append(tuple(rows_of))
+    allowed = [
+        [r for r in range(len(a.rows)) if r not in banned[ai]] for ai, a in enumerate(campaign.axes)
+    ]
+    return allowed, multi
+
+
+def _stopped(campaign: CampaignFile, built: int) -> ExpansionStopped:
+    return ExpansionStopped(campaign.name, built, combinations(campaign))
+
+
+def _combinations(campaign: CampaignFile, limit: PointLimit, stop: Stop | None) -> list[Values]:
     """The matrix's combinations left after the excludes, then the includes (see
-    `expand`); CampaignError when they are more than `max_points` allows."""
+    `expand`); CampaignError when they are more than `limit` allows, ExpansionStopped
+    once `stop()` is true."""
+    max_points = limit.points
     raw = math.prod(len(a.rows) for a in campaign.axes)
     if raw > MAX_COMBINATIONS_PER_POINT * max_points:  # too many even to look at
-        raise _too_many(raw, max_points, "combinations before excludes", "matrix has")
-    points: list[Values] = []
-    for pick in itertools.product(*(a.rows for a in campaign.axes)):
-        values = tuple(
-            pair
-            for axis, row in zip(campaign.axes, pick, strict=True)
-            for pair in zip(axis.keys, row, strict=True)
+        raise limit.refusal(raw, "combinations before excludes", "matrix has")
+    allowed, multi = _exclusions(campaign)
+    checks = math.prod(len(rows) for rows in allowed) * len(multi)
+    if checks > MAX_EXCLUDE_CHECKS:
+        raise CampaignError(
+            "exclude",
+            f"{len(multi)} tables",
+            f"the {len(multi)} [[exclude]] tables over two or more keys would each be checked"
+            f" against {checks // len(multi)} combinations, more than this daemon checks for"
+            f" one campaign ({MAX_EXCLUDE_CHECKS} checks); list only the values wanted in"
+            " [matrix], exclude values of one key at a time, or split the campaign",
         )
-        if not _excluded(values, campaign.excludes):
-            points.append(values)
-            if len(points) + len(campaign.includes) > max_points:  # each has a concurrency
-                raise _too_many(len(points) + len(campaign.includes), max_points)
+    points: list[Values] = []
+    for n, pick in enumerate(itertools.product(*allowed)):
+        if n % _STOP_EVERY == 0 and stop is not None and stop():
+            raise _stopped(campaign, 0)
+        if multi and any(all(pick[ai] in rows for ai, rows in ex) for ex in multi):
+            continue
+        points.append(
+            tuple(
+                pair
+                for axis, ri in zip(campaign.axes, pick, strict=True)
+                for pair in zip(axis.keys, axis.rows[ri], strict=True)
+            )
+        )
+        if len(points) + len(campaign.includes) > max_points:  # each has a concurrency
+            raise limit.refusal(len(points) + len(campaign.includes))
     return points + list(campaign.includes)
 
 
 class _Merge:
     """Variants and duplicates as combinations come, counting points before the merge."""
 
-    def __init__(self, max_points: int) -> None:
-        self.max_points = max_points
+    def __init__(self, limit: PointLimit) -> None:
+        self.limit = limit
         self.variants: list[Variant] = []
         self.duplicates: list[Duplicate] = []
         self.seen: dict[tuple[str, tuple[int, ...]], Values] = {}
@@ -604,8 +715,8 @@ class _Merge:
 
     def add(self, variant: Variant) -> None:
         self.before += len(variant.concurrencies)
-        if self.before > self.max_points:
-            raise _too_many(self.before, self.max_points)
+        if self.before > self.limit.points:
+            raise self.limit.refusal(self.before)
         ident = (variant.recipe_id, tuple(sorted(variant.concurrencies)))
         if ident in self.seen:
             self.duplicates.append(Duplicate(variant.values, self.seen[ident]))
@@ -615,7 +726,11 @@ class _Merge:
 
 
 def expand(
-    campaign: CampaignFile, base: Mapping[str, object], *, max_points: int = MAX_POINTS
+    campaign: CampaignFile,
+    base: Mapping[str, object],
+    *,
+    max_points: int | PointLimit = MAX_POINTS,
+    stop: Stop | None = None,
 ) -> Expansion:
     """The campaign's variants and jobs over the decoded base spec `base`.
 
@@ -627,12 +742,19 @@ def expand(
     excludes (each has at least one concurrency) are too many, before any spec is
     built, else once their concurrencies are known. A matrix of more than
     ``MAX_COMBINATIONS_PER_POINT`` x `max_points` combinations is refused unexamined.
-    ValueError for a script campaign (`expand_script`).
+    `max_points` is the client's bound, or a `PointLimit` (the client's and the daemon's).
+
+    `stop` is asked between combinations (every few thousand while they are counted,
+    before each spec is built): once it is true, ExpansionStopped. ValueError for a
+    script campaign (`expand_script`).
     """
     if campaign.launcher is not None:
         raise ValueError(f"campaign {campaign.name} is over a script: use expand_script")
-    merge = _Merge(max_points)
-    for values in _combinations(campaign, max_points):
+    limit = _limit(max_points)
+    merge = _Merge(limit)
+    for built, values in enumerate(_combinations(campaign, limit, stop)):
+        if stop is not None and stop():
+            raise _stopped(campaign, built)
         data = copy.deepcopy(dict(base))
         for key, value in values:
             _apply(data, key, value, values)
@@ -668,7 +790,8 @@ def expand_script(
     *,
     script_name: str,
     campaign_dir: str,
-    max_points: int = MAX_POINTS,
+    max_points: int | PointLimit = MAX_POINTS,
+    stop: Stop | None = None,
 ) -> Expansion:
     """A script campaign's variants and jobs, as `expand` makes a run spec campaign's:
     `script` is the batch script's text (`script_name` its file name), `campaign_dir` the
@@ -676,7 +799,7 @@ def expand_script(
 
     The first job's `submit --script` spec is checked as `submit --script` checks one
     (the script's first line and #SBATCH lines too); an error names the launcher field.
-    ValueError for a run spec campaign (`expand`).
+    `stop` as for `expand`. ValueError for a run spec campaign (`expand`).
     """
     launcher = campaign.launcher
     if launcher is None:
@@ -689,8 +812,11 @@ def expand_script(
             " paths are relative to it); submit it with this version's client",
         )
     digest = hashlib.sha256(script.encode("utf-8")).hexdigest()
-    merge = _Merge(max_points)
-    for values in _combinations(campaign, max_points):
+    limit = _limit(max_points)
+    merge = _Merge(limit)
+    for built, values in enumerate(_combinations(campaign, limit, stop)):
+        if stop is not None and stop():
+            raise _stopped(campaign, built)
         point = script_campaign.point_of(launcher, values)
         merge.add(
             Variant(values, point, {}, script_campaign.script_recipe_id(digest, launcher, point))

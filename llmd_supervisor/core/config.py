@@ -30,6 +30,9 @@ from llmd_supervisor.errors import ConfigError, ConfigErrors
 
 DEFAULT_PATH = Path("/etc/llmd-supervisor/config.toml")
 DEFAULT_STATE_DIR = Path("/var/lib/llmd-supervisor")
+# The most [limits] campaign_max_points may say: a campaign's points are held in memory
+# while it expands (~13 KiB each: 100,000 are ~1.3 GiB, under the unit's MemoryMax).
+CAMPAIGN_POINTS_MAX = 100_000
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,9 @@ class Limits:
     # A run held for want of nodes that are not excluded fails after this long (a spec's
     # `retry.hold_timeout_s` overrides it).
     hold_timeout_s: float = 1800.0
+    # Points one campaign may expand to (a client's --max-points may ask for fewer, never
+    # more): each is a run spec built and validated in memory, ~13 KiB and ~0.8 ms of CPU.
+    campaign_max_points: int = 10_000
     # Campaign jobs one user may hold at once over all their campaigns of a cluster, and
     # their counted GPUs (None: no cap); the room under the account's submit limit is
     # shared among the users with campaign work, in turns (core.campaign_admission).
@@ -466,7 +472,7 @@ def _limits(lim: Mapping[str, object]) -> Limits:
     values: dict[str, Any] = {
         n: _num(lim, f"limits.{n}", float(getattr(defaults, n)), 0.1, 86400)
         for n in names
-        if n not in (*sizes, *counts, *_PER_USER)
+        if n not in (*sizes, *counts, "campaign_max_points", *_PER_USER)
     }
     for n in _PER_USER:  # absent: no cap
         values[n] = _int(lim, f"limits.{n}", 0, 1, 100_000) if n in lim else None
@@ -474,6 +480,9 @@ def _limits(lim: Mapping[str, object]) -> Limits:
         values[n] = _int(lim, f"limits.{n}", getattr(defaults, n), 1, 1000)
     for n in sizes:
         values[n] = _int(lim, f"limits.{n}", getattr(defaults, n), 1 << 20, 1 << 50)
+    values["campaign_max_points"] = _int(
+        lim, "limits.campaign_max_points", defaults.campaign_max_points, 1, CAMPAIGN_POINTS_MAX
+    )
     return Limits(**values)
 
 

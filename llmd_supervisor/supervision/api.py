@@ -486,7 +486,7 @@ HANDLERS: Final[Mapping[str, Op]] = MappingProxyType(
         "wait": Op(ControlApi._wait, streaming=True),
         "archive": Op(ControlApi._archive),
         "results": Op(ControlApi._results),
-        "campaign_submit": Op(lambda api, a, p, s: api.campaigns.submit(a, p, s)),
+        "campaign_submit": Op(lambda api, a, p, s: api.campaigns.submit(a, p, s), streaming=True),
         "campaign_list": Op(lambda api, a, p, s: api.campaigns.list(a, p, s)),
         "campaign_status": Op(lambda api, a, p, s: api.campaigns.status(a, p, s)),
         "campaign_cancel": Op(lambda api, a, p, s: api.campaigns.cancel(a, p, s)),

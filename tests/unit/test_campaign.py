@@ -15,6 +15,8 @@ from llmd_supervisor.core.campaign import (
     CampaignFile,
     CampaignLimits,
     Expansion,
+    PointLimit,
+    combinations,
     expand,
     job_spec,
     parse_campaign,
@@ -24,7 +26,7 @@ from llmd_supervisor.core.recipe import recipe_fingerprint
 from llmd_supervisor.core.spec import load_spec, parse_spec
 from llmd_supervisor.core.spec_toml import decode_toml
 from llmd_supervisor.core.toml_write import dump_toml
-from llmd_supervisor.errors import CampaignError, SpecError
+from llmd_supervisor.errors import CampaignError, ExpansionStopped, SpecError
 
 DEMO_TEXT = (Path(__file__).resolve().parents[2] / "deploy/llm-d/demo.toml").read_text()
 DEMO = decode_toml(DEMO_TEXT)
@@ -476,6 +478,100 @@ def test_exactly_max_points_is_allowed() -> None:
         max_points=6,
     )
     assert e.points == 6
+
+
+def test_the_daemons_bound_caps_what_the_client_asks_for() -> None:
+    text = '[matrix]\n"topology.prefill_nodes" = [2, 4, 6]'  # 9 points
+    with pytest.raises(CampaignError) as err:
+        _expand_limit(text, PointLimit(1_000_000_000, daemon=8))
+    assert (
+        "more than this daemon allows ([limits] campaign_max_points = 8; points are (recipe,"
+        " concurrency) pairs counted before duplicates are merged); remove matrix values or"
+        " split the campaign into smaller ones" in str(err.value)
+    )
+    with pytest.raises(CampaignError) as err:
+        _expand_limit(text, PointLimit(None, daemon=8))  # no --max-points: the daemon's
+    assert "campaign_max_points = 8;" in str(err.value)
+    with pytest.raises(CampaignError) as err:  # the client asked for less
+        _expand_limit(text, PointLimit(4, daemon=8))
+    assert "more than --max-points allows (4;" in str(err.value)
+    assert "raise --max-points (this daemon allows up to 8)." in str(err.value)
+    assert _expand_limit(text, PointLimit(None, daemon=9)).points == 9
+    assert PointLimit(1_000_000_000, daemon=10_000).points == 10_000
+
+
+def _expand_limit(text: str, limit: PointLimit) -> Expansion:
+    return expand(_campaign(text), DEMO, max_points=limit)
+
+
+def test_combinations_are_counted_without_building_any() -> None:
+    axes = "\n".join(f'"env.common.X{i}" = {list(range(10))}' for i in range(12))
+    vast = _campaign(f'[matrix]\n{axes}\n[[include]]\n"env.common.X0" = 3')
+    assert combinations(vast) == 10**12 + 1  # counted, not built
+    with pytest.raises(CampaignError, match="matrix has 1000000000000 combinations"):
+        expand(vast, DEMO, max_points=PointLimit(None, daemon=10_000))
+
+
+def test_excludes_drop_the_same_combinations_by_one_key_or_several() -> None:
+    text = """
+[matrix]
+"topology.prefill_nodes" = [2, 4, 6]
+"benchmark.input_len" = [64, 128]
+"benchmark.output_len" = [16, 32]
+[[exclude]]
+"topology.prefill_nodes" = 4
+[[exclude]]
+"benchmark.input_len" = 128
+"benchmark.output_len" = 32
+[[exclude]]
+"topology.prefill_nodes" = 6
+"benchmark.input_len" = 64
+"benchmark.output_len" = 16
+[[exclude]]
+"topology.prefill_nodes" = 8
+"""
+    kept = [dict(v.values) for v in _expand(text).variants]
+    assert [(k["topology.prefill_nodes"], k["benchmark.input_len"], k["benchmark.output_len"])
+            for k in kept] == [
+        (2, 64, 16), (2, 64, 32), (2, 128, 16), (6, 64, 32), (6, 128, 16)
+    ]  # fmt: skip
+    # An exclude of a value every row has matches every combination: nothing is left.
+    every = '[matrix]\n"benchmark.input_len" = [64]\n[[exclude]]\n"benchmark.input_len" = 64'
+    assert _expand(every).variants == ()
+
+
+def test_too_many_excludes_are_refused_before_any_is_checked() -> None:
+    many = "".join(f'[[exclude]]\n"benchmark.input_len" = {i}\n' for i in range(101))
+    with pytest.raises(CampaignError, match="at most 100 \\[\\[exclude\\]\\] tables"):
+        _campaign(f'[matrix]\n"benchmark.input_len" = {list(range(200))}\n{many}')
+    # 100 x 2000 combinations against 100 excludes of two keys: refused, not examined.
+    pairs = "".join(
+        f'[[exclude]]\n"benchmark.input_len" = {i}\n"benchmark.output_len" = {i}\n'
+        for i in range(1, 101)
+    )
+    axes = (
+        f'"benchmark.input_len" = {list(range(1, 101))}\n'
+        f'"benchmark.output_len" = {list(range(1, 2001))}\n'
+    )
+    with pytest.raises(CampaignError) as err:
+        expand(_campaign(f"[matrix]\n{axes}{pairs}"), DEMO, max_points=PointLimit(None, 10_000))
+    assert err.value.field == "exclude" and "10000000 checks" in str(err.value)
+
+
+def test_an_expansion_stops_when_asked_between_points() -> None:
+    text = '[matrix]\n"topology.prefill_nodes" = [2, 4, 6]'
+    asked: list[int] = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) > 2  # once the counting and the first point were done
+
+    with pytest.raises(ExpansionStopped) as err:
+        expand(_campaign(text), DEMO, stop=stop)
+    assert (err.value.built, err.value.combinations) == (1, 3)
+    assert "stopped after 1 points of at most 3: its client went away" in str(err.value)
+    with pytest.raises(ExpansionStopped):  # already while combinations are counted
+        expand(_campaign(text), DEMO, stop=lambda: True)
 
 
 # --- recipe id ----------------------------------------------------------------------------

@@ -54,6 +54,8 @@ def test_unit_has_every_directive_issue_6_asks_for() -> None:
     assert "ReadOnlyPaths" not in service and "InaccessiblePaths" not in service
     text = UNIT.read_text()
     assert "NEVER cancels a Slurm job" in text  # documented where operators look
+    # A request that makes the daemon grow stops at its own cgroup, not the login node's.
+    assert service["MemoryMax"] == "3G" and service["TasksMax"] == "512"
 
 
 def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
@@ -167,6 +169,7 @@ def test_the_user_unit_runs_the_users_own_daemon() -> None:
         " --config %E/llmd-supervisor/config.toml"
     )
     assert units["Install"]["WantedBy"] == "default.target"
+    assert service["MemoryMax"] == "3G" and service["TasksMax"] == "512"
     analyze = shutil.which("systemd-analyze")
     assert analyze is not None, "systemd-analyze is part of systemd, which install-dev.sh needs"
 

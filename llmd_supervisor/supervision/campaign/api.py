@@ -95,8 +95,8 @@ class CampaignOps:
         where = str(args["file_path"] or "the campaign file")
         cluster = args["cluster"]
         assert cluster is None or isinstance(cluster, str)
-        max_points = args["max_points"]
-        if not isinstance(max_points, int) or max_points < 1:
+        max_points = args["max_points"]  # None: the daemon's [limits] campaign_max_points
+        if max_points is not None and (not isinstance(max_points, int) or max_points < 1):
             raise ControlError(
                 "bad_request", f"max_points must be a positive integer, not {show(max_points)}."
             )
@@ -118,7 +118,9 @@ class CampaignOps:
             raise ControlError("bad_request", f"{where}: {exc}") from exc
         if args["dry_run"]:
             return views.dry_run(plan)
-        c = await self.campaigns.create(plan, owner_uid=peer.uid, cluster=cluster)
+        # Expanded: the campaign is journaled whole even if its client goes away now.
+        with anyio.CancelScope(shield=True):
+            c = await self.campaigns.create(plan, owner_uid=peer.uid, cluster=cluster)
         return await self._status(c)
 
     async def _status(self, c: StoredCampaign) -> CampaignStatus:

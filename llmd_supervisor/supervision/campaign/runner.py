@@ -87,6 +87,7 @@ from llmd_supervisor.core.toml_write import dump_toml
 from llmd_supervisor.errors import CampaignError, IllegalTransition, SpecError, SupervisorError
 from llmd_supervisor.supervision.access import sees_all, user_name
 from llmd_supervisor.supervision.campaign.events import CampaignEvents
+from llmd_supervisor.supervision.campaign.expansion import Expander
 from llmd_supervisor.supervision.campaign.points import archived_result, verified_of
 from llmd_supervisor.supervision.run.driver import RunHandle, Supervisor
 
@@ -157,6 +158,7 @@ class Campaigns:
         self.store = store
         self.live: dict[str, _Live] = {}
         self.events = CampaignEvents(supervisor, self.store)
+        self.expander = Expander()  # expansions off the loop, stopped with their request
 
     # --- entry points --------------------------------------------------------------------
 
@@ -167,7 +169,7 @@ class Campaigns:
         *,
         default_name: str,
         cluster: str | None,
-        max_points: int,
+        max_points: int | None,
         rerun: bool,
         file_dir: str | None = None,
         export_env: Mapping[str, str] | None = None,
@@ -175,6 +177,9 @@ class Campaigns:
     ) -> Plan:
         """Parse, expand and validate a campaign (CampaignError / SpecError if bad) and find
         which of its points are verified already, for `peer` (the submitter: None, root).
+        `max_points` is the client's bound (None: the daemon's), never more than the
+        daemon's ``[limits] campaign_max_points``; the expansion stops if the calling
+        task is cancelled (`Expander`).
         A script campaign's `base_text` is the script, `file_dir` the campaign file's
         directory, `export_env` the client's environment (``--export-env``, filtered as
         `submit --script` filters it)."""
@@ -183,6 +188,7 @@ class Campaigns:
             check_named(cf.notify, None, self.sup.config.events)
         except SpecError as exc:  # the campaign file's [notify], not a run spec's
             raise CampaignError(exc.field, exc.value, exc.hint) from None
+        limit = core.PointLimit(max_points, self.sup.config.limits.campaign_max_points)
         if cf.launcher is None:
             if export_env is not None:
                 raise CampaignError(
@@ -191,10 +197,10 @@ class Campaigns:
                     "a campaign over a run spec sets its variables in the spec's [env];"
                     " --export-env is for a campaign over a batch script",
                 )
-            expansion = await self._expand_spec(cf, base_text, cluster, max_points)
+            expansion = await self._expand_spec(cf, base_text, cluster, limit)
         else:
             expansion = await self._expand_script(
-                cf, base_text, cluster, max_points, file_dir, export_env
+                cf, base_text, cluster, limit, file_dir, export_env
             )
         notes: dict[tuple[str, int], tuple[VerifiedPoint | None, Reuse]] = {}
         if not rerun:
@@ -210,11 +216,11 @@ class Campaigns:
         return Plan(cf, file_text, base_text, expansion, reused, rerun, export_env, why)
 
     async def _expand_spec(
-        self, cf: core.CampaignFile, base_text: str, cluster: str | None, max_points: int
+        self, cf: core.CampaignFile, base_text: str, cluster: str | None, limit: core.PointLimit
     ) -> core.Expansion:
         base = decode_toml(base_text)
-        expansion = await anyio.to_thread.run_sync(
-            lambda: core.expand(cf, base, max_points=max_points)
+        expansion = await self.expander.run(
+            cf, limit, lambda stop: core.expand(cf, base, max_points=limit, stop=stop)
         )
         # The cluster's own checks (log directory, nodes), once per distinct topology.
         seen: set[str] = set()
@@ -229,7 +235,7 @@ class Campaigns:
         cf: core.CampaignFile,
         script: str,
         cluster: str | None,
-        max_points: int,
+        limit: core.PointLimit,
         file_dir: str | None,
         export_env: Mapping[str, str] | None,
     ) -> core.Expansion:
@@ -243,14 +249,17 @@ class Campaigns:
                 " a script campaign's variables would show in the command line; run the"
                 " daemon (or the user service) on the login node",
             )
-        expansion = await anyio.to_thread.run_sync(
-            lambda: core.expand_script(
+        expansion = await self.expander.run(
+            cf,
+            limit,
+            lambda stop: core.expand_script(
                 cf,
                 script,
                 script_name=posixpath.basename(cf.script or ""),
                 campaign_dir=file_dir or "",
-                max_points=max_points,
-            )
+                max_points=limit,
+                stop=stop,
+            ),
         )
         base_env = _base_env(export_env)
         for job in expansion.jobs:
