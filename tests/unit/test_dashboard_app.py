@@ -19,7 +19,7 @@ from llmd_supervisor.adapters.control_protocol import Peer, Request, Send
 from llmd_supervisor.adapters.control_server import bind_unix_socket
 from llmd_supervisor.adapters.web_server import STOP_GRACE_S, bind_tcp, serve_asgi
 from llmd_supervisor.core import dashboard_pages as pages
-from llmd_supervisor.core.config import DashboardConfig
+from llmd_supervisor.core.config import DashboardConfig, WebLimits
 from llmd_supervisor.errors import ControlError
 from llmd_supervisor.supervision.dashboard import TOKEN_PEER, Dashboard
 
@@ -168,3 +168,41 @@ async def test_the_dashboard_app_over_both_listeners(tmp_path: Path) -> None:
             pass
     await stream.aclose()
     assert all(p.uid in (0, TOKEN_PEER.uid) for p in api.peers)
+
+
+@pytest.mark.asyncio
+async def test_a_kept_alive_connection_must_finish_its_next_request_head_in_time(
+    tmp_path: Path,
+) -> None:
+    dash = Dashboard(cast(Any, FakeApi(tmp_path)), DashboardConfig(), token=None)
+    path = tmp_path / "web.sock"
+    unix, _ = await bind_unix_socket(path, 0o600, None)
+    limits = WebLimits(head_timeout_s=0.5)  # under uvicorn's 5 s keep-alive
+    serve = functools.partial(
+        serve_asgi, dash.app(), [unix], name="dashboard", limits=limits, on_stop=dash.stop
+    )
+    async with anyio.create_task_group() as tg:
+        await tg.start(serve)
+        async with await anyio.connect_unix(path) as stream:
+            await stream.send(b"GET /static/dashboard.css HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            first = b""
+            with anyio.fail_after(10):
+                while b"\r\n\r\n" not in first:
+                    first += await stream.receive()
+                head, _, body = first.partition(b"\r\n\r\n")
+                length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+                while len(body) < length:
+                    body += await stream.receive()
+            assert status_of(first) == 200
+            # The next request's head starts (so the keep-alive timer is off) and stops.
+            await stream.send(b"GET / HTTP/1.1\r\nHost: loc")
+            rest = b""
+            with anyio.fail_after(10):
+                try:
+                    while True:
+                        rest += await stream.receive()
+                except (anyio.EndOfStream, anyio.BrokenResourceError):
+                    pass
+        tg.cancel_scope.cancel()
+    assert status_of(rest) == 408, rest
+    assert b"within 0.5 s (dashboard.head_timeout_s)" in rest
