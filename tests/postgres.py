@@ -435,8 +435,10 @@ def _stop(server: PgServer) -> None:
             process.wait(_STOP_TIMEOUT_S)
 
 
-# The cluster the tests' journals write for (no daemon of a test leads it), and its holder.
-TEST_CLUSTER = "journal-tests"
+# The pseudo cluster the tests' journals write as (no daemon of a test leads it), and its
+# holder: a maintenance writer (core.fencing.MAINTENANCE_PREFIX), which may write the rows
+# of every cluster the tests use.
+TEST_CLUSTER = "@journal-tests"
 _TEST_HOLDER = "tests/postgres.py"
 # Held until far in the future; the epoch is kept when the row exists (a test may have
 # moved it on: the journal then writes with the epoch it is at).

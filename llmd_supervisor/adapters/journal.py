@@ -387,6 +387,28 @@ class Journal:
             write=False,
         )
 
+    async def runs_changed_since(self, horizon: int = 0) -> tuple[list[StoredRun], int]:
+        """The runs written since a read that returned `horizon` (0: every run), in
+        creation order, and the horizon to pass next time. A run written after that read
+        is always returned; one written before it may be returned again (a write that
+        was still in flight then), so the caller compares. Deleted runs are not told.
+
+        How (schema version 8): every write of a run stamps its ``changed`` column, and
+        the ``journal_horizon`` view, read in the same snapshot, is a value that every
+        later write's stamp reaches: SQLite's own counter + 1, or on PostgreSQL the
+        oldest transaction id still running when the snapshot was taken (transactions
+        commit out of id order, so the newest id seen would miss one that commits late).
+        """
+        operation = "list runs changed since a horizon"
+
+        def work(conn: Db) -> tuple[list[StoredRun], int]:
+            row = conn.execute("SELECT horizon FROM journal_horizon").fetchone()
+            assert row is not None, "journal_horizon has one row"
+            runs = load_runs(conn, "changed >= ?", (horizon,), self.location, operation)
+            return runs, int(row[0])
+
+        return await self._backend.run(operation, work, write=False)
+
     # --- events -----------------------------------------------------------------------------
 
     async def add_event(
@@ -462,15 +484,16 @@ class Journal:
     ) -> None:
         """Count one node's failure in one attempt (once: counting the same attempt's
         failure of the node again changes nothing), forget every failure older than
-        `forget_before`, and journal the outbound events the count makes (its
-        node.quarantined, `core.outbox.quarantine_outgoing`), in one transaction."""
+        `forget_before` (of the failure's cluster), and journal the outbound events the
+        count makes (its node.quarantined, `core.outbox.quarantine_outgoing`), in one
+        transaction."""
         f = failure
         operation = f"count a failure of node {f.node} on cluster {f.cluster}"
 
         def work(conn: Db) -> None:
-            conn.execute(
-                "DELETE FROM node_failures WHERE at < ?",
-                (iso(forget_before, self.location, operation),),
+            conn.execute(  # this cluster's only: a leader writes its own cluster's rows
+                "DELETE FROM node_failures WHERE cluster = ? AND at < ?",
+                (f.cluster, iso(forget_before, self.location, operation)),
             )
             conn.execute(
                 f"INSERT INTO node_failures ({_F_COLUMNS}) "

@@ -36,7 +36,8 @@ of `_transaction`), so no store function changes. The writer is resolved on the 
 loop when the write's turn comes: the writing task's `adapters.journal_writer.writing_as`
 source, else the journal's default (`PostgresBackend.set_default_writer`), else none, and
 a write without a writer is refused (fails closed). Reads state none and need none. The
-fence's refusals (SQLSTATE ``LD001`` stale epoch, ``LD002`` no epoch) roll the whole
+fence's refusals (SQLSTATE ``LD001`` stale epoch, ``LD002`` no epoch, ``LD003`` a row of
+another cluster than the writer's) roll the whole
 transaction back, are never retried, and become `errors.FencedWrite` (`fenced_write`),
 counted (`PostgresBackend.fenced_refusals`) and logged (``journal.write_fenced``). The
 schema migration states no writer either: its steps create tables and triggers, which
@@ -73,6 +74,7 @@ from llmd_supervisor.core.fencing import (
     NO_EPOCH_SQLSTATE,
     SET_WRITER_SQL,
     STALE_EPOCH_SQLSTATE,
+    WRONG_CLUSTER_SQLSTATE,
     Writer,
 )
 from llmd_supervisor.core.journal_url import PostgresJournal, password_file_problem
@@ -101,7 +103,7 @@ _PASSWORD_MAX: Final = 4096
 # SQLSTATEs after which the transaction is run again: nothing of it was committed.
 _RETRY_SQLSTATES: Final = ("40001", "40P01")  # serialization_failure, deadlock_detected
 # The fence's refusals (core.fencing): never retried, errors.FencedWrite.
-_FENCE_SQLSTATES: Final = (STALE_EPOCH_SQLSTATE, NO_EPOCH_SQLSTATE)
+_FENCE_SQLSTATES: Final = (STALE_EPOCH_SQLSTATE, NO_EPOCH_SQLSTATE, WRONG_CLUSTER_SQLSTATE)
 _PASSWORD_KEY: Final = "journal.password_file"
 
 assert len(POSTGRES_MIGRATIONS) == CODE_VERSION, "POSTGRES_MIGRATIONS and schema_versions"
@@ -243,6 +245,7 @@ class PostgresBackend:
                     cluster=exc.cluster,
                     writer_epoch=exc.writer_epoch,
                     lease_epoch=exc.lease_epoch,
+                    row_cluster=exc.row_cluster,
                     operation=operation,
                 )
                 raise
@@ -315,9 +318,10 @@ def _transaction(
 
 
 def fenced_write(location: str, writer: Writer | None, exc: psycopg.Error) -> FencedWrite:
-    """The fence's refusal (SQLSTATE `core.fencing.STALE_EPOCH_SQLSTATE` or
-    `NO_EPOCH_SQLSTATE`) as FencedWrite: the cluster is the writer's, the epochs are the
-    trigger's DETAIL's (``cluster=%s writer_epoch=%s lease_epoch=%s``; None when empty,
+    """The fence's refusal (SQLSTATE `core.fencing.STALE_EPOCH_SQLSTATE`,
+    `NO_EPOCH_SQLSTATE` or `WRONG_CLUSTER_SQLSTATE`) as FencedWrite: the cluster is the
+    writer's, the epochs (and the row's cluster) are the trigger's DETAIL's
+    (``cluster=%s writer_epoch=%s lease_epoch=%s [row_cluster=%s]``; None when empty,
     and both None when the transaction stated no writer, which has no DETAIL)."""
     fields: dict[str, str] = {}
     for part in (exc.diag.message_detail or "").split():
@@ -325,11 +329,13 @@ def fenced_write(location: str, writer: Writer | None, exc: psycopg.Error) -> Fe
         if sep:
             fields[key] = value
     cluster = writer.cluster if writer is not None and writer.cluster else fields.get("cluster")
+    row_cluster = fields.get("row_cluster") if exc.sqlstate == WRONG_CLUSTER_SQLSTATE else None
     return FencedWrite(
         location,
         cluster or "",
         _epoch(fields.get("writer_epoch")),
         _epoch(fields.get("lease_epoch")),
+        row_cluster,
     )
 
 

@@ -13,7 +13,16 @@ from __future__ import annotations
 
 from typing import Final
 
-from llmd_supervisor.core.fencing import FENCE_FUNCTION_SQL, FENCED_TABLES, fence_trigger_sql
+from llmd_supervisor.core.fencing import (
+    CLUSTER_FROM_PARENT,
+    CLUSTER_FUNCTION_SQL,
+    CLUSTER_TABLES,
+    FENCE_FUNCTION,
+    FENCE_FUNCTION_SQL,
+    FENCED_TABLES,
+    cluster_trigger_sql,
+    fence_trigger_sql,
+)
 from llmd_supervisor.core.lease import LEASE_TABLE_DDL
 
 __all__ = ["MIGRATIONS", "POSTGRES_MIGRATIONS", "TABLES"]
@@ -21,6 +30,13 @@ __all__ = ["MIGRATIONS", "POSTGRES_MIGRATIONS", "TABLES"]
 # Every table of the journal at the current version, parents before children (the order
 # `journal migrate` copies them in): every one is written by the leader, so fenced.
 TABLES: Final = FENCED_TABLES
+
+# What a write of a run changes (every column but its row id and ``changed``).
+_RUN_FIELDS: Final = (
+    "job_name, state, attempt, slurm_job_id, nodes, cancel_requested, outcome, reason, "
+    "owner_uid, cluster, spec_toml, script, log_dir, archive_dir, created_at, updated_at, "
+    "submission"
+)
 
 # Ordered migrations: MIGRATIONS[i] takes the schema from user_version i to i + 1. Append
 # only; never edit a migration that has shipped. Each is a sequence of single statements
@@ -224,6 +240,27 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     # 6 -> 7: the fence (core.fencing) is PostgreSQL's alone: one daemon owns an SQLite
     # journal, whose writes carry the single-node epoch and are always accepted.
     (),
+    # 7 -> 8: a run's ``changed`` (`Journal.runs_changed_since`): a counter of the journal's
+    # own, bumped by every write of a run (SQLite writes one transaction at a time, so its
+    # order is commit order); `journal_horizon` is the next value. (The fence's row
+    # clusters are PostgreSQL's alone, as in step 7.)
+    (
+        "ALTER TABLE runs ADD COLUMN changed INTEGER NOT NULL DEFAULT 0",
+        "CREATE INDEX runs_by_change ON runs (changed)",
+        "CREATE TABLE journal_clock (one INTEGER PRIMARY KEY CHECK (one = 1), n INTEGER NOT NULL)",
+        "INSERT INTO journal_clock (one, n) VALUES (1, 0)",
+        "CREATE VIEW journal_horizon AS SELECT n + 1 AS horizon FROM journal_clock",
+        *(
+            f"""
+            CREATE TRIGGER runs_changed_{when} AFTER {event} ON runs
+            BEGIN
+                UPDATE journal_clock SET n = n + 1;
+                UPDATE runs SET changed = (SELECT n FROM journal_clock) WHERE rowid = NEW.rowid;
+            END
+            """
+            for when, event in (("insert", "INSERT"), ("update", f"UPDATE OF {_RUN_FIELDS}"))
+        ),
+    ),
 )
 
 
@@ -397,9 +434,91 @@ _POSTGRES_6: Final = (
 # UPDATEs or DELETEs rows of a fenced table runs after this one in the same transaction,
 # which states no writer: it must disable the table's trigger around its statement
 # (``ALTER TABLE ... DISABLE TRIGGER <table>_fence`` ... ``ENABLE TRIGGER``).
+# The fence as version 7 made it (frozen: `core.fencing` holds the current one).
+_FENCE_FUNCTION_7: Final = """
+CREATE OR REPLACE FUNCTION llmd_fence() RETURNS trigger
+LANGUAGE plpgsql AS $fence$
+DECLARE
+    writer_cluster text := current_setting('llmd.cluster', true);
+    writer_epoch   text := current_setting('llmd.epoch', true);
+    lease_epoch    bigint;
+BEGIN
+    IF coalesce(writer_cluster, '') = '' OR coalesce(writer_epoch, '') = '' THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'LD002',
+            MESSAGE = format('journal write to %s refused: the transaction did not state '
+                             'its cluster and epoch', TG_TABLE_NAME);
+    END IF;
+    SELECT epoch INTO lease_epoch FROM leader_lease
+        WHERE cluster = writer_cluster FOR SHARE;
+    IF lease_epoch IS NULL OR lease_epoch <> writer_epoch::bigint THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'LD001',
+            MESSAGE = format('journal write to %s refused: epoch %s for cluster %s, whose '
+                             'lease is at epoch %s', TG_TABLE_NAME, writer_epoch,
+                             writer_cluster, coalesce(lease_epoch::text, 'none')),
+            DETAIL = format('cluster=%s writer_epoch=%s lease_epoch=%s', writer_cluster,
+                            writer_epoch, coalesce(lease_epoch::text, ''));
+    END IF;
+    IF TG_OP = 'DELETE' THEN
+        RETURN OLD;
+    END IF;
+    RETURN NEW;
+END
+$fence$
+"""
 _POSTGRES_7: Final = (
+    _FENCE_FUNCTION_7,
+    *(
+        f"CREATE TRIGGER {table}_fence BEFORE INSERT OR UPDATE OR DELETE ON {table} "
+        f"FOR EACH ROW EXECUTE FUNCTION {FENCE_FUNCTION}()"
+        for table in FENCED_TABLES
+    ),
+)
+
+# 7 -> 8: (a) the fence compares each row's cluster with its writer's (`core.fencing`):
+# the child tables get the ``cluster`` column of their parent (filled from it for the
+# rows there are, with the fence off around that UPDATE as step 7 says, then by a
+# trigger), and the cluster tables' fences get the argument that checks it. (b) a run's
+# ``changed``: the id of the transaction that last wrote it, and `JOURNAL_HORIZON`'s view
+# of what a reader has seen (`adapters.journal.Journal.runs_changed_since`).
+_POSTGRES_8: Final = (
     FENCE_FUNCTION_SQL,
-    *(fence_trigger_sql(table) for table in FENCED_TABLES),
+    CLUSTER_FUNCTION_SQL,
+    *(
+        statement
+        for child, parent, key in CLUSTER_FROM_PARENT
+        for statement in (
+            f'ALTER TABLE {child} ADD COLUMN cluster text COLLATE "C"',
+            f"ALTER TABLE {child} DISABLE TRIGGER {child}_fence",
+            f"UPDATE {child} AS c SET cluster = p.cluster FROM {parent} AS p "
+            f"WHERE p.{key} = c.{key}",
+            f"ALTER TABLE {child} ENABLE TRIGGER {child}_fence",
+            f"ALTER TABLE {child} ALTER COLUMN cluster SET NOT NULL",
+            cluster_trigger_sql(child),
+        )
+    ),
+    *(
+        statement
+        for table in CLUSTER_TABLES
+        for statement in (f"DROP TRIGGER {table}_fence ON {table}", fence_trigger_sql(table))
+    ),
+    "ALTER TABLE runs ADD COLUMN changed bigint NOT NULL DEFAULT 0",
+    "CREATE INDEX runs_by_change ON runs (changed)",
+    """
+    CREATE FUNCTION llmd_run_changed() RETURNS trigger LANGUAGE plpgsql AS $changed$
+    BEGIN
+        NEW.changed := pg_current_xact_id()::text::bigint;
+        RETURN NEW;
+    END
+    $changed$
+    """,
+    "CREATE TRIGGER runs_changed BEFORE INSERT OR UPDATE ON runs "
+    "FOR EACH ROW EXECUTE FUNCTION llmd_run_changed()",
+    # Every transaction that commits a run this snapshot does not see has an id at least
+    # its xmin (in progress when it was taken, or begun after).
+    "CREATE VIEW journal_horizon AS "
+    "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS horizon",
 )
 
 POSTGRES_MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
@@ -410,4 +529,5 @@ POSTGRES_MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     (),
     _POSTGRES_6,
     _POSTGRES_7,
+    _POSTGRES_8,
 )

@@ -51,7 +51,7 @@ IDENTITY_COLUMNS: tuple[tuple[str, str], ...] = (
 )
 
 # The pseudo cluster whose lease a copy holds, to write past the target's fence.
-MIGRATE_CLUSTER = "journal-migrate"
+MIGRATE_CLUSTER = "@journal-migrate"  # core.fencing.MAINTENANCE_PREFIX: every row
 
 # table -> (columns, rows)
 Dump = Mapping[str, tuple[tuple[str, ...], list[Row]]]

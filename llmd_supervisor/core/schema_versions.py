@@ -41,6 +41,7 @@ VERSIONS: Final = (
     "campaigns, their jobs and the ledger of verified points",
     "the outbox: outbound events and their deliveries per destination",
     "the fence: a shared journal accepts writes only from its cluster's current leader",
+    "the fence checks each row's cluster; a run's change counter (reads of what changed)",
 )
 CODE_VERSION: Final = len(VERSIONS)
 

@@ -9,15 +9,18 @@ import pytest
 
 from llmd_supervisor.adapters.journal_schema import MIGRATIONS
 from llmd_supervisor.core.fencing import (
+    CLUSTER_TABLES,
     FENCE_FUNCTION_SQL,
     FENCED_TABLES,
     NO_EPOCH_SQLSTATE,
     SET_WRITER_SQL,
     SINGLE_NODE_EPOCH,
     STALE_EPOCH_SQLSTATE,
+    TEAM_TABLES,
     Fence,
     Writer,
     check_write,
+    cluster_trigger_sql,
     fence_trigger_sql,
 )
 from llmd_supervisor.core.lease import LEASE_TABLE
@@ -35,6 +38,30 @@ WRITES = [
     ("single node: SQLite's writer and lease", Writer("a", S), S, Fence.ACCEPTED),
     ("a single-node writer on a shared journal", Writer("a", S), 1, Fence.STALE),
 ]
+ROWS = [
+    ("its own cluster's row", Writer("a", 5), ("a",), Fence.ACCEPTED),
+    ("another cluster's row", Writer("a", 5), ("b",), Fence.WRONG_CLUSTER),
+    ("a row moved to another cluster", Writer("a", 5), ("a", "b"), Fence.WRONG_CLUSTER),
+    ("a row moved from another cluster", Writer("a", 5), ("b", "a"), Fence.WRONG_CLUSTER),
+    ("a team row (no cluster)", Writer("a", 5), (), Fence.ACCEPTED),
+    ("a maintenance writer (journal migrate)", Writer("@m", 5), ("a", "b"), Fence.ACCEPTED),
+    ("a stale writer's own row: stale first", Writer("a", 4), ("a",), Fence.STALE),
+]
+
+
+@pytest.mark.parametrize(
+    ("writer", "rows", "fence"), [r[1:] for r in ROWS], ids=[r[0] for r in ROWS]
+)
+def test_check_write_of_a_cluster_s_row(
+    writer: Writer, rows: tuple[str, ...], fence: Fence
+) -> None:
+    assert check_write(writer, 5, rows).fence is fence
+
+
+def test_a_wrong_cluster_refusal_names_the_row_s_cluster() -> None:
+    error = FencedWrite("postgresql://db/llmd", "gpu-a", 4, 4, "gpu-b")
+    assert "touched a row of cluster 'gpu-b'" in str(error)
+    assert "cluster's leader writes only its own cluster's rows" in str(error)
 
 
 @pytest.mark.parametrize(
@@ -73,7 +100,7 @@ def test_every_table_the_journal_creates_is_fenced() -> None:
         for m in [re.search(r"DROP TABLE (?:IF EXISTS )?(\w+)", statement)]
         if m
     }
-    assert set(FENCED_TABLES) == created - dropped
+    assert set(FENCED_TABLES) == created - dropped - {"journal_clock"}  # SQLite's own
     assert LEASE_TABLE not in FENCED_TABLES
 
 
@@ -95,7 +122,13 @@ def test_the_trigger_applies_check_write() -> None:
 def test_trigger_ddl() -> None:
     assert fence_trigger_sql("runs") == (
         "CREATE TRIGGER runs_fence BEFORE INSERT OR UPDATE OR DELETE ON runs "
-        "FOR EACH ROW EXECUTE FUNCTION llmd_fence()"
+        "FOR EACH ROW EXECUTE FUNCTION llmd_fence('cluster')"
     )
+    assert fence_trigger_sql("outbox_events") == (
+        "CREATE TRIGGER outbox_events_fence BEFORE INSERT OR UPDATE OR DELETE ON "
+        "outbox_events FOR EACH ROW EXECUTE FUNCTION llmd_fence()"
+    )
+    assert set(CLUSTER_TABLES) | set(TEAM_TABLES) == set(FENCED_TABLES)
+    assert cluster_trigger_sql("events").startswith("CREATE TRIGGER events_cluster BEFORE")
     with pytest.raises(ValueError, match="not a fenced"):
         fence_trigger_sql("leader_lease")

@@ -6,6 +6,7 @@ The rule itself is tests/unit/test_fencing.py's."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import anyio
@@ -21,16 +22,25 @@ from llmd_supervisor.adapters.journal import Journal
 from llmd_supervisor.adapters.journal_db import Db, PostgresDb
 from llmd_supervisor.adapters.journal_pg import PostgresSettings
 from llmd_supervisor.adapters.journal_writer import writing_as
-from llmd_supervisor.core.fencing import FENCE_FUNCTION, FENCED_TABLES, Writer
+from llmd_supervisor.core.events import EventType
+from llmd_supervisor.core.fencing import (
+    CLUSTER_FROM_PARENT,
+    FENCE_FUNCTION,
+    FENCED_TABLES,
+    Writer,
+)
 from llmd_supervisor.core.journal_url import PostgresJournal
 from llmd_supervisor.core.lease import ACQUIRE_SQL, LEASE_S, LEASE_TABLE
-from llmd_supervisor.core.lifecycle import RunState, Submit, step
+from llmd_supervisor.core.lifecycle import Run, RunState, Submit, new_run, step
+from llmd_supervisor.core.outbox import Outgoing
+from llmd_supervisor.core.retry_policy import Evidence, NodeFailure
 from llmd_supervisor.core.schema_versions import CODE_VERSION
 from llmd_supervisor.errors import FencedWrite
+from llmd_supervisor.supervision.leading import Roles
 from tests.postgres import PgServer
-from tests.unit.test_journal import at, inserted
+from tests.unit.test_journal import at, inserted, meta
 
-CLUSTER = "gpu-a"
+CLUSTER = "dev"  # tests.unit.test_journal.meta's
 
 
 @pytest_asyncio.fixture
@@ -241,8 +251,8 @@ async def test_every_journal_table_has_the_fence(journal: Journal, pg: PostgresJ
             "WHERE NOT t.tgisinternal AND t.tgenabled = 'O' ORDER BY c.relname"
         ).fetchall(),
     )
-    assert sorted((str(r[0]), str(r[1]), str(r[2])) for r in rows) == sorted(
-        (t, f"{t}_fence", FENCE_FUNCTION) for t in FENCED_TABLES
+    assert sorted((str(r[0]), str(r[1]), str(r[2])) for r in rows if "fence" in str(r[1])) == (
+        sorted((t, f"{t}_fence", FENCE_FUNCTION) for t in FENCED_TABLES)
     )
 
 
@@ -257,9 +267,15 @@ async def test_a_journal_of_version_6_migrates_to_the_fence(
         old.set_default_writer(lambda: writer)
         await inserted(old, "r-old")
     # Back to version 6: the same schema and rows without the fence.
-    assert CODE_VERSION == 7
+    assert CODE_VERSION == 8
     _admin(postgres, pg.dbname, f"DROP FUNCTION {FENCE_FUNCTION}() CASCADE")  # and triggers
     _admin(postgres, pg.dbname, "UPDATE schema_version SET version = 6")
+    _admin(postgres, pg.dbname, "DROP VIEW journal_horizon")  # and version 8's columns
+    for function in ("llmd_run_changed", "llmd_row_cluster"):
+        _admin(postgres, pg.dbname, f"DROP FUNCTION {function}() CASCADE")
+    _admin(postgres, pg.dbname, "ALTER TABLE runs DROP COLUMN changed")
+    for child, _parent, _key in CLUSTER_FROM_PARENT:
+        _admin(postgres, pg.dbname, f"ALTER TABLE {child} DROP COLUMN cluster")
     assert _admin(
         postgres, pg.dbname, "SELECT count(*) FROM pg_trigger WHERE NOT tgisinternal"
     ) == [(0,)]
@@ -268,14 +284,23 @@ async def test_a_journal_of_version_6_migrates_to_the_fence(
         journal = await Journal.open_postgres(pg)
     async with journal:
         migrated = [e for e in logs if e["event"] == "journal.migrated"]
-        assert [(e["from_version"], e["to_version"]) for e in migrated] == [(6, 7)]
-        assert _admin(postgres, pg.dbname, "SELECT version FROM schema_version") == [(7,)]
+        assert [(e["from_version"], e["to_version"]) for e in migrated] == [(6, CODE_VERSION)]
+        assert _admin(postgres, pg.dbname, "SELECT version FROM schema_version") == [
+            (CODE_VERSION,)
+        ]
         triggers = _admin(
             postgres,
             pg.dbname,
             "SELECT tgname FROM pg_trigger WHERE NOT tgisinternal ORDER BY tgname",
         )
-        assert sorted(str(r[0]) for r in triggers) == sorted(f"{t}_fence" for t in FENCED_TABLES)
+        assert sorted(str(r[0]) for r in triggers) == sorted(
+            [f"{t}_fence" for t in FENCED_TABLES]
+            + [f"{t}_cluster" for t, _p, _k in CLUSTER_FROM_PARENT]
+            + ["runs_changed"]
+        )
+        assert _admin(postgres, pg.dbname, "SELECT run_id, cluster FROM transitions") == [
+            ("r-old", CLUSTER)
+        ]
         assert [s.run.run_id for s in await journal.list_runs()] == ["r-old"]
         with pytest.raises(FencedWrite):
             await inserted(journal, "r-new")
@@ -326,3 +351,183 @@ async def test_a_takeover_waits_for_the_write_that_passed_the_fence(
     assert _admin(postgres, pg.dbname, "SELECT kind FROM events") == [("k",)]
     with pytest.raises(FencedWrite):
         await journal.add_event("r-1", "late", {}, at(2))
+
+
+# --- whose rows (schema version 8) --------------------------------------------------------
+
+OTHER = "gpu-b"
+
+
+async def insert_of(journal: Journal, run_id: str, cluster: str) -> Run:
+    """A new run of `cluster` (as `inserted`, which writes cluster 'dev')."""
+    run = new_run(run_id, f"llmd-{run_id}", at(0))
+    await journal.insert_run(run, meta(cluster=cluster))
+    return run
+
+
+@pytest.mark.asyncio
+async def test_a_leader_of_one_cluster_cannot_write_another_cluster_s_rows(
+    journal: Journal, pg: PostgresJournal, postgres: PgServer
+) -> None:
+    """The leader of gpu-a, with gpu-a's current epoch, saves, inserts and deletes rows
+    of gpu-b (a run, its transitions and events, a node failure, a campaign): the
+    database refuses each (`FencedWrite.row_cluster`), and nothing of it is committed.
+    The team's rows (the outbox, the ledger) take any current leader."""
+    x = await acquire(journal, "daemon-a", CLUSTER)
+    async with await Journal.open_postgres(pg) as other:
+        y = await acquire(other, "daemon-b", OTHER)
+        with writing_as(lambda: y):
+            run_y = await insert_of(other, "r-y", OTHER)
+        snapshot = "SELECT state, cluster, changed FROM runs ORDER BY run_id"
+        before = _admin(postgres, pg.dbname, snapshot)
+
+        journal.set_default_writer(lambda: x)
+        submitting, _ = step(run_y, Submit(), at(1))
+        with pytest.raises(FencedWrite) as info:
+            await journal.save(submitting, expected=RunState.ACCEPTED)  # update
+        error = info.value
+        assert (error.cluster, error.writer_epoch, error.lease_epoch, error.row_cluster) == (
+            CLUSTER,
+            x.epoch,
+            x.epoch,
+            OTHER,
+        )
+        assert f"row of cluster {OTHER!r}" in str(error)
+        with pytest.raises(FencedWrite) as info:
+            await insert_of(journal, "r-y2", OTHER)  # insert
+        assert info.value.row_cluster == OTHER
+        with pytest.raises(FencedWrite) as info:  # delete (and its transitions' cascade)
+            await journal.write("delete", lambda db: db.execute("DELETE FROM runs"))
+        assert info.value.row_cluster == OTHER
+        with pytest.raises(FencedWrite) as info:  # a child row takes its parent's cluster
+            await journal.add_event("r-y", "foreign", {}, at(2))
+        assert info.value.row_cluster == OTHER
+        with pytest.raises(FencedWrite):  # a child row cannot claim another cluster
+            await journal.write(
+                "event claiming gpu-a",
+                lambda db: db.execute(
+                    "INSERT INTO events (run_id, at, kind, fields, cluster) "
+                    "VALUES ('r-y', 'x', 'k', '{}', ?)",
+                    (CLUSTER,),
+                ),
+            )
+        failure = NodeFailure(OTHER, "n1", 1000, "r-y", 1, Evidence.OBSERVED, "down", at(3))
+        with pytest.raises(FencedWrite):
+            await journal.count_node_failure(failure, forget_before=at(0))
+        with pytest.raises(FencedWrite):
+            await journal.write(
+                "move a run", lambda db: db.execute("UPDATE runs SET cluster = ?", (CLUSTER,))
+            )
+        assert journal.fenced_refusals == 7
+        assert _admin(postgres, pg.dbname, snapshot) == before
+        assert _admin(postgres, pg.dbname, "SELECT count(*) FROM events") == [(0,)]
+        assert _admin(postgres, pg.dbname, "SELECT count(*) FROM node_failures") == [(0,)]
+
+        # Its own cluster's rows, and the team's, it writes.
+        await insert_of(journal, "r-x", CLUSTER)
+        await journal.write(
+            "a verified point",
+            lambda db: db.execute(
+                "INSERT INTO verified_points (recipe_id, concurrency, run_id, campaign_id, "
+                "result_file, sha256, verified_at) VALUES ('rec', 1, 'r-y', NULL, 'f', 's', 't')"
+            ),
+        )
+        # gpu-b's leader still writes its own run, and the team's rows too.
+        with writing_as(lambda: y):
+            await other.save(submitting, expected=RunState.ACCEPTED)
+            await other.write(
+                "forget a point", lambda db: db.execute("DELETE FROM verified_points")
+            )
+        rows = _admin(postgres, pg.dbname, "SELECT run_id, cluster FROM transitions")
+        assert sorted(rows) == [("r-x", CLUSTER), ("r-y", OTHER), ("r-y", OTHER)]
+
+
+@pytest.mark.asyncio
+async def test_a_team_row_needs_a_current_leader(
+    journal: Journal, pg: PostgresJournal, postgres: PgServer
+) -> None:
+    """A row of no cluster (the ledger) is refused from a standby (no writer) and from a
+    deposed leader, whatever cluster it names."""
+    first = await acquire(journal, "daemon-a")
+    point = (
+        "INSERT INTO verified_points (recipe_id, concurrency, run_id, campaign_id, "
+        "result_file, sha256, verified_at) VALUES ('rec', 1, 'r', NULL, 'f', 's', 't')"
+    )
+    with pytest.raises(FencedWrite):
+        await journal.write("a point", lambda db: db.execute(point))
+    expire(postgres, pg)
+    async with await Journal.open_postgres(pg) as other:
+        await acquire(other, "daemon-b")
+        journal.set_default_writer(lambda: first)
+        with pytest.raises(FencedWrite) as info:
+            await journal.write("a point", lambda db: db.execute(point))
+        assert info.value.row_cluster is None and info.value.writer_epoch == first.epoch
+    assert _admin(postgres, pg.dbname, "SELECT count(*) FROM verified_points") == [(0,)]
+
+
+class _Believes:
+    """A keeper that believes what the test says (a leader that has not yet noticed)."""
+
+    def __init__(self, epoch: int | None) -> None:
+        self.epoch = epoch
+
+    def acting_time_left(self) -> float:
+        return 0.0 if self.epoch is None else 10.0
+
+    async def wait_epoch_change(self, epoch: int | None) -> None:
+        await anyio.sleep_forever()
+
+
+@pytest.mark.asyncio
+async def test_a_lease_lost_between_require_and_the_write_refuses_it_and_loses_no_run(
+    journal: Journal, pg: PostgresJournal, postgres: PgServer
+) -> None:
+    """A control request checks that the daemon leads the cluster (`Roles.require`),
+    then the lease is lost (expired, taken by daemon b) before its write: the write,
+    made as the cluster's writer (`writing_as`), is refused whole, with its outbox
+    row; the run is still in the journal as it was, and the new leader finds it (as a
+    standby's changed-since read and a takeover's load) and writes its next step."""
+    first = await acquire(journal, "daemon-a")
+    roles = Roles("daemon-a", {CLUSTER: _Believes(first.epoch)}, shared=True)
+    roles.begin_tenure(CLUSTER, first.epoch or 0)
+    journal.set_default_writer(roles.any_writer)
+    with writing_as(lambda: roles.writer(CLUSTER)):
+        run = await insert_of(journal, "r-1", CLUSTER)
+    _, horizon = await journal.runs_changed_since(0)
+
+    await roles.require(CLUSTER)  # passes: daemon a believes it leads
+    expire(postgres, pg)
+    async with await Journal.open_postgres(pg) as other:
+        second = await acquire(other, "daemon-b")
+        cancelling = replace(run, cancel_requested=True)
+        outgoing = [_an_outgoing()]
+        with (
+            writing_as(lambda: roles.writer(CLUSTER)),
+            pytest.raises(FencedWrite) as info,
+        ):
+            await journal.save(cancelling, expected=RunState.ACCEPTED, outgoing=outgoing)
+        assert (info.value.writer_epoch, info.value.lease_epoch) == (first.epoch, second.epoch)
+        assert _admin(postgres, pg.dbname, "SELECT count(*) FROM outbox_events") == [(0,)]
+
+        # Not lost: the new leader reads it (a standby's read of what changed, and all).
+        changed, _ = await other.runs_changed_since(0)
+        assert [s.run for s in changed] == [run]
+        changed, _ = await other.runs_changed_since(horizon)
+        assert changed == []  # nothing was written since: the refused write left nothing
+        other.set_default_writer(lambda: second)
+        submitting, _ = step(run, Submit(), at(1))
+        await other.save(submitting, expected=RunState.ACCEPTED, outgoing=outgoing)
+        changed, _ = await journal.runs_changed_since(horizon)
+        assert [s.run.state for s in changed] == [RunState.SUBMITTING]
+
+
+def _an_outgoing() -> Outgoing:
+    return Outgoing(
+        id="ev-1",
+        type=EventType.RUN_SUBMITTED,
+        subject="run/r-1",
+        seq="1",
+        at=at(1),
+        body=b"{}",
+        destinations=(),
+    )

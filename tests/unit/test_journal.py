@@ -442,7 +442,7 @@ async def test_a_version_1_journal_migrates_and_keeps_its_runs(tmp_path: Path) -
         await inserted(journal, "r-new")
         assert [s.run.run_id for s in await journal.list_runs()] == ["r-old", "r-new"]
     with raw(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 8
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         assert "log_offsets" not in tables
         assert {"campaigns", "campaign_jobs", "verified_points"} <= tables
@@ -759,3 +759,29 @@ async def test_ticker_keeps_ticking_during_a_large_batch_of_saves(journal: Journ
     assert min(progress) >= 1
     assert ticks >= len(runs)
     assert await journal.list_runs(active_only=True) == await journal.list_runs()
+
+
+@pytest.mark.asyncio
+async def test_runs_changed_since_a_read_are_the_runs_written_after_it(
+    journal: Journal,
+) -> None:
+    """A standby's refresh (`Journal.runs_changed_since`): the first read returns every
+    run and a horizon; the next only the runs written after that read (a save, a new
+    run), with their transitions; none when nothing was written."""
+    first = await inserted(journal, "r-1")
+    await inserted(journal, "r-2")
+    every, horizon = await journal.runs_changed_since()
+    assert [s.run.run_id for s in every] == ["r-1", "r-2"]
+    assert (await journal.runs_changed_since(horizon))[0] == []
+
+    submitting, _ = step(first, Submit(), at(1))
+    await journal.save(submitting, expected=RunState.ACCEPTED)
+    await inserted(journal, "r-3", created_at=at(2))
+    changed, later = await journal.runs_changed_since(horizon)
+    assert [(s.run.run_id, s.run.state) for s in changed] == [
+        ("r-1", RunState.SUBMITTING),
+        ("r-3", RunState.ACCEPTED),
+    ]
+    assert changed[0].run == submitting  # with its whole history
+    assert later > horizon
+    assert (await journal.runs_changed_since(later))[0] == []

@@ -30,7 +30,7 @@ from llmd_supervisor.adapters.outbox_store import Outbox
 from llmd_supervisor.cli.journal import MIGRATE_CLUSTER, copy_journal
 from llmd_supervisor.cli.main import main
 from llmd_supervisor.core.config import load_config
-from llmd_supervisor.core.fencing import FENCED_TABLES
+from llmd_supervisor.core.fencing import CLUSTER_FROM_PARENT, FENCED_TABLES
 from llmd_supervisor.core.journal_url import PostgresJournal, parse_journal
 from llmd_supervisor.core.lease import LEASE_TABLE
 from llmd_supervisor.core.lifecycle import RunState, Submit, step
@@ -90,13 +90,15 @@ async def test_a_new_database_gets_the_schema_sqlite_has(
         names = [
             str(r[0])
             for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
-            if r[0] != "sqlite_sequence"
+            if r[0] not in ("sqlite_sequence", "journal_clock")  # SQLite's own counter
         ]
         want = {t: [str(c[1]) for c in conn.execute(f"PRAGMA table_info({t})")] for t in names}
     assert set(want) == set(TABLES) == set(FENCED_TABLES)
-    assert set(got) == set(TABLES) | {"schema_version", LEASE_TABLE}
+    assert set(got) == set(TABLES) | {"schema_version", LEASE_TABLE, "journal_horizon"}
+    children = {child for child, _parent, _key in CLUSTER_FROM_PARENT}
     for table in TABLES:
         extra = ["rowid"] if table == "runs" else []
+        extra += ["cluster"] if table in children else []  # the fence's, PostgreSQL's own
         assert sorted(got[table]) == sorted(want[table] + extra), table
     dbname = pg.dbname
     assert _admin_rows(postgres, dbname, "SELECT version FROM schema_version") == [(CODE_VERSION,)]

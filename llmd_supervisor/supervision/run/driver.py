@@ -274,6 +274,10 @@ class Supervisor:
         self.handles: dict[str, RunHandle] = {}
         self._adopting = anyio.Lock()
         self._looked_again_at = -LOOK_AGAIN_S
+        # A standby's reads of what changed (`_refresh`): one at a time, each from the
+        # horizon the last one returned (0: none yet, every run).
+        self._refreshing = anyio.Lock()
+        self._horizon = 0
 
     # --- entry points ------------------------------------------------------------------
 
@@ -380,7 +384,10 @@ class Supervisor:
         )
         name = spec.name if isinstance(spec, RunSpec) else spec.name()
         outgoing = self._outgoing(None, run, meta, name)
-        await self.journal.insert_run(run, meta, outgoing)
+        # As the run's cluster's leader now: refused if this daemon stopped leading it
+        # since `require` (nothing journaled, nothing submitted; the client is told).
+        with writing_as(functools.partial(self.roles.writer, meta.cluster)):
+            await self.journal.insert_run(run, meta, outgoing)
         self.hooks.after_journal(run)
         handle = self._handle(StoredRun(run, meta), spec)
         log.info("run.accepted", run_id=run_id, job_name=run.job_name, cluster=cluster_cfg.name)
@@ -421,13 +428,25 @@ class Supervisor:
 
     async def refresh(self, cluster: str) -> None:
         """A standby's look at the journal: the leader's runs of `cluster` as they are
-        now, for list, status and wait."""
-        await self._load(lambda name: name == cluster, full=False)
+        now, for list, status and wait (`_refresh`: with every other run this daemon
+        does not drive that changed)."""
+        await self._refresh()
 
     async def refresh_elsewhere(self) -> None:
         """The shared journal's runs of clusters this daemon does not have (the team's
-        other clusters), as they are now, for list and status."""
-        await self._load(lambda name: name not in self.clusters, full=False)
+        other clusters), as they are now, for list and status (`_refresh`)."""
+        await self._refresh()
+
+    async def _refresh(self) -> None:
+        """Bring the handles of every run of a cluster this daemon does not act for up to
+        date with the journal, reading only the runs written since the last such read
+        (`Journal.runs_changed_since`): a standby's look every `leading.REFRESH_S` costs
+        what changed, not the team's whole history. The runs this daemon drives are its
+        own (their drivers wrote them); a takeover reads its cluster's runs whole."""
+        async with self._refreshing:
+            changed, horizon = await self.journal.runs_changed_since(self._horizon)
+            await self._load(lambda name: not self.roles.acting(name), full=False, runs=changed)
+            self._horizon = horizon
 
     async def look_again(self) -> bool:
         """A run ref no handle answers: on a shared journal another daemon may have
@@ -439,24 +458,28 @@ class Supervisor:
             return False
         self._looked_again_at = now
         try:  # checked per run as it is updated: a takeover meanwhile keeps its own
-            await self._load(lambda name: not self.roles.acting(name), full=False)
+            await self._refresh()
         except SupervisorError as exc:  # the database is away: the answer stays not found
             log.warning("leading.refresh_failed", cluster=None, error=str(exc))
             return False
         return True
 
     async def _load(
-        self, of: Callable[[str], bool] | str | None = None, *, full: bool = True
+        self,
+        of: Callable[[str], bool] | str | None = None,
+        *,
+        full: bool = True,
+        runs: list[StoredRun] | None = None,
     ) -> list[RunHandle]:
-        """Create or update the handles of the journal's runs (of the clusters `of` names,
-        one or a test; None: all); the ones not final that a driver could resume. `full`:
-        their attempt histories and noted job files too, and forget what a driver had
-        learnt in memory (a takeover)."""
+        """Create or update the handles of the journal's runs (`runs`, or every run the
+        journal holds; of the clusters `of` names, one or a test; None: all); the ones not
+        final that a driver could resume. `full`: their attempt histories and noted job
+        files too, and forget what a driver had learnt in memory (a takeover)."""
         histories = await self.journal.events_of_kind(ATTEMPT_EVENT) if full else {}
         job_files = await self.journal.events_of_kind(JOB_FILES_EVENT) if full else {}
         wanted = (lambda name: name == of) if isinstance(of, str) else of
         resumable: list[RunHandle] = []
-        for stored in await self.journal.list_runs():
+        for stored in await self.journal.list_runs() if runs is None else runs:
             if wanted is not None and not wanted(stored.meta.cluster):
                 continue
             if full and not stored.run.state.is_final:
