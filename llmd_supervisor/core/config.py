@@ -362,16 +362,28 @@ def parse_config(data: Mapping[str, object]) -> Config:
     )
 
 
+# An absolute example per path key, for the sentence refusing a relative one.
+_PATH_EXAMPLES: Final[Mapping[str, str]] = {
+    "daemon.state_dir": str(DEFAULT_STATE_DIR),
+    "daemon.socket": str(DEFAULT_SOCKET),
+    "daemon.archive_dir": f"{DEFAULT_STATE_DIR}/archive",
+    "dashboard.token_file": "/etc/llmd-supervisor/dashboard.token",
+    "dashboard.socket": "/run/llmd-supervisor/web.sock",
+}
+
+
 def _abs_path(d: Mapping[str, object], key: str, default: Path | None) -> Path | None:
     raw = _opt_str(d, key)
     if raw is None:
         return default
     if not raw.startswith("/"):
+        example = _PATH_EXAMPLES.get(key, "/srv/llmd/" + raw.lstrip("./"))
         raise ConfigError(
             key,
             raw,
-            "use an absolute path (the daemon's working directory is not yours),"
-            f" e.g. /{raw.lstrip('./')}",
+            f"{key} = {raw!r} is a relative path, and the daemon would resolve it against its"
+            " own working directory (not yours, not the configuration file's); write an"
+            f" absolute path, e.g. {key} = {example!r}",
         )
     return Path(raw)
 

@@ -266,7 +266,13 @@ name = "a b"
     assert len(lines) == len(keys), out.stderr
     for line, key in zip(lines, keys, strict=True):
         assert f"Configuration key {key!r}" in line and str(path) in line, line
-    assert "use an absolute path" in lines[0] and "e.g. /state" in lines[0]
+    # The hint is a sentence naming the key, its value and an absolute example.
+    assert (
+        "daemon.state_dir = 'state' is a relative path" in lines[0]
+        and "write an absolute path" in lines[0]
+        and "e.g. daemon.state_dir = '/var/lib/llmd-supervisor'" in lines[0]
+    ), lines[0]
+    assert "e.g. daemon.socket = '/run/llmd-supervisor/control.sock'" in lines[1], lines[1]
     path.write_text(
         f'[daemon]\nstate_dir = "{tmp_path}/state"\nlog_roots = ["{tmp_path}/state/runs"]\n'
     )
