@@ -22,7 +22,9 @@ socket's `Caps`). A connection over a cap is answered 503 with the reason and cl
 must be whole within ``head_timeout_s`` of the connection (or of the previous response on
 a kept-alive one): otherwise the connection is answered 408 and closed
 (``web.head_timeout``, rate-limited the same way). uvicorn has no such timeout of its own;
-without it a peer holding unfinished heads would hold its connections for ever.
+without it a peer holding unfinished heads would hold its connections for ever. A request
+body still arriving once its response is complete closes the connection (no app here
+reads bodies).
 
 Cancellation contract: when `serve_asgi` is cancelled it calls `on_stop` (so that
 long-lived responses, server-sent event streams, can end by themselves), stops accepting,
@@ -179,6 +181,11 @@ class _PeerProtocol(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        if self.conn.our_state is h11.DONE and self.conn.their_state is h11.SEND_BODY:
+            # Answered, and the request's body still coming: no app here reads one (GET and
+            # HEAD only), and trickled bytes would stop uvicorn's keep-alive timer for ever.
+            self.transport.close()
+            return
         self._watch_head()
 
     def _watch_head(self) -> None:

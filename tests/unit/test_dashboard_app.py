@@ -5,6 +5,7 @@ that ends an open stream at once."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import socket
 from collections.abc import Mapping
@@ -206,3 +207,36 @@ async def test_a_kept_alive_connection_must_finish_its_next_request_head_in_time
         tg.cancel_scope.cancel()
     assert status_of(rest) == 408, rest
     assert b"within 0.5 s (dashboard.head_timeout_s)" in rest
+
+
+@pytest.mark.asyncio
+async def test_a_request_body_trickled_after_its_answer_does_not_hold_the_connection(
+    tmp_path: Path,
+) -> None:
+    dash = Dashboard(cast(Any, FakeApi(tmp_path)), DashboardConfig(), token=None)
+    path = tmp_path / "web.sock"
+    unix, _ = await bind_unix_socket(path, 0o600, None)
+    serve = functools.partial(serve_asgi, dash.app(), [unix], name="dashboard", on_stop=dash.stop)
+    async with anyio.create_task_group() as tg:
+        await tg.start(serve)
+        async with await anyio.connect_unix(path) as stream:
+            head = b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1000000\r\n\r\n"
+            await stream.send(head + b"x")
+            got = b""
+            sent = 1
+            # The peer sends one more body byte whenever nothing came for 0.5 s (so uvicorn's
+            # keep-alive timer, stopped by each, never fires), until the server closes.
+            with anyio.fail_after(20):
+                while True:
+                    with anyio.move_on_after(0.5):
+                        try:
+                            got += await stream.receive()
+                        except (anyio.EndOfStream, anyio.BrokenResourceError):
+                            break
+                        continue
+                    with contextlib.suppress(anyio.BrokenResourceError):
+                        await stream.send(b"x")
+                        sent += 1
+        tg.cancel_scope.cancel()
+    assert status_of(got) == 405, got
+    assert sent < 1000, sent
