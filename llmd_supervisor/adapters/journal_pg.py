@@ -55,6 +55,7 @@ the event loop, and a daemon on SQLite never imports it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import stat
@@ -130,6 +131,14 @@ def read_password(path: str, service_uid: int | None = None) -> str:
             _PASSWORD_KEY, path, f"{path} does not exist; create it with the role's password"
         ) from None
     except OSError as exc:
+        if exc.errno == errno.ELOOP and os.path.islink(path):  # O_NOFOLLOW met a link
+            raise ConfigError(
+                _PASSWORD_KEY,
+                path,
+                f"{path} is a symbolic link; the daemon does not follow links for the"
+                f" password file: point {_PASSWORD_KEY} at the real file"
+                f" ({os.path.realpath(path)})",
+            ) from None
         raise ConfigError(
             _PASSWORD_KEY,
             path,

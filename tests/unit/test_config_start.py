@@ -91,3 +91,25 @@ def test_config_show_without_a_file_says_it_shows_the_defaults(
     )
     assert "# effective configuration of" not in out
     assert not absent.exists()
+
+
+def test_a_linked_password_file_is_named_as_a_link_with_the_file_it_points_at(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ELOOP (O_NOFOLLOW on a link) says what it means: a link, and where to point the key."""
+    secret = tmp_path / "real-password"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o600)
+    link = tmp_path / "db-password"
+    link.symlink_to(secret)
+    journal = f'[journal]\nurl = "postgresql://llmd@localhost/llmd"\npassword_file = "{link}"\n'
+    path = _good(tmp_path, journal)
+    assert main(["config", "check", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"{link} is a symbolic link; the daemon does not follow links for the password file:"
+        f" point journal.password_file at the real file ({secret})"
+    ) in err, err
+    assert "Too many levels of symbolic links" not in err
+    path.write_text(path.read_text().replace(str(link), str(secret)))
+    assert main(["config", "check", "--config", str(path)]) == 0, capsys.readouterr().err

@@ -274,8 +274,9 @@ def test_the_password_file_must_be_the_accounts_alone(tmp_path: Path) -> None:
         os.chown(secret, 0, -1)
     link = tmp_path / "link"
     link.symlink_to(secret)
-    with pytest.raises(ConfigError, match="not a link"):
+    with pytest.raises(ConfigError, match=re.escape(f"{link} is a symbolic link;")) as info:
         read_password(str(link))
+    assert f"point journal.password_file at the real file ({secret})" in str(info.value)
     with pytest.raises(ConfigError, match="does not exist"):
         read_password(str(tmp_path / "nope"))
     empty = tmp_path / "empty"
