@@ -339,6 +339,11 @@ def test_hostile_query_values_of_every_page_answer_400_and_log_no_traceback(
         ]
         fine = {t: get(web, t)[0] for t in good}
         untokened = get(("127.0.0.1", port), "/runs/mine/logs?rank=%C2%B2", token=False)[0]
+        # The token parameter itself (read before any page): a wrong one is refused.
+        tokens = {
+            v: get(("127.0.0.1", port), f"/?token={v}", token=False)[0]
+            for v in [*HOSTILE, "1&token=1"]
+        }
     finally:
         d.stop()
     wrong = {
@@ -349,5 +354,6 @@ def test_hostile_query_values_of_every_page_answer_400_and_log_no_traceback(
     assert not wrong, (len(wrong), {k: v for k, v in wrong.items() if v >= 500} or wrong)
     assert fine == dict.fromkeys(good, 200), fine
     assert untokened == 403  # no token: refused before anything is read
+    assert tokens == dict.fromkeys(tokens, 403), tokens
     assert not d.events("dashboard.request_failed")
     assert "Traceback" not in d.log_text()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import base64
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime
+from urllib.parse import parse_qsl
 
 import pytest
 
@@ -16,7 +18,7 @@ from llmd_supervisor.core.config import DashboardConfig, load_config
 from llmd_supervisor.core.outbox import DeliveryView
 from llmd_supervisor.core.report_html import build_charts
 from llmd_supervisor.core.summary import PointView, RunBrief, RunResults, RunSummary
-from llmd_supervisor.errors import ConfigError
+from llmd_supervisor.errors import ConfigError, ControlError
 
 HOSTILE = "<img src=x onerror=alert(1)>\"'&\x1b]0;t\x07"
 NOW = datetime(2026, 1, 2, 12, 0, tzinfo=UTC)
@@ -366,3 +368,32 @@ def test_the_events_page_shows_no_destination_url() -> None:
     no_tags(html)
     assert "secret" not in html and "https://hooks.slack.com/..." in html
     assert 'href="/runs/r1"' in html and ">retrying<" in html
+
+
+def test_a_query_value_a_page_cannot_use_is_a_bad_request_naming_it() -> None:
+    def q(text: str) -> pages.Query:
+        return pages.Query(parse_qsl(text, keep_blank_values=True))
+
+    assert q("rank=7").rank() == 7 and q("").rank() is None
+    assert q("all=1").flag("all") and not q("all=0").flag("all") and not q("").flag("all")
+    assert q("state=").choice("state", ["running"]) == ""
+    assert q("owner=al%C3%AFce").text("owner", 10) == "alïce"
+    assert q(f"from={pages.encode_offsets({'a.out': 5})}").offsets("from") == {"a.out": 5}
+    bad: list[tuple[str, Callable[[pages.Query], object]]] = [
+        ("rank=%C2%B2", lambda x: x.rank()),  # '²'.isdigit() is True
+        ("rank=%EF%BC%91", lambda x: x.rank()),  # fullwidth 1: int() takes it
+        ("rank=65536", lambda x: x.rank()),
+        ("rank=", lambda x: x.rank()),
+        ("rank=1&rank=2", lambda x: x.rank()),
+        ("all=yes", lambda x: x.flag("all")),
+        ("state=nope", lambda x: x.choice("state", ["running"])),
+        ("owner=a%00b", lambda x: x.text("owner", 10)),
+        ("owner=%FF", lambda x: x.text("owner", 10)),
+        ("owner=" + "a" * 11, lambda x: x.text("owner", 10)),
+        ("from=e30x", lambda x: x.offsets("from")),
+    ]
+    for text, read in bad:
+        with pytest.raises(ControlError) as info:
+            read(q(text))
+        assert info.value.code == "bad_request", text
+        assert "query parameter" in info.value.message and "give" in info.value.message
