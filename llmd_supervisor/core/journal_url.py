@@ -14,8 +14,10 @@ directory, percent-encoded (``postgresql://llmd@%2Frun%2Fpostgresql/llmd``).
 
 The daemon sets the connection options that make a cut link visible in seconds
 (`LINK_SETTINGS`); the URL may not set them. Over TCP to any host that is not loopback
-the link must be encrypted (sslmode ``require``, ``verify-ca`` or ``verify-full``;
-``verify-full`` is the default there). With several hosts, ``target_session_attrs``
+the link must be encrypted and the server's certificate checked against its name:
+sslmode ``verify-full``, the default there, and a weaker mode (``require``, ``verify-ca``,
+...) is refused. Loopback and a Unix socket directory take any mode (``prefer`` by default).
+With several hosts, ``target_session_attrs``
 defaults to ``read-write`` so the daemon reaches the primary.
 """
 
@@ -63,7 +65,6 @@ LINK_SETTINGS: Final[Mapping[str, str]] = {
 }
 
 _SSLMODES: Final = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
-_ENCRYPTED: Final = ("require", "verify-ca", "verify-full")
 _TARGETS: Final = ("any", "read-write", "read-only", "primary", "standby", "prefer-standby")
 # Query parameters the URL may carry; everything else is refused by name.
 _QUERY_KEYS: Final = (
@@ -323,11 +324,14 @@ def _postgres(value: object, password_file: str | None) -> PostgresJournal:
         sslmode = "verify-full" if remote else "prefer"
     elif sslmode not in _SSLMODES:
         raise _refuse(value, f"sslmode {sslmode!r} is not one of {', '.join(_SSLMODES)}")
-    elif remote and sslmode not in _ENCRYPTED:
+    elif remote and sslmode != "verify-full":
         raise _refuse(
             value,
-            f"sslmode={sslmode} does not guarantee an encrypted link to {remote[0]}; use "
-            "sslmode=verify-full (or require, if the server's certificate cannot be verified)",
+            f"sslmode={sslmode} to {remote[0]} does not check that the server is the one the URL"
+            " names, and anything weaker than verify-full is refused for a host other than"
+            " loopback or a Unix socket directory; use sslmode=verify-full (the default),"
+            " with sslrootcert=/path/to/the-ca.pem naming the CA that signed the server's"
+            " certificate (libpq's default: ~/.postgresql/root.crt of the daemon's account)",
         )
     target = params.get("target_session_attrs")
     if target is not None and target not in _TARGETS:

@@ -113,3 +113,35 @@ def test_a_linked_password_file_is_named_as_a_link_with_the_file_it_points_at(
     assert "Too many levels of symbolic links" not in err
     path.write_text(path.read_text().replace(str(link), str(secret)))
     assert main(["config", "check", "--config", str(path)]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("mode", ["disable", "allow", "prefer", "require", "verify-ca"])
+def test_config_check_refuses_a_journal_link_weaker_than_verify_full_to_a_remote_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str
+) -> None:
+    """README, A PostgreSQL journal: over the network sslmode is verify-full, and a weaker
+    mode is refused (naming the URL, the mode, the host and the fix); loopback and a Unix
+    socket directory take any mode."""
+    for local in ("localhost", "127.0.0.1", "%2Frun%2Fpostgresql"):
+        url = f"postgresql://llmd@{local}/llmd?sslmode={mode}"
+        path = _good(tmp_path, f'[journal]\nurl = "{url}"\n')
+        assert main(["config", "check", "--config", str(path)]) == 0, capsys.readouterr().err
+    url = f"postgresql://llmd@localhost,db.example.org/llmd?sslmode={mode}"
+    path = _good(tmp_path, f'[journal]\nurl = "{url}"\n')
+    assert main(["config", "check", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"Configuration key 'journal.url' has invalid value '{url}'" in err, err
+    assert f"sslmode={mode} to db.example.org" in err, err
+    assert "anything weaker than verify-full is refused for a host other than" in err, err
+    assert "use sslmode=verify-full" in err and "sslrootcert=" in err, err
+
+
+def test_config_check_accepts_verify_full_to_a_remote_host(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for url in (
+        "postgresql://llmd@db.example.org/llmd",
+        "postgresql://llmd@db1,db2/llmd?sslmode=verify-full&sslrootcert=/etc/llmd/ca.pem",
+    ):
+        path = _good(tmp_path, f'[journal]\nurl = "{url}"\n')
+        assert main(["config", "check", "--config", str(path)]) == 0, capsys.readouterr().err

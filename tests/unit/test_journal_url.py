@@ -55,15 +55,15 @@ def test_sqlite_is_the_default() -> None:
             "verify-full",
         ),
         (
-            "postgresql://svc%2Bllmd@db1:5432,db2:5433/team%20journal?sslmode=require",
+            "postgresql://svc%2Bllmd@db1:5432,db2:5433/team%20journal?sslmode=verify-full",
             (("db1", 5432), ("db2", 5433)),
             "team journal",
             "svc+llmd",
-            "require",
+            "verify-full",
         ),
         (
-            "postgresql://llmd@[2001:db8::5]/j?sslmode=verify-ca",
-            (("2001:db8::5", 5432),),
+            "postgresql://llmd@[::1]/j?sslmode=verify-ca",
+            (("::1", 5432),),
             "j",
             "llmd",
             "verify-ca",
@@ -147,6 +147,12 @@ REFUSED = [
         "sslmode=verify-full",
     ),
     (
+        "unverified to a remote host",
+        {"url": "postgresql://u@[2001:db8::5]/d?sslmode=require"},
+        "sslmode=require to 2001:db8::5",
+        "use sslmode=verify-full",
+    ),
+    (
         "a link setting",
         {"url": "postgresql://u@localhost/d?keepalives_idle=60"},
         "keepalives_idle",
@@ -155,7 +161,7 @@ REFUSED = [
     ("unknown parameter", {"url": "postgresql://u@localhost/d?host=x"}, "'host'", "allowed:"),
     (
         "bad target",
-        {"url": "postgresql://u@a,b/d?sslmode=require&target_session_attrs=rw"},
+        {"url": "postgresql://u@a,b/d?target_session_attrs=rw"},
         "'rw'",
         "target_session_attrs",
     ),
@@ -271,4 +277,4 @@ def test_an_unknown_parameter_is_refused_without_echoing_what_it_may_hide(url: s
 
 
 def test_a_decoded_allowed_key_is_the_key() -> None:
-    assert pg("postgresql://u@db/d?ssl%6Dode=require").sslmode == "require"
+    assert pg("postgresql://u@localhost/d?ssl%6Dode=require").sslmode == "require"
