@@ -53,10 +53,13 @@ class Expander:
         cancellation contract); its CampaignError (too many points, a bad point) as is."""
         stop, began, ended = threading.Event(), threading.Event(), threading.Event()
         stopped: list[ExpansionStopped] = []
+        bound = log.bind(campaign=campaign.name, max_points=limit.points)
 
         def job() -> core.Expansion:
             began.set()
             try:
+                # logged by the thread: the expansion is under way once this line is out
+                bound.info("campaign.expansion_started", combinations=core.combinations(campaign))
                 return work(stop.is_set)
             except ExpansionStopped as exc:
                 stopped.append(exc)
@@ -64,8 +67,6 @@ class Expander:
             finally:
                 ended.set()
 
-        bound = log.bind(campaign=campaign.name, max_points=limit.points)
-        bound.info("campaign.expansion_started", combinations=core.combinations(campaign))
         t0 = time.monotonic()
         try:
             expansion = await anyio.to_thread.run_sync(
