@@ -253,7 +253,8 @@ class _Connection:
                 error_line(
                     request.id,
                     "busy",
-                    f"uid {uid} already has {streams} streaming requests (wait, logs --follow) "
+                    f"uid {uid} already has {streams} streaming requests (wait, logs --follow, "
+                    "campaign submit) "
                     f"open, the per-user limit (daemon.max_streams_per_uid = {cap}); end some "
                     "and try again.",
                 )
