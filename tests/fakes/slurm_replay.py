@@ -479,6 +479,16 @@ class ReplayJob:
     def steps_left(self) -> tuple[Step, ...]:
         return tuple(self._steps)
 
+    @property
+    def submitted_at(self) -> datetime:
+        """The fake clock's time of its (last) submission."""
+        return self._ctld.submit
+
+    @property
+    def ended_at(self) -> datetime | None:
+        """The fake clock's time it ended (None: pending or running)."""
+        return self._ctld.end
+
     # --- changes -------------------------------------------------------------------------
 
     def start(self, nodes: Sequence[str]) -> None:

@@ -127,7 +127,7 @@ class _Share:
     cluster: str
     owner_uid: int
     runs: frozenset[str]  # the runs of its jobs submitted or running
-    wanted: int  # those + its jobs waiting to be submitted
+    wanted: int  # those + the jobs it would submit now if it had all the room
     gpus: int  # counted GPUs of its jobs submitted or running
 
 
@@ -157,6 +157,9 @@ class Campaigns:
         self.sup = supervisor
         self.store = store
         self.live: dict[str, _Live] = {}
+        # One campaign of a cluster at a time decides and submits: each decides knowing
+        # the jobs the others submitted (fair room, the account's submit limit).
+        self.admitting: dict[str, anyio.Lock] = {}
         self.events = CampaignEvents(supervisor, self.store)
         self.expander = Expander()  # expansions off the loop, stopped with their request
 
@@ -424,28 +427,13 @@ class Campaigns:
             live.refused = ""
             log.warning("campaign.qos_backoff", cap=live.qos_cap, backoff_s=QOS_BACKOFF_S)
         if state is CampaignState.CANCELLING:
+            if live.share is not None:  # it submits nothing more: it wants what it holds
+                live.share = replace(live.share, wanted=len(live.share.runs))
             return await self._cancelling(c, jobs, active)
         await self.events.progress(c, jobs)
-        live.share = _Share(
-            c.cluster,
-            c.owner_uid,
-            frozenset(j.run_id for j in active if j.run_id is not None),
-            wanted=len(active) + sum(1 for j in jobs if JobState(j.state) is JobState.WAITING),
-            gpus=sum(max(j.gpus, 0) for j in active),
-        )
-        sys_limits = self.sup.config.limits
-        decision = admit(
-            [_Job(j) for j in jobs],
-            {j.job_key: JobState(j.state) for j in jobs},
-            limits_of(c),
-            qos_cap=await self._qos_cap(c, live),
-            backoff_until=live.backoff_until,
-            now=anyio.current_time(),
-            failures={j.job_key: j.reason for j in jobs if j.reason},
-            gpu_cap=self._gpu_cap(c),
-            per_user_max_gpus=sys_limits.per_user_max_gpus,
-        )
-        await self._apply(c, jobs, decision, state)
+        async with self.admitting.setdefault(c.cluster, anyio.Lock()):
+            decision = await self._admit(c, live, jobs, active)
+            await self._apply(c, jobs, decision, state)
         if decision.done:
             final = CampaignState.STOPPED if decision.stop else CampaignState.FINISHED
             reason = decision.stop or ""
@@ -458,11 +446,53 @@ class Campaigns:
             return True
         return False
 
+    async def _admit(
+        self,
+        c: StoredCampaign,
+        live: _Live,
+        jobs: Sequence[StoredJob],
+        active: Sequence[StoredJob],
+    ) -> Admission:
+        """What to submit now (`admit`), within the campaign's share of the room; notes
+        its hold and its want in `live.share` for the other campaigns' decisions."""
+        sys_limits = self.sup.config.limits
+        gpu_cap = self._gpu_cap(c)
+        states = {j.job_key: JobState(j.state) for j in jobs}
+        failures = {j.job_key: j.reason for j in jobs if j.reason}
+
+        def decide(qos_cap: int | None) -> Admission:
+            return admit(
+                [_Job(j) for j in jobs],
+                states,
+                limits_of(c),
+                qos_cap=qos_cap,
+                backoff_until=live.backoff_until,
+                now=anyio.current_time(),
+                failures=failures,
+                gpu_cap=gpu_cap,
+                per_user_max_gpus=sys_limits.per_user_max_gpus,
+            )
+
+        # What it wants of the room: what it holds and would submit if it had all of it
+        # (its max_jobs, canary and back-off bound that; a waiting job behind a canary
+        # wants no room yet), so no room is kept for work that could not use it.
+        unshared = decide(live.qos_cap)
+        live.share = _Share(
+            c.cluster,
+            c.owner_uid,
+            frozenset(j.run_id for j in active if j.run_id is not None),
+            wanted=len(active) + len(unshared.submit),
+            gpus=sum(max(j.gpus, 0) for j in active),
+        )
+        return decide(await self._qos_cap(c, live))
+
     async def _qos_cap(self, c: StoredCampaign, live: _Live) -> int | None:
         """The jobs this campaign may hold now (None: no cap known): the lower of the cap a
-        refusal taught and its owner's turn-based share (`share_room`) of what sacctmgr's
-        submit limit leaves beside the daemon's runs that are no campaign's, and of
-        ``[limits] per_user_max_jobs``, less the owner's jobs in its other campaigns."""
+        refusal taught, its owner's turn-based share (`share_room`) of what sacctmgr's
+        submit limit leaves beside the daemon's runs that are no campaign's (and of
+        ``[limits] per_user_max_jobs``) less the owner's jobs in its other campaigns, and
+        its own jobs plus the room no campaign holds (a user over its share keeps its jobs:
+        the others' share is what is free, until the jobs end)."""
         now = anyio.current_time()
         cluster = self.sup.clusters.get(c.cluster)
         if cluster is not None and (
@@ -503,6 +533,10 @@ class Campaigns:
                 if s.owner_uid == c.owner_uid and cid != c.campaign_id
             )
             caps.append(max(0, allowance - elsewhere))
+        if room is not None:
+            held = sum(len(s.runs) for s in shares.values())
+            own = live.share.runs if live.share is not None else frozenset()
+            caps.append(max(0, len(own) + room - held))
         return min(caps) if caps else None
 
     def _gpu_cap(self, c: StoredCampaign) -> int | None:
@@ -589,6 +623,9 @@ class Campaigns:
             run_id=run_id,
             to_run=to_run,
         )
+        live = self._live(c.campaign_id)
+        if live.share is not None:  # held from now on, for the next decision of any campaign
+            live.share = replace(live.share, runs=live.share.runs | {run_id})
         log.info("campaign.job_submitting", job_key=job.job_key, run_id=run_id, points=to_run)
         await self._submit_run(c, replace(job, run_id=run_id, to_run=to_run))
 
