@@ -120,10 +120,14 @@ def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[
     )
     p.add_argument("--csv", dest="format", action="store_const", const="csv", help="--format csv")
     p.set_defaults(handler=_cmd_results)
-    p = common("report", "write the campaign's charts and points as one HTML file")
+    p = common(
+        "report",
+        "write the campaign's charts and points as one HTML file (--json: print its data,"
+        " without matplotlib; both: the file too)",
+    )
     p.add_argument("campaign", metavar="ID", help="campaign id or name")
     p.add_argument(
-        "-o", "--output", type=Path, required=True, metavar="FILE", help="the HTML file to write"
+        "-o", "--output", type=Path, default=None, metavar="FILE", help="the HTML file to write"
     )
     p.set_defaults(handler=_cmd_report)
     p = common("list", "every campaign you may see")
@@ -509,14 +513,23 @@ def _cmd_results(args: argparse.Namespace) -> int:
 @_exits
 def _cmd_report(args: argparse.Namespace) -> int:
     from llmd_supervisor.adapters.fsutil import write_atomic
-    from llmd_supervisor.cli.campaign_report import render_campaign_report
+    from llmd_supervisor.cli.campaign_report import campaign_report_data, render_campaign_report
     from llmd_supervisor.cli.report import INSTALL_HINT
 
-    try:
-        import matplotlib  # noqa: F401  (checked before the daemon is asked anything)
-    except ImportError:
-        print(INSTALL_HINT, file=sys.stderr)
+    output: Path | None = args.output
+    if output is None and not args.json:
+        print(
+            "llmd-supervisor campaign report: give -o FILE (the HTML report) or --json (its"
+            " data on stdout), or both.",
+            file=sys.stderr,
+        )
         return 2
+    if output is not None:
+        try:
+            import matplotlib  # noqa: F401  (checked before the daemon is asked anything)
+        except ImportError:
+            print(INSTALL_HINT, file=sys.stderr)
+            return 2
 
     async def status() -> Mapping[str, object]:
         async with ControlClient(args.socket) as c:
@@ -525,14 +538,20 @@ def _cmd_report(args: argparse.Namespace) -> int:
     summary = _read("campaign report", CampaignStatus, _run("campaign report", status))
     jobs, _ = _fetch_results(args.socket, summary["campaign"])
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    text = render_campaign_report(summary, jobs, point_rows(jobs), generated_at=now)
-    try:
-        write_atomic(args.output, text.encode("utf-8", "backslashreplace"))
-    except OSError as exc:
-        print(
-            f"llmd-supervisor campaign report: could not write {args.output}: {exc}.",
-            file=sys.stderr,
-        )
-        return 2
-    print(f"wrote {args.output}")
+    rows = point_rows(jobs)
+    if output is not None:
+        text = render_campaign_report(summary, jobs, rows, generated_at=now)
+        try:
+            write_atomic(output, text.encode("utf-8", "backslashreplace"))
+        except OSError as exc:
+            print(
+                f"llmd-supervisor campaign report: could not write {output}: {exc}.",
+                file=sys.stderr,
+            )
+            return 2
+        # With --json, stdout carries the JSON alone.
+        print(f"wrote {output}", file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        doc = campaign_report_data(summary, jobs, rows, generated_at=now)
+        print(json.dumps(doc, indent=2, sort_keys=True))
     return 0

@@ -22,11 +22,12 @@ from llmd_supervisor.core.report_html import (
     SETTLED,
     Chart,
     campaign_charts,
+    chart_data,
     chart_parts,
     pareto,
 )
 
-__all__ = ["campaign_charts", "pareto", "render_campaign_report"]
+__all__ = ["campaign_charts", "campaign_report_data", "pareto", "render_campaign_report"]
 
 
 def _cell(value: object) -> str:
@@ -60,6 +61,23 @@ def _points_table(title: str, rows: Sequence[PointRow]) -> list[str]:
         ),
         "</table></div>",
     ]
+
+
+def campaign_report_data(
+    status: CampaignStatus,
+    jobs: Sequence[CampaignJobResults],
+    rows: Sequence[PointRow],
+    *,
+    generated_at: str,
+) -> dict[str, object]:
+    """What the report shows, as data (`campaign report --json`): the campaign's status,
+    every point's row as `campaign results --json` prints it, and each chart's points."""
+    return {
+        "generated_at": generated_at,
+        "campaign": status,
+        "points": list(rows),
+        "charts": [chart_data(c) for c in campaign_charts(jobs)],
+    }
 
 
 def render_campaign_report(

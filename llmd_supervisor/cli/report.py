@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import html
+import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ from llmd_supervisor.core.report_html import (
     REPORT_CSS,
     Chart,
     build_charts,
+    chart_data,
     chart_parts,
     escaped_run,
     left_out_of_every_chart,
@@ -42,6 +44,7 @@ __all__ = [
     "build_charts",
     "chart_svg",
     "render_report",
+    "report_data",
     "run_title",
 ]
 
@@ -82,6 +85,17 @@ def render_report(
     return "\n".join(parts)
 
 
+def report_data(runs: Sequence[RunResults], *, generated_at: str) -> dict[str, object]:
+    """What the report shows, as data (`report --json`): each run's verdict and results as
+    `results --json` prints them, each chart's points, and what no chart could place."""
+    return {
+        "generated_at": generated_at,
+        "runs": list(runs),
+        "charts": [chart_data(c) for c in build_charts(runs)],
+        "left_out": left_out_of_every_chart(runs),
+    }
+
+
 # --- the command --------------------------------------------------------------------------
 
 
@@ -94,12 +108,19 @@ def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[
             "its evidence table, and charts: total throughput per GPU (runs with a known "
             "GPU count) and total throughput against interactivity, and median TTFT and "
             "TPOT against concurrency, one line per run. "
-            "Needs matplotlib (pip install 'llmd-supervisor[report]')."
+            "Needs matplotlib (pip install 'llmd-supervisor[report]'). "
+            "--json prints the same data instead (or besides, with -o), without matplotlib."
         ),
     )
     p.add_argument("runs", metavar="RUN", nargs="+", help="run id, job name or Slurm job id")
     p.add_argument(
-        "-o", "--output", type=Path, required=True, metavar="FILE", help="the HTML file to write"
+        "-o", "--output", type=Path, default=None, metavar="FILE", help="the HTML file to write"
+    )
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the report's data on stdout: each run's verdict and results, each"
+        " chart's points (no matplotlib needed)",
     )
     p.add_argument("--socket", type=Path, default=socket_default(), help="daemon control socket")
     offline.add_arguments(p)
@@ -111,22 +132,35 @@ def cmd_report(args: argparse.Namespace) -> int:
     from llmd_supervisor.cli.common import _Exit
     from llmd_supervisor.cli.results import fetch_results
 
-    try:
-        import matplotlib  # noqa: F401  (checked before the daemon is asked anything)
-    except ImportError:
-        print(INSTALL_HINT, file=sys.stderr)
+    output: Path | None = args.output
+    if output is None and not args.json:
+        print(
+            "llmd-supervisor report: give -o FILE (the HTML report) or --json (its data on"
+            " stdout), or both.",
+            file=sys.stderr,
+        )
         return 2
+    if output is not None:
+        try:
+            import matplotlib  # noqa: F401  (checked before the daemon is asked anything)
+        except ImportError:
+            print(INSTALL_HINT, file=sys.stderr)
+            return 2
     try:
         runs = fetch_results("report", args, list(args.runs))
     except _Exit as exc:
         return exc.status
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-    text = render_report(runs, generated_at=now)
-    output: Path = args.output
-    try:
-        write_atomic(output, text.encode("utf-8", "backslashreplace"))
-    except OSError as exc:
-        print(f"llmd-supervisor report: could not write {output}: {exc}.", file=sys.stderr)
-        return 2
-    print(f"wrote {output}")
+    if output is not None:
+        text = render_report(runs, generated_at=now)
+        try:
+            write_atomic(output, text.encode("utf-8", "backslashreplace"))
+        except OSError as exc:
+            print(f"llmd-supervisor report: could not write {output}: {exc}.", file=sys.stderr)
+            return 2
+        # With --json, stdout carries the JSON alone.
+        print(f"wrote {output}", file=sys.stderr if args.json else sys.stdout)
+    if args.json:
+        doc = report_data(runs, generated_at=now)
+        sys.stdout.write(json.dumps(doc, indent=2, sort_keys=True) + "\n")
     return 0

@@ -84,6 +84,27 @@ class Chart:
     zero_y: bool = False  # a throughput: its axis starts at zero
 
 
+def chart_data(chart: Chart) -> dict[str, object]:
+    """`chart` as `report --json` prints it: its axes and each run's points, without the
+    drawing's colours."""
+    return {
+        "id": chart.chart_id,
+        "title": chart.title,
+        "x": chart.xlabel,
+        "y": chart.ylabel,
+        "log_x": chart.log_x,
+        "series": [
+            {
+                "run": s.run,
+                "label": s.label,
+                "points": [{"x": x, "y": y, "concurrency": c} for x, y, c in s.points],
+            }
+            for s in chart.series
+        ],
+        "left_out": list(chart.left_out),
+    }
+
+
 def escaped_run(r: RunResults) -> RunResults:
     """`r` with every text field escaped as `job_text` does (numbers are bounded where they
     are plotted)."""

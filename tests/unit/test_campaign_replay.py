@@ -96,6 +96,21 @@ def test_a_campaign_runs_every_point_once_then_reuses_them_all(
         daemon.cli("campaign", "results", campaign.group(1), "--format", "inferencex-agg").stdout
     )
     assert len(agg) == 12 and {a["conc"] for a in agg} == {1, 2, 4}
+    # `campaign report --json`: the report's data (no -o, no matplotlib needed).
+    report = _json(daemon.cli("campaign", "report", campaign.group(1), "--json").stdout)
+    shown = report["campaign"]
+    assert isinstance(shown, dict) and shown["campaign"] == campaign.group(1)
+    assert report["points"] == rows
+    charts = report["charts"]
+    assert isinstance(charts, list)
+    assert [c["id"] for c in charts] == [
+        "tput-vs-interactivity",
+        "ttft-vs-concurrency",
+        "tpot-vs-concurrency",
+    ]
+    assert sum(len(s["points"]) for s in charts[0]["series"]) >= 4  # 2 topologies' lines
+    neither = daemon.cli("campaign", "report", campaign.group(1), check=False)
+    assert neither.returncode == 2 and "give -o FILE (the HTML report) or --json" in neither.stderr
 
 
 def test_a_bad_campaign_file_names_the_point_and_the_field(daemon: Daemon, tmp_path: Path) -> None:

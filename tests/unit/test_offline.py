@@ -130,3 +130,54 @@ def test_report_from_the_archive_writes_the_file(state: Path, tmp_path: Path) ->
     got = cli("report", RUN, "--state-dir", str(state), "-o", str(out))
     assert got.returncode == 0, got.stderr
     assert out.read_text().startswith("<!DOCTYPE html>") and RUN in out.read_text()
+
+
+def test_report_json_prints_the_reports_data_without_matplotlib(
+    state: Path, tmp_path: Path
+) -> None:
+    """`report --json` (README: every client command takes --json): the report's data,
+    what the HTML shows (each run's verdict and results, each chart's points and what it
+    left out), on stdout; no -o needed, and no matplotlib (the charts are not drawn)."""
+    hide = tmp_path / "hide"
+    hide.mkdir()
+    (hide / "matplotlib.py").write_text("raise ImportError('hidden by the test')\n")
+    env = {**os.environ, "PYTHONPATH": str(hide), "LLMD_SUPERVISOR_SOCKET": "/nonexistent/s"}
+    argv = [sys.executable, "-m", "llmd_supervisor", "report", RUN, "--state-dir", str(state)]
+    got = subprocess.run(
+        [*argv, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert got.returncode == 0, got.stderr
+    doc = json.loads(got.stdout)
+    results = json.loads(cli("results", RUN, "--state-dir", str(state), "--json").stdout)
+    assert doc["runs"] == results["runs"]
+    charts = {c["id"]: c for c in doc["charts"]}
+    assert list(charts) == [
+        "tput-vs-interactivity",
+        "total-tput-vs-interactivity",
+        "ttft-vs-concurrency",
+        "tpot-vs-concurrency",
+    ]
+    (series,) = charts["tput-vs-interactivity"]["series"]
+    assert series["run"] == RUN and [p["concurrency"] for p in series["points"]] == [4]
+    (point,) = series["points"]
+    (row,) = results["runs"][0]["results"]["points"]
+    assert point["y"] == pytest.approx(row["total_token_throughput"] / 32)
+    assert charts["ttft-vs-concurrency"]["x"] == "concurrency (requests in flight)"
+    assert doc["left_out"] == [] and "generated_at" in doc
+    # With -o too, the HTML is written as well; stdout still carries the JSON alone.
+    out = tmp_path / "report.html"
+    both = cli("report", RUN, "--state-dir", str(state), "--json", "-o", str(out))
+    assert both.returncode == 0, both.stderr
+    assert json.loads(both.stdout)["runs"] == doc["runs"] and out.read_text().startswith("<!")
+    assert f"wrote {out}" in both.stderr
+    neither = cli("report", RUN, "--state-dir", str(state))
+    assert neither.returncode == 2
+    assert neither.stderr == (
+        "llmd-supervisor report: give -o FILE (the HTML report) or --json (its data on"
+        " stdout), or both.\n"
+    )
