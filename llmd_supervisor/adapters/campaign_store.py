@@ -7,8 +7,10 @@ whole campaign or nothing. A job's run id is chosen before its run exists and jo
 with the job (`set_job`); the run's own journal row follows, so after a crash the run id
 says whether the job was submitted (DESIGN.md section 12: exactly once per point).
 
-The ledger `verified_points` is shared by every campaign: (recipe id, concurrency) to the
-run whose archived result proved it and the result's sha256. The first proof stays.
+The ledger `verified_points` is shared by every campaign: (recipe id, concurrency) to each
+run whose archived result proved it, with the result's sha256. Every run's proof is kept
+(one per run): a user who may not see the run that proved a point first runs it once and
+reuses its own proof from then on (`supervision.campaign.runner`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from llmd_supervisor.adapters.outbox_rows import insert_outgoing
 from llmd_supervisor.core.outbox import Outgoing
 from llmd_supervisor.errors import JournalConflict, JournalError
 
-__all__ = ["CampaignStore", "StoredCampaign", "StoredJob", "VerifiedPoint"]
+__all__ = ["CampaignStore", "Proofs", "StoredCampaign", "StoredJob", "VerifiedPoint"]
 
 _C_COLUMNS: Final = (
     "campaign_id, name, owner_uid, cluster, state, reason, file_text, base_text, settings, "
@@ -85,6 +87,9 @@ class VerifiedPoint:
     result_file: str  # relative to the run's archive
     sha256: str
     verified_at: datetime
+
+
+Proofs = tuple[VerifiedPoint, ...]  # one point's proofs, one per run, oldest first
 
 
 class CampaignStore:
@@ -229,30 +234,32 @@ class CampaignStore:
 
         return await self._journal.read(operation, work)
 
-    async def verified(self, recipe_ids: Iterable[str]) -> dict[tuple[str, int], VerifiedPoint]:
-        """The ledger's verified points of these recipes."""
+    async def verified(self, recipe_ids: Iterable[str]) -> dict[tuple[str, int], Proofs]:
+        """The ledger's proofs of the points of these recipes, oldest first per point."""
         ids = sorted(set(recipe_ids))
         operation = f"read the verified points of {len(ids)} recipes"
 
-        def work(conn: Db) -> dict[tuple[str, int], VerifiedPoint]:
-            out: dict[tuple[str, int], VerifiedPoint] = {}
+        def work(conn: Db) -> dict[tuple[str, int], Proofs]:
+            out: dict[tuple[str, int], Proofs] = {}
             for start in range(0, len(ids), 500):  # SQLite's bound-parameter limit
                 chunk = ids[start : start + 500]
                 rows = conn.execute(
                     f"SELECT {_P_COLUMNS} FROM verified_points "
-                    f"WHERE recipe_id IN ({_marks(len(chunk))})",
+                    f"WHERE recipe_id IN ({_marks(len(chunk))}) "
+                    "ORDER BY recipe_id, concurrency, verified_at, run_id",
                     chunk,
                 ).fetchall()
                 for r in rows:
                     p = self._point(r, operation)
-                    out[(p.recipe_id, p.concurrency)] = p
+                    key = (p.recipe_id, p.concurrency)
+                    out[key] = (*out.get(key, ()), p)
             return out
 
         return await self._journal.read(operation, work)
 
     async def add_verified(self, points: Sequence[VerifiedPoint]) -> int:
-        """Add proofs to the ledger; a point already proven keeps its first proof.
-        Returns how many were new."""
+        """Add proofs to the ledger, beside the other runs' proofs of the same points (a
+        run's proof of a point is recorded once). Returns how many were new."""
         operation = f"record {len(points)} verified points"
         path = self._journal.location
         rows = [
@@ -277,13 +284,16 @@ class CampaignStore:
 
         return await self._journal.write(operation, work)
 
-    async def forget_verified(self, keys: Sequence[tuple[str, int]]) -> None:
-        """Drop proofs (a result whose file no longer matches its sha256, or `--rerun`)."""
+    async def forget_verified(self, keys: Sequence[tuple[str, int, str]]) -> None:
+        """Drop proofs, each named by (recipe id, concurrency, run id): a result whose run
+        is gone or whose file no longer matches its sha256. Other runs' proofs stay."""
         operation = f"forget {len(keys)} verified points"
 
         def work(conn: Db) -> None:
             conn.executemany(
-                "DELETE FROM verified_points WHERE recipe_id = ? AND concurrency = ?", keys
+                "DELETE FROM verified_points"
+                " WHERE recipe_id = ? AND concurrency = ? AND run_id = ?",
+                keys,
             )
 
         await self._journal.write(operation, work)

@@ -261,6 +261,27 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
             for when, event in (("insert", "INSERT"), ("update", f"UPDATE OF {_RUN_FIELDS}"))
         ),
     ),
+    # 8 -> 9: the ledger keeps each run's proof of a point (primary key with the run id):
+    # a user who may not see the run that proved a point first runs it and reuses its own
+    # proof from then on. SQLite cannot change a primary key: a new table takes the rows.
+    (
+        """
+        CREATE TABLE verified_points_9 (
+            recipe_id   TEXT NOT NULL,
+            concurrency INTEGER NOT NULL CHECK (concurrency >= 1),
+            run_id      TEXT NOT NULL,
+            campaign_id TEXT,
+            result_file TEXT NOT NULL,  -- the archived result, relative to the run's archive
+            sha256      TEXT NOT NULL,
+            verified_at TEXT NOT NULL,
+            PRIMARY KEY (recipe_id, concurrency, run_id)
+        )
+        """,
+        "INSERT INTO verified_points_9 SELECT recipe_id, concurrency, run_id, campaign_id,"
+        " result_file, sha256, verified_at FROM verified_points",
+        "DROP TABLE verified_points",
+        "ALTER TABLE verified_points_9 RENAME TO verified_points",
+    ),
 )
 
 
@@ -521,6 +542,13 @@ _POSTGRES_8: Final = (
     "SELECT pg_snapshot_xmin(pg_current_snapshot())::text::bigint AS horizon",
 )
 
+# 8 -> 9: the ledger keeps each run's proof of a point, as SQLite's step 9 (no row is
+# written: the fence does not fire).
+_POSTGRES_9: Final = (
+    "ALTER TABLE verified_points DROP CONSTRAINT verified_points_pkey",
+    "ALTER TABLE verified_points ADD PRIMARY KEY (recipe_id, concurrency, run_id)",
+)
+
 POSTGRES_MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     (),
     (),
@@ -530,4 +558,5 @@ POSTGRES_MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     _POSTGRES_6,
     _POSTGRES_7,
     _POSTGRES_8,
+    _POSTGRES_9,
 )

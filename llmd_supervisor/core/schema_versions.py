@@ -42,6 +42,7 @@ VERSIONS: Final = (
     "the outbox: outbound events and their deliveries per destination",
     "the fence: a shared journal accepts writes only from its cluster's current leader",
     "the fence checks each row's cluster; a run's change counter (reads of what changed)",
+    "the ledger keeps every run's proof of a point, not only the first run's",
 )
 CODE_VERSION: Final = len(VERSIONS)
 

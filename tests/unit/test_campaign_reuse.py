@@ -154,3 +154,66 @@ def test_a_point_is_reused_only_from_a_visible_run_whose_result_passes_this_gate
     campaign = json.loads(ran.stdout)["campaign"]
     rows = json.loads(daemon.cli("campaign", "results", campaign, "--json").stdout)["points"]
     assert rows and all(r["run"] != run for r in rows), rows
+
+
+def test_a_users_own_proof_of_a_point_another_user_proved_first_is_kept_and_reused(
+    daemon: Daemon, world: ReplayWorld, tmp_path: Path, stranger: Stranger, logs: Path
+) -> None:
+    # Root proves both points first; the stranger, who may not see root's run, runs them
+    # itself. The ledger keeps both proofs: the stranger's next campaign reuses its own
+    # run (nothing is paid twice), and root's reuses root's.
+    base = demo_spec(logs)
+    text = CAMPAIGN.format(name="shared", fraction=0.01)
+    (tmp_path / "base.toml").write_text(base)
+    path = tmp_path / "shared.toml"
+    path.write_text(text)
+    done = daemon.cli("campaign", "submit", str(path), "--wait", check=False, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr + daemon.log_text()[-3000:]
+    assert len(world.sbatch_names()) == 1
+    mine = str(json.loads(daemon.cli("list", "--all", "--json").stdout)["runs"][0]["run"])
+
+    def submit(name: str, *, dry_run: bool) -> dict[str, object]:
+        reply = stranger.ask(
+            daemon.socket, "campaign_submit", dry_run=dry_run, **_plan(text, base, name)
+        )
+        result = reply.get("result")
+        assert isinstance(result, dict), reply
+        return result
+
+    def wait(campaign: str) -> list[dict[str, object]]:
+        """The campaign's points once it finished (root may read any campaign's)."""
+        ended = daemon.cli("campaign", "wait", campaign, "--json", check=False, timeout=180)
+        assert ended.returncode == 0, ended.stdout + ended.stderr + daemon.log_text()[-3000:]
+        rows = json.loads(daemon.cli("campaign", "results", campaign, "--json").stdout)
+        assert isinstance(rows["points"], list)
+        return rows["points"]
+
+    first = wait(str(submit("theirs-1", dry_run=False)["campaign"]))
+    assert len(world.sbatch_names()) == 2  # root's run was not the stranger's to reuse
+    runs = json.loads(daemon.cli("list", "--all", "--json").stdout)["runs"]
+    theirs = {str(r["run"]) for r in runs if r["owner_uid"] == stranger.uid}
+    assert len(theirs) == 1 and mine not in theirs
+    (their_run,) = theirs
+    assert [(r["concurrency"], r["run"]) for r in first] == [(1, their_run), (2, their_run)]
+
+    # The stranger's next campaign: both points reused from its own run, none run again.
+    dry = submit("theirs-2", dry_run=True)
+    notes = dry["job_list"]
+    assert isinstance(notes, list)
+    assert [(n["concurrency"], n["run"]) for n in notes[0]["reuse"]] == [
+        (1, their_run),
+        (2, their_run),
+    ], notes
+    second = wait(str(submit("theirs-2", dry_run=False)["campaign"]))
+    assert len(world.sbatch_names()) == 2
+    assert [(r["concurrency"], r["run"], r["state"]) for r in second] == [
+        (1, their_run, "reused"),
+        (2, their_run, "reused"),
+    ], second
+
+    # Root's own campaign again still reuses root's first proof.
+    again = json.loads(daemon.cli("campaign", "submit", str(path), "--dry-run", "--json").stdout)
+    assert [(n["concurrency"], n["run"]) for n in again["job_list"][0]["reuse"]] == [
+        (1, mine),
+        (2, mine),
+    ]

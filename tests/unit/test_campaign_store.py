@@ -3,9 +3,12 @@ PostgreSQL server (tests/postgres.py)."""
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import AsyncIterator
+from contextlib import closing
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import pytest
 import pytest_asyncio
@@ -16,6 +19,9 @@ from llmd_supervisor.adapters.campaign_store import (
     StoredJob,
     VerifiedPoint,
 )
+from llmd_supervisor.adapters.journal import Journal
+from llmd_supervisor.adapters.journal_rows import iso
+from llmd_supervisor.adapters.journal_schema import MIGRATIONS
 from llmd_supervisor.errors import JournalConflict, JournalError
 from tests.postgres import JournalTarget
 
@@ -115,20 +121,52 @@ async def test_a_job_gets_its_run_id_and_points_and_counts_its_runs(store: Campa
 
 
 @pytest.mark.asyncio
-async def test_the_ledger_keeps_the_first_proof_and_forgets_on_request(
+async def test_the_ledger_keeps_each_runs_proof_and_forgets_one_on_request(
     store: CampaignStore,
 ) -> None:
     p = VerifiedPoint("r" * 64, 4, "0123456789ab", "c0ffee000001", "results/c4.json", "ab" * 32, T0)
     assert await store.add_verified([p]) == 1
     later = replace(p, run_id="ba9876543210", verified_at=T0 + timedelta(hours=1))
-    assert await store.add_verified([later, replace(p, concurrency=8)]) == 1
+    assert await store.add_verified([later, replace(p, concurrency=8), p]) == 2
     got = await store.verified(["r" * 64, "x" * 64])
-    assert got[("r" * 64, 4)] == p  # the first proof stays
+    assert got[("r" * 64, 4)] == (p, later)  # every run's proof, oldest first, each once
     assert set(got) == {("r" * 64, 4), ("r" * 64, 8)}
-    await store.forget_verified([("r" * 64, 4)])
-    assert set(await store.verified(["r" * 64])) == {("r" * 64, 8)}
+    await store.forget_verified([("r" * 64, 4, "0123456789ab")])  # that run's proof only
+    assert await store.verified(["r" * 64]) == {
+        ("r" * 64, 4): (later,),
+        ("r" * 64, 8): (replace(p, concurrency=8),),
+    }
     # Many recipes at once (more than SQLite's bound parameters in one statement).
     assert await store.verified(f"{i:064x}" for i in range(1500)) == {}
+
+
+@pytest.mark.asyncio
+async def test_a_version_8_ledger_migrates_keeping_its_proofs(tmp_path: Path) -> None:
+    # Version 8 kept one proof per point; version 9 keeps its rows and takes a second run's.
+    path = tmp_path / "journal.db"
+    p = VerifiedPoint("r" * 64, 4, "0123456789ab", "c0ffee000001", "results/c4.json", "ab" * 32, T0)
+    with closing(sqlite3.connect(path, isolation_level=None)) as conn:
+        conn.execute("BEGIN")
+        for statement in (s for step in MIGRATIONS[:8] for s in step):
+            conn.execute(statement)
+        conn.execute(
+            "INSERT INTO verified_points VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                *(p.recipe_id, 4, p.run_id, p.campaign_id, p.result_file, p.sha256),
+                iso(T0, path, "t"),
+            ),
+        )
+        conn.execute("PRAGMA user_version = 8")
+        conn.execute("COMMIT")
+    async with await Journal.open(path) as j:
+        store = CampaignStore(j)
+        assert await store.verified(["r" * 64]) == {("r" * 64, 4): (p,)}
+        later = replace(p, run_id="ba9876543210", verified_at=T0 + timedelta(hours=1))
+        assert await store.add_verified([later]) == 1
+        assert await store.verified(["r" * 64]) == {("r" * 64, 4): (p, later)}
+    with closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 9
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 
 @pytest.mark.asyncio

@@ -60,12 +60,17 @@ def _job(key: str, state: str, run_id: str | None, reason: str = "") -> StoredJo
 
 
 JOBS = [_job("aaa", "succeeded", "run2"), _job("bbb", "blocked", None, "canary aaa failed")]
+# Point 1 proven first by another user's run0, then by the owner's run1 (the one shown).
 PROOFS = {
-    ("aaaaaa", 1): VerifiedPoint("aaaaaa", 1, "run1", "c0ffee000000", "c1.json", "0" * 64, T0),
-    ("aaaaaa", 4): VerifiedPoint(
-        "aaaaaa", 4, "run2", CAMPAIGN.campaign_id, "c4.json", "1" * 64, T0
+    ("aaaaaa", 1): (
+        VerifiedPoint("aaaaaa", 1, "run0", "c0ffee0000ff", "c1.json", "2" * 64, T0),
+        VerifiedPoint("aaaaaa", 1, "run1", "c0ffee000000", "c1.json", "0" * 64, T0),
+    ),
+    ("aaaaaa", 4): (
+        VerifiedPoint("aaaaaa", 4, "run2", CAMPAIGN.campaign_id, "c4.json", "1" * 64, T0),
     ),
 }
+OWNERS = {"run0": CAMPAIGN.owner_uid + 1, "run1": CAMPAIGN.owner_uid, "run2": CAMPAIGN.owner_uid}
 RESULTS: dict[str, RunResults] = {
     "run1": {
         "run": "run1",
@@ -107,7 +112,7 @@ def test_status_and_list_read_back_as_they_were_sent() -> None:
 
 
 def test_a_jobs_results_read_back_with_the_runs_that_proved_it() -> None:
-    item = views.job_results(CAMPAIGN, JOBS[0], PROOFS, RESULTS)
+    item = views.job_results(CAMPAIGN, JOBS[0], PROOFS, RESULTS, OWNERS)
     assert read(CampaignJobResults, _wire(item)) == item
     assert [(p["concurrency"], p["state"], p["run"], p["reused_from"]) for p in item["points"]] == [
         (1, "reused", "run1", "c0ffee000000"),
@@ -117,7 +122,7 @@ def test_a_jobs_results_read_back_with_the_runs_that_proved_it() -> None:
 
 
 def test_a_wrong_field_deep_in_a_jobs_results_is_named() -> None:
-    item = _wire(views.job_results(CAMPAIGN, JOBS[0], PROOFS, RESULTS))
+    item = _wire(views.job_results(CAMPAIGN, JOBS[0], PROOFS, RESULTS, OWNERS))
     assert isinstance(item, dict)
     item["runs"][0]["results"] = {"format": "vllm", "gpus": 8, "points": [{"concurrency": 1}]}
     with pytest.raises(SummaryError, match=r"runs\[0\]\.results\.points\[0\]\.num_prompts is"):

@@ -21,7 +21,7 @@ from llmd_supervisor.errors import JournalSchemaTooNew
 
 
 def test_the_numbering_is_the_sqlite_journal_s() -> None:
-    assert CODE_VERSION == SCHEMA_VERSION == len(MIGRATIONS) == len(VERSIONS) == 8
+    assert CODE_VERSION == SCHEMA_VERSION == len(MIGRATIONS) == len(VERSIONS) == 9
 
 
 PLANS: list[tuple[str, int, int, Plan]] = [
@@ -93,7 +93,7 @@ def test_an_upgrade_says_what_it_adds() -> None:
 
 
 def test_the_refusal_as_an_error() -> None:
-    refused = plan(9)
+    refused = plan(CODE_VERSION + 1)
     assert isinstance(refused, Refuse)
     error = JournalSchemaTooNew(
         "postgresql://llmd@db/llmd", refused.db_version, refused.code_version

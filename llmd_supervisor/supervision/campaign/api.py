@@ -32,6 +32,7 @@ from llmd_supervisor.core.summary import RunResults
 from llmd_supervisor.errors import ControlError, SpecError
 from llmd_supervisor.supervision.access import sees_all
 from llmd_supervisor.supervision.campaign import views
+from llmd_supervisor.supervision.campaign.points import proof_of
 from llmd_supervisor.supervision.campaign.runner import Campaigns, limits_of
 
 __all__ = ["CampaignOps"]
@@ -178,17 +179,32 @@ class CampaignOps:
         c = await self._visible(args, peer)
         jobs = await self.campaigns.store.jobs(c.campaign_id)
         proofs = await self.campaigns.store.verified(j.recipe_id for j in jobs)
+        owners = self.campaigns.owners(proofs)
         cache: dict[str, RunResults] = {}
         points = 0
         for j in jobs:
-            shown = {p.run_id for conc in j.concurrencies if (p := proofs.get((j.recipe_id, conc)))}
+            shown = {
+                p.run_id
+                for conc in j.concurrencies
+                if (
+                    p := proof_of(
+                        proofs,
+                        j.recipe_id,
+                        conc,
+                        ran=conc in j.to_run,
+                        run_id=j.run_id,
+                        owner_uid=c.owner_uid,
+                        owners=owners,
+                    )
+                )
+            }
             if j.run_id is not None and j.state == "succeeded":
                 shown.add(j.run_id)  # its own points' results (views.job_results picks)
             for run_id in sorted(shown - cache.keys()):
                 got = await self.run_results(run_id)
                 if got is not None:
                     cache[run_id] = got
-            item = views.job_results(c, j, proofs, cache)
+            item = views.job_results(c, j, proofs, cache, owners)
             points += len(j.concurrencies)
             await send(item)
         return {"campaign": c.campaign_id, "name": c.name, "state": c.state, "points": points}

@@ -147,16 +147,32 @@ class CampaignEvents:
             ),
         )
 
-    async def best(self, jobs: Sequence[StoredJob]) -> tuple[PointFacts, BestOf] | None:
+    async def best(
+        self, c: StoredCampaign, jobs: Sequence[StoredJob]
+    ) -> tuple[PointFacts, BestOf] | None:
         """The campaign's best verified point (`core.event_facts.best_point`'s rule: the
         highest total token throughput) among its points' archived results, read from the
         runs that verified them (reused points too), and where it comes from."""
         proofs = await self._store.verified(j.recipe_id for j in jobs)
+        owners = {
+            p.run_id: h.meta.owner_uid
+            for found in proofs.values()
+            for p in found
+            if (h := self._sup.handles.get(p.run_id)) is not None
+        }
         wanted: dict[str, dict[int, StoredJob]] = {}  # run -> concurrency -> its job
         for j in jobs:
             for conc in j.concurrencies:
                 ran = conc in j.to_run
-                proof = proof_of(proofs, j.recipe_id, conc, ran=ran, run_id=j.run_id)
+                proof = proof_of(
+                    proofs,
+                    j.recipe_id,
+                    conc,
+                    ran=ran,
+                    run_id=j.run_id,
+                    owner_uid=c.owner_uid,
+                    owners=owners,
+                )
                 own = j.run_id if ran and j.state == "succeeded" else None
                 run_id = proof.run_id if proof is not None else own
                 if run_id is not None:
@@ -228,7 +244,7 @@ class CampaignEvents:
         if not self._wanted(EventType.CAMPAIGN_FINISHED, c, named):
             return ()
         try:
-            best = await self.best(jobs)
+            best = await self.best(c, jobs)
             facts = self.facts(c, jobs, outcome=state, reason=reason, best=best)
             return event_outgoing(
                 EventType.CAMPAIGN_FINISHED,

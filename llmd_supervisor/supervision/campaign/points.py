@@ -90,21 +90,33 @@ def verified_of(
     return out
 
 
+def preferred(
+    proofs: Sequence[VerifiedPoint], owner_uid: int, owners: Mapping[str, int]
+) -> list[VerifiedPoint]:
+    """One point's proofs in the order a campaign of `owner_uid` tries them for reuse: its
+    owner's own runs' first, then the others' (`owners`: run id to its owner), each oldest
+    first (the ledger's order)."""
+    return sorted(proofs, key=lambda p: owners.get(p.run_id) != owner_uid)
+
+
 def proof_of(
-    proofs: Mapping[tuple[str, int], VerifiedPoint],
+    proofs: Mapping[tuple[str, int], Sequence[VerifiedPoint]],
     recipe_id: str,
     concurrency: int,
     *,
     ran: bool,
     run_id: str | None,
+    owner_uid: int,
+    owners: Mapping[str, int],
 ) -> VerifiedPoint | None:
-    """The ledger's proof a campaign job's point shows: a point it reused, the ledger's; a
-    point the job ran itself (`ran`), only its own run's (the ledger keeps a point's first
-    proof, which may be another user's run the job's owner may not see)."""
-    proof = proofs.get((recipe_id, concurrency))
-    if ran and proof is not None and proof.run_id != run_id:
-        return None
-    return proof
+    """The ledger's proof a campaign job's point shows: a point the job ran itself (`ran`),
+    only its own run's; a point it reused, the first in `preferred` order (the ledger keeps
+    every run's proof, some of them other users' runs the job's owner may not see)."""
+    found = proofs.get((recipe_id, concurrency), ())
+    if ran:
+        return next((p for p in found if p.run_id == run_id), None)
+    ordered = preferred(found, owner_uid, owners)
+    return ordered[0] if ordered else None
 
 
 def _below(name: str) -> bool:

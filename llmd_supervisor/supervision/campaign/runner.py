@@ -46,6 +46,7 @@ import structlog
 
 from llmd_supervisor.adapters.campaign_store import (
     CampaignStore,
+    Proofs,
     StoredCampaign,
     StoredJob,
     VerifiedPoint,
@@ -88,7 +89,7 @@ from llmd_supervisor.errors import CampaignError, IllegalTransition, SpecError, 
 from llmd_supervisor.supervision.access import sees_all, user_name
 from llmd_supervisor.supervision.campaign.events import CampaignEvents
 from llmd_supervisor.supervision.campaign.expansion import Expander
-from llmd_supervisor.supervision.campaign.points import archived_result, verified_of
+from llmd_supervisor.supervision.campaign.points import archived_result, preferred, verified_of
 from llmd_supervisor.supervision.run.driver import RunHandle, Supervisor
 
 __all__ = ["Campaigns", "Plan"]
@@ -539,6 +540,15 @@ class Campaigns:
             caps.append(max(0, len(own) + room - held))
         return min(caps) if caps else None
 
+    def owners(self, proofs: Mapping[tuple[str, int], Proofs]) -> dict[str, int]:
+        """The owner of each proof's run that this daemon knows, by run id."""
+        return {
+            p.run_id: h.meta.owner_uid
+            for found in proofs.values()
+            for p in found
+            if (h := self.sup.handles.get(p.run_id)) is not None
+        }
+
     def _gpu_cap(self, c: StoredCampaign) -> int | None:
         """``[limits] per_user_max_gpus`` less the GPUs its owner's other campaigns hold."""
         cap = self.sup.config.limits.per_user_max_gpus
@@ -734,55 +744,75 @@ class Campaigns:
         whose run is gone or whose archived file no longer matches its sha256 is dropped
         from the ledger (its point runs again)."""
         proofs = await self.store.verified(r for r, _, _ in points)
+        every = [p for found in proofs.values() for p in found]
         runs = {
             p.run_id: (h.meta.owner_uid, Path(h.meta.archive_dir))
-            for p in proofs.values()
+            for p in every
             if (h := self.sup.handles.get(p.run_id)) is not None
         }
+        owners = {run_id: owner for run_id, (owner, _) in runs.items()}
         # Only a proof the viewer may see is read and judged again.
-        visible = {
-            k: p
-            for k, p in proofs.items()
-            if p.run_id in runs and (everyone or runs[p.run_id][0] == viewer_uid)
-        }
+        visible = [
+            p for p in every if p.run_id in runs and (everyone or runs[p.run_id][0] == viewer_uid)
+        ]
         data = await anyio.to_thread.run_sync(
-            lambda: {k: archived_result(runs[p.run_id][1], p) for k, p in visible.items()}
+            lambda: {_proof_key(p): archived_result(runs[p.run_id][1], p) for p in visible}
         )
-        stale = [k for k, p in proofs.items() if p.run_id not in runs or data.get(k, b"") is None]
+        stale = [
+            _proof_key(p)
+            for p in every
+            if p.run_id not in runs or data.get(_proof_key(p), b"") is None
+        ]
         if stale:
             log.warning("campaign.proofs_dropped", points=len(stale))
             await self.store.forget_verified(stale)
         gates = {recipe: g for recipe, _, g in points}
         items = [
-            (f"{r}/{c}", raw, gates[r].formats)
-            for (r, c), raw in data.items()
-            if raw is not None and r in gates
+            ("/".join(map(str, key)), raw, gates[key[0]].formats)
+            for key, raw in data.items()
+            if raw is not None and key[0] in gates
         ]
         parsed = await parse_many(items, ParseLimits.of(self.sup.config.limits))
         out: dict[tuple[str, int], tuple[VerifiedPoint | None, Reuse]] = {}
         for recipe, concurrencies, point_gate in points:
             for conc in concurrencies:
-                key = (recipe, conc)
-                proof = proofs.get(key)
-                candidate = None
-                if proof is not None:
-                    owner = runs.get(proof.run_id, (None, None))[0]
+                answers: list[tuple[bool, VerifiedPoint | None, Reuse]] = []  # visible?
+                # Its owner's own proofs first, then the others' it may see, oldest first.
+                for proof in preferred(proofs.get((recipe, conc), ()), viewer_uid, owners):
+                    key = _proof_key(proof)
                     candidate = Candidate(
                         proof.run_id,
                         proof.campaign_id,
-                        owner,
+                        owners.get(proof.run_id),
                         intact=data.get(key) is not None,
-                        parsed=parsed.get(f"{recipe}/{conc}"),
+                        parsed=parsed.get("/".join(map(str, key))),
                     )
-                answer = reuse_verdict(
-                    conc,
-                    candidate,
-                    viewer_uid=viewer_uid,
-                    sees_all=everyone,
-                    point_gate=point_gate,
-                )
-                out[key] = (proof if answer.run_id is not None else None, answer)
+                    answer = reuse_verdict(
+                        conc,
+                        candidate,
+                        viewer_uid=viewer_uid,
+                        sees_all=everyone,
+                        point_gate=point_gate,
+                    )
+                    seen = everyone or candidate.run_owner == viewer_uid
+                    if answer.run_id is not None:
+                        answers.insert(0, (True, proof, answer))
+                        break
+                    answers.append((seen, None, answer))
+                if not answers:
+                    no_proof = reuse_verdict(
+                        conc, None, viewer_uid=viewer_uid, sees_all=everyone, point_gate=point_gate
+                    )
+                    answers.append((False, None, no_proof))
+                # Reused: that proof. Else why the first proof it may see failed (none
+                # visible: why the first could not be used).
+                _, chosen, why = next((a for a in answers if a[0]), answers[0])
+                out[(recipe, conc)] = (chosen, why)
         return out
+
+
+def _proof_key(p: VerifiedPoint) -> tuple[str, int, str]:
+    return (p.recipe_id, p.concurrency, p.run_id)
 
 
 def _peer_of(uid: int) -> Peer:

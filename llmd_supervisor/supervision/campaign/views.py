@@ -206,17 +206,27 @@ def dry_run(plan: Plan) -> CampaignDryRun:
 def job_results(
     c: StoredCampaign,
     j: StoredJob,
-    proofs: Mapping[tuple[str, int], VerifiedPoint],
+    proofs: Mapping[tuple[str, int], Sequence[VerifiedPoint]],
     results_of: Mapping[str, RunResults],
+    owners: Mapping[str, int],
 ) -> CampaignJobResults:
     """One job's points with provenance, and the results of the runs that proved them
-    (`results_of`: run id to that run's `results` reply)."""
+    (`results_of`: run id to that run's `results` reply; `owners`: run id to its owner,
+    for `proof_of`)."""
     rows: list[CampaignPoint] = []
     runs: dict[str, RunResults] = {}
     for conc in j.concurrencies:
         state = point_state(JobState(j.state), conc, j.to_run)
         ran = conc in j.to_run
-        proof = proof_of(proofs, j.recipe_id, conc, ran=ran, run_id=j.run_id)
+        proof = proof_of(
+            proofs,
+            j.recipe_id,
+            conc,
+            ran=ran,
+            run_id=j.run_id,
+            owner_uid=c.owner_uid,
+            owners=owners,
+        )
         run_id = proof.run_id if proof is not None else j.run_id
         rows.append(
             {
