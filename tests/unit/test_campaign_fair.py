@@ -257,3 +257,49 @@ def test_two_users_share_the_account_room_and_neither_gets_a_job_over_its_share(
                 f" share being {SHARE} and uid {other} having {waiting} jobs of work"
             )
     assert most[0] == PER_USER and most[uid] >= SHARE, most
+
+
+def test_room_a_campaign_cannot_use_goes_to_the_other_user(
+    daemon: Daemon, world: ReplayWorld, tmp_path: Path, stranger: Stranger, logs: Path
+) -> None:
+    # Root's campaign may hold 1 job at once (its max_jobs): root wants 1 of the room, not
+    # its 3 jobs, so the stranger's campaign gets the other 3 (its per_user_max_jobs).
+    base = demo_spec(logs)
+    (tmp_path / "base.toml").write_text(base)
+    mine = tmp_path / "mine.toml"
+    text = CAMPAIGN.format(name="fair-root", isl_osl=ROOT_JOBS[:3])
+    mine.write_text(text.replace("max_jobs = 8", "max_jobs = 1"))
+    _set_running_s(world, LONG_S)
+    sub = daemon.cli("campaign", "submit", str(mine), "--json")
+    root_campaign = str(json.loads(sub.stdout)["campaign"])
+    _until("root's canary scripted", lambda: _scripted(world, 1), daemon)
+    _set_running_s(world, SHORT_S)
+    plan = {
+        "file_text": CAMPAIGN.format(name="fair-other", isl_osl=STRANGER_JOBS),
+        "base_text": base,
+        "name": "fair-other",
+        "file_path": "fair-other.toml",
+        "file_dir": None,
+        "cluster": None,
+        "max_points": 100,
+        "rerun": False,
+        "export_env_json": None,
+    }
+    reply = stranger.ask(daemon.socket, "campaign_submit", dry_run=False, **plan)
+    result = reply.get("result")
+    assert isinstance(result, dict), reply
+    other_campaign = str(result["campaign"])
+    _until("the stranger's canary scripted", lambda: _scripted(world, 2), daemon)
+    _set_running_s(world, LONG_S)
+    uid = stranger.uid
+    _until("the stranger holding 3", lambda: len(_holding(world, daemon, uid)) == 3, daemon)
+    assert len(_holding(world, daemon, 0)) == 1
+
+    _set_running_s(world, SHORT_S)
+    for job_id in [h.job_id for h in _jobs(world, daemon) if h.ended is None]:
+        _until(f"job {job_id} released", functools.partial(_release, world, job_id), daemon)
+    for campaign in (root_campaign, other_campaign):
+        done = daemon.cli("campaign", "wait", campaign, "--json", check=False, timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr + daemon.log_text()[-3000:]
+        assert json.loads(done.stdout)["state"] == "finished"
+    assert daemon.events("campaign.qos_refusal") == []
