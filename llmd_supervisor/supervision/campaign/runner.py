@@ -635,7 +635,10 @@ class Campaigns:
         )
         live = self._live(c.campaign_id)
         if live.share is not None:  # held from now on, for the next decision of any campaign
-            live.share = replace(live.share, runs=live.share.runs | {run_id})
+            share = live.share
+            live.share = replace(
+                share, runs=share.runs | {run_id}, gpus=share.gpus + max(job.gpus, 0)
+            )
         log.info("campaign.job_submitting", job_key=job.job_key, run_id=run_id, points=to_run)
         await self._submit_run(c, replace(job, run_id=run_id, to_run=to_run))
 
