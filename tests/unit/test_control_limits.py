@@ -16,12 +16,14 @@ import anyio
 import anyio.abc
 import pytest
 import structlog
+from anyio.abc import SocketAttribute
 
 from llmd_supervisor.adapters.control_client import ControlClient
 from llmd_supervisor.adapters.control_server import ControlServer
 from llmd_supervisor.core.config import SocketLimits
 from llmd_supervisor.errors import ControlError
 from tests.unit.test_control import DummyHandler, Raw, error_of, raw
+from tests.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,9 +90,10 @@ async def test_the_global_cap_refuses_and_a_client_gets_the_busy_error(sock: Pat
     async with serving(sock, max_connections=2), raw(sock) as a, raw(sock) as b:
         assert (await ping(a))["ok"] and (await ping(b))["ok"]
         with anyio.fail_after(TIMEOUT):
-            await anyio.sleep(0.05)
             async with ControlClient(sock) as client:
-                await anyio.sleep(0.05)  # the refusal is there before the request goes
+                # the refusal is there before the request goes: its busy line is readable
+                assert client._stream is not None
+                await anyio.wait_readable(client._stream.extra(SocketAttribute.raw_socket))
                 with pytest.raises(ControlError) as info:
                     await client.call("ping")
         assert info.value.code == "busy"
@@ -140,10 +143,12 @@ async def test_a_client_that_trickles_bytes_is_still_cut_at_the_request_timeout(
 
 @pytest.mark.asyncio
 async def test_the_stream_cap_answers_busy_and_keeps_the_connection(sock: Path) -> None:
-    async with serving(sock, max_streams_per_uid=1), raw(sock) as a, raw(sock) as b:
+    async with serving(sock, max_streams_per_uid=1) as server, raw(sock) as a, raw(sock) as b:
         await a.send(b'{"v":1,"id":1,"op":"wait","args":{"run":"forever"}}')
-        await anyio.sleep(0.1)
+        handler = server.handler
+        assert isinstance(handler, DummyHandler)
         with anyio.fail_after(TIMEOUT):
+            await handler.started.wait()  # a's wait is streaming: it holds the one stream
             reply = await b.request({"v": 1, "id": 2, "op": "wait", "args": {"run": "2"}})
         code, message = error_of(reply)
         assert code == "busy" and reply["id"] == 2
@@ -159,7 +164,7 @@ async def test_idle_connections_hold_no_budget_so_many_of_one_uid_are_served(soc
         conns: list[Raw] = []
         for _ in range(40):
             conns.append(Raw(await tg.start(_open, sock)))
-        await anyio.sleep(0.1)
+        await until(lambda: server.connections == 40, TIMEOUT, "all 40 connections served")
         assert server.buffered == 0
         for conn in conns:
             assert (await ping(conn))["ok"] is True

@@ -9,7 +9,6 @@ import os
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import anyio
@@ -24,6 +23,7 @@ from llmd_supervisor.errors import ConfigError, FileRefused, LogCapped, SpecErro
 from llmd_supervisor.supervision.cluster import SharedLogDir
 from tests.fakes.hostile import SECRET, plant
 from tests.fakes.hostile_results import write_nested
+from tests.waiting import until
 
 
 @pytest.fixture
@@ -82,16 +82,17 @@ def test_follow_by_name_like_tail_F_then_drain_at_stdin_eof(tmp_path: Path) -> N
     log = d / "rank0.log"
     log.write_bytes(b"one\n")
     p = _follower(d, "rank0.log", offset=1)
-    time.sleep(0.3)
+    assert p.stdout is not None
+    first = p.stdout.read(len(b"ne\n"))  # it follows the file from its offset
     log.rename(d / "old")  # replaced: the new file is read from its start
     (d / "new").write_bytes(b"two\n")
     (d / "new").rename(log)
-    time.sleep(0.3)
+    second = p.stdout.read(len(b"two\n"))  # it read the new file, so it saw the swap
     with log.open("ab") as f:
         f.write(b"three\n")
-    out, err = p.communicate(timeout=10)  # stdin EOF: what is left, then exit 0
+    out, err = p.communicate(timeout=30)  # stdin EOF: what is left, then exit 0
     assert p.returncode == 0, err
-    assert out == b"ne\ntwo\nthree\n"
+    assert first + second + out == b"ne\ntwo\nthree\n"
     assert b"replaced: L/rank0.log at byte 4\n" in err  # said, never silent
 
 
@@ -101,16 +102,17 @@ def test_a_truncation_is_said_and_only_when_a_fresh_look_confirms_it(tmp_path: P
     log = d / "rank0.log"
     log.write_bytes(b"0123456789\n")
     p = _follower(d, "rank0.log")
-    time.sleep(0.3)
+    assert p.stdout is not None and p.stderr is not None
+    first = p.stdout.read(len(b"0123456789\n"))  # it follows the file
     with log.open("r+b") as f:  # truncated in place (same inode), then written again
         f.truncate(0)
-    time.sleep(0.5)
+    said = p.stderr.readline()  # the truncation seen (and confirmed) before the write
     with log.open("ab") as f:
         f.write(b"new\n")
-    out, err = p.communicate(timeout=10)
+    out, err = p.communicate(timeout=30)
     assert p.returncode == 0, err
-    assert out == b"0123456789\nnew\n"
-    assert b"truncated: L/rank0.log from byte 11 to 0\n" in err, err
+    assert first + out == b"0123456789\nnew\n"
+    assert said == b"truncated: L/rank0.log from byte 11 to 0\n", said + err
 
 
 @pytest.mark.asyncio
@@ -139,7 +141,10 @@ async def test_the_tailer_hands_a_change_of_its_file_to_on_notice(tmp_path: Path
                 on_notice=notice,
             )
         )
-        await anyio.sleep(0.5)
+        await until(  # it follows a.log: its first line is copied
+            lambda: (tmp_path / "copy").is_file() and (tmp_path / "copy").read_bytes() == b"one\n",
+            what="a.log's first line in the copy",
+        )
         (d / "b.log").write_bytes(b"two\n")
         (d / "b.log").rename(d / "a.log")
         with anyio.fail_after(10):
