@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import anyio
@@ -33,6 +34,7 @@ from llmd_supervisor.core.lease import (
 from llmd_supervisor.errors import LeaseError
 from llmd_supervisor.supervision.leadership import LeaseKeeper
 from tests.postgres import PgServer
+from tests.waiting import until
 
 CLUSTER = "alpha"
 # Upper bounds, with room for a loaded machine.
@@ -119,12 +121,37 @@ class Changes:
             self.acted.set()
 
 
+class CountingLease(PostgresLease):
+    """The real adapter, keeping what its acquisitions and renewals answered, in order."""
+
+    def __init__(self, config: PostgresJournal) -> None:
+        super().__init__(config)
+        self.answers: list[Won | Held | datetime | None] = []
+
+    async def acquire(self, cluster: str, holder: str) -> Won | Held:
+        answer = await super().acquire(cluster, holder)
+        self.answers.append(answer)
+        return answer
+
+    async def renew(self, cluster: str, holder: str, epoch: int) -> datetime | None:
+        answer = await super().renew(cluster, holder, epoch)
+        self.answers.append(answer)
+        return answer
+
+    def count(self, kind: type[object], since: int = 0) -> int:
+        """How many answers from index `since` on are a `kind` (datetime: a renewal)."""
+        return sum(isinstance(a, kind) for a in self.answers[since:])
+
+
 @asynccontextmanager
 async def keeper(
-    db: Db, holder: str, changes: Callable[[bool, int | None], None] | None = None
+    db: Db,
+    holder: str,
+    changes: Callable[[bool, int | None], None] | None = None,
+    adapter: CountingLease | None = None,
 ) -> AsyncIterator[LeaseKeeper]:
     """A running keeper of CLUSTER on its own adapter; closed (the lease released) at the end."""
-    adapter = PostgresLease(db.config)
+    adapter = adapter or CountingLease(db.config)
     k = LeaseKeeper(CLUSTER, holder, adapter, on_change=changes)
     try:
         async with anyio.create_task_group() as tg:
@@ -188,9 +215,10 @@ async def test_one_of_two_keepers_leads_and_the_other_takes_over_at_a_graceful_s
     within about one attempt (the release is notified)."""
     first_changes = Changes()
     second_changes = Changes(acted=first_changes.acted)  # set by whichever acts first
+    first_lease, second_lease = CountingLease(db.config), CountingLease(db.config)
     async with (
-        keeper(db, "daemon-1", first_changes) as k1,
-        keeper(db, "daemon-2", second_changes) as k2,
+        keeper(db, "daemon-1", first_changes, first_lease) as k1,
+        keeper(db, "daemon-2", second_changes, second_lease) as k2,
     ):
         with within(ACQUIRE_WITHIN_S):
             await first_changes.acted.wait()
@@ -198,10 +226,17 @@ async def test_one_of_two_keepers_leads_and_the_other_takes_over_at_a_graceful_s
         leader_changes, standby_changes = (
             (first_changes, second_changes) if k1.acting else (second_changes, first_changes)
         )
+        leader_lease, standby_lease = (
+            (first_lease, second_lease) if k1.acting else (second_lease, first_lease)
+        )
         assert leader.epoch == 1
         assert leader.acting_time_left() > 0
         # Several renewals and standby attempts go by; nothing changes hands.
-        await anyio.sleep(2 * RENEW_EVERY_S + 1)
+        await until(
+            lambda: leader_lease.count(datetime) >= 2 and standby_lease.count(Held) >= 2,
+            10 * RENEW_EVERY_S + SLACK_S,
+            "two renewals of the leader and two refused attempts of the standby",
+        )
         assert leader.acting and not standby.acting
         assert await db.row() == (leader.holder, 1, True)
         assert isinstance(leader.state, Leader)
@@ -277,7 +312,8 @@ async def test_a_renewal_that_updates_no_row_stops_acting_at_once(db: Db) -> Non
     and the keeper stops acting then, not after the silence limit; it stays standby while
     the other holds the lease."""
     changes = Changes()
-    async with keeper(db, "daemon-1", changes) as k:
+    lease = CountingLease(db.config)
+    async with keeper(db, "daemon-1", changes, lease) as k:
         with within(ACQUIRE_WITHIN_S):
             await k.wait_acting()
         await db.sql(
@@ -287,7 +323,12 @@ async def test_a_renewal_that_updates_no_row_stops_acting_at_once(db: Db) -> Non
         )
         with within(LOST_WITHIN_S):
             await k.wait_acting(False)
-        await anyio.sleep(ACQUIRE_EVERY_S + 1)  # an attempt or two: the row is not free
+        lost_at = len(lease.answers)
+        await until(  # an attempt or two: the row is not free
+            lambda: lease.count(Held, since=lost_at) >= 2,
+            10 * ACQUIRE_EVERY_S + SLACK_S,
+            "two attempts answered that daemon-9 holds the lease",
+        )
         assert not k.acting
         assert await db.row() == ("daemon-9", 2, True)
     assert changes.seen == [(True, 1), (False, 1)]
