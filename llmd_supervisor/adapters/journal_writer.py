@@ -10,7 +10,8 @@ cluster's current lease epoch. The writer comes from the task that writes:
   no longer acts for it, and the write is refused (fails closed);
 * any other write uses the journal's default source (the daemon's: any cluster it leads,
   `supervision.leading.Roles.any_writer`), so a standby, which leads none, writes
-  nothing.
+  nothing. Only the team's rows (`core.fencing.TEAM_TABLES`) may be written so: the
+  fence refuses a cluster's row written as another cluster (schema version 8).
 
 The source is called when the write is handed to the journal, on the event loop; a
 context variable carries it because a task's context is copied into the tasks it starts.

@@ -17,9 +17,13 @@ while its keeper says so, and then with the keeper's epoch:
   it ends it cancels the tenure's tasks; while it does not lead, it calls `refresh`
   every `REFRESH_S` (the standby's views of the leader's runs, from the database).
 * Requests that change a cluster's runs call `require` first: on a standby that is
-  `errors.NotLeader`, naming the lease's holder.
-* Writes that are not one cluster's (event deliveries) state any cluster this daemon
-  leads (`Roles.any_writer`): a daemon that leads none writes nothing.
+  `errors.NotLeader`, naming the lease's holder; then they write as that cluster
+  (``writing_as(partial(roles.writer, cluster))``): the fence refuses a row of one
+  cluster written as another (`core.fencing`), and a lease lost between `require` and
+  the write refuses the write (nothing of it committed; the run stays as it was
+  journaled, for the next leader's takeover).
+* Writes of the team's rows (event deliveries, disabled destinations) state any cluster
+  this daemon leads (`Roles.any_writer`): a daemon that leads none writes nothing.
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psycopg
 import pytest
 
 from tests.daemon_helpers import Daemon, demo_spec
@@ -145,3 +146,48 @@ def test_a_slow_sbatch_that_straddles_the_takeover_makes_one_job(
     assert final["outcome"] == "succeeded", final.get("reason")
     assert world.sbatch_names() == [final["job_name"]]  # one sbatch, the dead leader's
     assert standby.events("run.reconciled"), standby.log_text()[-2000:]
+
+
+def test_a_daemon_that_leads_two_clusters_writes_each_run_as_its_own_cluster(
+    world: ReplayWorld, tmp_path: Path, postgres: PgServer
+) -> None:
+    """A submission is a write outside any tenure: it states the run's cluster, never
+    the first cluster the daemon leads. The fence refuses a row of one cluster written as
+    another (core.fencing, schema version 8), so a submission to the daemon's second
+    cluster written as its first would be refused; here it is accepted and runs, and the
+    journal holds its rows under its own cluster."""
+    database = postgres.new_database()
+    config = f"""
+[journal]
+url = "{postgres.url(database)}"
+password_file = "{postgres.password_file}"
+
+[[clusters]]
+name = "dev2"
+"""
+    root = tmp_path / "a"
+    root.mkdir()
+    d = Daemon(world, root, replay_socket=world.socket, extra_config=config)
+    d.start()
+    try:
+        deadline = time.monotonic() + 20
+        while {e.get("cluster") for e in d.events("leading.acting")} != {"dev", "dev2"}:
+            assert time.monotonic() < deadline, d.log_text()[-2000:]
+            time.sleep(0.1)
+        submitted = d.submit(demo_spec(tmp_path / "logs", port=8430), "--cluster", "dev2")
+        assert submitted.returncode == 0, submitted.stderr
+        run = str(json.loads(submitted.stdout)["run"])
+        final = d.wait_state(run, {"succeeded", "failed", "unverified"}, timeout=120)
+        assert final["state"] == "succeeded", final.get("reason")
+        assert d.events("journal.write_fenced") == []
+    finally:
+        d.stop()
+    with psycopg.connect(
+        host=str(postgres.base), port=postgres.port, user="postgres", dbname=database
+    ) as conn:
+        runs = conn.execute("SELECT run_id, cluster FROM runs").fetchall()
+        children = conn.execute(
+            "SELECT DISTINCT cluster FROM transitions UNION SELECT DISTINCT cluster FROM events"
+        ).fetchall()
+    assert runs == [(run, "dev2")]
+    assert children == [("dev2",)]
