@@ -159,10 +159,11 @@ class Metrics:
         self.loop_lag.observe(lag_s)
         self.loop_lag_last.set(lag_s)
 
-    def observe_verdicts(self) -> None:
+    def observe_verdicts(self, runs: Iterable[RunSample] | None = None) -> None:
         """Observe verify durations of runs that reached a final state, and the GPU-hours
-        of attempts that ended, since the last call."""
-        for run in self.runs():
+        of attempts that ended, since the last call; of `runs` (those that changed since
+        then, as the daemon knows them), or of every run."""
+        for run in self.runs() if runs is None else runs:
             for key, attempt in zip(_attempt_keys(run), run.attempts, strict=True):
                 if key in self._attempts_seen:
                     continue

@@ -5,6 +5,8 @@
 #   tests/perf/run.sh --out /tmp/r --only rpc,end,cancel,resume,footprint
 #   tests/perf/run.sh --campaign [--smoke]   the campaign benchmark, on the replayed
 #                                            cluster (tests/perf/campaign.py; no dev cluster)
+#   tests/perf/run.sh --team [--smoke]       a standby on a 100,000-run PostgreSQL journal
+#                                            (tests/perf/team_journal.py; no dev cluster)
 # Exit status: 0 when every measurement ran (missed targets included), 1 on harness errors.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -13,5 +15,9 @@ PY=python
 if [ "${1:-}" = "--campaign" ]; then
     shift
     exec "$PY" -m tests.perf.campaign "$@"
+fi
+if [ "${1:-}" = "--team" ]; then
+    shift
+    exec "$PY" -m tests.perf.team_journal "$@"
 fi
 exec "$PY" -m tests.perf.bench "$@"

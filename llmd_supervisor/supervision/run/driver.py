@@ -179,6 +179,8 @@ class RunHandle:
     judged_files: JudgedFiles | None = None  # what the last verdict was made from
     job_files_asked: int = 0
     held_until: datetime | None = None  # held for want of nodes until then (`retries.Hold`)
+    # The supervisor's ids of the runs changed since its last look (`take_changed`).
+    changes: set[str] | None = None
 
     def count_bytes(self, n: int) -> None:
         self.tail_bytes += n
@@ -209,6 +211,8 @@ class RunHandle:
         self.version += 1
         self.changed.set()
         self.changed = anyio.Event()
+        if self.changes is not None:
+            self.changes.add(self.run.run_id)
 
     def job_id(self) -> str:
         if self.run.slurm_job_id is None:
@@ -278,6 +282,7 @@ class Supervisor:
         # horizon the last one returned (0: none yet, every run).
         self._refreshing = anyio.Lock()
         self._horizon = 0
+        self._changed: set[str] = set()  # run ids; `take_changed`
 
     # --- entry points ------------------------------------------------------------------
 
@@ -591,8 +596,18 @@ class Supervisor:
         archive_dir = Path(stored.meta.archive_dir)
         layout = RunLayout(_log_dir(spec), stored.run.slurm_job_name, archive_dir, watch)
         handle = RunHandle(stored, spec, self.clusters.get(stored.meta.cluster), layout)
+        handle.changes = self._changed
         self.handles[stored.run.run_id] = handle
+        self._changed.add(stored.run.run_id)
         return handle
+
+    def take_changed(self) -> list[RunHandle]:
+        """The handles new or changed (`RunHandle.notify`) since the last call: what a
+        periodic look (the status line, the metrics' verdicts) needs, without walking a
+        team journal's 100,000 finished runs every time."""
+        changed = list(self._changed)
+        self._changed.clear()  # the same set: every handle adds to it
+        return [h for run_id in changed if (h := self.handles.get(run_id)) is not None]
 
     # --- the driver ----------------------------------------------------------------------
 
@@ -714,6 +729,7 @@ class Supervisor:
                 await self.apply(h, judged.event, judged.logged)
                 if judged.entry is not None:
                     h.history.append(judged.entry)
+                    h.notify()  # an attempt ended (the metrics' GPU-hours)
             case WriteArchive():
                 written = await archiving.write_archive(ctx)
                 h.judged_files = None
