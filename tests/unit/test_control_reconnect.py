@@ -29,6 +29,7 @@ from llmd_supervisor.adapters.control_protocol import Peer, Request, Send
 from llmd_supervisor.adapters.control_server import ControlServer
 from llmd_supervisor.core.summary import LogChunk, RunSummary, read
 from llmd_supervisor.errors import ControlError, ControlProtocolError, DaemonUnreachable
+from tests.daemon_helpers import demo_spec
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -200,7 +201,8 @@ async def test_a_stream_resumes_at_its_offsets_across_two_restarts(sock: Path) -
                 if i in (10, 20):
                     await d.stop()
                     run.grow(b"written while the daemon was down\n")
-                    await anyio.sleep(0.2)
+                    outages = 1 if i == 10 else 2
+                    await until("the client sees it gone", lambda n=outages: len(losses) == n)
                     asked = len(run.requests)
                     await d.start()
                     await until("the client is back", functools.partial(_more, run, asked))
@@ -240,18 +242,25 @@ async def test_a_daemon_that_comes_up_late_is_waited_for(sock: Path) -> None:
     with anyio.fail_after(10):
         async with daemon(sock, run) as d, anyio.create_task_group() as tg:
             results: list[Mapping[str, object]] = []
+            losses: list[str] = []
 
             async def submit() -> None:
                 results.append(
                     await call_retrying(
-                        sock, "submit", {"spec_toml": "x"}, reconnect=QUICK, resend=False
+                        sock,
+                        "submit",
+                        {"spec_toml": "x"},
+                        reconnect=QUICK,
+                        resend=False,
+                        on_lost=losses.append,
                     )
                 )
 
             tg.start_soon(submit)
-            await anyio.sleep(0.3)
+            await until("the client found nothing listening", lambda: bool(losses))
             await d.start()
     assert read(RunSummary, results[0])["state"] == "succeeded"
+    assert losses == [losses[0]] and "no socket exists there" in losses[0]
 
 
 @pytest.mark.asyncio
@@ -391,7 +400,7 @@ async def test_cli_submit_follow_across_two_restarts_prints_every_byte_once(
     sock: Path, tmp_path: Path
 ) -> None:
     spec = tmp_path / "spec.toml"
-    spec.write_text("# the fake daemon takes any spec\n")
+    spec.write_text(demo_spec(tmp_path / "logs"))  # the CLI checks it; the fake daemon not
     run = FakeRun(piece=7)
     with anyio.fail_after(40):
         async with daemon(sock, run) as d:
