@@ -201,8 +201,8 @@ async def test_a_stream_resumes_at_its_offsets_across_two_restarts(sock: Path) -
                 if i in (10, 20):
                     await d.stop()
                     run.grow(b"written while the daemon was down\n")
-                    outages = 1 if i == 10 else 2
-                    await until("the client sees it gone", lambda n=outages: len(losses) == n)
+                    gone = functools.partial(_has_length, losses, 1 if i == 10 else 2)
+                    await until("the client sees the daemon gone", gone)
                     asked = len(run.requests)
                     await d.start()
                     await until("the client is back", functools.partial(_more, run, asked))
@@ -428,6 +428,10 @@ async def test_cli_submit_follow_across_two_restarts_prints_every_byte_once(
     # when the second one comes (a loaded machine) reconnects once for both.
     assert 2 <= [r.op for r in run.requests].count("logs") <= 3
     assert 2 <= [r.op for r in run.requests].count("wait") <= 3
+
+
+def _has_length(items: list[str], length: int) -> bool:
+    return len(items) == length
 
 
 def _more(run: FakeRun, than: int) -> bool:
