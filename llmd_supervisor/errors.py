@@ -196,7 +196,7 @@ class JournalConflict(JournalError):
 
 class FencedWrite(JournalError):
     """A shared journal refused a write: the writer's lease epoch is not the cluster's
-    current one, or the row is another cluster's (``row_cluster``; core.fencing).
+    current one, or the row is another cluster's (``row_cluster``; core.ha.fencing).
     ``lease_epoch`` is None when the cluster has no lease;
     ``writer_epoch`` is None (and ``cluster`` may be "") when the write stated no writer."""
 
@@ -214,14 +214,14 @@ class FencedWrite(JournalError):
         self.row_cluster = row_cluster  # set: the row was another cluster's
         what = f"write for cluster {cluster!r}" if cluster else "write"
         if row_cluster is not None:
-            # core.fencing's WRONG_CLUSTER: a bug of the writer, not a lost lease.
+            # core.ha.fencing's WRONG_CLUSTER: a bug of the writer, not a lost lease.
             why = (
                 f"it touched a row of cluster {row_cluster!r}, and a cluster's leader writes "
                 "only its own cluster's rows; the write must state the row's cluster "
-                "(adapters.journal_writer.writing_as)"
+                "(adapters.journal.writer.writing_as)"
             )
         elif writer_epoch is None:
-            # core.fencing's NO_EPOCH: the writer (this daemon) leads no cluster it named.
+            # core.ha.fencing's NO_EPOCH: the writer (this daemon) leads no cluster it named.
             why = (
                 "the write stated no cluster and epoch, and a shared journal accepts only "
                 "the writes of a cluster's current leader"
@@ -240,7 +240,7 @@ class FencedWrite(JournalError):
 
 
 class JournalSchemaTooNew(JournalError):
-    """The journal's schema is newer than this daemon's code (core.schema_versions)."""
+    """The journal's schema is newer than this daemon's code (core.journal.schema_versions)."""
 
     def __init__(self, location: str, db_version: int, code_version: int) -> None:
         self.db_version = db_version
@@ -254,7 +254,7 @@ class JournalSchemaTooNew(JournalError):
 
 
 class LeaseError(SupervisorError):
-    """A statement on a cluster's leadership lease (core.lease) failed or timed out; the
+    """A statement on a cluster's leadership lease (core.ha.lease) failed or timed out; the
     lease's row is unknown (the holder's state machine decides what that means)."""
 
     def __init__(self, location: str, cluster: str, operation: str, why: str) -> None:

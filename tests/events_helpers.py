@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
-from llmd_supervisor.core.events import Links, PointFacts, RunFacts, RunRef, SlurmFacts, Timing
+from llmd_supervisor.core.events.model import (
+    Links,
+    PointFacts,
+    RunFacts,
+    RunRef,
+    SlurmFacts,
+    Timing,
+)
 
 T0 = datetime(2025, 6, 1, 12, 0, 0, tzinfo=UTC)
 SHA = "ab" * 32

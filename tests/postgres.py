@@ -16,7 +16,7 @@ turns into a failure (tests/conftest.py).
 of the schema or of migrations takes `pg`, the config of a new database of its own).
 
 A PostgreSQL journal refuses writes that do not come from its cluster's current leader
-(`core.fencing`). `JournalTarget.open` makes the tests' journal a leader: `lead_for_tests`
+(`core.ha.fencing`). `JournalTarget.open` makes the tests' journal a leader: `lead_for_tests`
 holds the lease of `TEST_CLUSTER` until far in the future and makes its epoch the
 journal's default writer. A test that opens a PostgreSQL journal otherwise calls it too.
 """
@@ -40,13 +40,13 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from llmd_supervisor.adapters.journal import Journal
-from llmd_supervisor.adapters.journal_db import Db
-from llmd_supervisor.adapters.journal_pg import PostgresSettings
-from llmd_supervisor.adapters.journal_schema import TABLES
-from llmd_supervisor.core.fencing import Writer
-from llmd_supervisor.core.journal_url import PostgresJournal, parse_journal
-from llmd_supervisor.core.lease import LEASE_TABLE
+from llmd_supervisor.adapters.journal.db import Db
+from llmd_supervisor.adapters.journal.pg import PostgresSettings
+from llmd_supervisor.adapters.journal.schema import TABLES
+from llmd_supervisor.adapters.journal.store import Journal
+from llmd_supervisor.core.ha.fencing import Writer
+from llmd_supervisor.core.ha.lease import LEASE_TABLE
+from llmd_supervisor.core.journal.url import PostgresJournal, parse_journal
 
 __all__ = [
     "TEST_CLUSTER",
@@ -436,7 +436,7 @@ def _stop(server: PgServer) -> None:
 
 
 # The pseudo cluster the tests' journals write as (no daemon of a test leads it), and its
-# holder: a maintenance writer (core.fencing.MAINTENANCE_PREFIX), which may write the rows
+# holder: a maintenance writer (core.ha.fencing.MAINTENANCE_PREFIX), which may write the rows
 # of every cluster the tests use.
 TEST_CLUSTER = "@journal-tests"
 _TEST_HOLDER = "tests/postgres.py"

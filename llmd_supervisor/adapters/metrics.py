@@ -24,7 +24,7 @@ What an operator gets (all prefixed ``llmd_supervisor_``):
 The daemon root hands `Metrics.attach` two snapshot functions, one for the runs
 (`RunSample` each) and one for the SSH link counters (`LinkCounts`): this module knows
 nothing of the supervisor. The exposition is prometheus-client's ASGI app, served by
-uvicorn on the event loop (`serve_metrics`, `adapters.web_server`), so the snapshots are
+uvicorn on the event loop (`serve_metrics`, `adapters.web.server`), so the snapshots are
 taken without locks, and a blocked loop shows up as a failed scrape too.
 """
 
@@ -50,10 +50,10 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from llmd_supervisor import __version__
-from llmd_supervisor.adapters.slurm import CommandResult, CommandRunner
-from llmd_supervisor.adapters.web_server import bind_tcp, parse_listen, serve_asgi
-from llmd_supervisor.core.lifecycle import RunState, Transition
-from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.adapters.slurm.runner import CommandResult, CommandRunner
+from llmd_supervisor.adapters.web.server import bind_tcp, parse_listen, serve_asgi
+from llmd_supervisor.core.run.lifecycle import RunState, Transition
+from llmd_supervisor.core.verdict.decide import Outcome
 from llmd_supervisor.errors import SlurmCommandError
 
 log = structlog.get_logger("llmd_supervisor.adapters.metrics")

@@ -30,12 +30,11 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-from llmd_supervisor.adapters.control_client import ControlClient
+from llmd_supervisor.adapters.control.client import ControlClient
 from llmd_supervisor.cli.campaign_points import point_rows, values_text, varying
 from llmd_supervisor.cli.common import _exits, _read, _run, fit_to_terminal
 from llmd_supervisor.cli.inferencex_agg import write_agg
-from llmd_supervisor.core import foreign_spec
-from llmd_supervisor.core.campaign_views import (
+from llmd_supervisor.core.campaign.views import (
     CampaignDryRun,
     CampaignJobResults,
     CampaignList,
@@ -43,7 +42,8 @@ from llmd_supervisor.core.campaign_views import (
     CampaignStatus,
     DryRunJob,
 )
-from llmd_supervisor.core.summary import RunResults
+from llmd_supervisor.core.protocol.runs import RunResults
+from llmd_supervisor.core.spec import foreign as foreign_spec
 from llmd_supervisor.errors import SpecError
 
 __all__ = ["add_parsers"]
@@ -192,7 +192,7 @@ def _cmd_submit(args: argparse.Namespace) -> int:
     path: Path = args.file
     text = _read_text(path, "the campaign file")
     try:
-        from llmd_supervisor.core.campaign import parse_campaign  # submit's alone (start-up)
+        from llmd_supervisor.core.campaign.expand import parse_campaign  # submit's alone (start-up)
 
         cf = parse_campaign(text, default_name=_stem(path))
     except SpecError as exc:

@@ -7,9 +7,9 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import TypedDict
 
-from llmd_supervisor.core.campaign_views import CampaignJobResults, MatrixValues
-from llmd_supervisor.core.result_values import latency, per_gpu_total
-from llmd_supervisor.core.summary import PointView
+from llmd_supervisor.core.campaign.views import CampaignJobResults, MatrixValues
+from llmd_supervisor.core.protocol.runs import PointView
+from llmd_supervisor.core.results.values import latency, per_gpu_total
 
 __all__ = ["PointRow", "point_rows", "values_text", "varying"]
 

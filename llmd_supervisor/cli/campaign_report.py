@@ -13,11 +13,10 @@ from __future__ import annotations
 import html
 from collections.abc import Callable, Sequence
 
-from llmd_supervisor.adapters.chart_svg import chart_svg
+from llmd_supervisor.adapters.web.chart_svg import chart_svg
 from llmd_supervisor.cli.campaign_points import PointRow
-from llmd_supervisor.core.campaign_views import CampaignJobResults, CampaignStatus
-from llmd_supervisor.core.jobtext import job_text
-from llmd_supervisor.core.report_html import (
+from llmd_supervisor.core.campaign.views import CampaignJobResults, CampaignStatus
+from llmd_supervisor.core.results.report_html import (
     REPORT_CSS,
     SETTLED,
     Chart,
@@ -26,6 +25,7 @@ from llmd_supervisor.core.report_html import (
     chart_parts,
     pareto,
 )
+from llmd_supervisor.core.run.jobtext import job_text
 
 __all__ = ["campaign_charts", "campaign_report_data", "pareto", "render_campaign_report"]
 

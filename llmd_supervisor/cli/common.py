@@ -14,8 +14,8 @@ from typing import IO, TypeVar
 
 import anyio
 
-from llmd_supervisor.core.paths import DEFAULT_SOCKET
-from llmd_supervisor.core.summary import read
+from llmd_supervisor.core.protocol.runs import read
+from llmd_supervisor.core.spec.log_dirs import DEFAULT_SOCKET
 from llmd_supervisor.errors import ControlError, SupervisorError
 
 EXIT_DAEMON_UNREACHABLE = 3

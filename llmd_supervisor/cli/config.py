@@ -30,7 +30,7 @@ from llmd_supervisor.core.config import (
     read_config,
     to_toml,
 )
-from llmd_supervisor.core.journal_url import PostgresJournal
+from llmd_supervisor.core.journal.url import PostgresJournal
 from llmd_supervisor.errors import ConfigError, ConfigErrors, SupervisorError, WebhookSecretError
 
 
@@ -200,15 +200,15 @@ def start_problems(config: Config) -> list[ConfigError]:
     problems: list[ConfigError] = []
     d = config.dashboard
     if d.enabled and d.tcp is not None and d.token_file is not None:
-        from llmd_supervisor.supervision.dashboard import load_token  # the check's alone
+        from llmd_supervisor.supervision.web.dashboard import load_token  # the check's alone
 
         try:
             load_token(d, config.state_dir)
         except SupervisorError as exc:
             why = str(exc).rstrip(".") + "; the daemon would not start"
             problems.append(ConfigError("dashboard.token_file", d.token_file, why))
-    from llmd_supervisor.adapters import event_sender
-    from llmd_supervisor.core.event_routing import DestinationKind
+    from llmd_supervisor.adapters.outbox import sender as event_sender
+    from llmd_supervisor.core.events.routing import DestinationKind
 
     sendmail = event_sender.SENDMAIL[0]
     if not os.access(sendmail, os.X_OK):
@@ -233,7 +233,7 @@ def journal_problems(config: Config) -> list[ConfigError]:
     backend = config.journal
     if not isinstance(backend, PostgresJournal) or backend.password_file is None:
         return []
-    from llmd_supervisor.adapters.journal_pg import read_password
+    from llmd_supervisor.adapters.journal.pg import read_password
 
     try:
         read_password(backend.password_file)
@@ -246,7 +246,7 @@ def secret_problems(config: Config) -> list[ConfigError]:
     """Each webhook destination's ``secret_file`` that the daemon could not sign with (as
     the daemon reads it: no link, a regular file others may not read, whsec_ lines)."""
     # here, not at the top: every command's start would load the HTTP client (~0.1 s)
-    from llmd_supervisor.adapters.event_sender import read_secret_file_now
+    from llmd_supervisor.adapters.outbox.sender import read_secret_file_now
 
     problems: list[ConfigError] = []
     for i, d in enumerate(config.events.destinations):

@@ -15,10 +15,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from llmd_supervisor.adapters.control_client import ControlClient
+from llmd_supervisor.adapters.control.client import ControlClient
 from llmd_supervisor.cli.common import _exits, _read, _run, fit_to_terminal
-from llmd_supervisor.core.jobtext import job_text
-from llmd_supervisor.core.outbox import (
+from llmd_supervisor.core.events.outbox import (
     DeliveryStatus,
     DeliveryView,
     EventList,
@@ -26,6 +25,7 @@ from llmd_supervisor.core.outbox import (
     PingQueued,
     Replayed,
 )
+from llmd_supervisor.core.run.jobtext import job_text
 
 __all__ = ["add_parsers", "delivery_table"]
 

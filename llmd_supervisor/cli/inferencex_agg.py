@@ -14,13 +14,13 @@ import json
 from collections.abc import Iterable
 from typing import IO
 
-from llmd_supervisor.core.result_values import (
+from llmd_supervisor.core.protocol.runs import Deployment, PointView, RunResults
+from llmd_supervisor.core.results.evidence import LATENCIES
+from llmd_supervisor.core.results.values import (
     field_of,
     no_results_reason,
     per_gpu_total,
 )
-from llmd_supervisor.core.results import LATENCIES
-from llmd_supervisor.core.summary import Deployment, PointView, RunResults
 
 __all__ = [
     "AGG_DEPLOYMENT_FIELDS",
@@ -36,7 +36,7 @@ AGG_STATS = ("mean", "median", "std")
 
 # The identifying fields of InferenceX's aggregate, null when a run's table does not say
 # them (a foreign job's result files did not declare them, or an older daemon wrote the
-# table): see core.summary.Deployment and DeclaredDeployment.
+# table): see core.protocol.runs.Deployment and DeclaredDeployment.
 AGG_DEPLOYMENT_FIELDS: tuple[str, ...] = tuple(sorted(Deployment.__required_keys__))
 
 # What InferenceX's power step (utils/aggregate_power*.py) adds to an aggregate without

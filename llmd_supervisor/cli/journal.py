@@ -3,16 +3,16 @@ journal into a PostgreSQL database (README.md, "A PostgreSQL journal").
 
 The SQLite file is opened as the daemon opens it (brought to this version's schema if it
 is older) and read in one snapshot; the PostgreSQL schema is created or migrated
-(`adapters.journal_pg`); then every table is copied in ONE PostgreSQL transaction, so
+(`adapters.journal.pg`); then every table is copied in ONE PostgreSQL transaction, so
 the target holds all of the journal or none of it. A target that already holds rows is
 refused unless ``--replace`` is given (its rows are deleted in the same transaction).
 Stop the daemon first: what it writes after the snapshot is not copied.
 
-The target's fence (`core.fencing`) accepts only the writes of a cluster's current
+The target's fence (`core.ha.fencing`) accepts only the writes of a cluster's current
 leader, so the copy leads a pseudo cluster of its own, `MIGRATE_CLUSTER`: it acquires
-that cluster's lease (`core.lease.ACQUIRE_SQL`, holder naming the host and the process),
+that cluster's lease (`core.ha.lease.ACQUIRE_SQL`, holder naming the host and the process),
 copies as its writer, and releases the lease at the end (best effort: it expires after
-`core.lease.LEASE_S` anyway). A second copy into the same database started meanwhile
+`core.ha.lease.LEASE_S` anyway). A second copy into the same database started meanwhile
 finds the lease held and copies nothing, or, once the lease expired, takes it over, and
 the first copy is then refused as a whole.
 """
@@ -30,13 +30,13 @@ from typing import Any, cast
 
 import anyio
 
-from llmd_supervisor.adapters.journal import Journal
-from llmd_supervisor.adapters.journal_db import Db, PostgresDb, Row, SqliteDb
-from llmd_supervisor.adapters.journal_pg import PostgresSettings, table_counts
-from llmd_supervisor.adapters.journal_schema import TABLES
-from llmd_supervisor.core.fencing import Writer
-from llmd_supervisor.core.journal_url import PostgresJournal, parse_journal
-from llmd_supervisor.core.lease import ACQUIRE_SQL, LEASE_S, LEASE_TABLE, RELEASE_SQL
+from llmd_supervisor.adapters.journal.db import Db, PostgresDb, Row, SqliteDb
+from llmd_supervisor.adapters.journal.pg import PostgresSettings, table_counts
+from llmd_supervisor.adapters.journal.schema import TABLES
+from llmd_supervisor.adapters.journal.store import Journal
+from llmd_supervisor.core.ha.fencing import Writer
+from llmd_supervisor.core.ha.lease import ACQUIRE_SQL, LEASE_S, LEASE_TABLE, RELEASE_SQL
+from llmd_supervisor.core.journal.url import PostgresJournal, parse_journal
 from llmd_supervisor.errors import ConfigError, ConfigErrors, JournalError
 
 __all__ = ["IDENTITY_COLUMNS", "MIGRATE_CLUSTER", "add_parsers", "copy_journal"]
@@ -51,7 +51,7 @@ IDENTITY_COLUMNS: tuple[tuple[str, str], ...] = (
 )
 
 # The pseudo cluster whose lease a copy holds, to write past the target's fence.
-MIGRATE_CLUSTER = "@journal-migrate"  # core.fencing.MAINTENANCE_PREFIX: every row
+MIGRATE_CLUSTER = "@journal-migrate"  # core.ha.fencing.MAINTENANCE_PREFIX: every row
 
 # table -> (columns, rows)
 Dump = Mapping[str, tuple[tuple[str, ...], list[Row]]]
@@ -162,7 +162,7 @@ async def _acquire(journal: Journal, holder: str) -> Writer:
     another copy holds it."""
 
     def acquire(db: Db) -> tuple[int | None, str | None]:
-        conn = cast(PostgresDb, db).conn  # core.lease's SQL has psycopg's parameters
+        conn = cast(PostgresDb, db).conn  # core.ha.lease's SQL has psycopg's parameters
         params = {"cluster": MIGRATE_CLUSTER, "holder": holder, "lease_s": LEASE_S}
         won = conn.execute(ACQUIRE_SQL, params).fetchone()
         if won is not None:

@@ -1,4 +1,4 @@
-"""The CLI's side of jobs the daemon did not render (`core.foreign_spec`): the options of
+"""The CLI's side of jobs the daemon did not render (`core.spec.foreign`): the options of
 `submit --script` and `adopt`, the foreign spec they make (checked before it is sent),
 and the `nodes` table."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 from typing import Literal
 
 from llmd_supervisor.cli.common import _Exit, unreadable
-from llmd_supervisor.core import foreign_spec
-from llmd_supervisor.core.summary import NodesView
+from llmd_supervisor.core.protocol.runs import NodesView
+from llmd_supervisor.core.spec import foreign as foreign_spec
 from llmd_supervisor.errors import SpecError, SupervisorError
 
 

@@ -15,7 +15,7 @@ from llmd_supervisor.cli.common import socket_default
 from llmd_supervisor.errors import SpecError
 
 if TYPE_CHECKING:
-    from llmd_supervisor.core.spec import RunSpec
+    from llmd_supervisor.core.spec.runspec import RunSpec
 
 # A subcommand handler takes the parsed args and returns the process exit status.
 Handler = Callable[[argparse.Namespace], int]
@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run_spec_given(path: Path) -> bool:
     """Whether `campaign submit` was given a run spec (said on stderr, naming `submit`)."""
-    from llmd_supervisor.core.file_kind import wrong_kind
+    from llmd_supervisor.core.spec.file_kind import wrong_kind
 
     try:
         with path.open("rb") as f:
@@ -179,9 +179,9 @@ def _add_render_parser(sub: argparse._SubParsersAction[Any]) -> None:
 def _cmd_render(args: argparse.Namespace) -> int:
     """Print the batch script; a bad spec prints the SpecError to stderr and exits 2."""
     from llmd_supervisor.cli.common import unreadable
-    from llmd_supervisor.core.file_kind import wrong_kind
-    from llmd_supervisor.core.render import render_sbatch
-    from llmd_supervisor.core.spec import load_spec
+    from llmd_supervisor.core.render.script import render_sbatch
+    from llmd_supervisor.core.spec.file_kind import wrong_kind
+    from llmd_supervisor.core.spec.runspec import load_spec
 
     path: Path = args.spec
     try:
@@ -282,15 +282,15 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     import anyio
 
-    from llmd_supervisor.adapters import jobfiles
     from llmd_supervisor.adapters.fsutil import write_atomic
     from llmd_supervisor.adapters.log import configure
-    from llmd_supervisor.adapters.slurm import LocalRunner, SlurmClient
-    from llmd_supervisor.core.marker import marker_filename
-    from llmd_supervisor.core.results import GateResult, Validity
+    from llmd_supervisor.adapters.nodes import jobfiles as jobfiles
+    from llmd_supervisor.adapters.slurm.runner import LocalRunner, SlurmClient
+    from llmd_supervisor.core.results.evidence import GateResult, Validity
+    from llmd_supervisor.core.verdict.marker import marker_filename
     from llmd_supervisor.errors import SupervisorError
-    from llmd_supervisor.supervision.bench_files import gate_dir
-    from llmd_supervisor.supervision.verify_job import EXIT_CODES, DirectEvidence, verify_job
+    from llmd_supervisor.supervision.run.bench_files import gate_dir
+    from llmd_supervisor.supervision.run.verify_job import EXIT_CODES, DirectEvidence, verify_job
 
     job_id: str = args.job_id
     if not job_id.isdigit():

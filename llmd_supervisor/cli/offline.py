@@ -20,14 +20,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import IO
 
-from llmd_supervisor.core.foreign_spec import ForeignSpec, Watch
-from llmd_supervisor.core.jobtext import job_text
-from llmd_supervisor.core.spec import NAME_RE
-from llmd_supervisor.core.summary import RunResults
-from llmd_supervisor.core.summary import UsageView as Usage
-from llmd_supervisor.core.usage import split as split_usage
+from llmd_supervisor.core.protocol.runs import RunResults
+from llmd_supervisor.core.protocol.runs import UsageView as Usage
+from llmd_supervisor.core.run.jobtext import job_text
+from llmd_supervisor.core.spec.foreign import ForeignSpec, Watch
+from llmd_supervisor.core.spec.runspec import NAME_RE
+from llmd_supervisor.core.verdict.usage import split as split_usage
 from llmd_supervisor.errors import ControlError, OfflineError
-from llmd_supervisor.supervision.views import results_table_of
+from llmd_supervisor.supervision.control.views import results_table_of
 
 RECEIPT = "receipt.json"
 RECEIPT_MAX = 16 << 20  # bytes of a receipt read (its raw records are bounded already)
@@ -216,7 +216,7 @@ def run_name(archive: Path) -> str:
 
 def print_status(args: argparse.Namespace, ref: str, out: IO[str]) -> None:
     """`status` of a finished run from its archive: its job, nodes, outcome, best point."""
-    from llmd_supervisor.core.result_values import gpu_text
+    from llmd_supervisor.core.results.values import gpu_text
 
     archive = archive_of(args, ref)
     receipt = receipt_of(archive)

@@ -2,8 +2,8 @@
 
 The file is self-contained (no network, no scripts, no fonts or images from elsewhere):
 the charts are inline SVG drawn by matplotlib, an optional dependency (the ``report``
-extra). The charts, tables and escaping are `core.report_html`'s (the daemon's dashboard
-shows the same), drawn by `adapters.chart_svg`.
+extra). The charts, tables and escaping are `core.results.report_html`'s (the daemon's dashboard
+shows the same), drawn by `adapters.web.chart_svg`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmd_supervisor.adapters.chart_svg import chart_svg
+from llmd_supervisor.adapters.web.chart_svg import chart_svg
 from llmd_supervisor.cli import offline
-from llmd_supervisor.core.report_html import (
+from llmd_supervisor.core.protocol.runs import RunResults
+from llmd_supervisor.core.results.report_html import (
     MAX_CONCURRENCY,
     MAX_VALUE,
     PALETTE,
@@ -34,7 +35,6 @@ from llmd_supervisor.core.report_html import (
     run_section,
     run_title,
 )
-from llmd_supervisor.core.summary import RunResults
 
 __all__ = [
     "INSTALL_HINT",

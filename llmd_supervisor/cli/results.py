@@ -25,7 +25,10 @@ from pathlib import Path
 from typing import IO, Any, TypedDict
 
 from llmd_supervisor.cli import offline
-from llmd_supervisor.core.result_values import (
+from llmd_supervisor.core.protocol.runs import PointView as ResultPoint
+from llmd_supervisor.core.protocol.runs import ResultsTable, RunResults, UsageView, read
+from llmd_supervisor.core.results.evidence import LATENCIES, NUMBER_FIELDS
+from llmd_supervisor.core.results.values import (
     STATS,
     field_of,
     gpu_text,
@@ -35,9 +38,6 @@ from llmd_supervisor.core.result_values import (
     points_text,
     verdict_line,
 )
-from llmd_supervisor.core.results import LATENCIES, NUMBER_FIELDS
-from llmd_supervisor.core.summary import PointView as ResultPoint
-from llmd_supervisor.core.summary import ResultsTable, RunResults, UsageView, read
 from llmd_supervisor.errors import OfflineError, SupervisorError
 
 # Not used by any other command (0, 1, 2, 3, 10-15 and 130 are).
@@ -428,7 +428,7 @@ def add_parsers(sub: argparse._SubParsersAction[Any], socket_default: Callable[[
 def fetch_results(command: str, args: argparse.Namespace, refs: Sequence[str]) -> list[RunResults]:
     """Each run's results: from its archive with --archive/--state-dir (exit 2 when one
     is not there), else from the daemon (one connection; exit 2/3 on failure)."""
-    from llmd_supervisor.adapters.control_client import ControlClient
+    from llmd_supervisor.adapters.control.client import ControlClient
     from llmd_supervisor.cli.common import EXIT_DAEMON_UNREACHABLE, _Exit, _run
 
     if offline.wanted(args):

@@ -33,7 +33,7 @@ from typing import IO, Any, TypeVar
 import anyio
 import anyio.abc
 
-from llmd_supervisor.adapters.control_client import (
+from llmd_supervisor.adapters.control.client import (
     ControlClient,
     Reconnect,
     call_retrying,
@@ -54,8 +54,7 @@ from llmd_supervisor.cli.common import (
     unreadable,
 )
 from llmd_supervisor.cli.signals import DEFAULT_CANCEL_MARGIN_S, WAIT_EXIT_STATUS, Interrupts
-from llmd_supervisor.core.jobtext import job_text
-from llmd_supervisor.core.summary import (
+from llmd_supervisor.core.protocol.runs import (
     ArchiveInfo,
     DryRun,
     LogChunk,
@@ -65,7 +64,8 @@ from llmd_supervisor.core.summary import (
     RunSummary,
     chunk_bytes,
 )
-from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.core.run.jobtext import job_text
+from llmd_supervisor.core.verdict.decide import Outcome
 from llmd_supervisor.errors import DaemonUnreachable, OfflineError, SpecError, SupervisorError
 
 DEFAULT_RECONNECT_S = 600.0
@@ -393,8 +393,8 @@ def cmd_submit(args: argparse.Namespace) -> int:
 def _checked_spec_text(path: Path) -> str:
     """The run spec's text, checked here before any daemon is asked (exit 2, naming the
     file, when it cannot be read, is a campaign file, or is not a valid run spec)."""
-    from llmd_supervisor.core.file_kind import wrong_kind
-    from llmd_supervisor.core.spec import load_spec
+    from llmd_supervisor.core.spec.file_kind import wrong_kind
+    from llmd_supervisor.core.spec.runspec import load_spec
 
     try:
         text = path.read_text(encoding="utf-8")
@@ -426,8 +426,8 @@ def _dry_run(args: argparse.Namespace, params: dict[str, object]) -> int:
 
     result = _run("submit", go)
     if isinstance(result, DaemonUnreachable):
-        from llmd_supervisor.core.render import render_sbatch
-        from llmd_supervisor.core.spec import load_spec
+        from llmd_supervisor.core.render.script import render_sbatch
+        from llmd_supervisor.core.spec.runspec import load_spec
 
         script = render_sbatch(load_spec(str(params["spec_toml"])), job_name="llmd-dry-run")
         print(
@@ -583,7 +583,7 @@ def _wait(args: argparse.Namespace, run: str, *, follow: bool) -> int:
 
     With `follow`, stdout carries the log alone and the final summary goes to stderr.
     """
-    from llmd_supervisor.supervision.verify_job import EXIT_CODES
+    from llmd_supervisor.supervision.run.verify_job import EXIT_CODES
 
     socket_path: Path = args.socket
     policy = _reconnect(args)

@@ -19,8 +19,8 @@ from typing import Final
 import anyio
 import anyio.abc
 
-from llmd_supervisor.adapters.control_client import Reconnect, call_retrying
-from llmd_supervisor.core.foreign_spec import DEFAULT_GRACE_S
+from llmd_supervisor.adapters.control.client import Reconnect, call_retrying
+from llmd_supervisor.core.spec.foreign import DEFAULT_GRACE_S
 from llmd_supervisor.errors import SupervisorError
 
 __all__ = [

@@ -16,7 +16,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any, Final, TypeVar
 
-from llmd_supervisor.core.event_routing import (
+from llmd_supervisor.core.events.routing import (
     Destination,
     DestinationKind,
     EventsConfig,
@@ -24,8 +24,8 @@ from llmd_supervisor.core.event_routing import (
     shown_proxy,
     shown_url,
 )
-from llmd_supervisor.core.journal_url import JournalBackend, SqliteJournal, parse_journal
-from llmd_supervisor.core.paths import DEFAULT_SOCKET
+from llmd_supervisor.core.journal.url import JournalBackend, SqliteJournal, parse_journal
+from llmd_supervisor.core.spec.log_dirs import DEFAULT_SOCKET
 from llmd_supervisor.errors import ConfigError, ConfigErrors
 
 DEFAULT_PATH = Path("/etc/llmd-supervisor/config.toml")
@@ -93,7 +93,7 @@ class Limits:
     # One result file's parse, in a child process: its address space, and its wall time.
     result_parse_memory_bytes: int = 512 << 20
     result_parse_timeout_s: float = 10.0
-    # Node quarantine (core.retry_policy): the window failures count in, and how long they keep
+    # Node quarantine (core.run.retry_policy): the window failures count in, and how long they keep
     # a node out. Kept out of everyone's runs after `quarantine_after_failures` failures
     # the daemon saw itself (Slurm, SSH), or failures from `quarantine_after_inferred`
     # different runs of two or more owners; of one owner's runs after that owner's
@@ -112,7 +112,7 @@ class Limits:
     campaign_max_points: int = 10_000
     # Campaign jobs one user may hold at once over all their campaigns of a cluster, and
     # their counted GPUs (None: no cap); the room under the account's submit limit is
-    # shared among the users with campaign work, in turns (core.campaign_admission).
+    # shared among the users with campaign work, in turns (core.campaign.admission).
     per_user_max_jobs: int | None = None
     per_user_max_gpus: int | None = None
 
@@ -185,7 +185,7 @@ class Config:
     socket_limits: SocketLimits = field(default_factory=SocketLimits)
     # Run log directories must lie under one of these (canonical, absolute) directories.
     log_roots: tuple[str, ...] = ()
-    # Where outbound events go ([[events.destination]]; core.event_routing).
+    # Where outbound events go ([[events.destination]]; core.events.routing).
     events: EventsConfig = field(default_factory=EventsConfig)
     dashboard: DashboardConfig = field(default_factory=DashboardConfig)
 
@@ -195,7 +195,7 @@ class Config:
         d = self.dashboard.socket
         return d if d is not None else self.socket_path.parent / "web.sock"
 
-    # Which journal ([journal]; core.journal_url): SQLite in state_dir unless a url is set.
+    # Which journal ([journal]; core.journal.url): SQLite in state_dir unless a url is set.
     journal: JournalBackend = field(default_factory=SqliteJournal)
 
     @property

@@ -1,6 +1,6 @@
 """Node-side code that runs inside the allocation (stdlib only, Python 3.9+).
 
-The batch script rendered by :mod:`llmd_supervisor.core.render` carries the agent's files
+The batch script rendered by :mod:`llmd_supervisor.core.render.script` carries the agent's files
 unchanged, in one gzip'd tar listed file by file in its comments, and unpacks them into
 the run's job directory on the shared file system, ``<log_dir>/<job_id>/node/``
 (`AGENT_FILES`: where each goes there, and which file of this package it is):
@@ -18,7 +18,7 @@ The stand-ins (:mod:`llmd_supervisor.standins`, `STANDIN_FILES`) are written bes
 
 ``safe_read.py`` is not part of the batch script: the daemon runs it (``python3 -I -S -c``)
 on the nodes, login hosts and its own machine to read a job's files without following
-links (see :mod:`llmd_supervisor.adapters.jobfiles`).
+links (see :mod:`llmd_supervisor.adapters.nodes.jobfiles`).
 """
 
 # The package name the agent's package has in the node directory.

@@ -1,6 +1,6 @@
 """The one reader of the completion marker's bytes; stdlib only, Python 3.9+.
 
-The node agent (deciding its exit status) and the daemon (`core.marker`, the verdict) both
+The node agent (deciding its exit status) and the daemon (`core.verdict.marker`, the verdict) both
 read ``.bench_done.<jobid>`` through `parse`, so the two can never disagree about what a
 marker says. The coordinator writes JSON ``{"rc": int, "job_id": str, "rank": int,
 "reason": str, "finished_at": iso8601}`` (write to a temp file, fsync, rename).
@@ -14,7 +14,7 @@ The rules (DESIGN.md section 4):
   * ``job_id`` is the string of the job being read for; ``rank`` an integer >= 0;
     ``reason`` a string; ``finished_at`` an ISO 8601 timestamp (`parse_timestamp`: read
     alike by every Python from 3.9 on);
-  * every other defect is its own status (the names of ``core.marker.MarkerStatus``).
+  * every other defect is its own status (the names of ``core.verdict.marker.MarkerStatus``).
 
 `parse` never raises. The values a detail quotes were written by the job: the caller
 passes `shown` to make them safe for where the detail goes (the daemon escapes them).
@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 FIELDS = ("rc", "job_id", "rank", "reason", "finished_at")
 
-# Statuses (``core.marker.MarkerStatus`` has one member per value).
+# Statuses (``core.verdict.marker.MarkerStatus`` has one member per value).
 MISSING = "missing"  # no file (not written yet, or shared-filesystem lag)
 EMPTY = "empty"  # zero bytes or only whitespace
 TRUNCATED = "truncated"  # a JSON object or a plain integer cut short

@@ -1,7 +1,7 @@
 """Stand-ins for the GPU parts of an llm-d run, for tests and the dev cluster only.
 
 Stdlib only, Python 3.9+. A batch script carries these files only when its spec opts in
-(``[standins] enabled = true``, see :mod:`llmd_supervisor.core.spec`); the batch script
+(``[standins] enabled = true``, see :mod:`llmd_supervisor.core.spec.runspec`); the batch script
 then writes them flat into the job's node directory, beside ``agent.py``, so that a spec's
 commands run them as ``python3 {node_dir}/engine.py ...``:
 

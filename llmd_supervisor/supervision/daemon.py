@@ -22,12 +22,11 @@ import anyio
 import anyio.abc
 import structlog
 
-from llmd_supervisor.adapters import remote, result_parser
-from llmd_supervisor.adapters.campaign_store import CampaignStore
-from llmd_supervisor.adapters.control_server import ControlServer
-from llmd_supervisor.adapters.event_sender import EventSender
-from llmd_supervisor.adapters.journal import Journal, open_journal
-from llmd_supervisor.adapters.lease_pg import PostgresLease
+from llmd_supervisor.adapters.control.server import ControlServer
+from llmd_supervisor.adapters.files import result_parser as result_parser
+from llmd_supervisor.adapters.journal.campaign_store import CampaignStore
+from llmd_supervisor.adapters.journal.lease_pg import PostgresLease
+from llmd_supervisor.adapters.journal.store import Journal, open_journal
 from llmd_supervisor.adapters.metrics import (
     InstrumentedRunner,
     LinkCounts,
@@ -35,27 +34,29 @@ from llmd_supervisor.adapters.metrics import (
     RunSample,
     serve_metrics,
 )
-from llmd_supervisor.adapters.outbox_store import Outbox
-from llmd_supervisor.adapters.remote import NodeLink
+from llmd_supervisor.adapters.nodes import remote as remote
+from llmd_supervisor.adapters.nodes.remote import NodeLink
+from llmd_supervisor.adapters.outbox.sender import EventSender
+from llmd_supervisor.adapters.outbox.store import Outbox
 from llmd_supervisor.adapters.sdnotify import loop_monitor
 from llmd_supervisor.core.config import Config
-from llmd_supervisor.core.event_routing import shown_proxy
-from llmd_supervisor.core.journal_url import PostgresJournal
-from llmd_supervisor.core.lease import STATEMENT_TIMEOUT_S
-from llmd_supervisor.core.lifecycle import RunState
-from llmd_supervisor.core.render import bundled_node_sources
-from llmd_supervisor.core.summary import RunResults
+from llmd_supervisor.core.events.routing import shown_proxy
+from llmd_supervisor.core.ha.lease import STATEMENT_TIMEOUT_S
+from llmd_supervisor.core.journal.url import PostgresJournal
+from llmd_supervisor.core.protocol.runs import RunResults
+from llmd_supervisor.core.render.script import bundled_node_sources
+from llmd_supervisor.core.run.lifecycle import RunState
 from llmd_supervisor.errors import SupervisorError
-from llmd_supervisor.supervision.api import ControlApi
 from llmd_supervisor.supervision.campaign.api import CampaignOps
 from llmd_supervisor.supervision.campaign.runner import Campaigns
-from llmd_supervisor.supervision.cluster import Cluster, build_cluster
-from llmd_supervisor.supervision.dashboard import serve_dashboard
-from llmd_supervisor.supervision.events_api import EventOps
-from llmd_supervisor.supervision.leadership import LeaseKeeper
-from llmd_supervisor.supervision.leading import REFRESH_S, Roles, holder_name
+from llmd_supervisor.supervision.cluster.clusters import Cluster, build_cluster
+from llmd_supervisor.supervision.control.api import ControlApi
+from llmd_supervisor.supervision.control.views import run_results
+from llmd_supervisor.supervision.events.api import EventOps
+from llmd_supervisor.supervision.ha.leadership import LeaseKeeper
+from llmd_supervisor.supervision.ha.leading import REFRESH_S, Roles, holder_name
 from llmd_supervisor.supervision.run.driver import Hooks, RunHandle, Supervisor
-from llmd_supervisor.supervision.views import run_results
+from llmd_supervisor.supervision.web.dashboard import serve_dashboard
 
 log = structlog.get_logger("llmd_supervisor.supervision.daemon")
 
@@ -274,7 +275,7 @@ async def _roles(
     config: Config, journal: Journal, tg: anyio.abc.TaskGroup, leases: list[PostgresLease]
 ) -> Roles:
     """Every cluster led by this daemon (SQLite), or each cluster's lease kept on the
-    shared journal's database, started (PostgreSQL; `supervision.leading`); the leases'
+    shared journal's database, started (PostgreSQL; `supervision.ha.leading`); the leases'
     connections are added to `leases` (the caller closes them)."""
     names = [c.name for c in config.clusters]
     if not isinstance(config.journal, PostgresJournal):

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from llmd_supervisor.core.render import render_sbatch
-from llmd_supervisor.core.spec import load_spec
+from llmd_supervisor.core.render.script import render_sbatch
+from llmd_supervisor.core.spec.runspec import load_spec
 from tests.daemon_helpers import with_ports
 from tests.devcluster import REPO, DevCluster
 

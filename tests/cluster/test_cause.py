@@ -1,4 +1,4 @@
-"""The cause of a failed run on the real cluster (core.cause): one node's engine never
+"""The cause of a failed run on the real cluster (core.verdict.cause): one node's engine never
 healthy while its peer is healthy is the cluster's fault and names that node; every
 prefill engine never healthy is the workload's."""
 

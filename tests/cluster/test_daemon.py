@@ -306,7 +306,7 @@ def test_control_socket_survives_bad_input_and_guards_other_uids(
     # The interpreter lives under /root (mode 0700): import as root, then drop to 65534.
     drop = (
         "import os, shutil, sys, anyio._backends._asyncio, "
-        "llmd_supervisor.adapters.control_client, llmd_supervisor.cli.main as cli; "
+        "llmd_supervisor.adapters.control.client, llmd_supervisor.cli.main as cli; "
         "cli.build_parser(); "
         "os.setgroups([]); os.setgid(65534); os.setuid(65534); "
         "sys.exit(cli.main(sys.argv[1:]))"

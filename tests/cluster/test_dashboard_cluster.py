@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core.dashboard_pages import CSP
-from llmd_supervisor.core.spec import load_spec
+from llmd_supervisor.core.spec.runspec import load_spec
+from llmd_supervisor.core.web.pages import CSP
 from tests.browser import browser_page, free_port, screenshots
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.devcluster import DevCluster

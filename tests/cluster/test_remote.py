@@ -1,4 +1,4 @@
-"""`llmd_supervisor.adapters.remote` against the dev cluster's real sshd on every node.
+"""`llmd_supervisor.adapters.nodes.remote` against the dev cluster's real sshd on every node.
 
 The nodes share this machine's filesystem, so a test writes a "remote" file locally (in
 `shared_tmp`) and reads it through SSH. Faults (sshd stop, link cut) are always undone.
@@ -17,8 +17,8 @@ import pytest
 import pytest_asyncio
 from structlog.testing import capture_logs
 
-from llmd_supervisor.adapters.remote import NodeLink, SshSettings
-from llmd_supervisor.adapters.tail import tail_to_local
+from llmd_supervisor.adapters.nodes.remote import NodeLink, SshSettings
+from llmd_supervisor.adapters.nodes.tail import tail_to_local
 from llmd_supervisor.errors import FileRefused, RemoteError, TailConflict
 from tests.devcluster import DevCluster, devcluster
 from tests.fakes.log_writer import Writer, size_of

@@ -25,11 +25,11 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmd_supervisor.adapters.remote import NodeLink, SshSettings
-from llmd_supervisor.adapters.slurm import SlurmClient
-from llmd_supervisor.adapters.slurm_ssh import SshRunner
+from llmd_supervisor.adapters.nodes.remote import NodeLink, SshSettings
+from llmd_supervisor.adapters.slurm.runner import SlurmClient
+from llmd_supervisor.adapters.slurm.ssh import SshRunner
 from llmd_supervisor.errors import FileRefused
-from llmd_supervisor.supervision.cluster import ThroughLoginHost
+from llmd_supervisor.supervision.cluster.clusters import ThroughLoginHost
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.devcluster import DevCluster
 

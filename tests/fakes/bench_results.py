@@ -8,7 +8,7 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 
-from llmd_supervisor.core.spec import Benchmark
+from llmd_supervisor.core.spec.runspec import Benchmark
 from tests.devcluster import REPO
 
 SAMPLE = REPO / "tests" / "data" / "results" / "vllm-serve-c4.json"

@@ -6,7 +6,7 @@ import os
 import stat
 from pathlib import Path
 
-from llmd_supervisor.adapters import jobfiles
+from llmd_supervisor.adapters.nodes import jobfiles as jobfiles
 
 SECRET = b"root:$6$secret-hash:19000:0:99999:7:::\n"
 

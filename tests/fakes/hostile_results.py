@@ -10,8 +10,8 @@ from pathlib import Path
 
 import anyio
 
-from llmd_supervisor.adapters.control_client import ControlClient
-from llmd_supervisor.adapters.jobfiles import RESULT_FILE_MAX
+from llmd_supervisor.adapters.control.client import ControlClient
+from llmd_supervisor.adapters.nodes.jobfiles import RESULT_FILE_MAX
 
 
 def nested_lists(size: int = RESULT_FILE_MAX) -> bytes:

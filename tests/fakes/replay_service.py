@@ -20,7 +20,7 @@ from pathlib import Path
 import anyio
 import anyio.abc
 
-from llmd_supervisor.adapters.slurm import CommandResult
+from llmd_supervisor.adapters.slurm.runner import CommandResult
 from llmd_supervisor.errors import SlurmCommandError
 from tests.fakes.slurm_replay import ReplayCluster
 

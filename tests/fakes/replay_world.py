@@ -25,8 +25,8 @@ import anyio.abc
 import pytest
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from llmd_supervisor.core.slurm_parse import JobState
-from llmd_supervisor.core.spec import Benchmark, load_spec
+from llmd_supervisor.core.slurm.parse import JobState
+from llmd_supervisor.core.spec.runspec import Benchmark, load_spec
 from tests.devcluster import REPO
 from tests.fakes.bench_results import finish_job
 from tests.fakes.replay_service import serve_replay

@@ -16,19 +16,20 @@ from pathlib import Path
 
 import anyio
 
-from llmd_supervisor.adapters import archive, jobfiles
-from llmd_supervisor.adapters.journal import Journal, RunMeta
-from llmd_supervisor.adapters.slurm import SlurmClient
+from llmd_supervisor.adapters.files import archive as archive
+from llmd_supervisor.adapters.journal.store import Journal, RunMeta
+from llmd_supervisor.adapters.nodes import jobfiles as jobfiles
+from llmd_supervisor.adapters.slurm.runner import SlurmClient
 from llmd_supervisor.core.config import ClusterConfig, Config, Limits, PollConfig
-from llmd_supervisor.core.foreign_spec import ForeignSpec
-from llmd_supervisor.core.layout import RunLayout
-from llmd_supervisor.core.lifecycle import Run, Submit, Submitted, new_run, step
-from llmd_supervisor.core.spec import RunSpec, load_spec
+from llmd_supervisor.core.run.layout import RunLayout
+from llmd_supervisor.core.run.lifecycle import Run, Submit, Submitted, new_run, step
+from llmd_supervisor.core.spec.foreign import ForeignSpec
+from llmd_supervisor.core.spec.runspec import RunSpec, load_spec
 from llmd_supervisor.errors import IllegalTransition
-from llmd_supervisor.supervision.attempt import Attempt
-from llmd_supervisor.supervision.bench_files import JudgedFiles
-from llmd_supervisor.supervision.cluster import Cluster, SharedLogDir
-from llmd_supervisor.supervision.poller import Poller
+from llmd_supervisor.supervision.cluster.clusters import Cluster, SharedLogDir
+from llmd_supervisor.supervision.cluster.poller import Poller
+from llmd_supervisor.supervision.run.attempt import Attempt
+from llmd_supervisor.supervision.run.bench_files import JudgedFiles
 from llmd_supervisor.supervision.run.records import AttemptEntry, JournalEvent
 from tests.devcluster import REPO
 from tests.fakes.slurm_replay import ReplayCluster

@@ -1,7 +1,7 @@
 """A scripted Slurm cluster that answers in the exact text of the captured real output.
 
 `ReplayCluster` implements the `CommandRunner` protocol of
-`llmd_supervisor.adapters.slurm`, so a `SlurmClient` (and the poller and the run driver
+`llmd_supervisor.adapters.slurm.runner`, so a `SlurmClient` (and the poller and the run driver
 on top of it) can run against it in milliseconds, with no cluster and no real-time sleeps.
 It models a small cluster: `sbatch` submits jobs and hands out ids, each job follows a
 timeline the test scripts (pending -> running on nodes -> an end state, requeues, purges,
@@ -11,7 +11,7 @@ Answers are rendered from the captures in ``tests/data/slurm`` (real Slurm 22.05
 see its INDEX.md): every sacct row, scontrol record and squeue line is a captured line with
 the job's id, name, nodes, times and state put in, and error answers are the captured
 texts. The formats the captures were taken with are read from INDEX.md and must hold every
-column of `SQUEUE_FORMAT` / `SACCT_FIELDS` of `core/slurm_parse.py` and of the ``--format``
+column of `SQUEUE_FORMAT` / `SACCT_FIELDS` of `core/slurm/parse.py` and of the ``--format``
 of every call (they may hold more: the job name, which the client no longer asks for); a
 column the captures lack raises `ReplayError` ("re-capture"), so format drift cannot pass
 unseen. Answers not in the captures (accounting disabled, slurmctld unreachable, scancel
@@ -56,9 +56,9 @@ from typing import Literal
 import anyio
 import anyio.lowlevel
 
-from llmd_supervisor.adapters.slurm import CommandResult
-from llmd_supervisor.core.slurm_parse import SACCT_FIELDS, SQUEUE_FORMAT, JobState
-from llmd_supervisor.core.spec import time_limit_seconds
+from llmd_supervisor.adapters.slurm.runner import CommandResult
+from llmd_supervisor.core.slurm.parse import SACCT_FIELDS, SQUEUE_FORMAT, JobState
+from llmd_supervisor.core.spec.runspec import time_limit_seconds
 from llmd_supervisor.errors import SlurmCommandError
 
 __all__ = [
@@ -149,7 +149,7 @@ class Captures:
             raise ReplayError(
                 f"format drift: {directory} was captured with squeue {self.squeue_format!r} "
                 f"and sacct {','.join(self.sacct_fields)!r}, without {lacking} that "
-                f"core/slurm_parse.py asks for ({SQUEUE_FORMAT!r}, {','.join(SACCT_FIELDS)!r}); "
+                f"core/slurm/parse.py asks for ({SQUEUE_FORMAT!r}, {','.join(SACCT_FIELDS)!r}); "
                 "re-run deploy/devcluster/capture-slurm-outputs"
             )
 

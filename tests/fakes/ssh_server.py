@@ -32,7 +32,7 @@ import anyio
 import asyncssh
 import pytest_asyncio
 
-from llmd_supervisor.adapters.remote import SshSettings
+from llmd_supervisor.adapters.nodes.remote import SshSettings
 
 HOST = "127.0.0.1"
 _CHUNK = 1 << 16

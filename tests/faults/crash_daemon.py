@@ -27,13 +27,13 @@ from typing import Any, ParamSpec
 import anyio
 import structlog
 
-from llmd_supervisor.adapters import event_sender
 from llmd_supervisor.adapters.log import configure
-from llmd_supervisor.adapters.slurm import CommandResult, CommandRunner, LocalRunner
-from llmd_supervisor.core import campaign
+from llmd_supervisor.adapters.outbox import sender as event_sender
+from llmd_supervisor.adapters.slurm.runner import CommandResult, CommandRunner, LocalRunner
+from llmd_supervisor.core.campaign import expand as campaign
 from llmd_supervisor.core.config import Config, read_config
-from llmd_supervisor.core.delivery import HttpResponse, Result
-from llmd_supervisor.core.lifecycle import Run
+from llmd_supervisor.core.events.delivery import HttpResponse, Result
+from llmd_supervisor.core.run.lifecycle import Run
 from llmd_supervisor.supervision.campaign import runner as campaign_runner
 from llmd_supervisor.supervision.daemon import serve
 from llmd_supervisor.supervision.run.driver import Hooks

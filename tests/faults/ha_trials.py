@@ -5,7 +5,7 @@ Markdown report of many trials (tests/perf/results/<date>-takeover-trials.md).
 The logs are the daemons' own (``log_format = "json"``: one JSON object a line, from
 llmd_supervisor/adapters/log.py: ``event``, ``level``, ``timestamp`` in ISO 8601 UTC,
 and the bound ``cluster`` and ``holder`` of the lease keeper,
-llmd_supervisor/supervision/leadership.py). A daemon *acts* for a cluster from its
+llmd_supervisor/supervision/ha/leadership.py). A daemon *acts* for a cluster from its
 ``lease.acquired`` to its next ``lease.lost``, ``lease.stepping_down`` or
 ``lease.released`` for that cluster, or to its process's death (which the trial knows:
 it killed it), or to the end of the observation. Two leaders is the time during which

@@ -38,7 +38,7 @@ from typing import Final
 
 import psycopg
 
-from llmd_supervisor.core.fencing import SET_WRITER_SQL, STALE_EPOCH_SQLSTATE
+from llmd_supervisor.core.ha.fencing import SET_WRITER_SQL, STALE_EPOCH_SQLSTATE
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.faults.ha_daemons import HaRig, login_daemon
 from tests.faults.ha_trials import (

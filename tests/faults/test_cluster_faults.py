@@ -182,7 +182,7 @@ def test_two_hundred_concurrent_short_runs_are_all_verified(
     succeeded, each through every state, none missed."""
     import anyio
 
-    from llmd_supervisor.adapters.control_client import ControlClient
+    from llmd_supervisor.adapters.control.client import ControlClient
 
     d = Daemon(cluster, tmp_path)
     d.start()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core.spec import load_spec
+from llmd_supervisor.core.spec.runspec import load_spec
 from tests.daemon_helpers import Daemon
 from tests.devcluster import REPO, DevCluster
 from tests.fakes.replay_world import ReplayWorld, replay_world

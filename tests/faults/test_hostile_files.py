@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core.spec import load_spec
+from llmd_supervisor.core.spec.runspec import load_spec
 from tests.daemon_helpers import Daemon, NoCluster, demo_spec
 from tests.devcluster import DevCluster
 from tests.fakes.replay_world import JobAction, replay_world

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from llmd_supervisor.core.spec import load_spec
+from llmd_supervisor.core.spec.runspec import load_spec
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.fakes.bench_results import finish_job
 from tests.fakes.hostile_results import list_until_final, vm_hwm, write_nested

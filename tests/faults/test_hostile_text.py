@@ -14,7 +14,7 @@ import sqlite3
 from datetime import UTC, datetime
 from pathlib import Path
 
-from llmd_supervisor.core.spec import load_spec
+from llmd_supervisor.core.spec.runspec import load_spec
 from llmd_supervisor.node.common import status_name
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.devcluster import DevCluster

@@ -20,8 +20,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from llmd_supervisor.adapters.journal import Journal
-from llmd_supervisor.core.retry_policy import Evidence, NodeFailure
+from llmd_supervisor.adapters.journal.store import Journal
+from llmd_supervisor.core.run.retry_policy import Evidence, NodeFailure
 from tests.daemon_helpers import Daemon, assert_copies_identical, demo_spec
 from tests.devcluster import DevCluster, devcluster
 

@@ -23,11 +23,11 @@ from pathlib import Path
 
 import anyio
 
-from llmd_supervisor.adapters.journal import Journal
-from llmd_supervisor.adapters.journal_rows import RunMeta
-from llmd_supervisor.core.lifecycle import Run, RunState, Transition
-from llmd_supervisor.core.summary import LogChunk, chunk_bytes, read
-from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.adapters.journal.rows import RunMeta
+from llmd_supervisor.adapters.journal.store import Journal
+from llmd_supervisor.core.protocol.runs import LogChunk, chunk_bytes, read
+from llmd_supervisor.core.run.lifecycle import Run, RunState, Transition
+from llmd_supervisor.core.verdict.decide import Outcome
 from tests.daemon_helpers import Daemon, NoCluster, Site, demo_spec
 from tests.devcluster import REPO, DevCluster
 from tests.strangers import Stranger
@@ -367,7 +367,7 @@ def test_list_pages_through_1200_finished_runs(root_dir: Path, stranger: Strange
 _ONE_PAGE = """
 import json, sys, anyio
 from pathlib import Path
-from llmd_supervisor.adapters.control_client import ControlClient
+from llmd_supervisor.adapters.control.client import ControlClient
 async def go():
     async with ControlClient(Path(sys.argv[1])) as c:
         r = await c.call("list", {"all": True})
@@ -421,7 +421,7 @@ def cli_bytes(d: Daemon, *args: str) -> bytes:
 
 def _interleaved(err: bytes, out: bytes) -> bytes:
     """What `logs` prints for two files: one chunk of each in turn (sorted by name)."""
-    from llmd_supervisor.supervision.log_follow import READ_CHUNK
+    from llmd_supervisor.supervision.control.log_follow import READ_CHUNK
 
     printed = b""
     offsets = [0, 0]

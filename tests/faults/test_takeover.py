@@ -27,7 +27,7 @@ from tests.daemon_helpers import Daemon, demo_spec
 from tests.fakes.replay_world import ReplayWorld
 from tests.postgres import PgServer
 
-# The lease (core.lease): a standby acquires once the killed leader's lease expired (15 s
+# The lease (core.ha.lease): a standby acquires once the killed leader's lease expired (15 s
 # after its last renewal) at its next attempt (every 2 s); a released lease at once.
 TAKEOVER_AFTER_KILL_S = 30.0
 TAKEOVER_AFTER_STOP_S = 8.0
@@ -153,7 +153,7 @@ def test_a_daemon_that_leads_two_clusters_writes_each_run_as_its_own_cluster(
 ) -> None:
     """A submission is a write outside any tenure: it states the run's cluster, never
     the first cluster the daemon leads. The fence refuses a row of one cluster written as
-    another (core.fencing, schema version 8), so a submission to the daemon's second
+    another (core.ha.fencing, schema version 8), so a submission to the daemon's second
     cluster written as its first would be refused; here it is accepted and runs, and the
     journal holds its rows under its own cluster."""
     database = postgres.new_database()

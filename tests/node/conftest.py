@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 
 import llmd_supervisor
-from llmd_supervisor.core.agent_config import agent_config
-from llmd_supervisor.core.spec import load_spec
+from llmd_supervisor.core.render.agent_config import agent_config
+from llmd_supervisor.core.spec.runspec import load_spec
 from llmd_supervisor.node import NODE_FILES
 
 PACKAGE_SRC = Path(llmd_supervisor.__file__).parent

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core.agent_config import agent_config
-from llmd_supervisor.core.spec import load_spec
+from llmd_supervisor.core.render.agent_config import agent_config
+from llmd_supervisor.core.spec.runspec import load_spec
 from llmd_supervisor.node.agent.hooks import NoFaults
 from llmd_supervisor.node.agent.run import Agent
 from llmd_supervisor.node.common import status_name

@@ -34,11 +34,11 @@ from typing import Any
 import anyio
 
 from llmd_supervisor.adapters.log import configure as configure_logging
-from llmd_supervisor.adapters.slurm import CommandResult, LocalRunner, SlurmClient
+from llmd_supervisor.adapters.slurm.runner import CommandResult, LocalRunner, SlurmClient
 from llmd_supervisor.core.config import PollConfig
-from llmd_supervisor.core.render import render_sbatch
-from llmd_supervisor.core.spec import load_spec
-from llmd_supervisor.supervision.poller import Poller
+from llmd_supervisor.core.render.script import render_sbatch
+from llmd_supervisor.core.spec.runspec import load_spec
+from llmd_supervisor.supervision.cluster.poller import Poller
 from tests.cluster.llmd_helpers import Run
 from tests.devcluster import REPO, DevCluster, devcluster
 from tests.perf.baseline import NaiveLauncher

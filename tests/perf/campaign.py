@@ -45,10 +45,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from llmd_supervisor.core.campaign import expand, parse_campaign
-from llmd_supervisor.core.campaign_admission import CampaignLimits, JobState, admit
-from llmd_supervisor.core.spec import load_spec
-from llmd_supervisor.core.spec_toml import decode_toml
+from llmd_supervisor.core.campaign.admission import CampaignLimits, JobState, admit
+from llmd_supervisor.core.campaign.expand import expand, parse_campaign
+from llmd_supervisor.core.spec.runspec import load_spec
+from llmd_supervisor.core.spec.toml_read import decode_toml
 from tests.daemon_helpers import Daemon, demo_spec, stop_started
 from tests.devcluster import REPO
 from tests.fakes.replay_world import ReplayWorld, replay_world

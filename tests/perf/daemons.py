@@ -11,8 +11,8 @@ from pathlib import Path
 
 import anyio
 
-from llmd_supervisor.adapters.control_client import ControlClient, list_all
-from llmd_supervisor.core.lifecycle import RunState
+from llmd_supervisor.adapters.control.client import ControlClient, list_all
+from llmd_supervisor.core.run.lifecycle import RunState
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.perf.common import HOLD_RESERVATION
 

@@ -3,7 +3,7 @@
 
     tests/perf/run.sh --team [--smoke] [--out tests/perf/results/2026-12-06-team-journal]
 
-A standby looks at the journal every 2 s (`supervision.leading.REFRESH_S`) for the
+A standby looks at the journal every 2 s (`supervision.ha.leading.REFRESH_S`) for the
 leader's runs. It reads only the runs written since its last look
 (`Journal.runs_changed_since`, schema version 8); before, it read every run with its
 whole history each time. Measured, each against its target:
@@ -49,11 +49,11 @@ from typing import Any
 import anyio
 import psycopg
 
-from llmd_supervisor.adapters.control_client import ControlClient
-from llmd_supervisor.adapters.journal import Journal
-from llmd_supervisor.core.journal_url import PostgresJournal
-from llmd_supervisor.core.lifecycle import Run, RunState, Submit, Submitted, new_run, step
-from llmd_supervisor.core.spec import load_spec
+from llmd_supervisor.adapters.control.client import ControlClient
+from llmd_supervisor.adapters.journal.store import Journal
+from llmd_supervisor.core.journal.url import PostgresJournal
+from llmd_supervisor.core.run.lifecycle import Run, RunState, Submit, Submitted, new_run, step
+from llmd_supervisor.core.spec.runspec import load_spec
 from tests.daemon_helpers import STARTED, Daemon, demo_spec
 from tests.devcluster import REPO
 from tests.fakes.replay_world import replay_world

@@ -1,4 +1,4 @@
-"""Campaign files and their expansion over the demo spec (core.campaign)."""
+"""Campaign files and their expansion over the demo spec (core.campaign.expand)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core.campaign import (
+from llmd_supervisor.core.campaign.expand import (
     ISL_OSL,
     RECIPE_ID_SCHEMA,
     Axis,
@@ -22,10 +22,10 @@ from llmd_supervisor.core.campaign import (
     parse_campaign,
     recipe_id,
 )
-from llmd_supervisor.core.recipe import recipe_fingerprint
-from llmd_supervisor.core.spec import load_spec, parse_spec
-from llmd_supervisor.core.spec_toml import decode_toml
-from llmd_supervisor.core.toml_write import dump_toml
+from llmd_supervisor.core.spec.recipe import recipe_fingerprint
+from llmd_supervisor.core.spec.runspec import load_spec, parse_spec
+from llmd_supervisor.core.spec.toml_read import decode_toml
+from llmd_supervisor.core.spec.toml_write import dump_toml
 from llmd_supervisor.errors import CampaignError, ExpansionStopped, SpecError
 
 DEMO_TEXT = (Path(__file__).resolve().parents[2] / "deploy/llm-d/demo.toml").read_text()

@@ -1,4 +1,4 @@
-"""Which campaign jobs to submit next (core.campaign_admission.admit, topology_key)."""
+"""Which campaign jobs to submit next (core.campaign.admission.admit, topology_key)."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core.campaign import expand, parse_campaign
-from llmd_supervisor.core.campaign_admission import (
+from llmd_supervisor.core.campaign.admission import (
     Admission,
     CampaignLimits,
     JobState,
     admit,
     topology_key,
 )
-from llmd_supervisor.core.spec import parse_spec
-from llmd_supervisor.core.spec_toml import decode_toml
+from llmd_supervisor.core.campaign.expand import expand, parse_campaign
+from llmd_supervisor.core.spec.runspec import parse_spec
+from llmd_supervisor.core.spec.toml_read import decode_toml
 
 W = JobState.WAITING
 S = JobState.SUBMITTED
@@ -36,7 +36,7 @@ DEMO = decode_toml((Path(__file__).resolve().parents[2] / "deploy/llm-d/demo.tom
 
 @dataclass(frozen=True)
 class Job:
-    """The fields admission reads, as core.campaign.CampaignJob carries them."""
+    """The fields admission reads, as core.campaign.expand.CampaignJob carries them."""
 
     key: str
     topology: str

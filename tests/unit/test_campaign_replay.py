@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core.spec import load_spec
+from llmd_supervisor.core.spec.runspec import load_spec
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.devcluster import REPO
 from tests.fakes.replay_world import ReplayWorld, replay_world

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from llmd_supervisor.cli.campaign_points import point_rows
 from llmd_supervisor.cli.campaign_report import campaign_charts, pareto, render_campaign_report
-from llmd_supervisor.core.campaign_views import CampaignJobResults, CampaignStatus
-from llmd_supervisor.core.summary import LatencyView, PointView, RunResults
+from llmd_supervisor.core.campaign.views import CampaignJobResults, CampaignStatus
+from llmd_supervisor.core.protocol.runs import LatencyView, PointView, RunResults
 
 
 def _point(conc: int, tput: float, tpot: float, *, valid: bool = True) -> PointView:

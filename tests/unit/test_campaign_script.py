@@ -1,4 +1,4 @@
-"""Campaigns over a batch script (core.campaign_script, core.campaign.expand_script): the
+"""Campaigns over a batch script (core.campaign.script, core.campaign.expand.expand_script): the
 file, its points, their recipe ids, the `submit --script` spec of each job's run, and the
 points a script run's archive proves (supervision.campaign.points)."""
 
@@ -11,8 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core import foreign_spec
-from llmd_supervisor.core.campaign import (
+from llmd_supervisor.core.campaign.expand import (
     CampaignFile,
     Expansion,
     expand,
@@ -21,17 +20,18 @@ from llmd_supervisor.core.campaign import (
     job_text,
     parse_campaign,
 )
-from llmd_supervisor.core.campaign_script import (
+from llmd_supervisor.core.campaign.script import (
     Launcher,
     ScriptJob,
     is_script_job,
     recipe_sbatch_args,
     time_limit_of,
 )
-from llmd_supervisor.core.results import Point, ResultProblem
+from llmd_supervisor.core.results.evidence import Point, ResultProblem
+from llmd_supervisor.core.spec import foreign as foreign_spec
 from llmd_supervisor.errors import CampaignError, SpecError
-from llmd_supervisor.supervision.bench_files import BenchFiles, foreign_table
 from llmd_supervisor.supervision.campaign.points import still_good, verified_of
+from llmd_supervisor.supervision.run.bench_files import BenchFiles, foreign_table
 
 SCRIPT = """#!/bin/bash
 #SBATCH --ntasks-per-node=1

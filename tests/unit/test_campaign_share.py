@@ -1,5 +1,5 @@
 """Fair room among users' campaigns (issue 4.1, item 5): the pure sharing decision
-(`core.campaign_admission.share_room`) and the per-user GPU cap in `admit`, as tables."""
+(`core.campaign.admission.share_room`) and the per-user GPU cap in `admit`, as tables."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from llmd_supervisor.core.campaign_admission import (
+from llmd_supervisor.core.campaign.admission import (
     CampaignLimits,
     JobState,
     UserWork,

@@ -1,4 +1,4 @@
-"""Campaigns in the journal (adapters.campaign_store) against a real SQLite file and a real
+"""Campaigns in the journal (adapters.journal.campaign_store) against a real SQLite file and a real
 PostgreSQL server (tests/postgres.py)."""
 
 from __future__ import annotations
@@ -13,15 +13,15 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from llmd_supervisor.adapters.campaign_store import (
+from llmd_supervisor.adapters.journal.campaign_store import (
     CampaignStore,
     StoredCampaign,
     StoredJob,
     VerifiedPoint,
 )
-from llmd_supervisor.adapters.journal import Journal
-from llmd_supervisor.adapters.journal_rows import iso
-from llmd_supervisor.adapters.journal_schema import MIGRATIONS
+from llmd_supervisor.adapters.journal.rows import iso
+from llmd_supervisor.adapters.journal.schema import MIGRATIONS
+from llmd_supervisor.adapters.journal.store import Journal
 from llmd_supervisor.errors import JournalConflict, JournalError
 from tests.postgres import JournalTarget
 

@@ -1,5 +1,5 @@
 """The campaign ops' answers (`supervision.campaign.views`) are what the CLI reads
-(`core.campaign_views`, checked by `core.summary.read`): every key the daemon sends is
+(`core.campaign.views`, checked by `core.protocol.runs.read`): every key the daemon sends is
 typed (a reader drops the keys it does not know, so a key missing from a type would vanish
 from `--json`), and a wrong one is named."""
 
@@ -10,13 +10,13 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from llmd_supervisor.adapters.campaign_store import StoredCampaign, StoredJob, VerifiedPoint
-from llmd_supervisor.core.campaign_views import (
+from llmd_supervisor.adapters.journal.campaign_store import StoredCampaign, StoredJob, VerifiedPoint
+from llmd_supervisor.core.campaign.views import (
     CampaignBrief,
     CampaignJobResults,
     CampaignStatus,
 )
-from llmd_supervisor.core.summary import RunResults, read
+from llmd_supervisor.core.protocol.runs import RunResults, read
 from llmd_supervisor.errors import SummaryError
 from llmd_supervisor.supervision.campaign import views
 

@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 
 import pytest
 
-from llmd_supervisor.core.lifecycle import new_run
+from llmd_supervisor.core.run.lifecycle import new_run
 from llmd_supervisor.supervision.run.cancel import reached
 from llmd_supervisor.supervision.run.records import KILL_EVENT, TERM_EVENT
 

@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core.marker import MarkerReading, read_marker
-from llmd_supervisor.core.slurm_parse import (
+from llmd_supervisor.core.slurm.parse import (
     _KNOWN_JOB_KEYS,
     SACCT_FIELDS,
     SQUEUE_FORMAT,
@@ -33,7 +32,7 @@ from llmd_supervisor.core.slurm_parse import (
     parse_squeue,
     parse_squeue_batch,
 )
-from llmd_supervisor.core.verdict import (
+from llmd_supervisor.core.verdict.decide import (
     Outcome,
     QueryOutcome,
     VerdictState,
@@ -42,6 +41,7 @@ from llmd_supervisor.core.verdict import (
     sacct_query,
     scontrol_query,
 )
+from llmd_supervisor.core.verdict.marker import MarkerReading, read_marker
 from llmd_supervisor.errors import SlurmJobNotFound
 from tests.fakes.slurm_replay import Captures
 

@@ -1,4 +1,4 @@
-"""The cause of a run that did not succeed (core.cause): a table over the evidence. Only
+"""The cause of a run that did not succeed (core.verdict.cause): a table over the evidence. Only
 the attempt's allocation names nodes (issue 3.2 item 1): a status file's ``host`` is the
 job's word; the nodes the daemon saw fail itself are told apart from those inferred."""
 
@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from llmd_supervisor.core.cause import (
+from llmd_supervisor.core.slurm.parse import JobState
+from llmd_supervisor.core.verdict.cause import (
     NODE_RCS,
     Cause,
     RankEnd,
@@ -17,8 +18,7 @@ from llmd_supervisor.core.cause import (
     rank_end,
     valid_node_name,
 )
-from llmd_supervisor.core.slurm_parse import JobState
-from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.core.verdict.decide import Outcome
 from llmd_supervisor.node import common
 
 P, D = "prefill", "decode"

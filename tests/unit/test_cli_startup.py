@@ -56,8 +56,8 @@ def _loaded(*argv: str) -> set[str]:
             {
                 "llmd_supervisor.cli.run_commands",
                 "llmd_supervisor.cli.report",
-                "llmd_supervisor.core.campaign",
-                "llmd_supervisor.adapters.event_sender",
+                "llmd_supervisor.core.campaign.expand",
+                "llmd_supervisor.adapters.outbox.sender",
             },
         ),
         (

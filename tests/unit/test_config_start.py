@@ -57,7 +57,7 @@ def test_a_dashboard_token_file_the_daemon_cannot_read_fails_the_check(
 def test_a_mail_destination_without_sendmail_fails_the_check(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from llmd_supervisor.adapters import event_sender
+    from llmd_supervisor.adapters.outbox import sender as event_sender
 
     mail = '[[events.destination]]\nname = "oncall"\nkind = "mail"\nto = ["oncall@example.org"]\n'
     path = _good(tmp_path, mail)

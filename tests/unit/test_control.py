@@ -21,8 +21,8 @@ import pytest
 import structlog
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from llmd_supervisor.adapters.control_client import ControlClient
-from llmd_supervisor.adapters.control_protocol import (
+from llmd_supervisor.adapters.control.client import ControlClient
+from llmd_supervisor.adapters.control.protocol import (
     COUNTS_MAX_ENTRIES,
     COUNTS_MAX_KEY,
     OPS,
@@ -32,7 +32,7 @@ from llmd_supervisor.adapters.control_protocol import (
     Send,
     decode_request,
 )
-from llmd_supervisor.adapters.control_server import ControlServer
+from llmd_supervisor.adapters.control.server import ControlServer
 from llmd_supervisor.errors import (
     ControlError,
     ControlProtocolError,
@@ -40,7 +40,7 @@ from llmd_supervisor.errors import (
     DaemonUnreachable,
     SupervisorError,
 )
-from llmd_supervisor.supervision.access import may_access
+from llmd_supervisor.supervision.control.access import may_access
 
 pytestmark = pytest.mark.timeout(60)
 

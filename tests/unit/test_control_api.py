@@ -17,16 +17,10 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from llmd_supervisor.adapters.control_protocol import OPS, Peer, Request
+from llmd_supervisor.adapters.control.protocol import OPS, Peer, Request
 from llmd_supervisor.cli.run_commands import _print_summary, list_table
-from llmd_supervisor.core import foreign_spec as foreign
 from llmd_supervisor.core.config import Config
-from llmd_supervisor.core.foreign_spec import ForeignSpec, Watch
-from llmd_supervisor.core.layout import RunLayout
-from llmd_supervisor.core.lifecycle import Run, RunState, Transition, new_run
-from llmd_supervisor.core.retry_policy import Quarantined
-from llmd_supervisor.core.spec import RunSpec, load_spec
-from llmd_supervisor.core.summary import (
+from llmd_supervisor.core.protocol.runs import (
     LogChunk,
     LogsDone,
     RunList,
@@ -34,10 +28,16 @@ from llmd_supervisor.core.summary import (
     chunk_bytes,
     read,
 )
-from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.core.run.layout import RunLayout
+from llmd_supervisor.core.run.lifecycle import Run, RunState, Transition, new_run
+from llmd_supervisor.core.run.retry_policy import Quarantined
+from llmd_supervisor.core.spec import foreign as foreign
+from llmd_supervisor.core.spec.foreign import ForeignSpec, Watch
+from llmd_supervisor.core.spec.runspec import RunSpec, load_spec
+from llmd_supervisor.core.verdict.decide import Outcome
 from llmd_supervisor.errors import AdoptRefused, ControlError, IllegalTransition, SupervisorError
-from llmd_supervisor.supervision import log_follow
-from llmd_supervisor.supervision.api import HANDLERS, ControlApi, Op, check_handlers
+from llmd_supervisor.supervision.control import log_follow as log_follow
+from llmd_supervisor.supervision.control.api import HANDLERS, ControlApi, Op, check_handlers
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -198,9 +198,9 @@ def test_a_table_that_does_not_match_names_every_mismatch() -> None:
 def test_an_op_added_to_the_protocol_without_a_handler_fails_at_import() -> None:
     code = (
         "from types import MappingProxyType\n"
-        "import llmd_supervisor.adapters.control_protocol as p\n"
+        "import llmd_supervisor.adapters.control.protocol as p\n"
         "p.OPS = MappingProxyType({**p.OPS, 'frobnicate': p.OpSpec({})})\n"
-        "import llmd_supervisor.supervision.api\n"
+        "import llmd_supervisor.supervision.control.api\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=30, check=False

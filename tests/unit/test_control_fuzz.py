@@ -22,8 +22,8 @@ import structlog
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmd_supervisor.adapters.control_protocol import Peer, Request, Send
-from llmd_supervisor.adapters.control_server import ControlServer
+from llmd_supervisor.adapters.control.protocol import Peer, Request, Send
+from llmd_supervisor.adapters.control.server import ControlServer
 
 MAX_MESSAGE = 2048
 FUZZ = settings(

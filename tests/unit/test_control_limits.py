@@ -18,8 +18,8 @@ import pytest
 import structlog
 from anyio.abc import SocketAttribute
 
-from llmd_supervisor.adapters.control_client import ControlClient
-from llmd_supervisor.adapters.control_server import ControlServer
+from llmd_supervisor.adapters.control.client import ControlClient
+from llmd_supervisor.adapters.control.server import ControlServer
 from llmd_supervisor.core.config import SocketLimits
 from llmd_supervisor.errors import ControlError
 from tests.unit.test_control import DummyHandler, Raw, error_of, raw
@@ -291,7 +291,7 @@ def test_the_unit_and_the_shipped_config_agree_with_the_limits() -> None:
 
 @pytest.mark.asyncio
 async def test_the_budget_grants_in_order_and_one_uid_never_holds_up_another() -> None:
-    from llmd_supervisor.adapters.control_limits import Budget
+    from llmd_supervisor.adapters.control.limits import Budget
 
     budget = Budget(total=100, per_uid=40)
     await budget.take(1, 40)

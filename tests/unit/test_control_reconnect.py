@@ -18,16 +18,16 @@ import anyio
 import anyio.abc
 import pytest
 
-from llmd_supervisor.adapters.control_client import (
+from llmd_supervisor.adapters.control.client import (
     ControlClient,
     Reconnect,
     call_retrying,
     connection_lost,
     resumable_stream,
 )
-from llmd_supervisor.adapters.control_protocol import Peer, Request, Send
-from llmd_supervisor.adapters.control_server import ControlServer
-from llmd_supervisor.core.summary import LogChunk, RunSummary, read
+from llmd_supervisor.adapters.control.protocol import Peer, Request, Send
+from llmd_supervisor.adapters.control.server import ControlServer
+from llmd_supervisor.core.protocol.runs import LogChunk, RunSummary, read
 from llmd_supervisor.errors import ControlError, ControlProtocolError, DaemonUnreachable
 from tests.daemon_helpers import demo_spec
 

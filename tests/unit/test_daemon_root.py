@@ -17,12 +17,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-from llmd_supervisor.adapters.control_client import ControlClient
+from llmd_supervisor.adapters.control.client import ControlClient
 from llmd_supervisor.core.config import ClusterConfig, Config, Limits, PollConfig, SshConfig
-from llmd_supervisor.core.journal_url import SqliteJournal
-from llmd_supervisor.core.slurm_parse import JobState
-from llmd_supervisor.core.spec import load_spec
-from llmd_supervisor.core.summary import RunSummary, read
+from llmd_supervisor.core.journal.url import SqliteJournal
+from llmd_supervisor.core.protocol.runs import RunSummary, read
+from llmd_supervisor.core.slurm.parse import JobState
+from llmd_supervisor.core.spec.runspec import load_spec
 from llmd_supervisor.supervision.daemon import serve
 from llmd_supervisor.supervision.run.driver import Hooks
 from tests.devcluster import REPO

@@ -27,10 +27,10 @@ from pathlib import Path
 import pytest
 
 from llmd_supervisor.core.config import DashboardConfig
-from llmd_supervisor.core.dashboard_pages import CSP
-from llmd_supervisor.core.spec import load_spec
+from llmd_supervisor.core.spec.runspec import load_spec
+from llmd_supervisor.core.web.pages import CSP
 from llmd_supervisor.errors import SupervisorError
-from llmd_supervisor.supervision.dashboard import TAIL_BYTES, load_token, tail_offsets
+from llmd_supervisor.supervision.web.dashboard import TAIL_BYTES, load_token, tail_offsets
 from tests.browser import browser_page, free_port, http, screenshots
 from tests.daemon_helpers import Daemon, demo_spec, run_to_end
 from tests.fakes.replay_world import ReplayWorld

@@ -1,5 +1,5 @@
-"""The dashboard's app and server in this process (supervision.dashboard over
-adapters.web_server), with a fake control API: the TCP token and cookie, the Host rule,
+"""The dashboard's app and server in this process (supervision.web.dashboard over
+adapters.web.server), with a fake control API: the TCP token and cookie, the Host rule,
 GET/HEAD only, the security headers on every answer, a log stream's event ids, and a stop
 that ends an open stream at once."""
 
@@ -16,13 +16,13 @@ import anyio
 import anyio.abc
 import pytest
 
-from llmd_supervisor.adapters.control_protocol import Peer, Request, Send
-from llmd_supervisor.adapters.control_server import bind_unix_socket
-from llmd_supervisor.adapters.web_server import STOP_GRACE_S, bind_tcp, serve_asgi
-from llmd_supervisor.core import dashboard_pages as pages
+from llmd_supervisor.adapters.control.protocol import Peer, Request, Send
+from llmd_supervisor.adapters.control.server import bind_unix_socket
+from llmd_supervisor.adapters.web.server import STOP_GRACE_S, bind_tcp, serve_asgi
 from llmd_supervisor.core.config import DashboardConfig, WebLimits
+from llmd_supervisor.core.web import pages as pages
 from llmd_supervisor.errors import ControlError
-from llmd_supervisor.supervision.dashboard import TOKEN_PEER, Dashboard
+from llmd_supervisor.supervision.web.dashboard import TOKEN_PEER, Dashboard
 
 pytestmark = pytest.mark.timeout(60)
 TOKEN = "t" * 40

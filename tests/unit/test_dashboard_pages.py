@@ -1,4 +1,4 @@
-"""The dashboard's pure parts (core.dashboard_pages): escaping, the CSP, the Host and token
+"""The dashboard's pure parts (core.web.pages): escaping, the CSP, the Host and token
 rules of the TCP listener, the log stream's resume points, and the pages built from the
 control API's typed views."""
 
@@ -12,12 +12,12 @@ from urllib.parse import parse_qsl
 
 import pytest
 
-from llmd_supervisor.core import dashboard_pages as pages
-from llmd_supervisor.core.campaign_views import CampaignStatus
+from llmd_supervisor.core.campaign.views import CampaignStatus
 from llmd_supervisor.core.config import DashboardConfig, load_config
-from llmd_supervisor.core.outbox import DeliveryView
-from llmd_supervisor.core.report_html import build_charts
-from llmd_supervisor.core.summary import PointView, RunBrief, RunResults, RunSummary
+from llmd_supervisor.core.events.outbox import DeliveryView
+from llmd_supervisor.core.protocol.runs import PointView, RunBrief, RunResults, RunSummary
+from llmd_supervisor.core.results.report_html import build_charts
+from llmd_supervisor.core.web import pages as pages
 from llmd_supervisor.errors import ConfigError, ControlError
 
 HOSTILE = "<img src=x onerror=alert(1)>\"'&\x1b]0;t\x07"

@@ -1,4 +1,4 @@
-"""What a foreign job's result files say of its deployment (`core.declared`), and how its
+"""What a foreign job's result files say of its deployment (`core.results.declared`), and how its
 `results.json` and InferenceX's aggregate rows carry it: known fields as the files (and
 the user's options, and the allocation) say them, the rest unknown, never guessed."""
 
@@ -12,7 +12,8 @@ import pytest
 
 from llmd_supervisor.cli.inferencex_agg import AGG_DEPLOYMENT_FIELDS, inferencex_agg
 from llmd_supervisor.cli.results import read_run_results
-from llmd_supervisor.core.declared import (
+from llmd_supervisor.core.protocol.runs import DeclaredDeployment, Deployment
+from llmd_supervisor.core.results.declared import (
     DECLARED_BOOLS,
     DECLARED_INTS,
     DECLARED_TEXTS,
@@ -20,10 +21,14 @@ from llmd_supervisor.core.declared import (
     declared_again,
     known_deployment,
 )
-from llmd_supervisor.core.gpus import RoleGpus
-from llmd_supervisor.core.results import Point, parse_result, parsed_from_json, parsed_to_json
-from llmd_supervisor.core.summary import DeclaredDeployment, Deployment
-from llmd_supervisor.supervision import bench_files
+from llmd_supervisor.core.results.evidence import (
+    Point,
+    parse_result,
+    parsed_from_json,
+    parsed_to_json,
+)
+from llmd_supervisor.core.results.gpus import RoleGpus
+from llmd_supervisor.supervision.run import bench_files as bench_files
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "results"
 VLLM_C4: dict[str, Any] = json.loads((DATA / "vllm-serve-c4.json").read_text())

@@ -14,8 +14,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from llmd_supervisor.core.lifecycle import RunState, SubmitFailed, Submitted
-from llmd_supervisor.core.spec import RunSpec
+from llmd_supervisor.core.run.lifecycle import RunState, SubmitFailed, Submitted
+from llmd_supervisor.core.spec.runspec import RunSpec
 from llmd_supervisor.errors import SlurmCommandError
 from llmd_supervisor.supervision.run import driver, failures, submit, verify
 from llmd_supervisor.supervision.run.context import RunContext

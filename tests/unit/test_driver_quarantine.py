@@ -13,17 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.adapters.outbox_store import Outbox
-from llmd_supervisor.core.event_routing import Destination, DestinationKind, EventsConfig
-from llmd_supervisor.core.events import EventType
-from llmd_supervisor.core.lifecycle import RunState
-from llmd_supervisor.core.retry_policy import Evidence, NodeFailure, quarantine
-from llmd_supervisor.core.slurm_parse import JobState
+from llmd_supervisor.adapters.outbox.store import Outbox
+from llmd_supervisor.core.events.model import EventType
+from llmd_supervisor.core.events.routing import Destination, DestinationKind, EventsConfig
+from llmd_supervisor.core.run.lifecycle import RunState
+from llmd_supervisor.core.run.retry_policy import Evidence, NodeFailure, quarantine
+from llmd_supervisor.core.slurm.parse import JobState
 from llmd_supervisor.errors import RemoteError
 from llmd_supervisor.node import common
+from llmd_supervisor.supervision.control.views import run_summary
 from llmd_supervisor.supervision.run import retries, verify
 from llmd_supervisor.supervision.run.driver import RunHandle
-from llmd_supervisor.supervision.views import run_summary
 from tests.fakes.slurm_replay import End, Start
 from tests.unit.test_driver_replay import Rig, _spec, replayed
 

@@ -18,16 +18,16 @@ import anyio
 import anyio.abc
 import pytest
 
-from llmd_supervisor.adapters import jobfiles
-from llmd_supervisor.adapters.journal import Journal, RunMeta
-from llmd_supervisor.adapters.slurm import SlurmClient
+from llmd_supervisor.adapters.journal.store import Journal, RunMeta
+from llmd_supervisor.adapters.nodes import jobfiles as jobfiles
+from llmd_supervisor.adapters.slurm.runner import SlurmClient
 from llmd_supervisor.core.config import ClusterConfig, Config, Limits, PollConfig, SshConfig
-from llmd_supervisor.core.lifecycle import RunState, Submit, new_run, step
-from llmd_supervisor.core.slurm_parse import JobState
-from llmd_supervisor.core.spec import RunSpec
+from llmd_supervisor.core.run.lifecycle import RunState, Submit, new_run, step
+from llmd_supervisor.core.slurm.parse import JobState
+from llmd_supervisor.core.spec.runspec import RunSpec
 from llmd_supervisor.errors import SupervisorError
-from llmd_supervisor.supervision.cluster import Cluster, SharedLogDir
-from llmd_supervisor.supervision.poller import Poller, QueueView
+from llmd_supervisor.supervision.cluster.clusters import Cluster, SharedLogDir
+from llmd_supervisor.supervision.cluster.poller import Poller, QueueView
 from llmd_supervisor.supervision.run import follow, submit
 from llmd_supervisor.supervision.run.context import RunContext
 from llmd_supervisor.supervision.run.driver import RunHandle, Supervisor

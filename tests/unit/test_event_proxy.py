@@ -1,5 +1,5 @@
 """Outbound events through a login node's HTTP proxy (issue 4.1, item 10): which proxy a
-destination's URL goes through (`core.event_routing.proxy_for`: ``[events] proxy``, else
+destination's URL goes through (`core.events.routing.proxy_for`: ``[events] proxy``, else
 HTTPS_PROXY / HTTP_PROXY / ALL_PROXY, and NO_PROXY either way), ``[events] proxy`` in the
 config, and deliveries through a real forwarding proxy on 127.0.0.1
 (tests/fakes/http_proxy.py): http as an absolute-form request, https through CONNECT with
@@ -23,9 +23,9 @@ import anyio.abc
 import anyio.from_thread
 import pytest
 
-from llmd_supervisor.adapters.event_sender import post_json
-from llmd_supervisor.core.delivery import HttpResponse, NetworkFailure
-from llmd_supervisor.core.event_routing import parse_events, proxy_for
+from llmd_supervisor.adapters.outbox.sender import post_json
+from llmd_supervisor.core.events.delivery import HttpResponse, NetworkFailure
+from llmd_supervisor.core.events.routing import parse_events, proxy_for
 from llmd_supervisor.errors import ConfigErrors
 from tests.daemon_helpers import Daemon, NoCluster
 from tests.fakes.http_proxy import Proxy

@@ -1,4 +1,4 @@
-"""The outbox's sender (`adapters.event_sender`) against a real HTTP receiver on 127.0.0.1:
+"""The outbox's sender (`adapters.outbox.sender`) against a real HTTP receiver on 127.0.0.1:
 signatures a receiver verifies, the same webhook-id on every attempt, the retry schedule,
 Retry-After, 410 Gone, no redirect followed; and a daemon whose finished run's
 run.finished reaches a configured webhook."""
@@ -23,28 +23,34 @@ import anyio
 import anyio.abc
 import pytest
 
-from llmd_supervisor.adapters.campaign_store import CampaignStore, StoredCampaign
-from llmd_supervisor.adapters.control_protocol import Peer
-from llmd_supervisor.adapters.event_sender import EventSender, post_json, read_secret_file
-from llmd_supervisor.adapters.journal import Journal, RunMeta
+from llmd_supervisor.adapters.control.protocol import Peer
+from llmd_supervisor.adapters.journal.campaign_store import CampaignStore, StoredCampaign
+from llmd_supervisor.adapters.journal.store import Journal, RunMeta
 from llmd_supervisor.adapters.metrics import Metrics
-from llmd_supervisor.adapters.outbox_store import Delivery, Outbox
+from llmd_supervisor.adapters.outbox.sender import EventSender, post_json, read_secret_file
+from llmd_supervisor.adapters.outbox.store import Delivery, Outbox
 from llmd_supervisor.cli.config import secret_problems
 from llmd_supervisor.core.config import Config
-from llmd_supervisor.core.delivery import NetworkFailure
-from llmd_supervisor.core.event_routing import Destination, DestinationKind, EventsConfig
-from llmd_supervisor.core.events import CampaignFacts, EventType, Links, PointCounts, RunRef
-from llmd_supervisor.core.lifecycle import Submit, Submitted, new_run, step
-from llmd_supervisor.core.outbox import DeliveryStatus, Outgoing, event_outgoing, run_outgoing
-from llmd_supervisor.core.slurm_parse import JobState
-from llmd_supervisor.core.summary import RunSummary, read
-from llmd_supervisor.core.webhooks import unix_seconds, verify
+from llmd_supervisor.core.events.delivery import NetworkFailure
+from llmd_supervisor.core.events.model import CampaignFacts, EventType, Links, PointCounts, RunRef
+from llmd_supervisor.core.events.outbox import (
+    DeliveryStatus,
+    Outgoing,
+    event_outgoing,
+    run_outgoing,
+)
+from llmd_supervisor.core.events.routing import Destination, DestinationKind, EventsConfig
+from llmd_supervisor.core.events.webhooks import unix_seconds, verify
+from llmd_supervisor.core.protocol.runs import RunSummary, read
+from llmd_supervisor.core.run.lifecycle import Submit, Submitted, new_run, step
+from llmd_supervisor.core.slurm.parse import JobState
 from llmd_supervisor.errors import ControlError, WebhookSecretError, WebhookSignatureError
-from llmd_supervisor.supervision.events_api import EventOps
+from llmd_supervisor.supervision.events.api import EventOps
 from tests.devcluster import REPO
 from tests.fakes.slurm_replay import End, ReplayCluster, Start
 from tests.fakes.webhook_receiver import Answer, Receiver
 from tests.unit.test_daemon_root import Daemon, _config, _publish_marker, _spec, _started
+from tests.waiting import until
 
 T0 = datetime(2025, 3, 4, 5, 6, 7, tzinfo=UTC)
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()
@@ -59,6 +65,16 @@ class Clock:
 
     def __call__(self) -> datetime:
         return self.now
+
+
+class LookingOutbox(Outbox):
+    """The real outbox, counting the sender's looks for due deliveries."""
+
+    looks = 0
+
+    async def due(self, now: datetime, per_destination: int = 8) -> list[tuple[Delivery, bytes]]:
+        self.looks += 1
+        return await super().due(now, per_destination)
 
 
 @dataclass
@@ -104,6 +120,15 @@ class World:
         await self.journal.save(b, expected=a.state, outgoing=[out])
         return out
 
+    async def looked_again(self, looks: int = 3) -> None:
+        """Return once the sender has looked for due deliveries `looks` more times (so
+        anything due now would have been sent), and nothing is due now."""
+        outbox = self.outbox
+        assert isinstance(outbox, LookingOutbox)
+        target = outbox.looks + looks
+        await until(lambda: outbox.looks >= target, what=f"{looks} more looks of the sender")
+        assert await outbox.due(self.clock()) == []
+
     async def until(self, event_id: str, status: DeliveryStatus, dest: str = "ci") -> Delivery:
         with anyio.fail_after(20):
             while True:
@@ -130,7 +155,7 @@ async def world_in(tmp_path: Path) -> AsyncIterator[World]:
         port = await tg.start(receiver.serve)
         yield World(
             journal,
-            Outbox(journal),
+            LookingOutbox(journal),
             receiver,
             Clock(),
             secret_file,
@@ -170,7 +195,7 @@ async def _a_500_is_retried_with_the_same_webhook_id_and_signed(world: World) ->
         with pytest.raises(WebhookSignatureError):
             verify(keys, request.headers, request.body + b" ", now=unix_seconds(datetime.now(UTC)))
     assert json.loads(got[0].body)["type"] == "run.submitted"
-    await anyio.sleep(0.1)
+    await world.looked_again()
     assert len(world.receiver.got) == 2  # delivered: never sent again
 
 
@@ -190,7 +215,7 @@ async def _410_disables_the_destination_and_replay_enables_it(world: World) -> N
     assert "ci" in await world.outbox.disabled()
     later = await world.submitted("r-2")  # a new event for it is journaled disabled
     await world.until(later.id, DeliveryStatus.DISABLED)
-    await anyio.sleep(0.1)
+    await world.looked_again()
     assert len(world.receiver.got) == 1
     assert await world.outbox.replay(later.id, world.clock.now) == 1
     sender.wake()
@@ -226,7 +251,7 @@ async def _each_answer_s_next_step(
     d = await world.until(out.id, status)
     expected = None if after_s is None else world.clock.now + timedelta(seconds=after_s)
     assert d.next_at == expected
-    await anyio.sleep(0.1)
+    await world.looked_again()
     assert len(world.receiver.got) == 1  # the redirect's Location was not asked
 
 

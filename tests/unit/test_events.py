@@ -1,4 +1,4 @@
-"""The outbound event model (`core.events`, issue 3.6): types, stable ids, the canonical
+"""The outbound event model (`core.events.model`, issue 3.6): types, stable ids, the canonical
 body and its 20 kB cap, hostile text, and the campaign.progress throttle."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmd_supervisor.core.events import (
+from llmd_supervisor.core.events.model import (
     MAX_BODY_BYTES,
     SCHEMA,
     BestOf,

@@ -21,8 +21,8 @@ import anyio.abc
 import pytest
 from standardwebhooks import Webhook
 
-from llmd_supervisor.adapters.event_sender import read_secret_file_now
-from llmd_supervisor.core.webhooks import unix_seconds, verify
+from llmd_supervisor.adapters.outbox.sender import read_secret_file_now
+from llmd_supervisor.core.events.webhooks import unix_seconds, verify
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.fakes.replay_world import ReplayWorld
 from tests.fakes.webhook_receiver import Received, Receiver

@@ -1,4 +1,4 @@
-"""The retry policy of outbound deliveries (`core.delivery`): every kind of answer, the
+"""The retry policy of outbound deliveries (`core.events.delivery`): every kind of answer, the
 schedule with its jitter, the last attempt, and Retry-After in each of its forms."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from itertools import pairwise
 
 import pytest
 
-from llmd_supervisor.core.delivery import (
+from llmd_supervisor.core.events.delivery import (
     ATTEMPTS,
     RETRY_AFTER_MAX_S,
     SCHEDULE_S,

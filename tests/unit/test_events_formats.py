@@ -1,4 +1,4 @@
-"""An event as Slack and mail show it (`core.notify_formats`): the content, Slack's limits
+"""An event as Slack and mail show it (`core.events.formats`): the content, Slack's limits
 (tests/data/slack/SOURCE.md), hostile text, and the mail's headers."""
 
 from __future__ import annotations
@@ -10,17 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from llmd_supervisor.core.events import (
-    CampaignFacts,
-    CampaignProblem,
-    EventType,
-    PingFacts,
-    PointCounts,
-    QuarantineFacts,
-    SlurmFacts,
-    make_event,
-)
-from llmd_supervisor.core.notify_formats import (
+from llmd_supervisor.core.events.formats import (
     SLACK_BLOCKS_MAX,
     SLACK_FIELD_MAX,
     SLACK_FIELDS_MAX,
@@ -30,6 +20,16 @@ from llmd_supervisor.core.notify_formats import (
     mail_message,
     slack_escape,
     slack_message,
+)
+from llmd_supervisor.core.events.model import (
+    CampaignFacts,
+    CampaignProblem,
+    EventType,
+    PingFacts,
+    PointCounts,
+    QuarantineFacts,
+    SlurmFacts,
+    make_event,
 )
 from tests.events_helpers import BEST, FINISHED, RUN, T0
 

@@ -1,4 +1,4 @@
-"""Destinations in the daemon config and the routing rule (`core.event_routing`): every
+"""Destinations in the daemon config and the routing rule (`core.events.routing`): every
 refusal names its key and the fix; a spec names destinations, never URLs."""
 
 from __future__ import annotations
@@ -9,17 +9,7 @@ from datetime import timedelta
 
 import pytest
 
-from llmd_supervisor.core.event_routing import (
-    Destination,
-    DestinationKind,
-    EventsConfig,
-    check_named,
-    parse_events,
-    parse_named,
-    routes,
-    shown_url,
-)
-from llmd_supervisor.core.events import (
+from llmd_supervisor.core.events.model import (
     CampaignFacts,
     Event,
     EventType,
@@ -28,6 +18,16 @@ from llmd_supervisor.core.events import (
     PointCounts,
     QuarantineFacts,
     make_event,
+)
+from llmd_supervisor.core.events.routing import (
+    Destination,
+    DestinationKind,
+    EventsConfig,
+    check_named,
+    parse_events,
+    parse_named,
+    routes,
+    shown_url,
 )
 from llmd_supervisor.errors import ConfigError, ConfigErrors, SpecError
 from tests.events_helpers import FINISHED, RUN, T0

@@ -1,4 +1,4 @@
-"""Standard Webhooks 1.0 signing and verification (`core.webhooks`; what of the spec is
+"""Standard Webhooks 1.0 signing and verification (`core.events.webhooks`; what of the spec is
 relied on: tests/data/standard-webhooks/SOURCE.md)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
 
-from llmd_supervisor.core.webhooks import (
+from llmd_supervisor.core.events.webhooks import (
     KEYS_MAX,
     TOLERANCE_S,
     SigningKey,

@@ -35,7 +35,7 @@ from typing import Final
 
 import pytest
 
-from llmd_supervisor.core.spec import RunSpec, load_spec
+from llmd_supervisor.core.spec.runspec import RunSpec, load_spec
 
 ROOT: Final = Path(__file__).resolve().parents[2]
 DEPLOY: Final = ROOT / "deploy" / "llm-d"

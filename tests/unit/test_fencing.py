@@ -1,4 +1,4 @@
-"""The fencing rule (`core.fencing`): which writes are accepted, and the SQL that makes
+"""The fencing rule (`core.ha.fencing`): which writes are accepted, and the SQL that makes
 PostgreSQL apply the same rule to every write."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from llmd_supervisor.adapters.journal_schema import MIGRATIONS
-from llmd_supervisor.core.fencing import (
+from llmd_supervisor.adapters.journal.schema import MIGRATIONS
+from llmd_supervisor.core.ha.fencing import (
     CLUSTER_TABLES,
     FENCE_FUNCTION_SQL,
     FENCED_TABLES,
@@ -23,7 +23,7 @@ from llmd_supervisor.core.fencing import (
     cluster_trigger_sql,
     fence_trigger_sql,
 )
-from llmd_supervisor.core.lease import LEASE_TABLE
+from llmd_supervisor.core.ha.lease import LEASE_TABLE
 from llmd_supervisor.errors import FencedWrite
 
 S = SINGLE_NODE_EPOCH

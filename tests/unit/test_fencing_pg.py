@@ -1,4 +1,4 @@
-"""The fence on a real PostgreSQL (tests/postgres.py, `core.fencing`): a journal write
+"""The fence on a real PostgreSQL (tests/postgres.py, `core.ha.fencing`): a journal write
 commits only when it states its cluster's current lease epoch; a stale writer, or one
 that states none, is refused as a whole (`errors.FencedWrite`), counted and logged.
 The rule itself is tests/unit/test_fencing.py's."""
@@ -18,25 +18,25 @@ import pytest
 import pytest_asyncio
 import structlog
 
-from llmd_supervisor.adapters.journal import Journal
-from llmd_supervisor.adapters.journal_db import Db, PostgresDb
-from llmd_supervisor.adapters.journal_pg import PostgresSettings
-from llmd_supervisor.adapters.journal_writer import writing_as
-from llmd_supervisor.core.events import EventType
-from llmd_supervisor.core.fencing import (
+from llmd_supervisor.adapters.journal.db import Db, PostgresDb
+from llmd_supervisor.adapters.journal.pg import PostgresSettings
+from llmd_supervisor.adapters.journal.store import Journal
+from llmd_supervisor.adapters.journal.writer import writing_as
+from llmd_supervisor.core.events.model import EventType
+from llmd_supervisor.core.events.outbox import Outgoing
+from llmd_supervisor.core.ha.fencing import (
     CLUSTER_FROM_PARENT,
     FENCE_FUNCTION,
     FENCED_TABLES,
     Writer,
 )
-from llmd_supervisor.core.journal_url import PostgresJournal
-from llmd_supervisor.core.lease import ACQUIRE_SQL, LEASE_S, LEASE_TABLE
-from llmd_supervisor.core.lifecycle import Run, RunState, Submit, new_run, step
-from llmd_supervisor.core.outbox import Outgoing
-from llmd_supervisor.core.retry_policy import Evidence, NodeFailure
-from llmd_supervisor.core.schema_versions import CODE_VERSION
+from llmd_supervisor.core.ha.lease import ACQUIRE_SQL, LEASE_S, LEASE_TABLE
+from llmd_supervisor.core.journal.schema_versions import CODE_VERSION
+from llmd_supervisor.core.journal.url import PostgresJournal
+from llmd_supervisor.core.run.lifecycle import Run, RunState, Submit, new_run, step
+from llmd_supervisor.core.run.retry_policy import Evidence, NodeFailure
 from llmd_supervisor.errors import FencedWrite
-from llmd_supervisor.supervision.leading import Roles
+from llmd_supervisor.supervision.ha.leading import Roles
 from tests.postgres import PgServer
 from tests.unit.test_journal import at, inserted, meta
 
@@ -59,11 +59,17 @@ def _admin(postgres: PgServer, dbname: str, sql: str, params: Any = None) -> lis
         return list(cur.fetchall()) if cur.description else []
 
 
+def _lock_waiters(postgres: PgServer, dbname: str) -> int:
+    """How many sessions on `dbname` wait for a lock now."""
+    sql = "SELECT count(*) FROM pg_stat_activity WHERE datname = %(d)s AND wait_event_type = 'Lock'"
+    return int(_admin(postgres, dbname, sql, {"d": dbname})[0][0])
+
+
 async def acquire(journal: Journal, holder: str, cluster: str = CLUSTER) -> Writer:
-    """`cluster`'s lease for `holder` (core.lease.ACQUIRE_SQL), as a writer; it must win."""
+    """`cluster`'s lease for `holder` (core.ha.lease.ACQUIRE_SQL), as a writer; it must win."""
 
     def work(db: Db) -> int:
-        # Directly on the connection: core.lease's SQL has psycopg's parameters.
+        # Directly on the connection: core.ha.lease's SQL has psycopg's parameters.
         params = {"cluster": cluster, "holder": holder, "lease_s": LEASE_S}
         row = db_conn(db).execute(ACQUIRE_SQL, params).fetchone()
         assert row is not None, f"{holder} did not acquire {cluster}"
@@ -344,7 +350,9 @@ async def test_a_takeover_waits_for_the_write_that_passed_the_fence(
         tg.start_soon(journal.write, "slow write", slow_write)
         await passed.wait()
         tg.start_soon(anyio.to_thread.run_sync, takeover)
-        await anyio.sleep(0.5)
+        with anyio.fail_after(30):  # the takeover's statement waits on a lock
+            while not await anyio.to_thread.run_sync(_lock_waiters, postgres, pg.dbname):  # noqa: ASYNC110
+                await anyio.sleep(0.02)
         assert acquired_epoch == []  # waiting for the write's FOR SHARE lock
         release.set()
     assert acquired_epoch == [(writer.epoch or 0) + 1]

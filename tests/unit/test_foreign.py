@@ -1,5 +1,5 @@
-"""Foreign specs (`core.foreign_spec`): what `submit --script` and `adopt` accept, and how a
-foreign job's files are named (`core.layout` with a `Watch`)."""
+"""Foreign specs (`core.spec.foreign`): what `submit --script` and `adopt` accept, and how a
+foreign job's files are named (`core.run.layout` with a `Watch`)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core import foreign_spec as foreign
-from llmd_supervisor.core.foreign_spec import ForeignSpec, MarkerFormat, Watch
-from llmd_supervisor.core.layout import RunLayout
-from llmd_supervisor.core.marker import MarkerStatus, read_marker
+from llmd_supervisor.core.run.layout import RunLayout
+from llmd_supervisor.core.spec import foreign as foreign
+from llmd_supervisor.core.spec.foreign import ForeignSpec, MarkerFormat, Watch
+from llmd_supervisor.core.verdict.marker import MarkerStatus, read_marker
 from llmd_supervisor.errors import SpecError
 
 SCRIPT = "#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --output=slurm_job-%j.out\nsrun true\n"

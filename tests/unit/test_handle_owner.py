@@ -61,7 +61,7 @@ def changes(source: str, fields: frozenset[str]) -> list[str]:
 
 FIELDS = handle_fields(DRIVER.read_text(encoding="utf-8"))
 # (module, field) pairs where the object is the module's own, not a run's handle
-OWN = {"supervision/poller.py": frozenset({"changed"})}  # a tracked job's `changed` event
+OWN = {"supervision/cluster/poller.py": frozenset({"changed"})}  # a tracked job's `changed` event
 
 
 def _others() -> list[object]:

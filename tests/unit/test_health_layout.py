@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core import health as nh
-from llmd_supervisor.core.layout import RunLayout, batch_log_patterns
-from llmd_supervisor.supervision.attempt import status_state
+from llmd_supervisor.core.run import health as nh
+from llmd_supervisor.core.run.layout import RunLayout, batch_log_patterns
+from llmd_supervisor.supervision.run.attempt import status_state
 
 LIMITS = nh.HealthLimits(node_silent_s=10.0, log_stall_s=30.0)
 

@@ -156,14 +156,14 @@ if TYPE_CHECKING:
     from llmd_supervisor.supervision.run.driver import Supervisor
 
 def f() -> None:
-    import llmd_supervisor.supervision.poller
+    import llmd_supervisor.supervision.cluster.poller
 """
     run = "llmd_supervisor.supervision.run"
     assert imports_in(source, f"{run}.submit") == {
         f"{run}.context",
         f"{run}.records",
         f"{run}.driver",
-        "llmd_supervisor.supervision.poller",
+        "llmd_supervisor.supervision.cluster.poller",
     }
     # on the real package: cli/run_commands.py imports the daemon root inside a function
     assert "llmd_supervisor.supervision.daemon" in imports_of("llmd_supervisor.cli.run_commands")

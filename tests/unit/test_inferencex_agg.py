@@ -23,9 +23,9 @@ import pytest
 
 from llmd_supervisor.cli.inferencex_agg import inferencex_agg, write_agg
 from llmd_supervisor.cli.results import read_run_results
-from llmd_supervisor.core.recipe import deployment_of, role_gpus
-from llmd_supervisor.core.results import Point, gate, parse_result, results_table
-from llmd_supervisor.core.spec import RunSpec, parse_spec
+from llmd_supervisor.core.results.evidence import Point, gate, parse_result, results_table
+from llmd_supervisor.core.spec.recipe import deployment_of, role_gpus
+from llmd_supervisor.core.spec.runspec import RunSpec, parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "tests" / "data"

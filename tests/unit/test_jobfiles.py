@@ -1,6 +1,6 @@
 """node/safe_read.py run here (as the shared-log-directory strategy runs it): what a job can
 plant in its log directory is refused unread, plain files are read and followed by name,
-copies stop at their byte caps; and where a log directory may be at all (core.paths)."""
+copies stop at their byte caps; and where a log directory may be at all (core.spec.log_dirs)."""
 
 from __future__ import annotations
 
@@ -14,13 +14,13 @@ from pathlib import Path
 import anyio
 import pytest
 
-from llmd_supervisor.adapters import jobfiles
 from llmd_supervisor.adapters.fsutil import process_umask, write_atomic
-from llmd_supervisor.adapters.tail import CopyBudget, tail_to_local
+from llmd_supervisor.adapters.nodes import jobfiles as jobfiles
+from llmd_supervisor.adapters.nodes.tail import CopyBudget, tail_to_local
 from llmd_supervisor.core.config import load_config
-from llmd_supervisor.core.paths import check_canonical, check_log_dir
+from llmd_supervisor.core.spec.log_dirs import check_canonical, check_log_dir
 from llmd_supervisor.errors import ConfigError, FileRefused, LogCapped, SpecError
-from llmd_supervisor.supervision.cluster import SharedLogDir
+from llmd_supervisor.supervision.cluster.clusters import SharedLogDir
 from tests.fakes.hostile import SECRET, plant
 from tests.fakes.hostile_results import write_nested
 from tests.waiting import until
@@ -373,7 +373,7 @@ def test_a_reader_answer_that_lies_about_its_length_is_refused(
 async def test_copy_rests_appends_what_each_file_holds_beyond_its_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from llmd_supervisor.adapters import tail
+    from llmd_supervisor.adapters.nodes import tail as tail
 
     # Small chunks and pipelined writes: several rounds, several writes per round.
     monkeypatch.setattr(tail, "COPY_CHUNK", 3000)

@@ -1,4 +1,4 @@
-"""The one sanitiser of job-written text (core/jobtext.py): hostile values in, text that
+"""The one sanitiser of job-written text (core/run/jobtext.py): hostile values in, text that
 is safe to journal, log and show on a terminal out."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import sqlite3
 
 import pytest
 
-from llmd_supervisor.core.jobtext import CUT_MARK, JOB_TEXT_MAX, job_repr, job_text
+from llmd_supervisor.core.run.jobtext import CUT_MARK, JOB_TEXT_MAX, job_repr, job_text
 
 # (what a job wrote, what the daemon keeps)
 CASES = [

@@ -19,16 +19,16 @@ import anyio.lowlevel
 import pytest
 import pytest_asyncio
 
-from llmd_supervisor.adapters.journal import (
+from llmd_supervisor.adapters.journal.db import Db, SqliteDb
+from llmd_supervisor.adapters.journal.schema import MIGRATIONS
+from llmd_supervisor.adapters.journal.store import (
     SCHEMA_VERSION,
     Journal,
     NewEvent,
     RunMeta,
     StoredRun,
 )
-from llmd_supervisor.adapters.journal_db import Db, SqliteDb
-from llmd_supervisor.adapters.journal_schema import MIGRATIONS
-from llmd_supervisor.core.lifecycle import (
+from llmd_supervisor.core.run.lifecycle import (
     Archived,
     CancelRequested,
     Event,
@@ -44,8 +44,8 @@ from llmd_supervisor.core.lifecycle import (
     new_run,
     step,
 )
-from llmd_supervisor.core.retry_policy import Evidence, NodeFailure
-from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.core.run.retry_policy import Evidence, NodeFailure
+from llmd_supervisor.core.verdict.decide import Outcome
 from llmd_supervisor.errors import JournalConflict, JournalError, JournalSchemaTooNew
 from tests.postgres import JournalTarget
 
@@ -454,7 +454,7 @@ async def test_a_version_1_journal_migrates_and_keeps_its_runs(tmp_path: Path) -
         assert again.run == left
 
 
-# --- node failures (core.retry_policy's quarantine) ----------------------------------------
+# --- node failures (core.run.retry_policy's quarantine) ----------------------------------------
 
 
 def _failure(node: str, run_id: str, minutes: float, **changes: object) -> NodeFailure:

@@ -1,4 +1,4 @@
-"""Group commit (adapters.journal_batch): queued operations run together, in order, each
+"""Group commit (adapters.journal.batch): queued operations run together, in order, each
 with its own result or error; cancellation before a batch is taken does nothing."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 import anyio
 import pytest
 
-from llmd_supervisor.adapters.journal import Journal
-from llmd_supervisor.adapters.journal_batch import MAX_BATCH, Batches, Op
-from llmd_supervisor.adapters.journal_db import Db
+from llmd_supervisor.adapters.journal.batch import MAX_BATCH, Batches, Op
+from llmd_supervisor.adapters.journal.db import Db
+from llmd_supervisor.adapters.journal.store import Journal
 from llmd_supervisor.errors import JournalError
 
 

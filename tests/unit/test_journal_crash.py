@@ -9,8 +9,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from llmd_supervisor.adapters.journal import Journal
-from llmd_supervisor.core.lifecycle import RunState
+from llmd_supervisor.adapters.journal.store import Journal
+from llmd_supervisor.core.run.lifecycle import RunState
 
 # Runs in a fresh interpreter: journal a run, step it through the lifecycle until it reaches
 # the target state, then SIGKILL itself the moment the last save returns (no close, no
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import anyio
 
-from llmd_supervisor.adapters.journal import Journal, RunMeta
-from llmd_supervisor.core.lifecycle import RunState, Started, Submit, Submitted, new_run, step
+from llmd_supervisor.adapters.journal.store import Journal, RunMeta
+from llmd_supervisor.core.run.lifecycle import RunState, Started, Submit, Submitted, new_run, step
 
 async def main(path: Path, target: RunState) -> None:
     journal = await Journal.open(path)

@@ -21,22 +21,22 @@ import anyio.lowlevel
 import pytest
 import pytest_asyncio
 
-from llmd_supervisor.adapters.campaign_store import CampaignStore, VerifiedPoint
-from llmd_supervisor.adapters.journal import Journal, NewEvent
-from llmd_supervisor.adapters.journal_db import Db, PostgresDb
-from llmd_supervisor.adapters.journal_pg import read_password
-from llmd_supervisor.adapters.journal_schema import TABLES
-from llmd_supervisor.adapters.outbox_store import Outbox
+from llmd_supervisor.adapters.journal.campaign_store import CampaignStore, VerifiedPoint
+from llmd_supervisor.adapters.journal.db import Db, PostgresDb
+from llmd_supervisor.adapters.journal.pg import read_password
+from llmd_supervisor.adapters.journal.schema import TABLES
+from llmd_supervisor.adapters.journal.store import Journal, NewEvent
+from llmd_supervisor.adapters.outbox.store import Outbox
 from llmd_supervisor.cli.journal import MIGRATE_CLUSTER, copy_journal
 from llmd_supervisor.cli.main import main
 from llmd_supervisor.core.config import load_config
-from llmd_supervisor.core.fencing import CLUSTER_FROM_PARENT, FENCED_TABLES
-from llmd_supervisor.core.journal_url import PostgresJournal, parse_journal
-from llmd_supervisor.core.lease import LEASE_TABLE
-from llmd_supervisor.core.lifecycle import RunState, Submit, step
-from llmd_supervisor.core.outbox import DeliveryStatus
-from llmd_supervisor.core.retry_policy import Evidence, NodeFailure
-from llmd_supervisor.core.schema_versions import CODE_VERSION
+from llmd_supervisor.core.events.outbox import DeliveryStatus
+from llmd_supervisor.core.ha.fencing import CLUSTER_FROM_PARENT, FENCED_TABLES
+from llmd_supervisor.core.ha.lease import LEASE_TABLE
+from llmd_supervisor.core.journal.schema_versions import CODE_VERSION
+from llmd_supervisor.core.journal.url import PostgresJournal, parse_journal
+from llmd_supervisor.core.run.lifecycle import RunState, Submit, step
+from llmd_supervisor.core.run.retry_policy import Evidence, NodeFailure
 from llmd_supervisor.errors import ConfigError, JournalConflict, JournalError, JournalSchemaTooNew
 from tests.postgres import PgServer, lead_for_tests
 from tests.unit.test_campaign_store import campaign, job
@@ -70,7 +70,7 @@ async def test_a_new_database_gets_the_schema_sqlite_has(
     journal: Journal, pg: PostgresJournal, postgres: PgServer, tmp_path: Path
 ) -> None:
     """The hand-written DDL of both backends names the same tables and columns (plus
-    PostgreSQL's own: runs.rowid, schema_version, the lease), and core.fencing fences them
+    PostgreSQL's own: runs.rowid, schema_version, the lease), and core.ha.fencing fences them
     all."""
 
     def columns(db: Db) -> dict[str, list[str]]:

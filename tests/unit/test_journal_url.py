@@ -1,4 +1,4 @@
-"""The ``[journal]`` table (`core.journal_url`): SQLite by default, PostgreSQL URLs and
+"""The ``[journal]`` table (`core.journal.url`): SQLite by default, PostgreSQL URLs and
 their refusals (never showing a password), the password file's rules and the link
 settings."""
 
@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from llmd_supervisor.core.journal_url import (
+from llmd_supervisor.core.journal.url import (
     LINK_SETTINGS,
     PostgresJournal,
     SqliteJournal,

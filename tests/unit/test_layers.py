@@ -81,3 +81,31 @@ def test_imports_follow_the_layers(path: Path) -> None:
         allowed = ALLOWED[rel[0]]
     wrong = [f"line {line}: {name}" for line, name in _imports(path) if _part(name) not in allowed]
     assert wrong == [], f"{path.relative_to(PACKAGE)} imports against the layers"
+
+
+# The modules that may sit directly in a layer (STYLE.md, "Folders by feature"): everything
+# else belongs to one feature package, whose `__init__` docstring says what it owns.
+SHARED_MODULES: dict[str, frozenset[str]] = {
+    "core": frozenset({"__init__", "config"}),
+    "adapters": frozenset({"__init__", "fsutil", "log", "metrics", "sdnotify"}),
+    "supervision": frozenset({"__init__", "daemon"}),
+}
+
+
+@pytest.mark.parametrize("layer", sorted(SHARED_MODULES))
+def test_a_layer_holds_feature_packages_and_only_its_shared_modules(layer: str) -> None:
+    loose = {p.stem for p in (PACKAGE / layer).glob("*.py")} - SHARED_MODULES[layer]
+    assert not loose, (
+        f"{sorted(loose)} sit directly in {layer}/: put each in the feature package it "
+        f"belongs to ({layer}/<feature>/), or, if it is truly shared, add it to "
+        "SHARED_MODULES with the reason"
+    )
+    for package in (PACKAGE / layer).iterdir():
+        if package.is_dir() and package.name != "__pycache__" and any(package.glob("*.py")):
+            init = package / "__init__.py"
+            assert init.is_file(), f"{package} has modules but no __init__.py"
+            doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8")))
+            assert doc and "import" in doc.lower(), (
+                f"{init.relative_to(PACKAGE)} must say in its docstring what the package owns "
+                "and what it may import"
+            )

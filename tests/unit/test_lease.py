@@ -1,4 +1,4 @@
-"""The leadership lease (`core.lease`): the compare-and-set rule, every transition of the
+"""The leadership lease (`core.ha.lease`): the compare-and-set rule, every transition of the
 holder's view, clock skew, late renewals, a long partition and racing candidates."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from llmd_supervisor.core.lease import (
+from llmd_supervisor.core.ha.lease import (
     ACQUIRE_EVERY_S,
     ACQUIRE_SQL,
     LEASE_S,

@@ -1,6 +1,6 @@
 """Leadership of a cluster on a real PostgreSQL (tests/postgres.py): `LeaseKeeper`
-(supervision.leadership) driving `core.lease` through `PostgresLease`
-(adapters.lease_pg). The rules themselves are tests/unit/test_lease.py's.
+(supervision.ha.leadership) driving `core.ha.lease` through `PostgresLease`
+(adapters.journal.lease_pg). The rules themselves are tests/unit/test_lease.py's.
 
 Times are asserted as generous upper bounds only (a loaded 2-core machine stretches
 every step); the state machine's own lower bounds are test_lease.py's.
@@ -20,10 +20,9 @@ import psycopg
 import pytest
 import pytest_asyncio
 
-from llmd_supervisor.adapters.journal import Journal
-from llmd_supervisor.adapters.lease_pg import Held, PostgresLease, Won
-from llmd_supervisor.core.journal_url import PostgresJournal
-from llmd_supervisor.core.lease import (
+from llmd_supervisor.adapters.journal.lease_pg import Held, PostgresLease, Won
+from llmd_supervisor.adapters.journal.store import Journal
+from llmd_supervisor.core.ha.lease import (
     ACQUIRE_EVERY_S,
     LEASE_TABLE,
     RENEW_EVERY_S,
@@ -31,8 +30,9 @@ from llmd_supervisor.core.lease import (
     STOP_ACTING_AFTER_S,
     Leader,
 )
+from llmd_supervisor.core.journal.url import PostgresJournal
 from llmd_supervisor.errors import LeaseError
-from llmd_supervisor.supervision.leadership import LeaseKeeper
+from llmd_supervisor.supervision.ha.leadership import LeaseKeeper
 from tests.postgres import PgServer
 from tests.waiting import until
 

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from llmd_supervisor.core.lifecycle import (
+from llmd_supervisor.core.run.lifecycle import (
     Action,
     Archived,
     CallSbatch,
@@ -36,7 +36,7 @@ from llmd_supervisor.core.lifecycle import (
     plan,
     step,
 )
-from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.core.verdict.decide import Outcome
 from llmd_supervisor.errors import IllegalTransition
 
 T0 = datetime(2026, 11, 30, 22, 0, 0, tzinfo=UTC)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from llmd_supervisor.adapters.slurm import LocalRunner
+from llmd_supervisor.adapters.slurm.runner import LocalRunner
 
 
 @pytest.mark.asyncio

@@ -7,8 +7,8 @@ from datetime import UTC, datetime
 
 import pytest
 
-from llmd_supervisor.core.jobtext import JOB_TEXT_MAX
-from llmd_supervisor.core.marker import (
+from llmd_supervisor.core.run.jobtext import JOB_TEXT_MAX
+from llmd_supervisor.core.verdict.marker import (
     MARKER_TEXT_MAX,
     MarkerStatus,
     marker_filename,

@@ -19,11 +19,11 @@ from llmd_supervisor.adapters.metrics import (
     serve_metrics,
     verify_seconds,
 )
-from llmd_supervisor.adapters.remote import NodeLink, SshSettings
-from llmd_supervisor.adapters.slurm import LocalRunner
-from llmd_supervisor.adapters.slurm_ssh import SshRunner
-from llmd_supervisor.core.lifecycle import RunState, Transition
-from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.adapters.nodes.remote import NodeLink, SshSettings
+from llmd_supervisor.adapters.slurm.runner import LocalRunner
+from llmd_supervisor.adapters.slurm.ssh import SshRunner
+from llmd_supervisor.core.run.lifecycle import RunState, Transition
+from llmd_supervisor.core.verdict.decide import Outcome
 from llmd_supervisor.errors import ConfigError, SlurmCommandError
 
 

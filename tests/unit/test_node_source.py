@@ -1,4 +1,4 @@
-"""`core.node_source.without_prose`: the node files' code without docstrings and comment
+"""`core.render.node_source.without_prose`: the node files' code without docstrings and comment
 lines, line numbers kept, the same syntax tree (issue 3.3's production script size)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import textwrap
 
 import pytest
 
-from llmd_supervisor.core.node_source import without_prose
-from llmd_supervisor.core.render import bundled_node_sources
+from llmd_supervisor.core.render.node_source import without_prose
+from llmd_supervisor.core.render.script import bundled_node_sources
 from llmd_supervisor.node import NODE_FILES
 
 CASES = [

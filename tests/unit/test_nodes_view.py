@@ -10,19 +10,19 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.adapters.control_protocol import Peer
+from llmd_supervisor.adapters.control.protocol import Peer
 from llmd_supervisor.cli.launch import nodes_table
 from llmd_supervisor.cli.run_commands import _print_summary
 from llmd_supervisor.core.config import Config
-from llmd_supervisor.core.retry_policy import (
+from llmd_supervisor.core.protocol.runs import NodesView, RunSummary, read
+from llmd_supervisor.core.run.retry_policy import (
     Evidence,
     NodeFailure,
     Quarantined,
     QuarantineRules,
     quarantine,
 )
-from llmd_supervisor.core.summary import NodesView, RunSummary, read
-from llmd_supervisor.supervision.api import ControlApi
+from llmd_supervisor.supervision.control.api import ControlApi
 from tests.unit.test_control_api import ME, OTHER, T0, Supervisor, no_stream, request
 
 ROOT = Peer(uid=0, gid=0, pid=3)

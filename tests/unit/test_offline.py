@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core.gpus import RoleGpus
-from llmd_supervisor.core.results import Point, PointEvidence, parse_result, results_table
-from llmd_supervisor.core.usage import split
+from llmd_supervisor.core.results.evidence import Point, PointEvidence, parse_result, results_table
+from llmd_supervisor.core.results.gpus import RoleGpus
+from llmd_supervisor.core.verdict.usage import split
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "results"
 RUN = "a8c78661894a"
@@ -65,7 +65,7 @@ def test_results_from_the_state_dir_or_the_archive_match_what_the_daemon_answers
     (got,) = json.loads(by_state.stdout)["runs"]
     table = json.loads((archive / "results.json").read_text())
     receipt = json.loads((archive / "receipt.json").read_text())
-    # What the daemon's `results` op answers for the run (supervision.api._results).
+    # What the daemon's `results` op answers for the run (supervision.control.api._results).
     assert got == {
         "run": RUN,
         "state": "succeeded",

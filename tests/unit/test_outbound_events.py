@@ -1,5 +1,5 @@
 """Outbound events beyond a run's record (issue 3.6): run.finished's details from the
-receipt, attempts and results table (`core.event_facts`), run.point_finished, the opt-in
+receipt, attempts and results table (`core.events.facts`), run.point_finished, the opt-in
 of a spec's [notify], campaign.progress's rate limit, node.quarantined, their Slack and
 mail renderings, and the journal writing each with what it reports."""
 
@@ -15,18 +15,24 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from llmd_supervisor.adapters.journal import Journal
-from llmd_supervisor.adapters.outbox_store import Outbox
-from llmd_supervisor.core.campaign import parse_campaign
-from llmd_supervisor.core.event_facts import (
+from llmd_supervisor.adapters.journal.store import Journal
+from llmd_supervisor.adapters.outbox.store import Outbox
+from llmd_supervisor.core.campaign.expand import parse_campaign
+from llmd_supervisor.core.events.facts import (
     RunDetails,
     best_point,
     finished_details,
     points_of_table,
 )
-from llmd_supervisor.core.event_routing import Destination, DestinationKind, EventsConfig
-from llmd_supervisor.core.event_routing import check_named as check_named_
-from llmd_supervisor.core.events import (
+from llmd_supervisor.core.events.formats import (
+    SLACK_BLOCKS_MAX,
+    SLACK_FIELD_MAX,
+    SLACK_FIELDS_MAX,
+    SLACK_SECTION_MAX,
+    mail_message,
+    slack_message,
+)
+from llmd_supervisor.core.events.model import (
     MAX_BODY_BYTES,
     CampaignFacts,
     CampaignProblem,
@@ -38,15 +44,7 @@ from llmd_supervisor.core.events import (
     event_id,
     make_event,
 )
-from llmd_supervisor.core.notify_formats import (
-    SLACK_BLOCKS_MAX,
-    SLACK_FIELD_MAX,
-    SLACK_FIELDS_MAX,
-    SLACK_SECTION_MAX,
-    mail_message,
-    slack_message,
-)
-from llmd_supervisor.core.outbox import (
+from llmd_supervisor.core.events.outbox import (
     LastProgress,
     ProgressStep,
     campaign_counts,
@@ -56,8 +54,10 @@ from llmd_supervisor.core.outbox import (
     quarantine_outgoing,
     run_outgoing,
 )
-from llmd_supervisor.core.retry_policy import Evidence, NodeFailure, QuarantineRules
-from llmd_supervisor.core.spec import load_spec
+from llmd_supervisor.core.events.routing import Destination, DestinationKind, EventsConfig
+from llmd_supervisor.core.events.routing import check_named as check_named_
+from llmd_supervisor.core.run.retry_policy import Evidence, NodeFailure, QuarantineRules
+from llmd_supervisor.core.spec.runspec import load_spec
 from llmd_supervisor.errors import CampaignError, SpecError
 from tests.daemon_helpers import DEMO_SPEC
 from tests.events_helpers import BEST, FINISHED

@@ -1,6 +1,6 @@
-"""The outbox (issue 3.6): which transition makes which event (`core.outbox`), and the
+"""The outbox (issue 3.6): which transition makes which event (`core.events.outbox`), and the
 journal writing the event and its deliveries in the transition's own transaction
-(`adapters.outbox_rows`, `adapters.outbox_store`), against real SQLite files."""
+(`adapters.outbox.rows`, `adapters.outbox.store`), against real SQLite files."""
 
 from __future__ import annotations
 
@@ -12,12 +12,18 @@ from datetime import UTC, datetime, timedelta
 import pytest
 import pytest_asyncio
 
-from llmd_supervisor.adapters.journal import Journal, RunMeta
-from llmd_supervisor.adapters.outbox_store import Outbox
+from llmd_supervisor.adapters.journal.store import Journal, RunMeta
+from llmd_supervisor.adapters.outbox.store import Outbox
 from llmd_supervisor.core.config import effective, load_config, to_toml
-from llmd_supervisor.core.event_routing import Destination, DestinationKind
-from llmd_supervisor.core.events import EventType, Links, RunRef, event_id
-from llmd_supervisor.core.lifecycle import (
+from llmd_supervisor.core.events.model import EventType, Links, RunRef, event_id
+from llmd_supervisor.core.events.outbox import (
+    DeliveryStatus,
+    Outgoing,
+    run_event_type,
+    run_outgoing,
+)
+from llmd_supervisor.core.events.routing import Destination, DestinationKind
+from llmd_supervisor.core.run.lifecycle import (
     Archived,
     CancelRequested,
     Event,
@@ -34,8 +40,7 @@ from llmd_supervisor.core.lifecycle import (
     new_run,
     step,
 )
-from llmd_supervisor.core.outbox import DeliveryStatus, Outgoing, run_event_type, run_outgoing
-from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.core.verdict.decide import Outcome
 from llmd_supervisor.errors import ConfigErrors, JournalConflict
 from tests.postgres import JournalTarget
 

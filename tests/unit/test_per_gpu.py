@@ -16,10 +16,8 @@ from typing import Any
 
 import pytest
 
-from llmd_supervisor.core.gpus import PerGpu, RoleGpus, declared_roles, per_gpu
-from llmd_supervisor.core.recipe import deployment_of, recipe_fingerprint, role_gpus
-from llmd_supervisor.core.render import render_sbatch
-from llmd_supervisor.core.results import (
+from llmd_supervisor.core.render.script import render_sbatch
+from llmd_supervisor.core.results.evidence import (
     Point,
     PointEvidence,
     Validity,
@@ -30,7 +28,9 @@ from llmd_supervisor.core.results import (
     parsed_to_json,
     results_table,
 )
-from llmd_supervisor.core.spec import RunSpec, parse_spec
+from llmd_supervisor.core.results.gpus import PerGpu, RoleGpus, declared_roles, per_gpu
+from llmd_supervisor.core.spec.recipe import deployment_of, recipe_fingerprint, role_gpus
+from llmd_supervisor.core.spec.runspec import RunSpec, parse_spec
 from llmd_supervisor.errors import SpecError
 
 REPO = Path(__file__).resolve().parents[2]

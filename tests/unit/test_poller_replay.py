@@ -14,11 +14,11 @@ from pathlib import Path
 import anyio
 import pytest
 
-from llmd_supervisor.adapters.slurm import SlurmClient
+from llmd_supervisor.adapters.slurm.runner import SlurmClient
 from llmd_supervisor.core.config import PollConfig
-from llmd_supervisor.core.slurm_parse import JobState
-from llmd_supervisor.core.verdict import QueryOutcome, SlurmQuery, Source
-from llmd_supervisor.supervision.poller import Poller, QueueView
+from llmd_supervisor.core.slurm.parse import JobState
+from llmd_supervisor.core.verdict.decide import QueryOutcome, SlurmQuery, Source
+from llmd_supervisor.supervision.cluster.poller import Poller, QueueView
 from tests.fakes.slurm_replay import (
     INVALID_JOB_ID,
     SACCT_DBD_DOWN,

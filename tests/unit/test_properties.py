@@ -10,8 +10,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmd_supervisor.core.marker import MarkerStatus, read_marker
-from llmd_supervisor.core.slurm_parse import (
+from llmd_supervisor.core.slurm.parse import (
     JobState,
     parse_exit_code,
     parse_sacct,
@@ -21,8 +20,8 @@ from llmd_supervisor.core.slurm_parse import (
     parse_squeue,
     parse_state,
 )
-from llmd_supervisor.core.spec import load_spec
-from llmd_supervisor.core.verdict import (
+from llmd_supervisor.core.spec.runspec import load_spec
+from llmd_supervisor.core.verdict.decide import (
     Outcome,
     QueryOutcome,
     VerdictState,
@@ -31,6 +30,7 @@ from llmd_supervisor.core.verdict import (
     sacct_query,
     scontrol_query,
 )
+from llmd_supervisor.core.verdict.marker import MarkerStatus, read_marker
 from llmd_supervisor.errors import SlurmParseError, SpecError
 
 EXAMPLES = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -11,38 +11,38 @@ from pathlib import Path
 import pytest
 
 PURE_MODULES = [
-    "llmd_supervisor.core.slurm_parse",
-    "llmd_supervisor.core.marker",
-    "llmd_supervisor.core.verdict",
-    "llmd_supervisor.core.lifecycle",
-    "llmd_supervisor.core.health",
-    "llmd_supervisor.core.layout",
-    "llmd_supervisor.core.summary",
-    "llmd_supervisor.core.declared",
-    "llmd_supervisor.core.campaign_views",
-    "llmd_supervisor.core.foreign_spec",
-    "llmd_supervisor.core.retry_policy",
-    "llmd_supervisor.core.usage",
-    "llmd_supervisor.core.cause",
-    "llmd_supervisor.core.campaign",
-    "llmd_supervisor.core.campaign_admission",
-    "llmd_supervisor.core.campaign_script",
-    "llmd_supervisor.core.toml_write",
-    "llmd_supervisor.core.node_archive",
-    "llmd_supervisor.core.events",
-    "llmd_supervisor.core.webhooks",
-    "llmd_supervisor.core.delivery",
-    "llmd_supervisor.core.notify_formats",
-    "llmd_supervisor.core.event_routing",
-    "llmd_supervisor.core.outbox",
-    "llmd_supervisor.core.event_facts",
-    "llmd_supervisor.core.lease",
-    "llmd_supervisor.core.fencing",
-    "llmd_supervisor.core.journal_url",
-    "llmd_supervisor.core.schema_versions",
-    "llmd_supervisor.core.dashboard_pages",
-    "llmd_supervisor.core.report_html",
-    "llmd_supervisor.core.result_values",
+    "llmd_supervisor.core.slurm.parse",
+    "llmd_supervisor.core.verdict.marker",
+    "llmd_supervisor.core.verdict.decide",
+    "llmd_supervisor.core.run.lifecycle",
+    "llmd_supervisor.core.run.health",
+    "llmd_supervisor.core.run.layout",
+    "llmd_supervisor.core.protocol.runs",
+    "llmd_supervisor.core.results.declared",
+    "llmd_supervisor.core.campaign.views",
+    "llmd_supervisor.core.spec.foreign",
+    "llmd_supervisor.core.run.retry_policy",
+    "llmd_supervisor.core.verdict.usage",
+    "llmd_supervisor.core.verdict.cause",
+    "llmd_supervisor.core.campaign.expand",
+    "llmd_supervisor.core.campaign.admission",
+    "llmd_supervisor.core.campaign.script",
+    "llmd_supervisor.core.spec.toml_write",
+    "llmd_supervisor.core.render.node_archive",
+    "llmd_supervisor.core.events.model",
+    "llmd_supervisor.core.events.webhooks",
+    "llmd_supervisor.core.events.delivery",
+    "llmd_supervisor.core.events.formats",
+    "llmd_supervisor.core.events.routing",
+    "llmd_supervisor.core.events.outbox",
+    "llmd_supervisor.core.events.facts",
+    "llmd_supervisor.core.ha.lease",
+    "llmd_supervisor.core.ha.fencing",
+    "llmd_supervisor.core.journal.url",
+    "llmd_supervisor.core.journal.schema_versions",
+    "llmd_supervisor.core.web.pages",
+    "llmd_supervisor.core.results.report_html",
+    "llmd_supervisor.core.results.values",
 ]
 FORBIDDEN = ["anyio", "asyncssh", "sqlite3", "subprocess", "socket", "asyncio", "structlog"]
 # A standard-library module a pure module needs may load one of FORBIDDEN without using
@@ -52,9 +52,9 @@ ALLOWED_LOADS: dict[str, frozenset[str]] = {
     # The mail is an email.message.EmailMessage; email.utils (which it imports) imports
     # socket at module level for make_msgid's host name. Nothing here calls make_msgid:
     # the Message-ID comes from the event id and a domain passed in.
-    "llmd_supervisor.core.notify_formats": frozenset({"socket"}),
-    # Makes a Slack destination's message with core.notify_formats (as above).
-    "llmd_supervisor.core.outbox": frozenset({"socket"}),
+    "llmd_supervisor.core.events.formats": frozenset({"socket"}),
+    # Makes a Slack destination's message with core.events.formats (as above).
+    "llmd_supervisor.core.events.outbox": frozenset({"socket"}),
 }
 
 # The checkout under test, first on the path (-I ignores PYTHONPATH: without it the probe

@@ -29,13 +29,13 @@ import pytest
 
 from llmd_supervisor.cli.main import build_parser
 from llmd_supervisor.core import config as daemon_config
-from llmd_supervisor.core.campaign import (
+from llmd_supervisor.core.campaign.expand import (
     CAMPAIGN_KEYS,
     expand,
     expand_script,
     parse_campaign,
 )
-from llmd_supervisor.core.spec import SPEC_FIELDS, parse_spec
+from llmd_supervisor.core.spec.runspec import SPEC_FIELDS, parse_spec
 from tests.devcluster import REPO
 
 README = REPO / "README.md"

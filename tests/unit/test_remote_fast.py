@@ -24,9 +24,10 @@ import pytest
 import pytest_asyncio
 from structlog.testing import capture_logs
 
-from llmd_supervisor.adapters import jobfiles, tail
-from llmd_supervisor.adapters.remote import NodeLink
-from llmd_supervisor.adapters.tail import tail_to_local
+from llmd_supervisor.adapters.nodes import jobfiles as jobfiles
+from llmd_supervisor.adapters.nodes import tail as tail
+from llmd_supervisor.adapters.nodes.remote import NodeLink
+from llmd_supervisor.adapters.nodes.tail import tail_to_local
 from llmd_supervisor.errors import FileRefused, RemoteError, TailConflict
 from tests.fakes.hostile import SECRET, plant
 from tests.fakes.log_writer import Writer, size_of

@@ -1,10 +1,10 @@
-"""Pure parts of `llmd_supervisor.adapters.remote`: backoff schedule and settings validation."""
+"""Pure parts of `llmd_supervisor.adapters.nodes.remote`: backoff schedule and settings checks."""
 
 from __future__ import annotations
 
 import pytest
 
-from llmd_supervisor.adapters.remote import (
+from llmd_supervisor.adapters.nodes.remote import (
     BACKOFF_CAP_S,
     BACKOFF_FIRST_S,
     SshSettings,

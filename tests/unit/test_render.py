@@ -27,14 +27,15 @@ from typing import Any
 import pytest
 
 from llmd_supervisor.cli.main import main
-from llmd_supervisor.core.agent_config import agent_config, stop_timeout_s
-from llmd_supervisor.core.campaign import expand, parse_campaign
-from llmd_supervisor.core.render import bundled_node_sources, render_sbatch
-from llmd_supervisor.core.spec import RunSpec, load_spec, parse_spec
-from llmd_supervisor.core.toml_write import dump_toml
+from llmd_supervisor.core.campaign.expand import expand, parse_campaign
+from llmd_supervisor.core.render.agent_config import agent_config, stop_timeout_s
+from llmd_supervisor.core.render.script import bundled_node_sources, render_sbatch
+from llmd_supervisor.core.spec.runspec import RunSpec, load_spec, parse_spec
+from llmd_supervisor.core.spec.toml_write import dump_toml
 from llmd_supervisor.errors import SpecError
 from llmd_supervisor.node import AGENT_FILES, NODE_FILES, STANDIN_FILES
 from llmd_supervisor.node.common import RC_NODE_FILES
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.timeout(30)]
 
@@ -204,7 +205,7 @@ def _run_script(
     *,
     rc: int = 0,
     sleep: float = 0,
-    term_after: float | None = None,
+    term_once_srun_runs: bool = False,
     restarts: int = 0,
 ) -> tuple[int, str, list[str]]:
     bindir = tmp / "bin"
@@ -235,8 +236,14 @@ def _run_script(
         start_new_session=True,
     )
     try:
-        if term_after is not None:
-            time.sleep(term_after)
+        if term_once_srun_runs:  # the batch shell waits on srun (its trap is set)
+            wait_until(
+                lambda: (
+                    (argv_file.is_file() and argv_file.stat().st_size > 0)
+                    or proc.poll() is not None
+                ),
+                what="the fake srun started by the batch script",
+            )
             proc.send_signal(signal.SIGTERM)  # what --signal=B:TERM@grace does
         out, _ = proc.communicate(timeout=20)
     finally:
@@ -342,7 +349,7 @@ def test_batch_shell_survives_term_and_keeps_srun_rc(tmp_path: Path) -> None:
     spec = spec_with(run={"log_dir": str(log_dir)})
     start = time.monotonic()
     rc, out, _ = _run_script(
-        render_sbatch(spec, job_name="t"), tmp_path, rc=5, sleep=2, term_after=0.7
+        render_sbatch(spec, job_name="t"), tmp_path, rc=5, sleep=2, term_once_srun_runs=True
     )
     assert rc == 5, out
     assert "batch shell got SIGTERM" in out
@@ -388,9 +395,9 @@ def test_cli_render_bad_spec_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
 @pytest.mark.parametrize(
     "module",
     [
-        "llmd_supervisor.core.spec",
-        "llmd_supervisor.core.render",
-        "llmd_supervisor.core.node_archive",
+        "llmd_supervisor.core.spec.runspec",
+        "llmd_supervisor.core.render.script",
+        "llmd_supervisor.core.render.node_archive",
     ],
 )
 def test_spec_and_render_import_no_io_machinery(module: str) -> None:
@@ -448,7 +455,7 @@ def test_gpu_examples_render(example: str, expected: str) -> None:
 # with 51 LLMD_FAKE_ lines), measured: 168,962 bytes; the examples' were 170,085 (pyxis)
 # and 170,248 (docker). With the agent's readable source in heredocs, a production script
 # was still about 121 KB; with it as one gzip'd tar (base64: about 45 KB for 112 KB of
-# source), about 54 KB. Without the source's prose (`core.node_source`: 81 KB of code,
+# source), about 54 KB. Without the source's prose (`core.render.node_source`: 81 KB of code,
 # 27 KB encoded) it is about 38 KB: issue 3.3's quarter.
 DEMO_RENDER_BYTES_BEFORE = 168_962
 PRODUCTION_MAX_BYTES = DEMO_RENDER_BYTES_BEFORE // 4

@@ -277,8 +277,8 @@ def test_each_run_is_titled_with_model_topology_and_lengths_in_the_browser(
     """The page Chromium renders names each run by its model, its xPyD topology with the
     GPUs of each role, ISL/OSL and its end; throughput axes start at zero; every chart has
     the table of its points below it."""
-    from llmd_supervisor.core.recipe import deployment_of
-    from llmd_supervisor.core.spec import load_spec
+    from llmd_supervisor.core.spec.recipe import deployment_of
+    from llmd_supervisor.core.spec.runspec import load_spec
     from tests.daemon_helpers import demo_spec
 
     runs = samples()

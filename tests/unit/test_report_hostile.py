@@ -15,7 +15,7 @@ import pytest
 from llmd_supervisor.cli import report
 from llmd_supervisor.cli import results as results_cli
 from llmd_supervisor.cli.results import read_run_results
-from llmd_supervisor.core.summary import RunResults
+from llmd_supervisor.core.protocol.runs import RunResults
 from tests.unit.test_report import _parse
 from tests.unit.test_results_cli import run_8gpu
 

@@ -13,15 +13,15 @@ import anyio
 import pytest
 import pytest_asyncio
 
-from llmd_supervisor.adapters.result_parser import PARSERS
+from llmd_supervisor.adapters.files.result_parser import PARSERS
 from llmd_supervisor.core.config import Limits, load_config
-from llmd_supervisor.core.foreign_spec import Watch
-from llmd_supervisor.core.layout import RunLayout
-from llmd_supervisor.core.results import Point, ResultProblem
-from llmd_supervisor.core.spec import RunSpec, load_spec
+from llmd_supervisor.core.results.evidence import Point, ResultProblem
+from llmd_supervisor.core.run.layout import RunLayout
+from llmd_supervisor.core.spec.foreign import Watch
+from llmd_supervisor.core.spec.runspec import RunSpec, load_spec
 from llmd_supervisor.errors import ConfigError, FileRefused
-from llmd_supervisor.supervision import bench_files
-from llmd_supervisor.supervision.cluster import SharedLogDir
+from llmd_supervisor.supervision.cluster.clusters import SharedLogDir
+from llmd_supervisor.supervision.run import bench_files as bench_files
 from tests.daemon_helpers import demo_spec
 from tests.fakes.bench_results import vllm_result
 from tests.fakes.hostile_results import write_nested
@@ -235,8 +235,8 @@ def test_a_foreign_result_file_name_reaches_the_table_escaped() -> None:
 def test_a_foreign_jobs_roles_divide_its_per_gpu_numbers_as_inferencex_does() -> None:
     """`submit --script ... --prefill-gpus 16 --decode-gpus 8`: output tok/s per GPU over
     the decode GPUs, input over the prefill ones, total over both."""
-    from llmd_supervisor.core.gpus import RoleGpus
-    from llmd_supervisor.core.results import parse_result
+    from llmd_supervisor.core.results.evidence import parse_result
+    from llmd_supervisor.core.results.gpus import RoleGpus
 
     point = parse_result(vllm_result(4, 40), "vllm")
     assert isinstance(point, Point)

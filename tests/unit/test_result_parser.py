@@ -17,9 +17,15 @@ from pathlib import Path
 import anyio
 import pytest
 
-from llmd_supervisor.adapters import result_parser
-from llmd_supervisor.adapters.result_parser import ParseLimits, parse_many
-from llmd_supervisor.core.results import FORMATS, Point, ResultFormat, ResultProblem, parse_result
+from llmd_supervisor.adapters.files import result_parser as result_parser
+from llmd_supervisor.adapters.files.result_parser import ParseLimits, parse_many
+from llmd_supervisor.core.results.evidence import (
+    FORMATS,
+    Point,
+    ResultFormat,
+    ResultProblem,
+    parse_result,
+)
 from tests.fakes.hostile_results import nested_lists
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "results"

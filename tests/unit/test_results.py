@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmd_supervisor.core.results import (
+from llmd_supervisor.core.results.evidence import (
     FORMATS,
     MAX_RESULT_BYTES,
     PERCENTILES_MAX,

@@ -30,8 +30,8 @@ from llmd_supervisor.cli.results import (
     render_text,
     show,
 )
-from llmd_supervisor.core.results import LATENCIES
-from llmd_supervisor.core.summary import RunResults
+from llmd_supervisor.core.protocol.runs import RunResults
+from llmd_supervisor.core.results.evidence import LATENCIES
 from llmd_supervisor.errors import SummaryError
 
 CONCURRENCIES = (1, 16, 64)
@@ -501,7 +501,7 @@ def test_render_json_is_stable() -> None:
 
 
 def test_a_point_without_its_result_file_shows_dashes_and_gates_as_invalid() -> None:
-    """As core/results.py writes it: every number null, latencies all null."""
+    """As core/results/evidence.py writes it: every number null, latencies all null."""
     r = run_8gpu()
     missing: dict[str, object] = dict.fromkeys(
         ("num_prompts", "completed", "failed", "duration_s", "request_throughput"), None

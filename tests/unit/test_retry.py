@@ -1,5 +1,5 @@
-"""Retries and quarantine, pure (`core.retry_policy`, `core.usage`, `lifecycle` Retry/Held/
-HoldExpired). Issue 3.2 items 1 and 3: one user's job alone never keeps a node from
+"""Retries and quarantine, pure (`core.run.retry_policy`, `core.verdict.usage`, `lifecycle`
+Retry/Held/HoldExpired). Issue 3.2 items 1 and 3: one user's job alone never keeps a node from
 another user's runs; one inferred failure quarantines nothing; a retry that could only be
 placed on nodes it must keep out is not retried; a hold has a deadline."""
 
@@ -9,8 +9,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from llmd_supervisor.core.cause import Cause, Diagnosis
-from llmd_supervisor.core.lifecycle import (
+from llmd_supervisor.core.run.lifecycle import (
     CallSbatch,
     CancelRequested,
     Held,
@@ -27,7 +26,7 @@ from llmd_supervisor.core.lifecycle import (
     plan,
     step,
 )
-from llmd_supervisor.core.retry_policy import (
+from llmd_supervisor.core.run.retry_policy import (
     Decision,
     Evidence,
     Exclusion,
@@ -42,9 +41,10 @@ from llmd_supervisor.core.retry_policy import (
     placed,
     quarantine,
 )
-from llmd_supervisor.core.spec import load_spec
-from llmd_supervisor.core.usage import duration_s, split, usage
-from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.core.spec.runspec import load_spec
+from llmd_supervisor.core.verdict.cause import Cause, Diagnosis
+from llmd_supervisor.core.verdict.decide import Outcome
+from llmd_supervisor.core.verdict.usage import duration_s, split, usage
 from llmd_supervisor.errors import IllegalTransition, SpecError
 from tests.daemon_helpers import DEMO_SPEC
 
@@ -296,8 +296,8 @@ def test_usage_splits_useful_and_lost_hours() -> None:
 
 
 def test_a_stage_past_its_deadline_is_overdue_and_classified_by_where() -> None:
-    from llmd_supervisor.core.cause import hang
-    from llmd_supervisor.core.health import overdue_stage
+    from llmd_supervisor.core.run.health import overdue_stage
+    from llmd_supervisor.core.verdict.cause import hang
 
     started = T0.isoformat()
     stages = [

@@ -12,8 +12,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from llmd_supervisor.core.foreign_spec import load as load_foreign
-from llmd_supervisor.core.lifecycle import (
+from llmd_supervisor.core.run.lifecycle import (
     Archived,
     Held,
     HoldExpired,
@@ -26,11 +25,11 @@ from llmd_supervisor.core.lifecycle import (
     Verified,
     WatchersStopped,
 )
-from llmd_supervisor.core.retry_policy import Evidence, NodeFailure
-from llmd_supervisor.core.slurm_parse import JobState, parse_scontrol_job
-from llmd_supervisor.core.spec import RunSpec
-from llmd_supervisor.core.verdict import Outcome
-from llmd_supervisor.supervision.attempt import CopyState
+from llmd_supervisor.core.run.retry_policy import Evidence, NodeFailure
+from llmd_supervisor.core.slurm.parse import JobState, parse_scontrol_job
+from llmd_supervisor.core.spec.foreign import load as load_foreign
+from llmd_supervisor.core.spec.runspec import RunSpec
+from llmd_supervisor.core.verdict.decide import Outcome
 from llmd_supervisor.supervision.run import (
     archive,
     cancel,
@@ -42,6 +41,7 @@ from llmd_supervisor.supervision.run import (
     submit,
     verify,
 )
+from llmd_supervisor.supervision.run.attempt import CopyState
 from llmd_supervisor.supervision.run.records import (
     ATTEMPT_EVENT,
     HELD_EVENT,

@@ -1,13 +1,13 @@
-"""The migration planner (`core.schema_versions`): nothing, steps N+1..M, or a refusal,
+"""The migration planner (`core.journal.schema_versions`): nothing, steps N+1..M, or a refusal,
 on today's SQLite numbering."""
 
 from __future__ import annotations
 
 import pytest
 
-from llmd_supervisor.adapters.journal import SCHEMA_VERSION
-from llmd_supervisor.adapters.journal_schema import MIGRATIONS
-from llmd_supervisor.core.schema_versions import (
+from llmd_supervisor.adapters.journal.schema import MIGRATIONS
+from llmd_supervisor.adapters.journal.store import SCHEMA_VERSION
+from llmd_supervisor.core.journal.schema_versions import (
     CODE_VERSION,
     MIGRATION_LOCK_KEY,
     VERSIONS,

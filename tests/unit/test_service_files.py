@@ -200,7 +200,7 @@ def test_the_cli_finds_the_users_socket_and_config_before_the_system_ones(
     from llmd_supervisor.cli.common import socket_default
     from llmd_supervisor.cli.config import config_default
     from llmd_supervisor.core.config import DEFAULT_PATH
-    from llmd_supervisor.core.paths import DEFAULT_SOCKET
+    from llmd_supervisor.core.spec.log_dirs import DEFAULT_SOCKET
 
     monkeypatch.delenv("LLMD_SUPERVISOR_SOCKET", raising=False)
     monkeypatch.delenv("LLMD_SUPERVISOR_CONFIG", raising=False)

@@ -16,8 +16,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from llmd_supervisor.adapters.slurm import SlurmClient
-from llmd_supervisor.core.slurm_parse import (
+from llmd_supervisor.adapters.slurm.runner import SlurmClient
+from llmd_supervisor.core.slurm.parse import (
     JobState,
     parse_sacct,
     parse_scontrol_job,

@@ -1,11 +1,11 @@
-"""A submit limit from sacctmgr's answers (core.slurm_limits), captured on the dev cluster
+"""A submit limit from sacctmgr's answers (core.slurm.limits), captured on the dev cluster
 (tests/data/slurm-qos-refusal/SOURCE.md) and varied."""
 
 from __future__ import annotations
 
 import pytest
 
-from llmd_supervisor.core.slurm_limits import submit_limit
+from llmd_supervisor.core.slurm.limits import submit_limit
 
 # What 22.05 and 24.11 print on the dev cluster: one association, QOS normal, no limits.
 ASSOC = "normal||\n"

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from llmd_supervisor.core.slurm_parse import (
+from llmd_supervisor.core.slurm.parse import (
     SACCT_FIELDS,
     SQUEUE_FORMAT,
     ExitCode,

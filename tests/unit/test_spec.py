@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from llmd_supervisor.core.spec import (
+from llmd_supervisor.core.spec.runspec import (
     ALLOWED_SBATCH_OPTIONS,
     RESERVED_SBATCH_OPTIONS,
     ContainerKind,
@@ -24,7 +24,7 @@ from llmd_supervisor.core.spec import (
     parse_spec,
     time_limit_seconds,
 )
-from llmd_supervisor.core.spec_slurm import extra_arg
+from llmd_supervisor.core.spec.slurm_table import extra_arg
 from llmd_supervisor.errors import SpecError
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy" / "llm-d"
@@ -770,7 +770,7 @@ def test_benchmark_result_errors(changes: dict[str, Any], field: str, hint_part:
 _ADVERSARIAL = ["/" + "a" * 5000 + " ", "/" + "a/" * 2500 + " ", "a" * 5000 + "!", "-" * 5000]
 _HANG_CHECK = """
 import copy, sys, tomllib
-from llmd_supervisor.core.spec import parse_spec
+from llmd_supervisor.core.spec.runspec import parse_spec
 from llmd_supervisor.errors import SpecError
 demo = tomllib.loads(open(sys.argv[1]).read())
 def strings(t, path=()):

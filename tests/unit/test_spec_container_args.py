@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from llmd_supervisor.core.render import render_sbatch
-from llmd_supervisor.core.spec import parse_spec
-from llmd_supervisor.core.spec_container_args import DOCKER_OPTIONS, PYXIS_OPTIONS
+from llmd_supervisor.core.render.script import render_sbatch
+from llmd_supervisor.core.spec.container_args import DOCKER_OPTIONS, PYXIS_OPTIONS
+from llmd_supervisor.core.spec.runspec import parse_spec
 from llmd_supervisor.errors import SpecError
 
 DEMO = tomllib.loads((Path(__file__).parents[2] / "deploy/llm-d/demo.toml").read_text())

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from llmd_supervisor.core.agent_config import agent_config
-from llmd_supervisor.core.spec import parse_spec
+from llmd_supervisor.core.render.agent_config import agent_config
+from llmd_supervisor.core.spec.runspec import parse_spec
 from tests.unit.test_spec import demo, spec_error
 
 ROUTER: dict[str, Any] = {

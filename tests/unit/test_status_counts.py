@@ -8,7 +8,7 @@ import dataclasses
 from types import SimpleNamespace
 from typing import Any, cast
 
-from llmd_supervisor.core.lifecycle import RunState, new_run
+from llmd_supervisor.core.run.lifecycle import RunState, new_run
 from llmd_supervisor.supervision.daemon import _StatusCounts, status_line
 from llmd_supervisor.supervision.run.driver import RunHandle
 from tests.unit.test_journal import at

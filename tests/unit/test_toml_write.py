@@ -1,4 +1,4 @@
-"""dump_toml writes what decode_toml reads back unchanged (core.toml_write)."""
+"""dump_toml writes what decode_toml reads back unchanged (core.spec.toml_write)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmd_supervisor.core.spec import load_spec, parse_spec
-from llmd_supervisor.core.spec_toml import decode_toml
-from llmd_supervisor.core.toml_write import dump_toml
+from llmd_supervisor.core.spec.runspec import load_spec, parse_spec
+from llmd_supervisor.core.spec.toml_read import decode_toml
+from llmd_supervisor.core.spec.toml_write import dump_toml
 
 DEMO_TEXT = (Path(__file__).resolve().parents[2] / "deploy/llm-d/demo.toml").read_text()
 

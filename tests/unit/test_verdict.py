@@ -9,9 +9,8 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from llmd_supervisor.core.marker import MarkerReading, read_marker
-from llmd_supervisor.core.results import GateResult, Validity, gate, parse_result
-from llmd_supervisor.core.verdict import (
+from llmd_supervisor.core.results.evidence import GateResult, Validity, gate, parse_result
+from llmd_supervisor.core.verdict.decide import (
     RECEIPT_SCHEMA,
     Outcome,
     QueryOutcome,
@@ -27,6 +26,7 @@ from llmd_supervisor.core.verdict import (
     scontrol_query,
     with_benchmark,
 )
+from llmd_supervisor.core.verdict.marker import MarkerReading, read_marker
 from tests.fakes.bench_results import vllm_result
 
 JOB = "42"

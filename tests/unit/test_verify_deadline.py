@@ -7,8 +7,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from llmd_supervisor.core.verdict import Outcome, SlurmQuery, Source
-from llmd_supervisor.supervision.verify_job import QUERY_GRACE_S, verify_job
+from llmd_supervisor.core.verdict.decide import Outcome, SlurmQuery, Source
+from llmd_supervisor.supervision.run.verify_job import QUERY_GRACE_S, verify_job
 
 
 class Hung:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from llmd_supervisor.core.config import Config
-from llmd_supervisor.core.summary import RunSummary, read
-from llmd_supervisor.supervision.api import ControlApi
+from llmd_supervisor.core.protocol.runs import RunSummary, read
+from llmd_supervisor.supervision.control.api import ControlApi
 from tests.unit.test_control_api import ME, T0, Supervisor, copies, no_stream, request
 
 pytestmark = pytest.mark.timeout(30)

@@ -15,7 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from llmd_supervisor.adapters.control_protocol import Peer, Request, Send
+from llmd_supervisor.adapters.control.protocol import Peer, Request, Send
 from llmd_supervisor.cli.signals import EXIT_STOPPED
 from tests.unit.test_control_reconnect import FakeRun, cli, daemon, summary, until
 

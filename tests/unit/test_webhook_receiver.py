@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from llmd_supervisor.core.webhooks import parse_secret, webhook_headers
+from llmd_supervisor.core.events.webhooks import parse_secret, webhook_headers
 from tests.devcluster import REPO
 
 SECRET = "whsec_" + base64.b64encode(bytes(range(32))).decode()

@@ -1,4 +1,4 @@
-"""The control ops of campaigns (`campaign_*` in the protocol's table; `supervision.api`
+"""The control ops of campaigns (`campaign_*` in the protocol's table; `supervision.control.api`
 dispatches them here).
 
 Access as for runs: a peer sees and acts on its own campaigns; root and the admin group
@@ -18,22 +18,22 @@ from typing import Final
 
 import anyio
 
-from llmd_supervisor.adapters.campaign_store import StoredCampaign
-from llmd_supervisor.adapters.control_protocol import Peer, Send, show
-from llmd_supervisor.core import foreign_spec
-from llmd_supervisor.core.campaign_run import CampaignState
-from llmd_supervisor.core.campaign_views import (
+from llmd_supervisor.adapters.control.protocol import Peer, Send, show
+from llmd_supervisor.adapters.journal.campaign_store import StoredCampaign
+from llmd_supervisor.core.campaign.lifecycle import CampaignState
+from llmd_supervisor.core.campaign.views import (
     CampaignDryRun,
     CampaignList,
     CampaignResultsDone,
     CampaignStatus,
 )
-from llmd_supervisor.core.summary import RunResults
+from llmd_supervisor.core.protocol.runs import RunResults
+from llmd_supervisor.core.spec import foreign as foreign_spec
 from llmd_supervisor.errors import ControlError, SpecError
-from llmd_supervisor.supervision.access import sees_all
 from llmd_supervisor.supervision.campaign import views
 from llmd_supervisor.supervision.campaign.points import proof_of
 from llmd_supervisor.supervision.campaign.runner import Campaigns, limits_of
+from llmd_supervisor.supervision.control.access import sees_all
 
 __all__ = ["CampaignOps"]
 

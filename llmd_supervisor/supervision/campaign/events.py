@@ -1,12 +1,12 @@
 """A campaign's outbound events: campaign.progress and campaign.finished (DESIGN.md §13).
 
-`core.outbox` decides; this module gathers the campaign's facts and journals what it says.
+`core.events.outbox` decides; this module gathers the campaign's facts and journals what it says.
 
 - **campaign.finished** is journaled in the transaction that sets the campaign's final
   state (`CampaignStore.set_state`'s ``outgoing``): never lost, never made twice (its id
   is of the final state; a campaign ends once).
 - **campaign.progress** reports the campaign's point counts when they differ from those
-  its last campaign.progress reported, at most once a minute (`core.outbox.progress_step`,
+  its last campaign.progress reported, at most once a minute (`core.events.outbox.progress_step`,
   from the last journaled one's time and counts: read from the journal once per campaign
   task, so a restart keeps both the limit and the counter). Its seq is the counter, so a
   campaign task that journals it again after a restart (it reads the same last event)
@@ -23,12 +23,12 @@ from typing import Final
 import anyio
 import structlog
 
-from llmd_supervisor.adapters.campaign_store import CampaignStore, StoredCampaign, StoredJob
-from llmd_supervisor.adapters.outbox_store import Outbox
-from llmd_supervisor.core.campaign_admission import JobState
-from llmd_supervisor.core.campaign_run import JobView, point_counts
-from llmd_supervisor.core.event_facts import best_point, points_of_table
-from llmd_supervisor.core.events import (
+from llmd_supervisor.adapters.journal.campaign_store import CampaignStore, StoredCampaign, StoredJob
+from llmd_supervisor.adapters.outbox.store import Outbox
+from llmd_supervisor.core.campaign.admission import JobState
+from llmd_supervisor.core.campaign.lifecycle import JobView, point_counts
+from llmd_supervisor.core.events.facts import best_point, points_of_table
+from llmd_supervisor.core.events.model import (
     BestOf,
     CampaignFacts,
     CampaignProblem,
@@ -38,7 +38,7 @@ from llmd_supervisor.core.events import (
     PointCounts,
     PointFacts,
 )
-from llmd_supervisor.core.outbox import (
+from llmd_supervisor.core.events.outbox import (
     LastProgress,
     Outgoing,
     campaign_counts,
@@ -46,12 +46,12 @@ from llmd_supervisor.core.outbox import (
     last_progress,
     progress_step,
 )
-from llmd_supervisor.core.usage import split
+from llmd_supervisor.core.verdict.usage import split
 from llmd_supervisor.errors import ControlError, SupervisorError
-from llmd_supervisor.supervision.access import host_name, user_name
 from llmd_supervisor.supervision.campaign.points import proof_of
+from llmd_supervisor.supervision.control.access import host_name, user_name
+from llmd_supervisor.supervision.control.views import results_table_of
 from llmd_supervisor.supervision.run.driver import Supervisor
-from llmd_supervisor.supervision.views import results_table_of
 
 __all__ = ["CampaignEvents", "named_of"]
 
@@ -150,7 +150,7 @@ class CampaignEvents:
     async def best(
         self, c: StoredCampaign, jobs: Sequence[StoredJob]
     ) -> tuple[PointFacts, BestOf] | None:
-        """The campaign's best verified point (`core.event_facts.best_point`'s rule: the
+        """The campaign's best verified point (`core.events.facts.best_point`'s rule: the
         highest total token throughput) among its points' archived results, read from the
         runs that verified them (reused points too), and where it comes from."""
         proofs = await self._store.verified(j.recipe_id for j in jobs)

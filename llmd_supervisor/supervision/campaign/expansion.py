@@ -4,7 +4,7 @@ Expanding a campaign builds and validates one run spec per point (about 0.8 ms o
 13 KiB each, up to ``[limits] campaign_max_points``): seconds of work that must neither
 run on the event loop nor go on once its client went away. `Expander.run` runs it in a
 worker thread, at most `CONCURRENT` expansions at once in the daemon (the others wait for
-their turn, cancellably), and hands the work a stop check (`core.campaign.Stop`) that
+their turn, cancellably), and hands the work a stop check (`core.campaign.expand.Stop`) that
 turns true when the awaiting task is cancelled: the control server cancels a
 ``campaign_submit`` whose client closed its connection. The expansion asks it between
 combinations and raises `ExpansionStopped` at the next one.
@@ -27,7 +27,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
-from llmd_supervisor.core import campaign as core
+from llmd_supervisor.core.campaign import expand as core
 from llmd_supervisor.errors import ExpansionStopped
 
 __all__ = ["CONCURRENT", "STOP_WAIT_S", "Expander"]

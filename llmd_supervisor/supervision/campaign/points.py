@@ -18,10 +18,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Final
 
-from llmd_supervisor.adapters.campaign_store import VerifiedPoint
-from llmd_supervisor.core.layout import RESULTS
+from llmd_supervisor.adapters.journal.campaign_store import VerifiedPoint
+from llmd_supervisor.core.run.layout import RESULTS
 from llmd_supervisor.errors import ControlError
-from llmd_supervisor.supervision.views import results_table_of
+from llmd_supervisor.supervision.control.views import results_table_of
 
 __all__ = ["archived_result", "proof_of", "still_good", "verified_of"]
 

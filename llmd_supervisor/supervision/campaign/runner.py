@@ -4,11 +4,11 @@
 once (a job whose points are all verified already is `reused` from the start) and starts
 its task; `resume_all` starts the task of every campaign the journal holds as not final
 after a restart. The task (`_drive`) loops: it brings each job's state up to date from its
-run, asks the pure admission (`core.campaign_admission`) what to submit next, and
+run, asks the pure admission (`core.campaign.admission`) what to submit next, and
 submits. It never decides anything itself that the core can decide.
 
 Exactly once: before a job's run exists, the job is journaled with the run id it will get
-(`core.campaign_run.campaign_run_id`); the run is then journaled by the supervisor under
+(`core.campaign.lifecycle.campaign_run_id`); the run is then journaled by the supervisor under
 that id before its sbatch (and reconciled by job name after a crash, as every run). On a
 restart, a job whose run id has no run is submitted under that same id; one whose run
 exists is followed. So a crash at any moment neither loses a point nor submits it twice.
@@ -17,11 +17,11 @@ QOS: an sbatch refused for a submit limit (`qos_refusal`) is back-pressure, not 
 the campaign backs off, lowers its cap to the jobs it has in the queue, and submits the
 job again later as a new run.
 
-A campaign over a batch script (`core.campaign_script`) keeps the script's text as its
+A campaign over a batch script (`core.campaign.script`) keeps the script's text as its
 base and submits each job's run as `submit --script` does (`Supervisor.submit_script`,
 the same exactly-once run id), in the environment of the client that submitted the
 campaign with ``--export-env`` (journaled with the campaign, owner-only), else in what a
-job gets of the daemon's own (`adapters.slurm.command_env`), with the job's variables over
+job gets of the daemon's own (`adapters.slurm.runner.command_env`), with the job's variables over
 it.
 """
 
@@ -44,20 +44,19 @@ import anyio.abc
 import anyio.to_thread
 import structlog
 
-from llmd_supervisor.adapters.campaign_store import (
+from llmd_supervisor.adapters.control.protocol import Peer
+from llmd_supervisor.adapters.files.result_parser import ParseLimits, parse_many
+from llmd_supervisor.adapters.journal.campaign_store import (
     CampaignStore,
     Proofs,
     StoredCampaign,
     StoredJob,
     VerifiedPoint,
 )
-from llmd_supervisor.adapters.control_protocol import Peer
-from llmd_supervisor.adapters.journal_writer import writing_as
-from llmd_supervisor.adapters.result_parser import ParseLimits, parse_many
-from llmd_supervisor.adapters.slurm import command_env
-from llmd_supervisor.core import campaign as core
-from llmd_supervisor.core import foreign_spec
-from llmd_supervisor.core.campaign_admission import (
+from llmd_supervisor.adapters.journal.writer import writing_as
+from llmd_supervisor.adapters.slurm.runner import command_env
+from llmd_supervisor.core.campaign import expand as core
+from llmd_supervisor.core.campaign.admission import (
     Admission,
     CampaignLimits,
     JobState,
@@ -65,31 +64,32 @@ from llmd_supervisor.core.campaign_admission import (
     admit,
     share_room,
 )
-from llmd_supervisor.core.campaign_reuse import (
-    Candidate,
-    PointGate,
-    Reuse,
-    gate_of_job,
-    reuse_verdict,
-)
-from llmd_supervisor.core.campaign_run import (
+from llmd_supervisor.core.campaign.lifecycle import (
     ACTIVE_JOB_STATES,
     CampaignState,
     campaign_run_id,
     job_state_of,
     qos_refusal,
 )
-from llmd_supervisor.core.campaign_script import ScriptJob, is_script_job
-from llmd_supervisor.core.event_routing import check_named
-from llmd_supervisor.core.events import Owner
-from llmd_supervisor.core.lifecycle import RunState
-from llmd_supervisor.core.spec_toml import decode_toml
-from llmd_supervisor.core.toml_write import dump_toml
+from llmd_supervisor.core.campaign.reuse import (
+    Candidate,
+    PointGate,
+    Reuse,
+    gate_of_job,
+    reuse_verdict,
+)
+from llmd_supervisor.core.campaign.script import ScriptJob, is_script_job
+from llmd_supervisor.core.events.model import Owner
+from llmd_supervisor.core.events.routing import check_named
+from llmd_supervisor.core.run.lifecycle import RunState
+from llmd_supervisor.core.spec import foreign as foreign_spec
+from llmd_supervisor.core.spec.toml_read import decode_toml
+from llmd_supervisor.core.spec.toml_write import dump_toml
 from llmd_supervisor.errors import CampaignError, IllegalTransition, SpecError, SupervisorError
-from llmd_supervisor.supervision.access import sees_all, user_name
 from llmd_supervisor.supervision.campaign.events import CampaignEvents
 from llmd_supervisor.supervision.campaign.expansion import Expander
 from llmd_supervisor.supervision.campaign.points import archived_result, preferred, verified_of
+from llmd_supervisor.supervision.control.access import sees_all, user_name
 from llmd_supervisor.supervision.run.driver import RunHandle, Supervisor
 
 __all__ = ["Campaigns", "Plan"]
@@ -743,7 +743,7 @@ class Campaigns:
         everyone: bool,
     ) -> dict[tuple[str, int], tuple[VerifiedPoint | None, Reuse]]:
         """Each point (recipe id, its concurrencies, its job's gate) with the ledger's proof
-        this campaign reuses (None: it runs again) and why (`core.campaign_reuse`). A proof
+        this campaign reuses (None: it runs again) and why (`core.campaign.reuse`). A proof
         whose run is gone or whose archived file no longer matches its sha256 is dropped
         from the ledger (its point runs again)."""
         proofs = await self.store.verified(r for r, _, _ in points)
@@ -847,7 +847,7 @@ def limits_of(c: StoredCampaign) -> CampaignLimits:
 
 @dataclass(frozen=True)
 class _Job:
-    """A journaled job as admission sees it (`core.campaign_admission.AdmissionJob`)."""
+    """A journaled job as admission sees it (`core.campaign.admission.AdmissionJob`)."""
 
     stored: StoredJob
 

@@ -9,10 +9,10 @@ from datetime import datetime
 from statistics import median
 from typing import Final
 
-from llmd_supervisor.adapters.campaign_store import StoredCampaign, StoredJob, VerifiedPoint
-from llmd_supervisor.core.campaign import CampaignJob
-from llmd_supervisor.core.campaign_admission import JobState
-from llmd_supervisor.core.campaign_run import (
+from llmd_supervisor.adapters.journal.campaign_store import StoredCampaign, StoredJob, VerifiedPoint
+from llmd_supervisor.core.campaign.admission import JobState
+from llmd_supervisor.core.campaign.expand import CampaignJob
+from llmd_supervisor.core.campaign.lifecycle import (
     ACTIVE_JOB_STATES,
     CampaignState,
     JobView,
@@ -20,7 +20,7 @@ from llmd_supervisor.core.campaign_run import (
     point_counts,
     point_state,
 )
-from llmd_supervisor.core.campaign_views import (
+from llmd_supervisor.core.campaign.views import (
     CampaignBrief,
     CampaignDryRun,
     CampaignJobResults,
@@ -29,9 +29,9 @@ from llmd_supervisor.core.campaign_views import (
     CampaignStatus,
     MatrixValues,
 )
-from llmd_supervisor.core.lifecycle import RunState
-from llmd_supervisor.core.summary import RunResults
-from llmd_supervisor.core.usage import split as split_usage
+from llmd_supervisor.core.protocol.runs import RunResults
+from llmd_supervisor.core.run.lifecycle import RunState
+from llmd_supervisor.core.verdict.usage import split as split_usage
 from llmd_supervisor.supervision.campaign.points import proof_of
 from llmd_supervisor.supervision.campaign.runner import Plan
 from llmd_supervisor.supervision.run.driver import RunHandle

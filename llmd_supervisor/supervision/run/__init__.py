@@ -2,7 +2,7 @@
 
 - `driver`: the `Supervisor` (every run's driver loop, the control API's entry points)
   and each run's `RunHandle`, which only the driver changes; it plans with
-  `core.lifecycle`, calls the phases and applies what they return.
+  `core.run.lifecycle`, calls the phases and applies what they return.
 - `admission`: a spec validated, its log directory checked, before a run is journaled.
 - `context`: `RunContext`, what a phase may read (the run's record and events, its
   cluster, the configuration, the clock) and emit (journal events).

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from llmd_supervisor.core import foreign_spec as foreign_spec
 from llmd_supervisor.core.config import Config
-from llmd_supervisor.core.event_routing import check_named
-from llmd_supervisor.core.foreign_spec import ForeignSpec
-from llmd_supervisor.core.paths import check_canonical, check_log_dir
-from llmd_supervisor.core.spec import RunSpec, check_daemon_dirs, load_spec
+from llmd_supervisor.core.events.routing import check_named
+from llmd_supervisor.core.spec import foreign as foreign_spec
+from llmd_supervisor.core.spec.foreign import ForeignSpec
+from llmd_supervisor.core.spec.log_dirs import check_canonical, check_log_dir
+from llmd_supervisor.core.spec.runspec import RunSpec, check_daemon_dirs, load_spec
 from llmd_supervisor.errors import SlurmCommandError, SpecError
-from llmd_supervisor.supervision.cluster import Cluster
+from llmd_supervisor.supervision.cluster.clusters import Cluster
 
 
 async def admit(
@@ -20,7 +20,7 @@ async def admit(
 ) -> RunSpec:
     """The validated spec, as `submit` (and a dry run) accepts it: SpecError unless its
     directories keep clear of the daemon's own, and its log directory is allowed
-    (`core.paths`) and, resolved where the cluster's commands run (``realpath -m``),
+    (`core.spec.log_dirs`) and, resolved where the cluster's commands run (``realpath -m``),
     is itself: no link on its way; and unless every destination its ``[notify]`` names
     is configured in the daemon (the owner's side is checked at submission)."""
     spec = load_spec(spec_toml)

@@ -14,16 +14,16 @@ from dataclasses import dataclass
 import anyio
 import structlog
 
-from llmd_supervisor.adapters import archive
-from llmd_supervisor.core.foreign_spec import ForeignSpec
-from llmd_supervisor.core.gpus import RoleGpus
-from llmd_supervisor.core.lifecycle import Archived
-from llmd_supervisor.core.recipe import deployment_of, role_gpus
-from llmd_supervisor.core.results import results_table
+from llmd_supervisor.adapters.files import archive as archive
+from llmd_supervisor.core.results.evidence import results_table
+from llmd_supervisor.core.results.gpus import RoleGpus
+from llmd_supervisor.core.run.lifecycle import Archived
+from llmd_supervisor.core.spec.foreign import ForeignSpec
+from llmd_supervisor.core.spec.recipe import deployment_of, role_gpus
 from llmd_supervisor.errors import FileRefused
-from llmd_supervisor.supervision import bench_files
-from llmd_supervisor.supervision.attempt import Attempt, CopyState
+from llmd_supervisor.supervision.run import bench_files as bench_files
 from llmd_supervisor.supervision.run import evidence
+from llmd_supervisor.supervision.run.attempt import Attempt, CopyState
 from llmd_supervisor.supervision.run.context import RunContext
 from llmd_supervisor.supervision.run.records import (
     last_receipt,

@@ -18,7 +18,7 @@ from typing import Final
 import anyio
 import structlog
 
-from llmd_supervisor.core.lifecycle import Run
+from llmd_supervisor.core.run.lifecycle import Run
 from llmd_supervisor.errors import SlurmCommandError
 from llmd_supervisor.supervision.run.context import RunContext
 from llmd_supervisor.supervision.run.records import (

@@ -13,15 +13,15 @@ from collections.abc import Mapping, Sequence
 from datetime import datetime
 from typing import Protocol
 
-from llmd_supervisor.adapters.journal import Journal, RunMeta
+from llmd_supervisor.adapters.journal.store import Journal, RunMeta
 from llmd_supervisor.core.config import Config
-from llmd_supervisor.core.foreign_spec import ForeignSpec
-from llmd_supervisor.core.layout import RunLayout
-from llmd_supervisor.core.lifecycle import Run
-from llmd_supervisor.core.spec import RunSpec
-from llmd_supervisor.supervision.attempt import Attempt
-from llmd_supervisor.supervision.bench_files import JudgedFiles
-from llmd_supervisor.supervision.cluster import Cluster
+from llmd_supervisor.core.run.layout import RunLayout
+from llmd_supervisor.core.run.lifecycle import Run
+from llmd_supervisor.core.spec.foreign import ForeignSpec
+from llmd_supervisor.core.spec.runspec import RunSpec
+from llmd_supervisor.supervision.cluster.clusters import Cluster
+from llmd_supervisor.supervision.run.attempt import Attempt
+from llmd_supervisor.supervision.run.bench_files import JudgedFiles
 from llmd_supervisor.supervision.run.records import AttemptEntry, JournalEvent
 
 

@@ -9,8 +9,8 @@ through `lifecycle.step` and is journaled (compare-and-set) before anything reli
 so whatever the journal holds after a crash or a supervision retry, `plan` of it says what
 to (re)do, and every step is idempotent:
 
-A run is of a spec the daemon renders (`core.spec`), or of a foreign job
-(`core.foreign_spec`): a user's batch script submitted as it is, or a job submitted without
+A run is of a spec the daemon renders (`core.spec.runspec`), or of a foreign job
+(`core.spec.foreign`): a user's batch script submitted as it is, or a job submitted without
 the daemon and adopted, which is journaled straight into `pending` with its job id.
 
   accepted     -> journal `submitting` with the unique job name, then sbatch
@@ -45,19 +45,19 @@ import anyio
 import anyio.abc
 import structlog
 
-from llmd_supervisor.adapters import archive
-from llmd_supervisor.adapters.journal import Journal, NewEvent, RunMeta, StoredRun
-from llmd_supervisor.adapters.journal_writer import writing_as
-from llmd_supervisor.adapters.slurm import DEFAULT_TIMEOUT_S, CommandRunner
-from llmd_supervisor.core import foreign_spec as foreign_spec
+from llmd_supervisor.adapters.files import archive as archive
+from llmd_supervisor.adapters.journal.store import Journal, NewEvent, RunMeta, StoredRun
+from llmd_supervisor.adapters.journal.writer import writing_as
+from llmd_supervisor.adapters.slurm.runner import DEFAULT_TIMEOUT_S, CommandRunner
 from llmd_supervisor.core.config import Config
-from llmd_supervisor.core.event_facts import RunDetails, finished_details, point_of_evidence
-from llmd_supervisor.core.event_routing import check_named
-from llmd_supervisor.core.events import EventType, Links, Owner, PointFacts, RunRef
-from llmd_supervisor.core.foreign_spec import ForeignSpec
-from llmd_supervisor.core.health import NodeHealth
-from llmd_supervisor.core.layout import RunLayout
-from llmd_supervisor.core.lifecycle import (
+from llmd_supervisor.core.events.facts import RunDetails, finished_details, point_of_evidence
+from llmd_supervisor.core.events.model import EventType, Links, Owner, PointFacts, RunRef
+from llmd_supervisor.core.events.outbox import Outgoing, run_event_type, run_outgoing
+from llmd_supervisor.core.events.routing import check_named
+from llmd_supervisor.core.render.script import render_sbatch
+from llmd_supervisor.core.run.health import NodeHealth
+from llmd_supervisor.core.run.layout import RunLayout
+from llmd_supervisor.core.run.lifecycle import (
     BACKGROUND,
     Action,
     CallSbatch,
@@ -79,23 +79,21 @@ from llmd_supervisor.core.lifecycle import (
     plan,
     step,
 )
-from llmd_supervisor.core.outbox import Outgoing, run_event_type, run_outgoing
-from llmd_supervisor.core.render import render_sbatch
-from llmd_supervisor.core.retry_policy import Quarantined, quarantine
-from llmd_supervisor.core.spec import RunSpec, load_spec
+from llmd_supervisor.core.run.retry_policy import Quarantined, quarantine
+from llmd_supervisor.core.spec import foreign as foreign_spec
+from llmd_supervisor.core.spec.foreign import ForeignSpec
+from llmd_supervisor.core.spec.runspec import RunSpec, load_spec
 from llmd_supervisor.errors import (
     ControlError,
     IllegalTransition,
     SpecError,
     SupervisorError,
 )
-from llmd_supervisor.supervision import bench_files
-from llmd_supervisor.supervision.access import host_name, user_name
-from llmd_supervisor.supervision.attempt import Attempt
-from llmd_supervisor.supervision.bench_files import JudgedFiles
-from llmd_supervisor.supervision.cluster import Cluster
-from llmd_supervisor.supervision.leading import Roles
-from llmd_supervisor.supervision.poller import QueueView
+from llmd_supervisor.supervision.cluster.clusters import Cluster
+from llmd_supervisor.supervision.cluster.poller import QueueView
+from llmd_supervisor.supervision.control.access import host_name, user_name
+from llmd_supervisor.supervision.control.views import results_table_of
+from llmd_supervisor.supervision.ha.leading import Roles
 from llmd_supervisor.supervision.run import (
     admission,
     cancel,
@@ -110,6 +108,9 @@ from llmd_supervisor.supervision.run import (
 from llmd_supervisor.supervision.run import (
     archive as archiving,
 )
+from llmd_supervisor.supervision.run import bench_files as bench_files
+from llmd_supervisor.supervision.run.attempt import Attempt
+from llmd_supervisor.supervision.run.bench_files import JudgedFiles
 from llmd_supervisor.supervision.run.context import RunContext
 from llmd_supervisor.supervision.run.records import (
     ATTEMPT_EVENT,
@@ -125,8 +126,7 @@ from llmd_supervisor.supervision.run.records import (
     attempt_entry_of,
     last_receipt,
 )
-from llmd_supervisor.supervision.verify_job import utcnow
-from llmd_supervisor.supervision.views import results_table_of
+from llmd_supervisor.supervision.run.verify_job import utcnow
 
 log = structlog.get_logger("llmd_supervisor.runs")
 
@@ -842,7 +842,7 @@ class Supervisor:
         details: RunDetails | None = None,
         judged: Sequence[PointFacts] = (),
     ) -> tuple[Outgoing, ...]:
-        """The outbound events to journal with this change of the run (`core.outbox`)."""
+        """The outbound events to journal with this change of the run (`core.events.outbox`)."""
         destinations = self.config.events.destinations
         if not destinations or (run_event_type(before, after) is None and not judged):
             return ()  # most transitions report nothing: no user lookup, no spec hash
@@ -879,7 +879,7 @@ class Supervisor:
     async def _run_outgoing(self, h: RunHandle, before: Run, after: Run) -> tuple[Outgoing, ...]:
         """`_outgoing` for a change of a supervised run: with the points the verdict just
         judged when it leaves verifying, and with what the journal and the archive say
-        of it (`core.event_facts`) when it is declared."""
+        of it (`core.events.facts`) when it is declared."""
         if not self.config.events.destinations:
             return ()
         named = h.spec.notify if isinstance(h.spec, RunSpec) else ()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import structlog
 
-from llmd_supervisor.core.jobtext import job_text
-from llmd_supervisor.core.slurm_parse import parse_scontrol_job
+from llmd_supervisor.core.run.jobtext import job_text
+from llmd_supervisor.core.slurm.parse import parse_scontrol_job
 from llmd_supervisor.errors import FileRefused, SlurmParseError
 from llmd_supervisor.node.common import expand_hostlist
 from llmd_supervisor.supervision.run.context import RunContext

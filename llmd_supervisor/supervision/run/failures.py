@@ -19,9 +19,9 @@ from __future__ import annotations
 import re
 from typing import Final
 
-from llmd_supervisor.core.jobtext import job_text
-from llmd_supervisor.core.lifecycle import RunState, SupervisionFailed
-from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.core.run.jobtext import job_text
+from llmd_supervisor.core.run.lifecycle import RunState, SupervisionFailed
+from llmd_supervisor.core.verdict.decide import Outcome
 from llmd_supervisor.errors import RemoteError, SlurmCommandError
 from llmd_supervisor.supervision.run.context import RunContext
 from llmd_supervisor.supervision.run.records import GivenUpReceipt

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import anyio
 import structlog
 
-from llmd_supervisor.core.lifecycle import WatchersStopped
-from llmd_supervisor.supervision.attempt import Attempt, CopyState
+from llmd_supervisor.core.run.lifecycle import WatchersStopped
+from llmd_supervisor.supervision.run.attempt import Attempt, CopyState
 from llmd_supervisor.supervision.run.context import RunContext
 from llmd_supervisor.supervision.run.evidence import scontrol_nodes
 

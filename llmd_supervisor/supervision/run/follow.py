@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import anyio
 
-from llmd_supervisor.core.lifecycle import LeftQueue, Requeued, RunState, Started
-from llmd_supervisor.core.slurm_parse import JobState
-from llmd_supervisor.supervision.poller import QueueView
+from llmd_supervisor.core.run.lifecycle import LeftQueue, Requeued, RunState, Started
+from llmd_supervisor.core.slurm.parse import JobState
+from llmd_supervisor.supervision.cluster.poller import QueueView
 from llmd_supervisor.supervision.run.context import RunContext
 
 _REQUEUED_STATES = frozenset(

@@ -1,4 +1,4 @@
-"""What a foreign job (`core.foreign_spec`) tells about itself through ``scontrol show job``:
+"""What a foreign job (`core.spec.foreign`) tells about itself through ``scontrol show job``:
 its owner (who may adopt it), where its batch logs are (its own ``--output``/``--error``,
 as Slurm expanded them) and when it was submitted (an adopted job's sacct window).
 
@@ -17,11 +17,11 @@ from typing import Final
 
 import structlog
 
-from llmd_supervisor.adapters.slurm import SlurmClient
-from llmd_supervisor.core.foreign_spec import ForeignSpec
-from llmd_supervisor.core.jobtext import job_text
-from llmd_supervisor.core.layout import RunLayout
-from llmd_supervisor.core.slurm_parse import ScontrolJob, parse_scontrol_job
+from llmd_supervisor.adapters.slurm.runner import SlurmClient
+from llmd_supervisor.core.run.jobtext import job_text
+from llmd_supervisor.core.run.layout import RunLayout
+from llmd_supervisor.core.slurm.parse import ScontrolJob, parse_scontrol_job
+from llmd_supervisor.core.spec.foreign import ForeignSpec
 from llmd_supervisor.errors import (
     AdoptRefused,
     SlurmCommandError,

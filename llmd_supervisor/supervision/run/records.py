@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Final, NotRequired, TypedDict
 
-from llmd_supervisor.core.cause import CauseJson
-from llmd_supervisor.core.summary import UsageView
-from llmd_supervisor.core.usage import AttemptUsage
-from llmd_supervisor.core.verdict import VerdictReceipt
+from llmd_supervisor.core.protocol.runs import UsageView
+from llmd_supervisor.core.verdict.cause import CauseJson
+from llmd_supervisor.core.verdict.decide import VerdictReceipt
+from llmd_supervisor.core.verdict.usage import AttemptUsage
 
 RECEIPT_EVENT: Final = "verify.receipt"  # ReceiptEvent
 ATTEMPT_EVENT: Final = "attempt.ended"  # AttemptEntry
@@ -150,7 +150,7 @@ class RunPart(TypedDict):
 
 
 class JudgedReceipt(VerdictReceipt, RunPart):
-    """A judged attempt's receipt: the verdict's (`core.verdict`), with the run's outcome
+    """A judged attempt's receipt: the verdict's (`core.verdict.decide`), with the run's outcome
     and reason (what an agent's hang, the diagnosis and an unreached cancel said) and its
     `RunPart`, built at once when the verdict is made."""
 

@@ -1,4 +1,4 @@
-"""Retries and node quarantine around a run's submissions (`core.retry_policy` decides).
+"""Retries and node quarantine around a run's submissions (`core.run.retry_policy` decides).
 
 * Before each submission: the nodes it excludes (those every earlier attempt of the run
   implicated, and those quarantined for everyone or for the run's owner) and whether the
@@ -9,7 +9,7 @@
   (`nodes release`), after HOLD_RECHECK_S, or at the deadline, when it ends `failed`
   (`HoldExpired`, with its last attempt's evidence: `expire_hold`).
 * After each verdict: a failure counted for every implicated node (its owner, its
-  evidence: `core.retry_policy`; once per attempt), the retry decision (a retry that could not
+  evidence: `core.run.retry_policy`; once per attempt), the retry decision (a retry that could not
   be placed is none, and the run's reason says why), the attempt's history entry
   (`attempt.ended`: outcome, cause, implicated nodes, the decision, node- and
   GPU-hours), its own receipt in the archive (``attempt<N>/receipt.json``), and, when
@@ -32,12 +32,11 @@ from typing import Final
 import anyio
 import structlog
 
-from llmd_supervisor.adapters import archive
-from llmd_supervisor.core.cause import Diagnosis
+from llmd_supervisor.adapters.files import archive as archive
 from llmd_supervisor.core.config import Limits
-from llmd_supervisor.core.lifecycle import Held, HoldExpired, Retry
-from llmd_supervisor.core.outbox import quarantine_outgoing
-from llmd_supervisor.core.retry_policy import (
+from llmd_supervisor.core.events.outbox import quarantine_outgoing
+from llmd_supervisor.core.run.lifecycle import Held, HoldExpired, Retry
+from llmd_supervisor.core.run.retry_policy import (
     Decision,
     Exclusion,
     NodeFailure,
@@ -51,11 +50,12 @@ from llmd_supervisor.core.retry_policy import (
     placed,
     quarantine,
 )
-from llmd_supervisor.core.spec import RunSpec
-from llmd_supervisor.core.usage import AttemptUsage, elapsed_s, split, usage
-from llmd_supervisor.core.verdict import Outcome
+from llmd_supervisor.core.spec.runspec import RunSpec
+from llmd_supervisor.core.verdict.cause import Diagnosis
+from llmd_supervisor.core.verdict.decide import Outcome
+from llmd_supervisor.core.verdict.usage import AttemptUsage, elapsed_s, split, usage
 from llmd_supervisor.errors import SlurmCommandError
-from llmd_supervisor.supervision.access import host_name, user_name
+from llmd_supervisor.supervision.control.access import host_name, user_name
 from llmd_supervisor.supervision.run.context import RunContext
 from llmd_supervisor.supervision.run.records import (
     HELD_EVENT,
@@ -68,7 +68,7 @@ from llmd_supervisor.supervision.run.records import (
     held_submission,
     of_kind,
 )
-from llmd_supervisor.supervision.verify_job import VerifyResult
+from llmd_supervisor.supervision.run.verify_job import VerifyResult
 
 log = structlog.get_logger("llmd_supervisor.runs")
 
@@ -306,7 +306,7 @@ def _journaled(entry: AttemptEntry) -> Decision | None:
 
 async def _quarantine(ctx: RunContext, diagnosis: Diagnosis) -> None:
     """Count a failure for every node the diagnosis implicates, against the run's owner
-    and with its evidence (`core.retry_policy` says for whom it keeps the node out)."""
+    and with its evidence (`core.run.retry_policy` says for whom it keeps the node out)."""
     counted = failures_of(diagnosis)
     if not counted:
         return
@@ -325,7 +325,7 @@ async def _quarantine(ctx: RunContext, diagnosis: Diagnosis) -> None:
             diagnosis.why,
             now,
         )
-        # The node.quarantined this count makes commits with it (`core.outbox`).
+        # The node.quarantined this count makes commits with it (`core.events.outbox`).
         try:
             outgoing = quarantine_outgoing(
                 [f for f in known if f.at >= now - r.ttl],

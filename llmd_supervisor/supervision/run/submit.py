@@ -14,10 +14,10 @@ from typing import Final, Literal
 import anyio
 import structlog
 
-from llmd_supervisor.adapters.slurm import NameLookup
-from llmd_supervisor.core.foreign_spec import ForeignSpec
-from llmd_supervisor.core.lifecycle import SubmitFailed, Submitted
-from llmd_supervisor.core.render import render_sbatch
+from llmd_supervisor.adapters.slurm.runner import NameLookup
+from llmd_supervisor.core.render.script import render_sbatch
+from llmd_supervisor.core.run.lifecycle import SubmitFailed, Submitted
+from llmd_supervisor.core.spec.foreign import ForeignSpec
 from llmd_supervisor.errors import SlurmCommandError, SupervisorError
 from llmd_supervisor.supervision.run.context import RunContext
 
@@ -29,7 +29,7 @@ SUBMIT_SETTLE_S = 5.0
 LOOKUPS: Final = 5  # find_by_name tries before the run is left in `submitting`
 
 
-# sbatch starts only with this much time left to act for the cluster (`core.lease`: a
+# sbatch starts only with this much time left to act for the cluster (`core.ha.lease`: a
 # leader renews every 2 s and may act 10 s after its last renewal). Whatever it then takes,
 # the next leader reconciles only after the in-flight window (`driver.IN_FLIGHT_S`).
 SBATCH_LEASE_LEFT_S: Final = 5.0

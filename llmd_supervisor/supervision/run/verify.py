@@ -1,8 +1,8 @@
 """Verifying: the verdict on the attempt's job, why it did not succeed, and what follows.
 
-Evidence is collected through the cluster's poller (`supervision.verify_job.verify_job`)
+Evidence is collected through the cluster's poller (`supervision.run.verify_job.verify_job`)
 until the pure verdict is final; an attempt ended early because an agent hung is a
-failure, not a cancel; the diagnosis (`core.cause`) names the cause and the nodes. Then
+failure, not a cancel; the diagnosis (`core.verdict.cause`) names the cause and the nodes. Then
 `retries` records the attempt's end and decides on a retry. The receipt is built once,
 complete, when the verdict is made; it is journaled before the event is returned.
 """
@@ -19,14 +19,14 @@ from typing import Final
 import anyio
 import structlog
 
-from llmd_supervisor.core.cause import Diagnosis, diagnose, hang, rank_end
-from llmd_supervisor.core.jobtext import job_fields
-from llmd_supervisor.core.lifecycle import Retry, Verified
-from llmd_supervisor.core.results import GateResult
-from llmd_supervisor.core.slurm_parse import JobState, parse_scontrol_job
-from llmd_supervisor.core.spec import RunSpec
-from llmd_supervisor.core.usage import split as usage_split
-from llmd_supervisor.core.verdict import Outcome, SlurmQuery, Source
+from llmd_supervisor.core.results.evidence import GateResult
+from llmd_supervisor.core.run.jobtext import job_fields
+from llmd_supervisor.core.run.lifecycle import Retry, Verified
+from llmd_supervisor.core.slurm.parse import JobState, parse_scontrol_job
+from llmd_supervisor.core.spec.runspec import RunSpec
+from llmd_supervisor.core.verdict.cause import Diagnosis, diagnose, hang, rank_end
+from llmd_supervisor.core.verdict.decide import Outcome, SlurmQuery, Source
+from llmd_supervisor.core.verdict.usage import split as usage_split
 from llmd_supervisor.errors import (
     RemoteError,
     SlurmCommandError,
@@ -34,9 +34,9 @@ from llmd_supervisor.errors import (
     SupervisorError,
 )
 from llmd_supervisor.node.common import RC_CONFIG, expand_hostlist
-from llmd_supervisor.supervision import bench_files
-from llmd_supervisor.supervision.bench_files import JudgedFiles
+from llmd_supervisor.supervision.run import bench_files as bench_files
 from llmd_supervisor.supervision.run import cancel, evidence, retries
+from llmd_supervisor.supervision.run.bench_files import JudgedFiles
 from llmd_supervisor.supervision.run.context import RunContext
 from llmd_supervisor.supervision.run.records import (
     ATTEMPT_EVENT,
@@ -52,7 +52,7 @@ from llmd_supervisor.supervision.run.records import (
     ToJournal,
     of_attempt,
 )
-from llmd_supervisor.supervision.verify_job import VerifyResult, verify_job
+from llmd_supervisor.supervision.run.verify_job import VerifyResult, verify_job
 
 log = structlog.get_logger("llmd_supervisor.runs")
 
@@ -202,7 +202,7 @@ async def verify(ctx: RunContext) -> Judged:
 async def _diagnosis(
     ctx: RunContext, result: VerifyResult, events: Sequence[JournalEvent]
 ) -> Diagnosis | None:
-    """Why the run did not succeed (`core.cause`), from the verdict, the ranks' last status
+    """Why the run did not succeed (`core.verdict.cause`), from the verdict, the ranks' last status
     files (unreadable ones are left out), the nodes this attempt reported unreachable, and
     the benchmark's gate. Only the attempt's allocation names nodes (a status file's rank,
     never its ``host``); the nodes the daemon saw fail itself are Slurm's and those that did

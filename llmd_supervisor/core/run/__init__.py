@@ -1,0 +1,4 @@
+"""One run's life (pure): the state machine (`step`), retry and quarantine policy, node
+health decisions, every name and path of a run, and job text made safe. May import: pure
+core; no I/O.
+"""

@@ -1,0 +1,3 @@
+"""The control socket's `events_*` ops over the outbox's deliveries.
+May import: `core`, `adapters`, other supervision packages and `errors`; never `cli`.
+"""
