@@ -31,6 +31,7 @@ from llmd_supervisor.core.verdict.decide import Outcome
 from tests.daemon_helpers import Daemon, NoCluster, Site, demo_spec
 from tests.devcluster import REPO, DevCluster
 from tests.strangers import Stranger
+from tests.waiting import wait_until
 
 T0 = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
 
@@ -242,6 +243,12 @@ def test_500_half_sent_1mib_lines_keep_the_daemon_small_and_answering(
     assert rc == 0 and stopped_in < 10
 
 
+def _stream_refusals(d: Daemon) -> list[dict[str, object]]:
+    """The daemon's `control.refused` lines for streams over max_streams_per_uid."""
+    refused = d.events("control.refused")
+    return [e for e in refused if e.get("reason") == "max_streams_per_uid"]
+
+
 def test_400_unread_streams_are_capped_and_cost_no_cpu(root_dir: Path, stranger: Stranger) -> None:
     keys = "max_connections_per_uid = 500\nwrite_timeout_s = 5"
     d = daemon_for(root_dir, stranger, keys)
@@ -255,7 +262,13 @@ def test_400_unread_streams_are_capped_and_cost_no_cpu(root_dir: Path, stranger:
     try:
         with stranger.process("unread", str(d.socket), "400", logs_request, "8") as peer:
             assert peer.stdout is not None
-            time.sleep(2)  # the flood is in and every stream is stuck on its writes
+            # The flood is in (each request answered busy or streaming) and every stream is
+            # stuck on its writes.
+            wait_until(
+                lambda: len(_stream_refusals(d)) == 400 - 16,
+                60,
+                "the 384 streams over the cap refused",
+            )
             cpu0, t0 = d.cpu_s(), time.monotonic()
             time.sleep(2)
             share = (d.cpu_s() - cpu0) / (time.monotonic() - t0)
