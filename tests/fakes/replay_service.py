@@ -42,12 +42,14 @@ async def serve_replay(
     path: Path,
     *,
     slow: Mapping[str, float] | None = None,
+    received: list[str] | None = None,
     task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
 ) -> None:
     """Answer `ReplayRunner` calls from `cluster` on the Unix socket `path` until cancelled.
     `slow` (read at each call: a test may change it) delays a program's answer by that
     many seconds BEFORE it takes effect, as a slow sbatch does; the command takes effect
-    even if the caller is gone meanwhile."""
+    even if the caller is gone meanwhile. `received` gets each call's program as the call
+    arrives (before any delay): a call in flight is there."""
 
     async def handle(stream: anyio.abc.SocketStream) -> None:
         async with stream:
@@ -56,6 +58,8 @@ async def serve_replay(
             except (anyio.EndOfStream, anyio.BrokenResourceError):
                 return  # the daemon died before it sent the whole command: nothing ran
             stdin = request["stdin"]
+            if received is not None:
+                received.append(str(request["argv"][0]))
             delay = (slow or {}).get(str(request["argv"][0]), 0.0)
             if delay:
                 await anyio.sleep(delay)

@@ -91,6 +91,7 @@ class ReplayWorld:
     finish: JobAction | None = None
     paused: bool = False  # jobs stay as they are (and the clock stands) while set
     slow: dict[str, float] = field(default_factory=dict)  # program -> seconds (serve_replay)
+    received: list[str] = field(default_factory=list)  # programs called, as calls arrive
 
     @property
     def socket(self) -> Path:
@@ -128,6 +129,10 @@ name = "dev"
     def sbatch_names(self) -> list[str]:
         """The job name of every sbatch the cluster answered, in order."""
         return self.call(lambda: [j.name for j in self.cluster.jobs.values()])
+
+    def calls_received(self, program: str) -> int:
+        """How many calls of `program` reached the cluster (answered or still in flight)."""
+        return self.call(lambda: self.received.count(program))
 
     def job_ids_named(self, name: str) -> list[str]:
         return self.call(lambda: [j.job_id for j in self.cluster.jobs.values() if j.name == name])
@@ -181,7 +186,7 @@ def replay_world(
             with anyio.CancelScope() as scope:
                 async with anyio.create_task_group() as tg:
                     await tg.start(
-                        functools.partial(serve_replay, slow=world.slow),
+                        functools.partial(serve_replay, slow=world.slow, received=world.received),
                         world.cluster,
                         world.socket,
                     )

@@ -26,6 +26,7 @@ import pytest
 from tests.daemon_helpers import Daemon, demo_spec
 from tests.fakes.replay_world import ReplayWorld
 from tests.postgres import PgServer
+from tests.waiting import wait_until
 
 # The lease (core.ha.lease): a standby acquires once the killed leader's lease expired (15 s
 # after its last renewal) at its next attempt (every 2 s); a released lease at once.
@@ -139,7 +140,7 @@ def test_a_slow_sbatch_that_straddles_the_takeover_makes_one_job(
     run = str(json.loads(submitted.stdout)["run"])
     assert standby.status(run)["run"] == run  # known at once: it reads the journal again
     leader.wait_state(run, {"submitting"}, timeout=10)
-    time.sleep(1.0)  # sbatch is in flight
+    wait_until(lambda: world.calls_received("sbatch") == 1, 30, "the leader's sbatch in flight")
     leader.stop(signal.SIGKILL)
     waiter = standby.wait_in_background(run)
     final = waiter.final()
