@@ -14,6 +14,7 @@ import pytest
 from tests.daemon_helpers import Daemon, assert_copies_identical, demo_spec
 from tests.devcluster import DevCluster, devcluster
 from tests.fakes.replay_world import ReplayWorld
+from tests.waiting import wait_until
 
 PORT = 8500
 
@@ -117,7 +118,12 @@ def test_full_archive_disk_delays_the_outcome_until_space_returns(
             with contextlib.suppress(OSError):
                 filler.write_bytes(b"\0" * (8 << 20))  # fills the 4 MiB tmpfs
             held = d.wait_state(run, {"archiving"}, timeout=120)
-            time.sleep(5)
+            # The first write and two retries fail on the full disk: still not declared.
+            wait_until(
+                lambda: len(d.events("run.archive_failed")) >= 3,
+                120,
+                "three failed archive writes",
+            )
             assert d.status(run)["state"] == "archiving", "declared with a full disk"
             assert held["outcome"] == "succeeded"  # decided, but not declared
             assert any(
