@@ -14,8 +14,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from llmd_supervisor.node.common import status_name
 from tests.daemon_helpers import Daemon, assert_copies_identical, demo_spec
 from tests.devcluster import DevCluster, devcluster
+from tests.waiting import wait_until
 
 PORT = 9200
 SHARED_FS = 'access = "shared-fs"'
@@ -50,8 +52,13 @@ def test_the_demo_succeeds_without_ssh_and_survives_a_daemon_sigkill(
             proc = daemon.submit(spec)
             assert proc.returncode == 0, proc.stderr
             run = str(json.loads(proc.stdout)["run"])
-            daemon.wait_state(run, {"running"})
-            time.sleep(2)  # some bytes copied before the crash
+            status = daemon.wait_state(run, {"running"})
+            copies = Path(str(status["archive"])) / "logs" / "attempt1"
+            wait_until(  # some bytes copied before the crash
+                lambda: any(f.is_file() and f.stat().st_size > 0 for f in copies.rglob("*")),
+                60,
+                f"log bytes copied into {copies}",
+            )
             assert daemon.stop(signal.SIGKILL) == -signal.SIGKILL
             daemon.start()  # resumes the run from its journal and its copies' sizes
             final = _final(daemon, run)
@@ -79,7 +86,13 @@ def test_a_killed_node_is_reported_by_its_silent_status_file(
             assert proc.returncode == 0, proc.stderr
             run = str(json.loads(proc.stdout)["run"])
             status = daemon.wait_state(run, {"running"})
-            time.sleep(3)  # every rank has written its status file
+            job_dir = shared_tmp / str(status["slurm_job_id"])
+            ranks = range(len(status["nodes"]))  # type: ignore[arg-type]
+            wait_until(  # every rank has written its status file
+                lambda: all((job_dir / status_name(r)).is_file() for r in ranks),
+                60,
+                f"every rank's status file in {job_dir}",
+            )
             node = str(status["nodes"][-1])  # type: ignore[index]
             devcluster("node", node, "kill")  # slurmd, the agent and its engine: gone
             deadline = time.monotonic() + 60
