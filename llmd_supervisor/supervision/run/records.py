@@ -14,6 +14,7 @@ from typing import Final, NotRequired, TypedDict
 from llmd_supervisor.core.protocol.runs import UsageView
 from llmd_supervisor.core.verdict.cause import CauseJson
 from llmd_supervisor.core.verdict.decide import VerdictReceipt
+from llmd_supervisor.core.verdict.judge import Hang, NodeReport, node_report
 from llmd_supervisor.core.verdict.usage import AttemptUsage
 
 RECEIPT_EVENT: Final = "verify.receipt"  # ReceiptEvent
@@ -218,6 +219,26 @@ def attempt_entry_of(raw: Mapping[str, object]) -> AttemptEntry:
     if isinstance(kind := raw.get("kind"), str):
         entry["kind"] = kind
     return entry
+
+
+def stage_overdue_of(raw: Mapping[str, object]) -> Hang:
+    """A `STAGE_OVERDUE_EVENT` as journaled (a field of another type reads as missing);
+    the event itself is kept for the receipt."""
+    node, rank, stage = raw.get("node"), raw.get("rank"), raw.get("stage")
+    return Hang(
+        node if isinstance(node, str) else None,
+        rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
+        stage if isinstance(stage, str) else None,
+        _number(raw.get("deadline_s")),
+        _number(raw.get("over_s")),
+        raw,
+    )
+
+
+def node_unreachable_of(raw: Mapping[str, object]) -> NodeReport:
+    """A `NODE_UNREACHABLE_EVENT` as journaled: the node and why (`core.verdict.judge`
+    classifies the error's words: the journal holds no more)."""
+    return node_report(raw.get("node"), raw.get("error"))
 
 
 def job_files_of(raw: Mapping[str, object]) -> JobFiles:

@@ -42,7 +42,6 @@ from llmd_supervisor.core.run.retry_policy import (
     NodeFailure,
     QuarantineRules,
     RetryPolicy,
-    decide,
     exclusion,
     failures_of,
     held_reason,
@@ -53,6 +52,7 @@ from llmd_supervisor.core.run.retry_policy import (
 from llmd_supervisor.core.spec.runspec import RunSpec
 from llmd_supervisor.core.verdict.cause import Diagnosis
 from llmd_supervisor.core.verdict.decide import Outcome
+from llmd_supervisor.core.verdict.judge import Judgement
 from llmd_supervisor.core.verdict.usage import AttemptUsage, elapsed_s, split, usage
 from llmd_supervisor.errors import SlurmCommandError
 from llmd_supervisor.supervision.control.access import host_name, user_name
@@ -68,7 +68,6 @@ from llmd_supervisor.supervision.run.records import (
     held_submission,
     of_kind,
 )
-from llmd_supervisor.supervision.run.verify_job import VerifyResult
 
 log = structlog.get_logger("llmd_supervisor.runs")
 
@@ -219,28 +218,24 @@ async def _exclusion(
     )
 
 
-async def after_verdict(
-    ctx: RunContext,
-    result: VerifyResult,
-    diagnosis: Diagnosis | None,
-    outcome: Outcome,
-    reason: str,
-) -> AttemptEnd:
+async def after_verdict(ctx: RunContext, judgement: Judgement) -> AttemptEnd:
     """The attempt's end (once: its history entry, which the driver journals with the
     verdict, and the failures of the nodes it implicates, counted now) and the decision on
-    a retry (a retry that could not be placed is none, `unplaced`)."""
+    a retry: the judgement's (`core.verdict.judge`), or the one journaled before a restart;
+    a retry that could not be placed is none (`unplaced`)."""
     run = ctx.run
+    diagnosis, outcome, reason = judgement.diagnosis, judgement.outcome, judgement.reason
     ended = [e for e in ctx.history if e["submission"] == run.submission]
     if ended:
-        decision = _journaled(ended[-1]) or _decide(ctx, diagnosis)
+        decision = _journaled(ended[-1]) or judgement.retry
         return AttemptEnd(decision, None, None)
     if diagnosis is not None:
         await _quarantine(ctx, diagnosis)
-    decision = _decide(ctx, diagnosis)
+    decision = judgement.retry
     if decision.retry:
         where = await _exclusion(ctx, with_capacity=True, extra=decision.exclude)
         decision = placed(decision, where)
-    belief = result.verdict.belief
+    belief = judgement.verdict.belief
     spec = ctx.spec
     gpus = spec.topology.gpus_per_node if isinstance(spec, RunSpec) else 0
     cost = usage(elapsed_s(belief.record if belief else None), len(run.nodes), gpus)
@@ -278,16 +273,6 @@ async def retried(ctx: RunContext, part: AttemptReceipt, decision: Decision, rea
     )
     log.warning("run.retrying", why=decision.why, reason=reason)
     return Retry(f"{decision.why}; attempt {run.attempt}: {reason}")
-
-
-def _decide(ctx: RunContext, diagnosis: Diagnosis | None) -> Decision:
-    run = ctx.run
-    return decide(
-        policy(ctx),
-        diagnosis,
-        retries_done=run.submission - 1,
-        cancel_requested=run.cancel_requested,
-    )
 
 
 def _journaled(entry: AttemptEntry) -> Decision | None:

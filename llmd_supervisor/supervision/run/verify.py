@@ -1,10 +1,13 @@
 """Verifying: the verdict on the attempt's job, why it did not succeed, and what follows.
 
-Evidence is collected through the cluster's poller (`supervision.run.verify_job.verify_job`)
-until the pure verdict is final; an attempt ended early because an agent hung is a
-failure, not a cancel; the diagnosis (`core.verdict.cause`) names the cause and the nodes. Then
-`retries` records the attempt's end and decides on a retry. The receipt is built once,
-complete, when the verdict is made; it is journaled before the event is returned.
+Slurm's records and the marker are collected through the cluster's poller
+(`supervision.run.verify_job.verify_job`) until the pure verdict is final; the rest of the
+attempt's evidence (a hang, the ranks' status files, the nodes reported unreachable or
+named failed by Slurm) is gathered here, and `core.verdict.judge.judge` decides once: the
+outcome and reason (an attempt ended early because an agent hung is a failure, not a
+cancel), the cause and nodes, the receipt, the retry policy's decision. Then `retries`
+records the attempt's end and places a retry. The receipt is built once, complete, when
+the verdict is made; it is journaled before the event is returned.
 """
 
 from __future__ import annotations
@@ -14,7 +17,6 @@ import posixpath
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Final
 
 import anyio
 import structlog
@@ -24,16 +26,12 @@ from llmd_supervisor.core.run.jobtext import job_fields
 from llmd_supervisor.core.run.lifecycle import Retry, Verified
 from llmd_supervisor.core.slurm.parse import JobState, parse_scontrol_job
 from llmd_supervisor.core.spec.runspec import RunSpec
-from llmd_supervisor.core.verdict.cause import Diagnosis, diagnose, hang, rank_end
+from llmd_supervisor.core.verdict.cause import RankEnd, rank_end
 from llmd_supervisor.core.verdict.decide import Outcome, SlurmQuery, Source
+from llmd_supervisor.core.verdict.judge import Evidence, NodeReport, Reach, judge, node_report
 from llmd_supervisor.core.verdict.usage import split as usage_split
-from llmd_supervisor.errors import (
-    RemoteError,
-    SlurmCommandError,
-    SlurmParseError,
-    SupervisorError,
-)
-from llmd_supervisor.node.common import RC_CONFIG, expand_hostlist
+from llmd_supervisor.errors import SlurmCommandError, SlurmParseError, SupervisorError
+from llmd_supervisor.node.common import expand_hostlist
 from llmd_supervisor.supervision.run import bench_files as bench_files
 from llmd_supervisor.supervision.run import cancel, evidence, retries
 from llmd_supervisor.supervision.run.bench_files import JudgedFiles
@@ -50,7 +48,9 @@ from llmd_supervisor.supervision.run.records import (
     ReceiptEvent,
     RunPart,
     ToJournal,
+    node_unreachable_of,
     of_attempt,
+    stage_overdue_of,
 )
 from llmd_supervisor.supervision.run.verify_job import VerifyResult, verify_job
 
@@ -58,7 +58,6 @@ log = structlog.get_logger("llmd_supervisor.runs")
 
 # sinfo's %T of a node Slurm took out: down, drained/draining, fail(ing), not responding (*)
 _NODE_DOWN = re.compile(r"(down|drain|fail)|.*\*$", re.IGNORECASE)
-_CONNECTING: Final = "connecting"  # the action of a link's `RemoteError` when SSH failed
 
 
 @dataclass(frozen=True)
@@ -134,31 +133,9 @@ async def verify(ctx: RunContext) -> Judged:
         cancel_requested=cancelled,
         clock=ctx.now,
     )
-    hung = next(iter(of_attempt(events, STAGE_OVERDUE_EVENT, ctx.run.attempt)), None)
-    outcome, reason = result.verdict.outcome, result.verdict.reason
-    diagnosis: Diagnosis | None
-    if hung is not None and outcome is not Outcome.SUCCEEDED and not cancelled:
-        # ended by the supervisor because an agent hung: a failure, not a cancel
-        outcome = Outcome.FAILED
-        reason = (
-            f"rank {hung.get('rank')} on {hung.get('node')} hung in stage "
-            f"{hung.get('stage')!r}, {hung.get('over_s')} s past its {hung.get('deadline_s')} s "
-            f"deadline: the attempt was ended early; {reason}"
-        )
-        rank = hung.get("rank")
-        diagnosis = hang(
-            str(hung.get("stage")),
-            rank if isinstance(rank, int) and not isinstance(rank, bool) else -1,
-            evidence.allocation(ctx),
-        )
-    else:
-        hung = None
-        diagnosis = await _diagnosis(ctx, result, events)
-    if diagnosis is not None:
-        reason = f"{reason}; {diagnosis.text}"
-    if ctx.run.cancel_requested and not cancelled:
-        reason = f"{reason}; the cancel did not reach the job before it ended"
-    end = await retries.after_verdict(ctx, result, diagnosis, outcome, reason)
+    judgement = judge(await _gather(ctx, result, events, cancelled), result.decided_at)
+    outcome, reason, diagnosis = judgement.outcome, judgement.reason, judgement.diagnosis
+    end = await retries.after_verdict(ctx, judgement)
     run, decision = ctx.run, end.decision
     ended: tuple[ToJournal, ...] = () if end.entry is None else ((ATTEMPT_EVENT, end.entry),)
     added: RunPart = {
@@ -167,13 +144,13 @@ async def verify(ctx: RunContext) -> Judged:
         "attempt": run.attempt,
         "slurm_job_name": run.slurm_job_name,
     }
-    if hung is not None:
-        added["hung"] = hung
+    if judgement.hang is not None:
+        added["hung"] = judgement.hang.journaled
     if end.usage is not None:
         added["usage"] = end.usage
     if decision.retry:
         part: AttemptReceipt = {
-            **result.receipt,
+            **judgement.receipt,
             **added,
             "outcome": outcome.value,
             "reason": reason,
@@ -187,7 +164,7 @@ async def verify(ctx: RunContext) -> Judged:
         reason = f"{reason}; {decision.why}"
     attempts = [*ctx.history, *([] if end.entry is None else [end.entry])]
     receipt: Receipt = {
-        **result.receipt,
+        **judgement.receipt,
         **added,
         "outcome": outcome.value,
         "reason": reason,
@@ -199,58 +176,66 @@ async def verify(ctx: RunContext) -> Judged:
     return Judged(Verified(outcome, reason), logged, end.entry, reads.files())
 
 
-async def _diagnosis(
-    ctx: RunContext, result: VerifyResult, events: Sequence[JournalEvent]
-) -> Diagnosis | None:
-    """Why the run did not succeed (`core.verdict.cause`), from the verdict, the ranks' last status
-    files (unreadable ones are left out), the nodes this attempt reported unreachable, and
-    the benchmark's gate. Only the attempt's allocation names nodes (a status file's rank,
-    never its ``host``); the nodes the daemon saw fail itself are Slurm's and those that did
-    not take an SSH connection."""
-    if result.verdict.outcome is Outcome.SUCCEEDED:
-        return None
+async def _gather(
+    ctx: RunContext, result: VerifyResult, events: Sequence[JournalEvent], cancelled: bool
+) -> Evidence:
+    """The attempt's evidence for `judge`: the verdict's (`result`), an agent's hang its
+    watchers journaled, the attempt's allocation, and, for a run that did not succeed and
+    was not ended early by a hang, the ranks' last status files (unreadable ones are left
+    out), the nodes this attempt reported unreachable and those Slurm names failed. Only
+    the attempt's allocation names nodes (a status file's rank, never its ``host``)."""
+    run = ctx.run
     allocation = evidence.allocation(ctx)
+    overdue = of_attempt(events, STAGE_OVERDUE_EVENT, run.attempt)
+    hung = stage_overdue_of(overdue[0]) if overdue else None
+    ranks: list[RankEnd] = []
+    nodes: list[NodeReport] = []
+    ended_early = hung is not None and not cancelled
+    if result.verdict.outcome is not Outcome.SUCCEEDED and not ended_early:
+        ranks = await _rank_ends(ctx, allocation)
+        reports = of_attempt(events, NODE_UNREACHABLE_EVENT, run.attempt)
+        nodes = [node_unreachable_of(e) for e in reports]
+        belief = result.verdict.belief
+        if belief is not None and belief.record.state.state is JobState.NODE_FAIL and allocation:
+            failed = await _failed_nodes(ctx, allocation)
+            nodes += [NodeReport(n, Reach.SLURM_FAILED) for n in failed]
+    return Evidence(
+        result.state,
+        result.marker,
+        result.deadline,
+        gate=result.gate,
+        cancel_reached=cancelled,
+        cancel_requested=run.cancel_requested,
+        hang=hung,
+        allocation=allocation,
+        ranks=tuple(ranks),
+        nodes=tuple(nodes),
+        policy=retries.policy(ctx),
+        retries_done=run.submission - 1,
+    )
+
+
+async def _rank_ends(ctx: RunContext, allocation: tuple[str, ...]) -> list[RankEnd]:
+    """Each rank's end from its last status file, on its node in the allocation."""
     spec = ctx.spec
     count = len(allocation) or (spec.topology.nodes if isinstance(spec, RunSpec) else 1)
-    files, layout = ctx.cluster.files, ctx.layout
     try:
-        statuses = await bench_files.read_statuses(files, layout, ctx.job_id(), count)
+        statuses = await bench_files.read_statuses(
+            ctx.cluster.files, ctx.layout, ctx.job_id(), count
+        )
     except (SupervisorError, OSError, TimeoutError) as exc:
         log.warning("run.status_unreadable", run_id=ctx.run.run_id, error=str(exc))
         statuses = []
     # The job wrote them: what they name reaches the reason and terminals escaped.
-    ends = [e for status in statuses if (e := rank_end(job_fields(status), allocation))]
-    reports = of_attempt(events, NODE_UNREACHABLE_EVENT, ctx.run.attempt)
-    unreachable = [str(e.get("node")) for e in reports]
-    observed = [str(e.get("node")) for e in reports if no_ssh(e.get("node"), e.get("error"))]
-    gate = result.receipt["benchmark"]
-    marker = result.marker.marker
-    belief = result.verdict.belief
-    slurm_state = None if belief is None else belief.record.state.state
-    if slurm_state is JobState.NODE_FAIL and allocation:
-        failed = await _failed_nodes(ctx, allocation)
-        unreachable += failed
-        observed += failed
-    return diagnose(
-        result.verdict.outcome,
-        slurm_state=slurm_state,
-        cancel_requested=cancel.reached(ctx.run, events, ctx.job_id()),
-        allocation=allocation,
-        ranks=ends,
-        unreachable=unreachable,
-        observed=observed,
-        benchmark_failed=(gate is not None and gate["ok"] is False)
-        or (marker is not None and 0 < marker.rc < RC_CONFIG),
-    )
+    return [e for status in statuses if (e := rank_end(job_fields(status), allocation))]
 
 
 def no_ssh(node: object, error: object) -> bool:
     """Whether a `node.unreachable` report says the node did not take an SSH connection
     (the daemon's own evidence): its error is the link's `RemoteError` while connecting,
     worded by the daemon. A read of the job's files that failed or hung, or a status file
-    gone stale (which the job can cause), is not."""
-    prefix = str(RemoteError(str(node), _CONNECTING, "")).removesuffix(": .")
-    return isinstance(error, str) and error.startswith(f"{prefix}: ")
+    gone stale (which the job can cause), is not (`core.verdict.judge.node_report`)."""
+    return node_report(node, error).reach is Reach.NO_SSH
 
 
 async def _failed_nodes(ctx: RunContext, allocation: tuple[str, ...]) -> list[str]:

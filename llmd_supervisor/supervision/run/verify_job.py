@@ -75,10 +75,17 @@ QUERY_GRACE_S = 1.0  # how long past the deadline a round's queries may still an
 
 @dataclass(frozen=True)
 class VerifyResult:
+    """The final verdict with what it was made from: the Slurm queries folded, the marker,
+    the benchmark's gate (None: not looked for), when it was decided and the deadline the
+    evidence was waited for until (`core.verdict.judge.judge` decides the same from them)."""
+
     verdict: Verdict
     state: VerdictState
     marker: MarkerReading
     receipt: VerdictReceipt
+    gate: GateResult | None
+    decided_at: datetime
+    deadline: datetime
 
 
 class DirectEvidence:
@@ -184,7 +191,7 @@ async def verify_job(
                 reason=verdict.reason,
                 queries=len(state.queries),
             )
-            return VerifyResult(verdict, state, marker, receipt)
+            return VerifyResult(verdict, state, marker, receipt, gate, now, deadline)
         await anyio.sleep(min(interval, max(0.0, (deadline - now).total_seconds()) + 0.01))
 
 
