@@ -1,15 +1,19 @@
 """What a run journals about itself besides its record: the events' kinds and payloads.
 
-Each payload is a `TypedDict` the writer builds and the reader parses back (`*_of`
-functions, which check every field's type and keep what an older daemon wrote), so both
+Each payload is a `TypedDict` the writer builds, and read back through one parser,
+`parse_event(kind, payload) -> RunEvent` (`parsed` for a run's journaled events): a tagged
+union of typed events, each field's type checked and what an older daemon wrote kept; a
+kind it does not know is `Unknown` (never an error: an old or newer journal reads). Both
 ends agree on one shape and a journal written before this module existed reads the same:
 a `TypedDict` is a plain dict, its JSON is what the events held before.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Final, NotRequired, TypedDict
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Final, NotRequired, TypedDict, TypeVar
 
 from llmd_supervisor.core.protocol.runs import UsageView
 from llmd_supervisor.core.verdict.cause import CauseJson
@@ -251,23 +255,193 @@ def job_files_of(raw: Mapping[str, object]) -> JobFiles:
     )
 
 
-def held_submission(raw: Mapping[str, object]) -> int:
-    """The submission a `HELD_EVENT` is of (1 when an older daemon did not say)."""
-    return _int(raw.get("submission", 1), 0)
-
-
-def of_kind(events: Iterable[JournalEvent], kind: str) -> list[JournalEvent]:
-    """The events of one kind, in journal order."""
-    return [e for e in events if e.get("kind") == kind]
-
-
-def of_attempt(events: Iterable[JournalEvent], kind: str, attempt: int) -> list[JournalEvent]:
-    """The events of one kind that an attempt's watchers journaled."""
-    return [e for e in of_kind(events, kind) if e.get("attempt") == attempt]
-
-
 def last_receipt(events: Sequence[JournalEvent]) -> Mapping[str, object] | None:
     """The last receipt journaled (what the archive writes), if any."""
-    receipts = [e.get("receipt") for e in of_kind(events, RECEIPT_EVENT)]
-    last = receipts[-1] if receipts else None
-    return last if isinstance(last, Mapping) else None
+    receipts = of_type(parsed(events), ReceiptNoted)
+    return receipts[-1].receipt if receipts else None
+
+
+# --- the events, typed -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AttemptEnded:
+    """`ATTEMPT_EVENT`: an attempt's end (its history entry)."""
+
+    entry: AttemptEntry
+
+
+@dataclass(frozen=True)
+class ReceiptNoted:
+    """`RECEIPT_EVENT`: a verdict's receipt (None: not an object)."""
+
+    receipt: Mapping[str, object] | None
+
+
+@dataclass(frozen=True)
+class RunHeld:
+    """`HELD_EVENT`: a submission held for want of nodes (`at`: when it was journaled,
+    None when unreadable; `submission` 1 when an older daemon did not say)."""
+
+    submission: int
+    reason: str
+    until: str | None
+    at: datetime | None
+
+
+@dataclass(frozen=True)
+class JobFilesNoted:
+    """`JOB_FILES_EVENT`: a foreign job's files."""
+
+    files: JobFiles
+
+
+@dataclass(frozen=True)
+class StageOverdue:
+    """`STAGE_OVERDUE_EVENT`: an agent hung in a stage during attempt `attempt`."""
+
+    hang: Hang
+    attempt: int | None
+
+
+@dataclass(frozen=True)
+class NodeUnreachable:
+    """`NODE_UNREACHABLE_EVENT`: a node attempt `attempt` could not reach, and why."""
+
+    report: NodeReport
+    attempt: int | None
+
+
+@dataclass(frozen=True)
+class CancelSent:
+    """`TERM_EVENT` or `KILL_EVENT` (`kind`): a signal sent to a job, for a cancel or a
+    hang (`reason`: the event's ``for``); `delivered` is True when an older daemon did not
+    say."""
+
+    kind: str
+    slurm_job_id: str | None
+    reason: str | None
+    delivered: bool
+
+
+@dataclass(frozen=True)
+class Transitioned:
+    """`TRANSITION_EVENT`: a state change the driver applied."""
+
+    source: str
+    target: str
+    event: str
+
+
+@dataclass(frozen=True)
+class LogRefused:
+    """`LOG_REFUSED_EVENT`."""
+
+    fields: LogRefusedEvent
+
+
+@dataclass(frozen=True)
+class LogCapped:
+    """`LOG_CAPPED_EVENT`."""
+
+    fields: LogCappedEvent
+
+
+@dataclass(frozen=True)
+class Unknown:
+    """An event of a kind this daemon does not read (or another module's), as journaled."""
+
+    kind: str
+    payload: Mapping[str, object]
+
+
+RunEvent = (
+    AttemptEnded
+    | ReceiptNoted
+    | RunHeld
+    | JobFilesNoted
+    | StageOverdue
+    | NodeUnreachable
+    | CancelSent
+    | Transitioned
+    | LogRefused
+    | LogCapped
+    | Unknown
+)
+E = TypeVar("E", bound=RunEvent)
+
+
+def _str(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _attempt(raw: Mapping[str, object]) -> int | None:
+    value = raw.get("attempt")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _held(raw: Mapping[str, object]) -> RunHeld:
+    at = _str(raw.get("at"))
+    try:
+        when = None if at is None else datetime.fromisoformat(at)
+    except ValueError:
+        when = None
+    return RunHeld(
+        _int(raw.get("submission", 1), 0), str(raw.get("reason", "")), _str(raw.get("until")), when
+    )
+
+
+def _cancel_sent(kind: str, raw: Mapping[str, object]) -> CancelSent:
+    job_id = raw.get("slurm_job_id")
+    return CancelSent(
+        kind,
+        None if job_id is None else str(job_id),
+        _str(raw.get("for")),
+        bool(raw.get("delivered", True)),
+    )
+
+
+def _receipt(raw: Mapping[str, object]) -> ReceiptNoted:
+    receipt = raw.get("receipt")
+    return ReceiptNoted(receipt if isinstance(receipt, Mapping) else None)
+
+
+def _log_capped(raw: Mapping[str, object]) -> LogCapped:
+    return LogCapped(LogCappedEvent(copy=str(raw.get("copy", "")), size=_int(raw.get("size"), 0)))
+
+
+_PARSERS: Final[Mapping[str, Callable[[Mapping[str, object]], RunEvent]]] = {
+    ATTEMPT_EVENT: lambda raw: AttemptEnded(attempt_entry_of(raw)),
+    RECEIPT_EVENT: _receipt,
+    HELD_EVENT: _held,
+    JOB_FILES_EVENT: lambda raw: JobFilesNoted(job_files_of(raw)),
+    STAGE_OVERDUE_EVENT: lambda raw: StageOverdue(stage_overdue_of(raw), _attempt(raw)),
+    NODE_UNREACHABLE_EVENT: lambda raw: NodeUnreachable(node_unreachable_of(raw), _attempt(raw)),
+    TERM_EVENT: lambda raw: _cancel_sent(TERM_EVENT, raw),
+    KILL_EVENT: lambda raw: _cancel_sent(KILL_EVENT, raw),
+    TRANSITION_EVENT: lambda raw: Transitioned(
+        str(raw.get("from", "")), str(raw.get("to", "")), str(raw.get("event", ""))
+    ),
+    LOG_REFUSED_EVENT: lambda raw: LogRefused(
+        LogRefusedEvent(path=str(raw.get("path", "")), reason=str(raw.get("reason", "")))
+    ),
+    LOG_CAPPED_EVENT: _log_capped,
+}
+
+
+def parse_event(kind: str, payload: Mapping[str, object]) -> RunEvent:
+    """One journaled event, typed: the single reader of the run's event payloads. A kind
+    not in the union is `Unknown`; a field of the wrong type reads as an older daemon's
+    missing one. Never raises for what a journal holds."""
+    parser = _PARSERS.get(kind)
+    return Unknown(kind, payload) if parser is None else parser(payload)
+
+
+def parsed(events: Iterable[JournalEvent]) -> list[RunEvent]:
+    """A run's journaled events (``{"at", "kind", **fields}``), typed, in journal order."""
+    return [parse_event(str(e.get("kind", "")), e) for e in events]
+
+
+def of_type(events: Iterable[RunEvent], kind: type[E]) -> list[E]:
+    """The typed events of one member of the union, in journal order."""
+    return [e for e in events if isinstance(e, kind)]

@@ -65,8 +65,9 @@ from llmd_supervisor.supervision.run.records import (
     HeldEvent,
     HeldReceipt,
     ReceiptEvent,
-    held_submission,
-    of_kind,
+    RunHeld,
+    of_type,
+    parsed,
 )
 
 log = structlog.get_logger("llmd_supervisor.runs")
@@ -181,12 +182,9 @@ async def expire_hold(ctx: RunContext, expired: HoldExpired) -> HoldExpired:
 
 async def _held_since(ctx: RunContext) -> datetime | None:
     """When this submission was first held (its first `run.held` event), if it was."""
-    for e in of_kind(await ctx.events(), HELD_EVENT):
-        if held_submission(e) == ctx.run.submission:
-            try:
-                return datetime.fromisoformat(str(e.get("at")))
-            except ValueError:
-                return None
+    for held in of_type(parsed(await ctx.events()), RunHeld):
+        if held.submission == ctx.run.submission:
+            return held.at
     return None
 
 
@@ -278,14 +276,13 @@ async def retried(ctx: RunContext, part: AttemptReceipt, decision: Decision, rea
 def _journaled(entry: AttemptEntry) -> Decision | None:
     """The decision an attempt's history entry recorded (None: an entry of an older
     daemon, which did not record it)."""
-    retried = entry.get("retried")
-    if retried is None:
+    if "retried" not in entry:
         return None
     return Decision(
-        retried,
+        entry["retried"],
         entry["retry"],
         tuple(entry["exclude"]),
-        unplaced=entry.get("unplaced") is True,
+        unplaced="unplaced" in entry and entry["unplaced"] is True,
     )
 
 

@@ -38,19 +38,18 @@ from llmd_supervisor.supervision.run.bench_files import JudgedFiles
 from llmd_supervisor.supervision.run.context import RunContext
 from llmd_supervisor.supervision.run.records import (
     ATTEMPT_EVENT,
-    NODE_UNREACHABLE_EVENT,
     RECEIPT_EVENT,
-    STAGE_OVERDUE_EVENT,
     AttemptEntry,
     AttemptReceipt,
     JournalEvent,
+    NodeUnreachable,
     Receipt,
     ReceiptEvent,
     RunPart,
+    StageOverdue,
     ToJournal,
-    node_unreachable_of,
-    of_attempt,
-    stage_overdue_of,
+    of_type,
+    parsed,
 )
 from llmd_supervisor.supervision.run.verify_job import VerifyResult, verify_job
 
@@ -186,15 +185,16 @@ async def _gather(
     the attempt's allocation names nodes (a status file's rank, never its ``host``)."""
     run = ctx.run
     allocation = evidence.allocation(ctx)
-    overdue = of_attempt(events, STAGE_OVERDUE_EVENT, run.attempt)
-    hung = stage_overdue_of(overdue[0]) if overdue else None
+    typed = parsed(events)
+    overdue = [e.hang for e in of_type(typed, StageOverdue) if e.attempt == run.attempt]
+    hung = overdue[0] if overdue else None
     ranks: list[RankEnd] = []
     nodes: list[NodeReport] = []
     ended_early = hung is not None and not cancelled
     if result.verdict.outcome is not Outcome.SUCCEEDED and not ended_early:
         ranks = await _rank_ends(ctx, allocation)
-        reports = of_attempt(events, NODE_UNREACHABLE_EVENT, run.attempt)
-        nodes = [node_unreachable_of(e) for e in reports]
+        reports = of_type(typed, NodeUnreachable)
+        nodes = [e.report for e in reports if e.attempt == run.attempt]
         belief = result.verdict.belief
         if belief is not None and belief.record.state.state is JobState.NODE_FAIL and allocation:
             failed = await _failed_nodes(ctx, allocation)
