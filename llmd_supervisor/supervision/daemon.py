@@ -22,6 +22,7 @@ import anyio
 import anyio.abc
 import structlog
 
+from llmd_supervisor.adapters.control.requests import ResultsRequest
 from llmd_supervisor.adapters.control.server import ControlServer
 from llmd_supervisor.adapters.files import result_parser as result_parser
 from llmd_supervisor.adapters.journal.campaign_store import CampaignStore
@@ -51,7 +52,7 @@ from llmd_supervisor.supervision.campaign.api import CampaignOps
 from llmd_supervisor.supervision.campaign.runner import Campaigns
 from llmd_supervisor.supervision.cluster.clusters import Cluster, build_cluster
 from llmd_supervisor.supervision.control.api import ControlApi
-from llmd_supervisor.supervision.control.views import run_results
+from llmd_supervisor.supervision.control.service import SYSTEM_PEER, RunsService
 from llmd_supervisor.supervision.events.api import EventOps
 from llmd_supervisor.supervision.ha.leadership import LeaseKeeper
 from llmd_supervisor.supervision.ha.leading import REFRESH_S, Roles, holder_name
@@ -83,13 +84,18 @@ class _RunOwners:
 
 
 def _control_api(
-    supervisor: Supervisor, campaigns: Campaigns, outbox: Outbox, sender: EventSender | None
+    supervisor: Supervisor,
+    runs: RunsService[RunHandle],
+    campaigns: Campaigns,
+    outbox: Outbox,
+    sender: EventSender | None,
 ) -> ControlApi[RunHandle]:
-    """The control API over the supervisor's runs, its campaigns and the outbox."""
+    """The control API over the runs' service, the campaigns and the outbox."""
 
     async def results_of(run_id: str) -> RunResults | None:
-        handle = supervisor.handles.get(run_id)
-        return None if handle is None else await run_results(handle, supervisor.clock())
+        if runs.facts(SYSTEM_PEER, run_id) is None:
+            return None
+        return await runs.results(SYSTEM_PEER, ResultsRequest(run_id))
 
     ops = CampaignOps(
         campaigns,
@@ -106,7 +112,7 @@ def _control_api(
         events=supervisor.config.events,
         host=socket.gethostname() or "localhost",
     )
-    return ControlApi(supervisor, campaigns=ops, events=events)
+    return ControlApi(supervisor, campaigns=ops, events=events, runs=runs)
 
 
 def lock_state_dir(state_dir: Path) -> int:
@@ -186,7 +192,8 @@ async def _serve(
             await anyio.to_thread.run_sync(bundled_node_sources)
             roles = await _roles(config, journal, tg, leases)
             supervisor = Supervisor(config, journal, clusters, tg, hooks=hooks, roles=roles)
-            campaigns = Campaigns(supervisor, CampaignStore(journal))
+            runs = RunsService(supervisor, clock=supervisor.clock)
+            campaigns = Campaigns(supervisor, CampaignStore(journal), runs=runs, tg=tg)
             resumed = 0
             if roles.shared:  # each cluster's runs start when this daemon leads it
                 tg.start_soon(_follow_elsewhere, supervisor)
@@ -216,7 +223,7 @@ async def _serve(
                     hint="name the group that may connect (daemon.socket_group) or drop "
                     "daemon.socket_mode (0600 without a group)",
                 )
-            api = _control_api(supervisor, campaigns, outbox, sender)
+            api = _control_api(supervisor, runs, campaigns, outbox, sender)
             server = ControlServer(
                 config.socket_path, api, mode=config.socket_mode, group=config.socket_group
             )

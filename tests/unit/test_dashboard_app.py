@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import socket
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, cast
 
@@ -17,9 +17,11 @@ import anyio.abc
 import pytest
 
 from llmd_supervisor.adapters.control.protocol import Peer, Request, Send
+from llmd_supervisor.adapters.control.requests import LogsRequest, StatusRequest
 from llmd_supervisor.adapters.control.server import bind_unix_socket
 from llmd_supervisor.adapters.web.server import STOP_GRACE_S, bind_tcp, serve_asgi
 from llmd_supervisor.core.config import DashboardConfig, WebLimits
+from llmd_supervisor.core.protocol.runs import LogChunk, LogsDone, RunSummary
 from llmd_supervisor.core.web import pages as pages
 from llmd_supervisor.errors import ControlError
 from llmd_supervisor.supervision.web.dashboard import TOKEN_PEER, Dashboard
@@ -38,6 +40,20 @@ class FakeApi:
         self.grew = anyio.Event()
         self.done = False
         self.peers: list[Peer] = []
+        self.runs = self  # what the dashboard asks directly: its `RunsService`
+
+    async def status(self, peer: Peer, req: StatusRequest) -> RunSummary:
+        answer = await self.handle(Request(1, "status", {"run": req.run}), peer, _no_stream)
+        return cast(RunSummary, answer)
+
+    async def logs(
+        self, peer: Peer, req: LogsRequest, send: Callable[[LogChunk], Awaitable[None]]
+    ) -> LogsDone:
+        async def item(chunk: Mapping[str, object]) -> None:
+            await send(cast(LogChunk, chunk))
+
+        args = {"run": req.run, "rank": req.rank, "follow": req.follow, "offsets": req.offsets}
+        return cast(LogsDone, await self.handle(Request(1, "logs", args), peer, item))
 
     def write(self, data: bytes) -> None:
         self.log += data
@@ -70,6 +86,10 @@ class FakeApi:
                 return {"bytes": at, "state": "succeeded"}
             else:
                 await self.grew.wait()
+
+
+async def _no_stream(item: Mapping[str, object]) -> None:
+    raise AssertionError(f"unexpected stream item {item}")
 
 
 async def request(

@@ -12,17 +12,19 @@ larger than the message bound.
 from __future__ import annotations
 
 import json
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Final
 
 import anyio
 
-from llmd_supervisor.adapters.control.protocol import Peer, Send, show
+from llmd_supervisor.adapters.control.protocol import Peer, show
+from llmd_supervisor.adapters.control.requests import CampaignRef, CampaignSubmitRequest
 from llmd_supervisor.adapters.journal.campaign_store import StoredCampaign
 from llmd_supervisor.core.campaign.lifecycle import CampaignState
 from llmd_supervisor.core.campaign.views import (
     CampaignDryRun,
+    CampaignJobResults,
     CampaignList,
     CampaignResultsDone,
     CampaignStatus,
@@ -71,8 +73,8 @@ class CampaignOps:
         self.clock = clock
         self.run_results = run_results
 
-    async def _visible(self, args: Mapping[str, object], peer: Peer) -> StoredCampaign:
-        ref = str(args["campaign"])
+    async def _visible(self, peer: Peer, req: CampaignRef) -> StoredCampaign:
+        ref = req.campaign
         everyone = sees_all(peer, self.admin_group)
         found = [
             c
@@ -91,33 +93,32 @@ class CampaignOps:
         return found[0]
 
     async def submit(
-        self, args: Mapping[str, object], peer: Peer, send: Send
+        self, peer: Peer, req: CampaignSubmitRequest
     ) -> CampaignDryRun | CampaignStatus:
-        where = str(args["file_path"] or "the campaign file")
-        cluster = args["cluster"]
-        assert cluster is None or isinstance(cluster, str)
-        max_points = args["max_points"]  # None: the daemon's [limits] campaign_max_points
-        if max_points is not None and (not isinstance(max_points, int) or max_points < 1):
+        """Expand and journal a campaign owned by the peer (with `dry_run`, only expand it);
+        the expansion stops when the calling task is cancelled."""
+        where = req.file_path or "the campaign file"
+        cluster = req.cluster
+        max_points = req.max_points  # None: the daemon's [limits] campaign_max_points
+        if max_points is not None and max_points < 1:
             raise ControlError(
                 "bad_request", f"max_points must be a positive integer, not {show(max_points)}."
             )
-        file_dir = args["file_dir"]
-        assert file_dir is None or isinstance(file_dir, str)
         try:
             plan = await self.campaigns.plan(
-                str(args["file_text"]),
-                str(args["base_text"]),
-                default_name=str(args["name"]),
+                req.file_text,
+                req.base_text,
+                default_name=req.name,
                 cluster=cluster,
                 max_points=max_points,
-                rerun=bool(args["rerun"]),
-                file_dir=file_dir,
-                export_env=_exported(args["export_env_json"]),
+                rerun=req.rerun,
+                file_dir=req.file_dir,
+                export_env=_exported(req.export_env_json),
                 peer=peer,
             )
         except SpecError as exc:
             raise ControlError("bad_request", f"{where}: {exc}") from exc
-        if args["dry_run"]:
+        if req.dry_run:
             return views.dry_run(plan)
         # Expanded: the campaign is journaled whole even if its client goes away now.
         with anyio.CancelScope(shield=True):
@@ -137,10 +138,12 @@ class CampaignOps:
             now=self.clock(),
         )
 
-    async def status(self, args: Mapping[str, object], peer: Peer, send: Send) -> CampaignStatus:
-        return await self._status(await self._visible(args, peer))
+    async def status(self, peer: Peer, req: CampaignRef) -> CampaignStatus:
+        """The campaign's status."""
+        return await self._status(await self._visible(peer, req))
 
-    async def list(self, args: Mapping[str, object], peer: Peer, send: Send) -> CampaignList:
+    async def list(self, peer: Peer) -> CampaignList:
+        """The campaigns the peer may see (the last 500)."""
         everyone = sees_all(peer, self.admin_group)
         store = self.campaigns.store
         out = []
@@ -148,14 +151,19 @@ class CampaignOps:
             out.append(views.brief(c, await store.jobs(c.campaign_id)))
         return {"campaigns": out[-500:]}
 
-    async def cancel(self, args: Mapping[str, object], peer: Peer, send: Send) -> CampaignStatus:
-        c = await self._visible(args, peer)
+    async def cancel(self, peer: Peer, req: CampaignRef) -> CampaignStatus:
+        """Stop submitting and cancel the campaign's runs."""
+        c = await self._visible(peer, req)
         await self.campaigns.cancel(c.campaign_id)
         again = await self.campaigns.store.get(c.campaign_id)
         return await self._status(again or c)
 
-    async def wait(self, args: Mapping[str, object], peer: Peer, send: Send) -> CampaignStatus:
-        c = await self._visible(args, peer)
+    async def wait(
+        self, peer: Peer, req: CampaignRef, send: Callable[[CampaignStatus], Awaitable[None]]
+    ) -> CampaignStatus:
+        """Send the status whenever the campaign changed visibly, until it is final; the
+        final status is the result."""
+        c = await self._visible(peer, req)
         shown: CampaignStatus | None = None
         while True:
             changed = self.campaigns.changed(c.campaign_id)
@@ -174,9 +182,14 @@ class CampaignOps:
                 await changed.wait()
 
     async def results(
-        self, args: Mapping[str, object], peer: Peer, send: Send
+        self,
+        peer: Peer,
+        req: CampaignRef,
+        send: Callable[[CampaignJobResults], Awaitable[None]],
     ) -> CampaignResultsDone:
-        c = await self._visible(args, peer)
+        """Send one item per job (its points with provenance and the results of the runs
+        that proved them); the result counts them."""
+        c = await self._visible(peer, req)
         jobs = await self.campaigns.store.jobs(c.campaign_id)
         proofs = await self.campaigns.store.verified(j.recipe_id for j in jobs)
         owners = self.campaigns.owners(proofs)

@@ -36,8 +36,7 @@ import pwd
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import anyio
 import anyio.abc
@@ -45,6 +44,7 @@ import anyio.to_thread
 import structlog
 
 from llmd_supervisor.adapters.control.protocol import Peer
+from llmd_supervisor.adapters.control.requests import CancelRequest, WatchRequest
 from llmd_supervisor.adapters.files.result_parser import ParseLimits, parse_many
 from llmd_supervisor.adapters.journal.campaign_store import (
     CampaignStore,
@@ -85,12 +85,13 @@ from llmd_supervisor.core.run.lifecycle import RunState
 from llmd_supervisor.core.spec import foreign as foreign_spec
 from llmd_supervisor.core.spec.toml_read import decode_toml
 from llmd_supervisor.core.spec.toml_write import dump_toml
-from llmd_supervisor.errors import CampaignError, IllegalTransition, SpecError, SupervisorError
+from llmd_supervisor.errors import CampaignError, ControlError, SpecError, SupervisorError
 from llmd_supervisor.supervision.campaign.events import CampaignEvents
 from llmd_supervisor.supervision.campaign.expansion import Expander
 from llmd_supervisor.supervision.campaign.points import archived_result, preferred, verified_of
 from llmd_supervisor.supervision.control.access import sees_all, user_name
-from llmd_supervisor.supervision.run.driver import RunHandle, Supervisor
+from llmd_supervisor.supervision.control.service import SYSTEM_PEER, RunFacts, RunsService
+from llmd_supervisor.supervision.run.driver import Supervisor
 
 __all__ = ["Campaigns", "Plan"]
 
@@ -145,6 +146,8 @@ class _Live:
     limit_read_at: float | None = None  # anyio.current_time() of the last reading
     # What fair sharing sees of it, as of its last step (None: final, or not stepped yet).
     share: _Share | None = None
+    # Its active jobs' runs as its last step saw them: a change of one wakes it (`_watch`).
+    seen: dict[str, RunFacts] = field(default_factory=dict)
 
     def touch(self) -> None:
         self.changed.set()
@@ -152,10 +155,23 @@ class _Live:
 
 
 class Campaigns:
-    """Every campaign of this daemon; the control API's campaign ops talk to it."""
+    """Every campaign of this daemon; the control API's campaign ops talk to it.
 
-    def __init__(self, supervisor: Supervisor, store: CampaignStore) -> None:
+    It reads and acts on runs only through `runs` (as the daemon, `SYSTEM_PEER`), and
+    follows its active runs with `RunsService.watch`; its campaigns' tasks run in `tg`.
+    """
+
+    def __init__(
+        self,
+        supervisor: Supervisor,
+        store: CampaignStore,
+        *,
+        runs: RunsService[Any],
+        tg: anyio.abc.TaskGroup,
+    ) -> None:
         self.sup = supervisor
+        self.runs = runs
+        self.tg = tg
         self.store = store
         self.live: dict[str, _Live] = {}
         # One campaign of a cluster at a time decides and submits: each decides knowing
@@ -392,7 +408,7 @@ class Campaigns:
     def _start(self, campaign_id: str, cluster: str) -> bool:
         """Drive the campaign in its cluster's tenure (False: another daemon leads it)."""
         self._live(campaign_id)
-        return self.sup.roles.start(self.sup.tg, cluster, self._drive, campaign_id)
+        return self.sup.roles.start(self.tg, cluster, self._drive, campaign_id)
 
     async def _drive(self, campaign_id: str) -> None:
         with structlog.contextvars.bound_contextvars(campaign_id=campaign_id):
@@ -405,7 +421,32 @@ class Campaigns:
                     log.error("campaign.step_failed", error=str(exc))
                 live = self._live(campaign_id)
                 with anyio.move_on_after(TICK_S):
-                    await live.changed.wait()
+                    await self._watch(live)
+
+    async def _watch(self, live: _Live) -> None:
+        """Until the campaign changed or one of its active runs did (`RunsService.watch`)."""
+        seen = dict(live.seen)
+        async with anyio.create_task_group() as tg:
+
+            async def campaign() -> None:
+                await live.changed.wait()
+                tg.cancel_scope.cancel()
+
+            async def run(run_id: str, before: RunFacts) -> None:
+                try:
+                    async with contextlib.aclosing(
+                        self.runs.watch(SYSTEM_PEER, WatchRequest(run_id))
+                    ) as changes:
+                        async for now in changes:
+                            if now != before:
+                                tg.cancel_scope.cancel()
+                                return
+                except ControlError:  # gone from this daemon: the next step sees it
+                    tg.cancel_scope.cancel()
+
+            tg.start_soon(campaign)
+            for run_id, before in seen.items():
+                tg.start_soon(run, run_id, before)
 
     async def _step(self, campaign_id: str) -> bool:
         """One look at the campaign; True once it is final."""
@@ -417,6 +458,7 @@ class Campaigns:
             return True
         live = self._live(campaign_id)
         jobs = await self.store.jobs(campaign_id)
+        live.seen = {}
         jobs = [await self._refresh(c, j, live) for j in jobs]
         active = [j for j in jobs if JobState(j.state) in ACTIVE_JOB_STATES]
         if live.refused:  # keep to what the queue held when the QOS said no
@@ -516,10 +558,8 @@ class Campaigns:
         if live.submit_limit is not None:
             others = sum(
                 1
-                for h in self.sup.handles.values()
-                if h.meta.cluster == c.cluster
-                and h.run.run_id not in campaign_runs
-                and h.run.state in _QUEUED
+                for f in await self.runs.all_facts(SYSTEM_PEER, cluster=c.cluster)
+                if f.run_id not in campaign_runs and f.state in _QUEUED
             )
             room = max(0, live.submit_limit - others)
         wanted: dict[int, int] = {}
@@ -543,10 +583,10 @@ class Campaigns:
     def owners(self, proofs: Mapping[tuple[str, int], Proofs]) -> dict[str, int]:
         """The owner of each proof's run that this daemon knows, by run id."""
         return {
-            p.run_id: h.meta.owner_uid
+            p.run_id: f.owner_uid
             for found in proofs.values()
             for p in found
-            if (h := self.sup.handles.get(p.run_id)) is not None
+            if (f := self.runs.facts(SYSTEM_PEER, p.run_id)) is not None
         }
 
     def _gpu_cap(self, c: StoredCampaign) -> int | None:
@@ -642,7 +682,7 @@ class Campaigns:
         log.info("campaign.job_submitting", job_key=job.job_key, run_id=run_id, points=to_run)
         await self._submit_run(c, replace(job, run_id=run_id, to_run=to_run))
 
-    async def _submit_run(self, c: StoredCampaign, job: StoredJob) -> RunHandle:
+    async def _submit_run(self, c: StoredCampaign, job: StoredJob) -> None:
         assert job.run_id is not None
         if is_script_job(job.spec_toml):
             exported = c.settings.get("export_env")
@@ -651,14 +691,15 @@ class Campaigns:
                 _base_env(exported if isinstance(exported, dict) else None),
                 job.to_run,
             )
-            return await self.sup.submit_script(
+            await self.sup.submit_script(
                 text, owner_uid=c.owner_uid, cluster=c.cluster, run_id=job.run_id
             )
+            return
         data = decode_toml(job.spec_toml)
         bench = data["benchmark"]
         assert isinstance(bench, dict)
         bench["concurrencies"] = list(job.to_run)
-        return await self.sup.submit(
+        await self.sup.submit(
             dump_toml(data), owner_uid=c.owner_uid, cluster=c.cluster, run_id=job.run_id
         )
 
@@ -666,13 +707,15 @@ class Campaigns:
         """The job's state from its run (and its points proven when the run succeeded)."""
         if job.run_id is None or JobState(job.state) not in ACTIVE_JOB_STATES:
             return job
-        handle = self.sup.handles.get(job.run_id)
-        if handle is None:  # journaled as submitted, the run never was: submit it now
+        run = self.runs.facts(SYSTEM_PEER, job.run_id)
+        if run is None:  # journaled as submitted, the run never was: submit it now
             log.info("campaign.job_resubmitted", job_key=job.job_key, run_id=job.run_id)
-            handle = await self._submit_run(c, job)
-        run = handle.run
-        cause = handle.history[-1]["cause"] if handle.history else None
-        new = job_state_of(run.state, run.outcome, cause)
+            await self._submit_run(c, job)
+            run = self.runs.facts(SYSTEM_PEER, job.run_id)
+            if run is None:  # not this daemon's to drive after all: the next step looks
+                return job
+        live.seen[run.run_id] = run
+        new = job_state_of(run.state, run.outcome, run.cause)
         refusal = qos_refusal(run.reason) if run.state.is_final else None
         if refusal is not None and new is not JobState.SUCCEEDED:
             live.refused = refusal
@@ -688,7 +731,7 @@ class Campaigns:
         if new is JobState.SUCCEEDED:
             proofs = await anyio.to_thread.run_sync(
                 lambda: verified_of(
-                    handle.layout.archive_dir,
+                    run.archive_dir,
                     recipe_id=job.recipe_id,
                     concurrencies=job.to_run,
                     run_id=run.run_id,
@@ -720,10 +763,14 @@ class Campaigns:
                     reason="campaign cancelled",
                 )
         for job in active:
-            handle = self.sup.handles.get(job.run_id or "")
-            if handle is not None and not handle.run.cancel_requested:
-                with contextlib.suppress(IllegalTransition):  # it ended meanwhile
-                    await self.sup.cancel(handle)
+            run = self.runs.facts(SYSTEM_PEER, job.run_id or "")
+            if run is not None and not run.cancel_requested:
+                try:
+                    await self.runs.cancel(SYSTEM_PEER, CancelRequest(run.run_id))
+                except ControlError as exc:
+                    if exc.code != "conflict":
+                        raise
+                    # it ended meanwhile
         if active:
             return False
         final = CampaignState.CANCELLED.value
@@ -749,9 +796,9 @@ class Campaigns:
         proofs = await self.store.verified(r for r, _, _ in points)
         every = [p for found in proofs.values() for p in found]
         runs = {
-            p.run_id: (h.meta.owner_uid, Path(h.meta.archive_dir))
+            p.run_id: (f.owner_uid, f.archive_dir)
             for p in every
-            if (h := self.sup.handles.get(p.run_id)) is not None
+            if (f := self.runs.facts(SYSTEM_PEER, p.run_id)) is not None
         }
         owners = {run_id: owner for run_id, (owner, _) in runs.items()}
         # Only a proof the viewer may see is read and judged again.

@@ -17,6 +17,12 @@ from datetime import datetime
 from typing import Final, Protocol
 
 from llmd_supervisor.adapters.control.protocol import Peer, Send, show
+from llmd_supervisor.adapters.control.requests import (
+    EventsListRequest,
+    EventsReplayRequest,
+    EventsShowRequest,
+    EventsTestRequest,
+)
 from llmd_supervisor.adapters.outbox.store import Delivery, Outbox
 from llmd_supervisor.core.events.outbox import (
     DeliveryStatus,
@@ -77,23 +83,42 @@ class EventOps:
             return owner == peer.uid
         return False  # a node's events: root and the admin group
 
+    # The ops' handlers as they take a request's arguments (the typed calls below).
+
     async def list(self, args: Mapping[str, object], peer: Peer, send: Send) -> EventList:
+        return await self.deliveries(
+            peer, EventsListRequest(_opt(args, "run"), _opt(args, "status"))
+        )
+
+    async def show(self, args: Mapping[str, object], peer: Peer, send: Send) -> EventView:
+        return await self.event(peer, EventsShowRequest(str(args["event"])))
+
+    async def replay(self, args: Mapping[str, object], peer: Peer, send: Send) -> Replayed:
+        request = EventsReplayRequest(str(args["event"]), _opt(args, "destination"))
+        return await self.queue_again(peer, request)
+
+    async def test(self, args: Mapping[str, object], peer: Peer, send: Send) -> PingQueued:
+        return await self.ping(peer, EventsTestRequest(str(args["destination"])))
+
+    # The typed calls.
+
+    async def deliveries(self, peer: Peer, req: EventsListRequest) -> EventList:
+        """The newest deliveries (LIST_MAX) the peer may see, of one run and in one status."""
         run_id = None
-        ref = args["run"]
+        ref = req.run
         if ref is not None:
-            run_id = self._runs.run_id_of(str(ref))
+            run_id = self._runs.run_id_of(ref)
             if run_id is None or not await self._sees(peer, _RUN_PREFIX + run_id):
                 raise ControlError("not_found", f"No run {show(ref)} is known to this daemon.")
         status = None
-        if args["status"] is not None:
+        if req.status is not None:
             try:
-                status = DeliveryStatus(str(args["status"]))
+                status = DeliveryStatus(req.status)
             except ValueError:
                 choices = ", ".join(s.value for s in DeliveryStatus)
                 raise ControlError(
                     "bad_request",
-                    f"Status {show(args['status'])} is not a delivery status; use one of "
-                    f"{choices}.",
+                    f"Status {show(req.status)} is not a delivery status; use one of {choices}.",
                 ) from None
         # A peer who does not see all sees its own runs' and campaigns' events: filtered
         # in the query, so that the newest LIST_MAX are the peer's own, not LIST_MAX of
@@ -104,8 +129,9 @@ class EventOps:
         )
         return {"deliveries": [_view(d) for d in found]}
 
-    async def show(self, args: Mapping[str, object], peer: Peer, send: Send) -> EventView:
-        event_id = str(args["event"])
+    async def event(self, peer: Peer, req: EventsShowRequest) -> EventView:
+        """One event the peer may see, with its deliveries."""
+        event_id = req.event
         stored = await self._outbox.event(event_id)
         if stored is None or not await self._sees(peer, stored.subject):
             raise ControlError("not_found", f"No event {show(event_id)} is in the journal.")
@@ -119,9 +145,10 @@ class EventOps:
             "deliveries": [_view(d) for d in stored.deliveries],
         }
 
-    async def replay(self, args: Mapping[str, object], peer: Peer, send: Send) -> Replayed:
-        event = await self.show({"event": args["event"]}, peer, send)
-        destination = args["destination"]
+    async def queue_again(self, peer: Peer, req: EventsReplayRequest) -> Replayed:
+        """Queue the event's dead or disabled deliveries (to `destination`) again."""
+        event = await self.event(peer, EventsShowRequest(req.event))
+        destination = req.destination
         names = [d["destination"] for d in event["deliveries"]]
         if destination is not None and destination not in names:
             raise ControlError(
@@ -129,9 +156,7 @@ class EventOps:
                 f"Event {event['event']} has no delivery to {show(destination)} "
                 f"(it has: {', '.join(names) or 'none'}).",
             )
-        queued = await self._outbox.replay(
-            event["event"], self._clock(), None if destination is None else str(destination)
-        )
+        queued = await self._outbox.replay(event["event"], self._clock(), destination)
         if queued == 0:
             raise ControlError(
                 "bad_request",
@@ -142,17 +167,18 @@ class EventOps:
         self._wake()
         return {"event": event["event"], "queued": queued}
 
-    async def test(self, args: Mapping[str, object], peer: Peer, send: Send) -> PingQueued:
+    async def ping(self, peer: Peer, req: EventsTestRequest) -> PingQueued:
+        """Queue a test.ping to one configured destination (root and the admin group)."""
         if not sees_all(peer, self._admin_group):
             raise ControlError(
                 "forbidden",
                 "Only root or a member of the daemon's admin group may test a destination.",
             )
         try:
-            destination = self._events.destination(str(args["destination"]))
+            destination = self._events.destination(req.destination)
         except ConfigError as exc:
             raise ControlError(
-                "not_found", f"No destination {show(args['destination'])}: {exc.hint}."
+                "not_found", f"No destination {show(req.destination)}: {exc.hint}."
             ) from None
         now = self._clock()
         who = user_name(peer.uid) or f"uid {peer.uid}"
@@ -162,6 +188,11 @@ class EventOps:
         await self._outbox.add(outgoing)
         self._wake()
         return {"event": outgoing.id, "destination": destination.name}
+
+
+def _opt(args: Mapping[str, object], name: str) -> str | None:
+    value = args.get(name)
+    return None if value is None else str(value)
 
 
 def _view(d: Delivery) -> DeliveryView:

@@ -1,9 +1,9 @@
 """The read-only web dashboard: a Starlette app over the control API.
 
-Every page is built from the control API's own answers (`ControlApi.handle` with the ops
-``list``, ``status``, ``results``, ``logs``, ``campaign_*`` and ``events_list``), asked as
-the viewer: so a viewer sees exactly what the control socket would show them, bounded the
-same way, and a run they may not see is not found.
+Every page is built from the typed services the control socket answers from, called
+directly (`RunsService`'s ``list``, ``status``, ``results`` and ``logs``, `CampaignOps`,
+`EventOps`'s ``deliveries``) as the viewer: so a viewer sees exactly what the control
+socket would show them, bounded the same way, and a run they may not see is not found.
 
 Who the viewer is depends on the listener the request came through (`adapters.web.server`
 puts it in the ASGI scope from the socket's family, never from a header):
@@ -42,10 +42,10 @@ import json
 import os
 import secrets
 import socket
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, Final
 
 import anyio
 import anyio.abc
@@ -58,18 +58,21 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from llmd_supervisor.adapters.control.limits import Caps
-from llmd_supervisor.adapters.control.protocol import Peer, Request, decode_request, encode
+from llmd_supervisor.adapters.control.protocol import Peer
+from llmd_supervisor.adapters.control.requests import (
+    CampaignRef,
+    EventsListRequest,
+    ListRequest,
+    LogsRequest,
+    ResultsRequest,
+    StatusRequest,
+)
 from llmd_supervisor.adapters.control.server import bind_unix_socket, remove_socket_file
 from llmd_supervisor.adapters.web.chart_svg import chart_svg, have_matplotlib
 from llmd_supervisor.adapters.web.server import LISTENERS, bind_tcp, serve_asgi
-from llmd_supervisor.core.campaign.views import (
-    CampaignJobResults,
-    CampaignList,
-    CampaignStatus,
-)
+from llmd_supervisor.core.campaign.views import CampaignJobResults, CampaignStatus
 from llmd_supervisor.core.config import Config, DashboardConfig
-from llmd_supervisor.core.events.outbox import EventList
-from llmd_supervisor.core.protocol.runs import LogChunk, RunBrief, RunList, RunResults, RunSummary
+from llmd_supervisor.core.protocol.runs import LogChunk, RunBrief
 from llmd_supervisor.core.results.report_html import (
     Chart,
     build_charts,
@@ -188,6 +191,7 @@ class Dashboard:
         clock: Callable[[], datetime] = utcnow,
     ) -> None:
         self.api = api
+        self.runs = api.runs
         self.config = config
         self.token = token
         self.clock = clock
@@ -238,18 +242,6 @@ class Dashboard:
 
     # ----------------------------------------------------------------------- helpers
 
-    async def call(
-        self,
-        op: str,
-        args: Mapping[str, object],
-        peer: Peer,
-        send: Callable[[Mapping[str, object]], Awaitable[None]] | None = None,
-    ) -> Mapping[str, object]:
-        """One control-API request as `peer`; ControlError as the API raises it."""
-        line = encode({"v": 1, "id": 1, "op": op, "args": dict(args)}).rstrip(b"\n")
-        request: Request = decode_request(line)
-        return await self.api.handle(request, peer, send or _no_stream)
-
     def owner(self, uid: int) -> str:
         """`uid`'s account name (looked up once per uid), else the number."""
         if uid not in self._names:
@@ -283,10 +275,9 @@ class Dashboard:
         after: str | None = None
         while len(briefs) < RUNS_MAX:
             try:
-                found = await self.call("list", {"all": show_all, "after": after}, peer)
+                page = await self.runs.list(peer, ListRequest(all=show_all, after=after))
             except ControlError as exc:
                 return self._problem(request, exc)
-            page = cast(RunList, found)
             briefs += page["runs"]
             after = page["next"]
             if after is None:
@@ -295,7 +286,7 @@ class Dashboard:
         running = [b for b in briefs if b["state"] == RunState.RUNNING.value][:STAGES_MAX]
         for b in running:
             try:
-                s = cast(RunSummary, await self.call("status", {"run": b["run"]}, peer))
+                s = await self.runs.status(peer, StatusRequest(b["run"]))
             except ControlError:
                 continue
             stages[b["run"]] = pages.stage_text(
@@ -317,8 +308,8 @@ class Dashboard:
         peer, run = _peer(request), request.path_params["run"]
         try:
             pages.Query(request.query_params.multi_items()).rank()  # the page's log link's
-            summary = cast(RunSummary, await self.call("status", {"run": run}, peer))
-            results = cast(RunResults, await self.call("results", {"run": run}, peer))
+            summary = await self.runs.status(peer, StatusRequest(run))
+            results = await self.runs.results(peer, ResultsRequest(run))
         except ControlError as exc:
             return self._problem(request, exc)
         run_id = summary["run"]
@@ -340,7 +331,7 @@ class Dashboard:
     async def _run_chart(self, request: WebRequest) -> Response:
         peer, run = _peer(request), request.path_params["run"]
         try:
-            results = cast(RunResults, await self.call("results", {"run": run}, peer))
+            results = await self.runs.results(peer, ResultsRequest(run))
         except ControlError as exc:
             return self._problem(request, exc)
         charts = build_charts([escaped_run(results)])
@@ -350,7 +341,7 @@ class Dashboard:
     async def _campaigns(self, request: WebRequest) -> Response:
         peer = _peer(request)
         try:
-            found = cast(CampaignList, await self.call("campaign_list", {}, peer))
+            found = await self.api.campaigns.list(peer)
         except ControlError as exc:
             return self._problem(request, exc)
         campaigns = found["campaigns"]
@@ -360,13 +351,14 @@ class Dashboard:
     async def _campaign_jobs(
         self, ref: str, peer: Peer
     ) -> tuple[CampaignStatus, list[CampaignJobResults]]:
-        status = cast(CampaignStatus, await self.call("campaign_status", {"campaign": ref}, peer))
+        campaigns = self.api.campaigns
+        status = await campaigns.status(peer, CampaignRef(ref))
         jobs: list[CampaignJobResults] = []
 
-        async def collect(item: Mapping[str, object]) -> None:
-            jobs.append(cast(CampaignJobResults, item))
+        async def collect(item: CampaignJobResults) -> None:
+            jobs.append(item)
 
-        await self.call("campaign_results", {"campaign": ref}, peer, collect)
+        await campaigns.results(peer, CampaignRef(ref), collect)
         return status, jobs
 
     async def _campaign(self, request: WebRequest) -> Response:
@@ -430,9 +422,7 @@ class Dashboard:
             status = pages.Query(request.query_params.multi_items()).choice(
                 "status", pages.DELIVERY_STATUSES
             )
-            found = cast(
-                EventList, await self.call("events_list", {"status": status or None}, peer)
-            )
+            found = await self.api.events.deliveries(peer, EventsListRequest(status=status or None))
         except ControlError as exc:
             return self._problem(request, exc)
         return self._html(pages.events_page(found["deliveries"], status=status, who=_who(request)))
@@ -453,7 +443,7 @@ class Dashboard:
             given = query.offsets("from")
             # The header is the browser's own (a bad one starts afresh); `from` is a link's.
             resume = pages.decode_offsets(request.headers.get("last-event-id")) or given or {}
-            summary = cast(RunSummary, await self.call("status", {"run": run}, peer))
+            summary = await self.runs.status(peer, StatusRequest(run))
         except ControlError as exc:
             return self._problem(request, exc)
         if not resume:
@@ -507,8 +497,7 @@ class _LogStream(Response):
             async with lock:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
 
-        async def chunk(item: Mapping[str, object]) -> None:
-            c = cast(LogChunk, item)
+        async def chunk(c: LogChunk) -> None:
             self.offsets[c["file"]] = c["end"]
             if len(self.offsets) > pages.OFFSETS_MAX_FILES:
                 self.offsets.pop(next(iter(self.offsets)))
@@ -541,10 +530,10 @@ class _LogStream(Response):
             tg.start_soon(until_gone)
             tg.start_soon(until_closing)
             tg.start_soon(ping)
-            args = {"run": self.run, "rank": self.rank, "follow": True, "offsets": self.offsets}
+            follow = LogsRequest(self.run, self.rank, follow=True, offsets=dict(self.offsets))
             try:
-                done = await self.dash.call("logs", args, self.peer, chunk)
-                await write(pages.sse_event("end", {"state": str(done.get("state"))}))
+                done = await self.dash.runs.logs(self.peer, follow, chunk)
+                await write(pages.sse_event("end", {"state": done["state"]}))
             except ControlError as exc:
                 await write(pages.sse_event("problem", {"message": exc.message}))
             tg.cancel_scope.cancel()
@@ -558,10 +547,6 @@ def _b64(text: str) -> bytes:
 def _svg_document(svg: str) -> bytes:
     """matplotlib's inline `<svg>` element as a standalone SVG file."""
     return ('<?xml version="1.0" encoding="utf-8"?>\n' + svg).encode("utf-8")
-
-
-async def _no_stream(item: Mapping[str, object]) -> None:
-    raise RuntimeError("a dashboard request that does not stream was sent a stream item")
 
 
 # --------------------------------------------------------------------------- the guard
