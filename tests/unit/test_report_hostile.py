@@ -42,7 +42,7 @@ def _write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, runs: list[RunResult
     """What `cmd_report` writes for `runs` (the daemon's reply stood in for)."""
     monkeypatch.setattr(results_cli, "fetch_results", lambda *_: runs)
     out = tmp_path / "report.html"
-    args = argparse.Namespace(runs=["r"], output=out, socket=tmp_path / "s")
+    args = argparse.Namespace(runs=["r"], output=out, socket=tmp_path / "s", json=False)
     assert report.cmd_report(args) == 0
     return out.read_bytes().decode("utf-8")  # strict: the file is UTF-8 throughout
 
