@@ -21,6 +21,7 @@ from llmd_supervisor.adapters.journal.store import Journal, RunMeta
 from llmd_supervisor.adapters.nodes import jobfiles as jobfiles
 from llmd_supervisor.adapters.slurm.runner import SlurmClient
 from llmd_supervisor.core.config import ClusterConfig, Config, Limits, PollConfig
+from llmd_supervisor.core.run.kinds import RunKind, kind_of
 from llmd_supervisor.core.run.layout import RunLayout
 from llmd_supervisor.core.run.lifecycle import Run, Submit, Submitted, new_run, step
 from llmd_supervisor.core.spec.foreign import ForeignSpec
@@ -67,6 +68,10 @@ class FakeRun:
     waited: list[float] = field(default_factory=list)  # what `wait_change` was asked to wait
     changed: anyio.Event = field(default_factory=anyio.Event)
     lease_left: float = math.inf  # this daemon's time left to act (a shared journal's)
+
+    @property
+    def kind(self) -> RunKind:
+        return kind_of(self.spec)
 
     def now(self) -> datetime:
         return self.clock

@@ -165,7 +165,7 @@ async def test_a_version_8_ledger_migrates_keeping_its_proofs(tmp_path: Path) ->
         assert await store.add_verified([later]) == 1
         assert await store.verified(["r" * 64]) == {("r" * 64, 4): (p, later)}
     with closing(sqlite3.connect(path)) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 9
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == len(MIGRATIONS) == 10
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
 
 

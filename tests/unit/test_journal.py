@@ -442,7 +442,7 @@ async def test_a_version_1_journal_migrates_and_keeps_its_runs(tmp_path: Path) -
         await inserted(journal, "r-new")
         assert [s.run.run_id for s in await journal.list_runs()] == ["r-old", "r-new"]
     with raw(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 9
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 10
         tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
         assert "log_offsets" not in tables
         assert {"campaigns", "campaign_jobs", "verified_points"} <= tables

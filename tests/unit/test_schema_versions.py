@@ -21,7 +21,7 @@ from llmd_supervisor.errors import JournalSchemaTooNew
 
 
 def test_the_numbering_is_the_sqlite_journal_s() -> None:
-    assert CODE_VERSION == SCHEMA_VERSION == len(MIGRATIONS) == len(VERSIONS) == 9
+    assert CODE_VERSION == SCHEMA_VERSION == len(MIGRATIONS) == len(VERSIONS) == 10
 
 
 PLANS: list[tuple[str, int, int, Plan]] = [

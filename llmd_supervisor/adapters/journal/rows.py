@@ -27,7 +27,7 @@ _T = TypeVar("_T")
 RUN_COLUMNS: Final = (
     "run_id, job_name, state, attempt, slurm_job_id, nodes, cancel_requested, outcome, "
     "reason, owner_uid, cluster, spec_toml, script, log_dir, archive_dir, created_at, "
-    "submission"
+    "submission, kind"
 )
 
 
@@ -42,6 +42,7 @@ class RunMeta:
     log_dir: str  # the run's log directory on the cluster's shared filesystem
     archive_dir: str  # local archive directory for this run
     created_at: datetime
+    kind: str = "spec"  # the run's kind (`core.run.kinds`: spec, script or adopted)
 
 
 @dataclass(frozen=True)
@@ -134,6 +135,7 @@ def _stored_run(
         archive_dir,
         created_at,
         submission,
+        kind,
     ) = row
     try:
         run = Run(
@@ -159,6 +161,7 @@ def _stored_run(
         log_dir=log_dir,
         archive_dir=archive_dir,
         created_at=parse_time(created_at, path, operation),
+        kind=kind,
     )
     return StoredRun(run=run, meta=meta)
 

@@ -282,6 +282,18 @@ MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
         "DROP TABLE verified_points",
         "ALTER TABLE verified_points_9 RENAME TO verified_points",
     ),
+    # 9 -> 10: a run's kind (`core.run.kinds`: spec, script or adopted), chosen once when
+    # it is accepted; a row journaled before is filled from its spec text (JSON is a
+    # foreign spec, adopted when its ``kind`` says "adopt"). Not one of the fields whose
+    # write bumps ``changed``: it never changes.
+    (
+        "ALTER TABLE runs ADD COLUMN kind TEXT NOT NULL DEFAULT 'spec'",
+        "UPDATE runs SET kind = CASE"
+        " WHEN NOT json_valid(spec_toml) THEN 'script'"
+        " WHEN json_extract(spec_toml, '$.foreign.kind') = 'adopt' THEN 'adopted'"
+        " ELSE 'script' END"
+        " WHERE ltrim(spec_toml, ' ' || char(9, 10, 13)) LIKE '{%'",
+    ),
 )
 
 
@@ -549,6 +561,34 @@ _POSTGRES_9: Final = (
     "ALTER TABLE verified_points ADD PRIMARY KEY (recipe_id, concurrency, run_id)",
 )
 
+# 9 -> 10: a run's kind, as SQLite's step 10; the rows there are are filled with the
+# fence and the change counter off around the UPDATE (step 7 says why; the kind never
+# changes, so a reader of what changed has nothing new to read).
+_POSTGRES_10: Final = (
+    # IF NOT EXISTS: a journal taken back to an older version by hand (the tests') may
+    # keep the column; the UPDATE below fills it again as it would be filled.
+    "ALTER TABLE runs ADD COLUMN IF NOT EXISTS kind text COLLATE \"C\" NOT NULL DEFAULT 'spec'",
+    """
+    CREATE FUNCTION llmd_kind_10(spec text) RETURNS text LANGUAGE plpgsql AS $kind$
+    BEGIN
+        IF spec::jsonb -> 'foreign' ->> 'kind' = 'adopt' THEN
+            RETURN 'adopted';
+        END IF;
+        RETURN 'script';
+    EXCEPTION WHEN others THEN
+        RETURN 'script';
+    END
+    $kind$
+    """,
+    "ALTER TABLE runs DISABLE TRIGGER runs_fence",
+    "ALTER TABLE runs DISABLE TRIGGER runs_changed",
+    "UPDATE runs SET kind = llmd_kind_10(spec_toml) "
+    "WHERE ltrim(spec_toml, E' \\t\\n\\r') LIKE '{%'",
+    "ALTER TABLE runs ENABLE TRIGGER runs_changed",
+    "ALTER TABLE runs ENABLE TRIGGER runs_fence",
+    "DROP FUNCTION llmd_kind_10(text)",
+)
+
 POSTGRES_MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     (),
     (),
@@ -559,4 +599,5 @@ POSTGRES_MIGRATIONS: Final[tuple[tuple[str, ...], ...]] = (
     _POSTGRES_7,
     _POSTGRES_8,
     _POSTGRES_9,
+    _POSTGRES_10,
 )

@@ -245,7 +245,7 @@ class Journal:
                 )
             conn.execute(
                 f"INSERT INTO runs ({RUN_COLUMNS}, updated_at) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     *run_values(run)[:-1],
                     meta.owner_uid,
@@ -256,6 +256,7 @@ class Journal:
                     meta.archive_dir,
                     created,
                     run.submission,
+                    meta.kind,
                     now,
                 ),
             )

@@ -43,6 +43,7 @@ VERSIONS: Final = (
     "the fence: a shared journal accepts writes only from its cluster's current leader",
     "the fence checks each row's cluster; a run's change counter (reads of what changed)",
     "the ledger keeps every run's proof of a point, not only the first run's",
+    "a run's kind (spec, script or adopted), filled from the spec text for older runs",
 )
 CODE_VERSION: Final = len(VERSIONS)
 

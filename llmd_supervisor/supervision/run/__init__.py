@@ -1,8 +1,13 @@
 """One run, from its submission to its archived outcome (DESIGN.md section 3), top-down.
 
-- `driver`: the `Supervisor` (every run's driver loop, the control API's entry points)
-  and each run's `RunHandle`, which only the driver changes; it plans with
-  `core.run.lifecycle`, calls the phases and applies what they return.
+- `driver`: each run's `RunHandle`, which only the driver changes; the `RunDriver` (every
+  run's loop: it plans with `core.run.lifecycle`, calls the phases and applies what they
+  return); the `Supervisor`, the control API's entry points over the parts below.
+- `registry`: `RunRegistry`, every run the daemon knows, loaded from the journal (at
+  start, a takeover, a standby's look) with its archive moved here if need be.
+- `entries`: `RunEntries`, how a run comes to be (submit, a script, adopt): admitted, its
+  kind chosen once (`core.run.kinds`), journaled, its driver started.
+- `outbound`: a change of a run's outbound events, what they read before the run's lock.
 - `admission`: a spec validated, its log directory checked, before a run is journaled.
 - `context`: `RunContext`, what a phase may read (the run's record and events, its
   cluster, the configuration, the clock) and emit (journal events).

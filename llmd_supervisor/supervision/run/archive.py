@@ -18,7 +18,6 @@ from llmd_supervisor.adapters.files import archive as archive
 from llmd_supervisor.core.results.evidence import results_table
 from llmd_supervisor.core.results.gpus import RoleGpus
 from llmd_supervisor.core.run.lifecycle import Archived
-from llmd_supervisor.core.spec.foreign import ForeignSpec
 from llmd_supervisor.core.spec.recipe import deployment_of, role_gpus
 from llmd_supervisor.errors import FileRefused
 from llmd_supervisor.supervision.run import bench_files as bench_files
@@ -113,18 +112,20 @@ async def _bench_evidence(
     """The benchmark's raw files, the ranks' status and diagnostics, and `results.json`
     (empty when no job ran): those the verdict was made from (`judged`), else read now
     (a restart since the verdict, a foreign job)."""
-    job_id, spec = ctx.run.slurm_job_id, ctx.spec
+    job_id, kind = ctx.run.slurm_job_id, ctx.kind
     if job_id is None:
         return {}
     files, layout, limits = ctx.cluster.files, ctx.layout, ctx.config.limits
     refused = functools.partial(evidence.report_refused, ctx)
-    if isinstance(spec, ForeignSpec):
+    if (own := kind.foreign) is not None:
         got = await bench_files.read_foreign(files, layout, job_id, refused, limits)
         roles = None
-        if spec.prefill_gpus is not None and spec.decode_gpus is not None:
-            roles = RoleGpus(spec.prefill_gpus, spec.decode_gpus)
+        if own.prefill_gpus is not None and own.decode_gpus is not None:
+            roles = RoleGpus(own.prefill_gpus, own.decode_gpus)
         table = bench_files.foreign_table(got, roles, len(ctx.run.nodes) or None)
         return {**got.archived, "results.json": (json.dumps(table, indent=1) + "\n").encode()}
+    spec = kind.rendered
+    assert spec is not None, "a run is a foreign job's or a rendered spec's"
     found = judged or await bench_files.read_all(files, layout, job_id, spec, refused, limits)
     table = results_table(
         bench_files.judge(spec, found.results),

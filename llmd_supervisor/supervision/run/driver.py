@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -50,12 +48,8 @@ from llmd_supervisor.adapters.journal.store import Journal, NewEvent, RunMeta, S
 from llmd_supervisor.adapters.journal.writer import writing_as
 from llmd_supervisor.adapters.slurm.runner import DEFAULT_TIMEOUT_S, CommandRunner
 from llmd_supervisor.core.config import Config
-from llmd_supervisor.core.events.facts import RunDetails, finished_details, point_of_evidence
-from llmd_supervisor.core.events.model import EventType, Links, Owner, PointFacts, RunRef
-from llmd_supervisor.core.events.outbox import Outgoing, run_event_type, run_outgoing
-from llmd_supervisor.core.events.routing import check_named
-from llmd_supervisor.core.render.script import render_sbatch
 from llmd_supervisor.core.run.health import NodeHealth
+from llmd_supervisor.core.run.kinds import RunKind
 from llmd_supervisor.core.run.layout import RunLayout
 from llmd_supervisor.core.run.lifecycle import (
     BACKGROUND,
@@ -74,28 +68,24 @@ from llmd_supervisor.core.run.lifecycle import (
     StopWatchers,
     Submit,
     WriteArchive,
-    adopted_run,
-    new_run,
     plan,
     step,
 )
 from llmd_supervisor.core.run.retry_policy import Quarantined, quarantine
-from llmd_supervisor.core.spec import foreign as foreign_spec
 from llmd_supervisor.core.spec.foreign import ForeignSpec
-from llmd_supervisor.core.spec.runspec import RunSpec, load_spec
+from llmd_supervisor.core.spec.runspec import RunSpec
 from llmd_supervisor.errors import (
-    ControlError,
     IllegalTransition,
-    SpecError,
     SupervisorError,
 )
 from llmd_supervisor.supervision.cluster.clusters import Cluster
 from llmd_supervisor.supervision.cluster.poller import QueueView
-from llmd_supervisor.supervision.control.access import host_name, user_name
-from llmd_supervisor.supervision.control.views import results_table_of
 from llmd_supervisor.supervision.ha.leading import Roles
 from llmd_supervisor.supervision.run import (
-    admission,
+    archive as archiving,
+)
+from llmd_supervisor.supervision.run import bench_files as bench_files
+from llmd_supervisor.supervision.run import (
     cancel,
     failures,
     finish,
@@ -105,27 +95,21 @@ from llmd_supervisor.supervision.run import (
     submit,
     verify,
 )
-from llmd_supervisor.supervision.run import (
-    archive as archiving,
-)
-from llmd_supervisor.supervision.run import bench_files as bench_files
 from llmd_supervisor.supervision.run.attempt import Attempt
 from llmd_supervisor.supervision.run.bench_files import JudgedFiles
-from llmd_supervisor.supervision.run.context import RunContext
+from llmd_supervisor.supervision.run.context import LiveContext, RunContext
+from llmd_supervisor.supervision.run.entries import RunEntries
+from llmd_supervisor.supervision.run.outbound import Outbound, Prepared
 from llmd_supervisor.supervision.run.records import (
-    ATTEMPT_EVENT,
-    JOB_FILES_EVENT,
     RECEIPT_EVENT,
     TRANSITION_EVENT,
     AttemptEntry,
     JobFiles,
-    JournalEvent,
     ReceiptEvent,
     ToJournal,
     Transition,
-    attempt_entry_of,
-    last_receipt,
 )
+from llmd_supervisor.supervision.run.registry import RunRegistry, slim
 from llmd_supervisor.supervision.run.verify_job import utcnow
 
 log = structlog.get_logger("llmd_supervisor.runs")
@@ -134,10 +118,6 @@ log = structlog.get_logger("llmd_supervisor.runs")
 # over: that leader started an sbatch only while it could act (`submit`), and its sbatch
 # ends (or is killed) within the Slurm client's timeout.
 IN_FLIGHT_S = DEFAULT_TIMEOUT_S + 2.0
-
-# A standby asked for a run it does not know reads the shared journal again at most this
-# often (`Supervisor.look_again`): unknown refs cost one read a second, however many come.
-LOOK_AGAIN_S = 1.0
 
 # The backoff after a failed step: doubling from the first delay up to the cap.
 RETRY_FIRST_S = 1.0
@@ -162,7 +142,7 @@ class RunHandle:
     this module changes it (tests/unit/test_handle_owner.py checks)."""
 
     stored: StoredRun
-    spec: RunSpec | ForeignSpec
+    kind: RunKind  # what the run is: a rendered spec, a user's own script, an adopted job
     configured: Cluster | None  # None: a finished run of a cluster no longer configured
     layout: RunLayout
     lock: anyio.Lock = field(default_factory=anyio.Lock)
@@ -184,6 +164,44 @@ class RunHandle:
 
     def count_bytes(self, n: int) -> None:
         self.tail_bytes += n
+
+    def refreshed(self, stored: StoredRun) -> None:
+        """A newer record of a run another daemon drives (a standby's look)."""
+        self.stored = stored
+        self.notify()
+
+    def forget(self, stored: StoredRun) -> None:
+        """What a driver of an earlier tenure learnt in memory is not this one's: the run is
+        the journal's now, and the next driver learns the rest again."""
+        self.stored = stored
+        self.attempt = None
+        self.scontrol_snapshot = None
+        self.judged_files = None
+        self.held_until = None
+        self.job_files_known, self.job_files_asked = False, 0
+        self.layout = dataclasses.replace(
+            self.layout, job_name=stored.run.slurm_job_name, batch_paths=()
+        )
+        self.notify()
+
+    def learnt(self, history: Sequence[AttemptEntry], noted: JobFiles | None) -> None:
+        """The run's ended attempts and (a foreign job's) noted batch logs, as journaled."""
+        self.history = list(history)
+        if noted is not None:
+            self.use_job_files(noted)
+
+    def use_job_files(self, files: JobFiles) -> None:
+        """A foreign job's batch logs (and an adopted job's submit time) from now on."""
+        spec = self.kind.foreign
+        assert spec is not None, "only a foreign job has job files to use"
+        self.layout, submitted = foreign.used(self.layout, spec, files)
+        if submitted is not None:
+            self.submitted_at = submitted
+        self.job_files_known = True
+
+    @property
+    def spec(self) -> RunSpec | ForeignSpec:
+        return self.kind.spec
 
     @property
     def run(self) -> Run:
@@ -228,12 +246,12 @@ class RunHandle:
     def name(self) -> str:
         """What `list` calls the run: its spec's [run] name, its script's file name or
         ``adopted-JOBID`` ("" for a spec without a name)."""
-        return self.spec.name if isinstance(self.spec, RunSpec) else self.spec.name()
+        return self.kind.name
 
     @property
     def coordinator_rank(self) -> int:
         """The rank that writes the marker (a foreign job's: the first node's view)."""
-        return self.spec.topology.coordinator_rank if isinstance(self.spec, RunSpec) else 0
+        return self.kind.coordinator_rank
 
     def starttime(self) -> str:
         """sacct --starttime covering the run's submission (an adopted job's own)."""
@@ -268,23 +286,53 @@ class Supervisor:
         hooks: Hooks | None = None,
         roles: Roles | None = None,
     ) -> None:
-        self.config = config
+        self._config = config
         self.journal = journal
         self.clusters = clusters
         self.tg = tg
         self.clock = clock
         self.hooks = hooks or Hooks()
         self.roles = roles or Roles.single_node([c.name for c in config.clusters])
-        self.handles: dict[str, RunHandle] = {}
-        self._adopting = anyio.Lock()
-        self._looked_again_at = -LOOK_AGAIN_S
-        # A standby's reads of what changed (`_refresh`): one at a time, each from the
-        # horizon the last one returned (0: none yet, every run).
-        self._refreshing = anyio.Lock()
-        self._horizon = 0
-        self._changed: set[str] = set()  # run ids; `take_changed`
+        self.outbound = Outbound(config, journal)
+        self.driver = RunDriver(
+            config,
+            journal,
+            self.roles,
+            self.outbound,
+            clock=lambda: self.clock(),
+            hooks=self.hooks,
+        )
+        self.registry: RunRegistry[RunHandle] = RunRegistry(
+            config.archive_root, journal, self.roles, self._new_handle
+        )
+        self.entries = RunEntries(
+            config,
+            journal,
+            clusters,
+            self.roles,
+            self.registry,
+            self.outbound,
+            clock=lambda: self.clock(),
+            start=self._start,
+            context=self.context,
+            after_journal=lambda run: self.hooks.after_journal(run),
+        )
 
-    # --- entry points ------------------------------------------------------------------
+    @property
+    def config(self) -> Config:
+        return self._config
+
+    @config.setter
+    def config(self, config: Config) -> None:
+        """A configuration replaced (a test's): every part reads the new one from now on."""
+        self._config = self.driver.config = self.outbound.config = self.entries.config = config
+
+    @property
+    def handles(self) -> dict[str, RunHandle]:
+        """Every run this daemon knows, by id (`registry`)."""
+        return self.registry.handles
+
+    # --- entry points (`entries`) --------------------------------------------------------
 
     async def submit(
         self,
@@ -294,21 +342,9 @@ class Supervisor:
         cluster: str | None = None,
         run_id: str | None = None,
     ) -> RunHandle:
-        """Validate, render, journal as `accepted` and start supervising; SpecError if bad.
-        A campaign chooses the `run_id` (12 hex digits) and journals it first, so that a
-        restart in between finds out whether the run exists; JournalConflict if it does."""
-        await self.roles.require(self.config.cluster(cluster).name)
-        spec = await self.admit(spec_toml, cluster)
-        owner = Owner(owner_uid, user_name(owner_uid) or "")
-        check_named(spec.notify, owner, self.config.events)
-        run_id = run_id or uuid.uuid4().hex[:12]
-        job_name = f"llmd-{run_id}"
-        # off the loop: the first render reads the node files (~0.5 s), each packs them
-        script = await anyio.to_thread.run_sync(
-            functools.partial(render_sbatch, spec, job_name=job_name)
-        )
-        return await self._accept(
-            new_run(run_id, job_name, self.clock()), spec, spec_toml, script, owner_uid, cluster
+        """A run spec: validated, rendered, journaled and supervised (`entries`)."""
+        return await self.entries.submit(
+            spec_toml, owner_uid=owner_uid, cluster=cluster, run_id=run_id
         )
 
     async def submit_script(
@@ -319,101 +355,33 @@ class Supervisor:
         cluster: str | None = None,
         run_id: str | None = None,
     ) -> RunHandle:
-        """A user's own batch script (`submit --script`), submitted exactly once as it is,
-        named uniquely; SpecError if its options are bad. A campaign chooses the `run_id`
-        as for `submit`."""
-        await self.roles.require(self.config.cluster(cluster).name)
-        spec = await self.admit_foreign(spec_json, cluster, "script")
-        run_id = run_id or uuid.uuid4().hex[:12]
-        run = new_run(run_id, spec.job_name(run_id), self.clock())
-        text = foreign_spec.dump(spec)
-        return await self._accept(run, spec, text, spec.script, owner_uid, cluster)
+        """A user's own batch script, submitted once as it is (`entries`)."""
+        return await self.entries.submit_script(
+            spec_json, owner_uid=owner_uid, cluster=cluster, run_id=run_id
+        )
 
     async def adopt(
         self, spec_json: str, *, owner_uid: int, privileged: bool, cluster: str | None = None
     ) -> RunHandle:
-        """A job submitted without the daemon becomes a run (`adopt`); the same job adopted
-        again is the run it already is. Only its owner (or `privileged`) may adopt it."""
-        name = self.config.cluster(cluster).name
-        await self.roles.require(name)
-        spec = await self.admit_foreign(spec_json, cluster, "adopt")
-        async with self._adopting:  # two adopts of one job make one run
-            for h in self.handles.values():
-                if h.meta.cluster == name and h.run.slurm_job_id == spec.job_id:
-                    foreign.check_owner(spec, h.meta.owner_uid, owner_uid, privileged)
-                    return h
-            assert spec.job_id is not None
-            job = await foreign.job_record(self.clusters[name].client, spec.job_id)
-            owner = foreign.check_owner(spec, job.user_id, owner_uid, privileged)
-            run_id = uuid.uuid4().hex[:12]
-            run = adopted_run(run_id, f"adopted-{run_id}", spec.job_id, self.clock())
-            handle = await self._accept(
-                run, spec, foreign_spec.dump(spec), "", owner, cluster, start=False
-            )
-            _use_job_files(handle, await foreign.note_job_files(self.context(handle), job))
-            self._start(handle)
-            return handle
-
-    async def _accept(
-        self,
-        run: Run,
-        spec: RunSpec | ForeignSpec,
-        spec_text: str,
-        script: str,
-        owner_uid: int,
-        cluster: str | None,
-        *,
-        start: bool = True,
-    ) -> RunHandle:
-        """Prepare the archive, journal the new run and (with `start`) supervise it."""
-        cluster_cfg = self.config.cluster(cluster)
-        run_id = run.run_id
-        if isinstance(spec, RunSpec):
-            shown = spec_text
-        else:
-            shown = foreign_spec.dump(spec, with_env_values=False)
-        spec_name = "spec.toml" if isinstance(spec, RunSpec) else "foreign.json"
-        arch = await anyio.to_thread.run_sync(
-            lambda: archive.prepare(
-                self.config.archive_root, run_id, spec=(spec_name, shown), script=script
-            )
+        """A job submitted without the daemon becomes a run (`entries`)."""
+        return await self.entries.adopt(
+            spec_json, owner_uid=owner_uid, privileged=privileged, cluster=cluster
         )
-        meta = RunMeta(
-            owner_uid=owner_uid,
-            cluster=cluster_cfg.name,
-            spec_toml=spec_text,
-            script=script,
-            log_dir=_log_dir(spec),
-            archive_dir=str(arch),
-            created_at=run.transitions[0].at,
-        )
-        name = spec.name if isinstance(spec, RunSpec) else spec.name()
-        outgoing = self._outgoing(None, run, meta, name)
-        # As the run's cluster's leader now: refused if this daemon stopped leading it
-        # since `require` (nothing journaled, nothing submitted; the client is told).
-        with writing_as(functools.partial(self.roles.writer, meta.cluster)):
-            await self.journal.insert_run(run, meta, outgoing)
-        self.hooks.after_journal(run)
-        handle = self._handle(StoredRun(run, meta), spec)
-        log.info("run.accepted", run_id=run_id, job_name=run.job_name, cluster=cluster_cfg.name)
-        if start:
-            self._start(handle)
-        return handle
 
     async def admit(self, spec_toml: str, cluster: str | None = None) -> RunSpec:
         """The validated spec, as `submit` (and a dry run) accepts it (`admission`)."""
-        return await admission.admit(self.config, self.clusters, spec_toml, cluster)
+        return await self.entries.admit(spec_toml, cluster)
 
     async def admit_foreign(self, spec_json: str, cluster: str | None, kind: str) -> ForeignSpec:
         """The validated foreign spec of `kind` (script or adopt): `admission`."""
-        return await admission.admit_foreign(self.config, self.clusters, spec_json, cluster, kind)
+        return await self.entries.admit_foreign(spec_json, cluster, kind)
 
     async def resume_all(self) -> int:
         """Start a driver for every run the journal holds as not final; return how many
         (a single-node journal: a shared one's runs start with each cluster's tenure,
         `take_over`)."""
         count = 0
-        for handle in await self._load():
+        for handle in await self.registry.load():
             count += self._start(handle)
         return count
 
@@ -422,7 +390,7 @@ class Supervisor:
         journal as they are now and drive every one not final. A run left `submitting`
         by the previous leader is reconciled only after `IN_FLIGHT_S`: its sbatch, if one
         was in flight, has ended by then."""
-        resumed = await self._load(cluster, full=True)
+        resumed = await self.registry.load(cluster, full=True)
         in_flight_until = anyio.current_time() + IN_FLIGHT_S
         for handle in resumed:
             if handle.run.state is RunState.SUBMITTING:
@@ -435,138 +403,33 @@ class Supervisor:
         """A standby's look at the journal: the leader's runs of `cluster` as they are
         now, for list, status and wait (`_refresh`: with every other run this daemon
         does not drive that changed)."""
-        await self._refresh()
+        await self.registry.refresh()
 
     async def refresh_elsewhere(self) -> None:
         """The shared journal's runs of clusters this daemon does not have (the team's
         other clusters), as they are now, for list and status (`_refresh`)."""
-        await self._refresh()
-
-    async def _refresh(self) -> None:
-        """Bring the handles of every run of a cluster this daemon does not act for up to
-        date with the journal, reading only the runs written since the last such read
-        (`Journal.runs_changed_since`): a standby's look every `leading.REFRESH_S` costs
-        what changed, not the team's whole history. The runs this daemon drives are its
-        own (their drivers wrote them); a takeover reads its cluster's runs whole."""
-        async with self._refreshing:
-            changed, horizon = await self.journal.runs_changed_since(self._horizon)
-            await self._load(lambda name: not self.roles.acting(name), full=False, runs=changed)
-            self._horizon = horizon
+        await self.registry.refresh()
 
     async def look_again(self) -> bool:
-        """A run ref no handle answers: on a shared journal another daemon may have
-        accepted the run since this one's last refresh (every `leading.REFRESH_S`). Read
-        the journal's runs of the clusters this daemon does not act for, at most once per
-        `LOOK_AGAIN_S`; whether it read them (never on a journal of its own)."""
-        now = anyio.current_time()
-        if not self.roles.shared or now - self._looked_again_at < LOOK_AGAIN_S:
-            return False
-        self._looked_again_at = now
-        try:  # checked per run as it is updated: a takeover meanwhile keeps its own
-            await self._refresh()
-        except SupervisorError as exc:  # the database is away: the answer stays not found
-            log.warning("leading.refresh_failed", cluster=None, error=str(exc))
-            return False
-        return True
+        """A run ref no handle answers: read the shared journal again (`registry`)."""
+        return await self.registry.look_again()
 
-    async def _load(
-        self,
-        of: Callable[[str], bool] | str | None = None,
-        *,
-        full: bool = True,
-        runs: list[StoredRun] | None = None,
-    ) -> list[RunHandle]:
-        """Create or update the handles of the journal's runs (`runs`, or every run the
-        journal holds; of the clusters `of` names, one or a test; None: all); the ones not
-        final that a driver could resume. `full`: their attempt histories and noted job
-        files too, and forget what a driver had learnt in memory (a takeover)."""
-        histories = await self.journal.events_of_kind(ATTEMPT_EVENT) if full else {}
-        job_files = await self.journal.events_of_kind(JOB_FILES_EVENT) if full else {}
-        wanted = (lambda name: name == of) if isinstance(of, str) else of
-        resumable: list[RunHandle] = []
-        for stored in await self.journal.list_runs() if runs is None else runs:
-            if wanted is not None and not wanted(stored.meta.cluster):
-                continue
-            if full and not stored.run.state.is_final:
-                stored = await self._archive_here(stored)
-            run_id = stored.run.run_id
-            handle = self.handles.get(run_id)
-            if handle is not None and not full:
-                if handle.run != stored.run:
-                    handle.stored = StoredRun(stored.run, _slim(handle.meta, stored.run))
-                    handle.notify()
-                continue
-            if handle is None:
-                text = stored.meta.spec_toml
-                try:
-                    spec = (
-                        foreign_spec.load(text)
-                        if foreign_spec.is_foreign(text)
-                        else load_spec(text)
-                    )
-                except SpecError as exc:  # a spec valid at submission fails validation now
-                    log.error("run.resume_failed", run_id=run_id, error=str(exc))
-                    continue
-                handle = self._handle(StoredRun(stored.run, _slim(stored.meta, stored.run)), spec)
-            else:
-                _forget(handle, StoredRun(stored.run, _slim(stored.meta, stored.run)))
-            handle.history = [attempt_entry_of(e) for e in histories.get(run_id, [])]
-            if isinstance(handle.spec, ForeignSpec):
-                noted = foreign.recalled(job_files.get(run_id, []))
-                if noted is not None:
-                    _use_job_files(handle, noted)
-            if stored.run.state.is_final:
-                continue
-            if handle.configured is None:  # listed, but nothing can drive it here
-                log.error(
-                    "run.resume_failed",
-                    run_id=run_id,
-                    error=f"cluster {stored.meta.cluster!r} is no longer configured",
-                )
-                continue
-            log.info("run.resumed", run_id=run_id, state=stored.run.state.value)
-            resumable.append(handle)
-        return resumable
+    def get(self, ref: str) -> RunHandle | None:
+        """A run by id, job name or Slurm job id."""
+        return self.registry.get(ref)
 
-    async def _archive_here(self, stored: StoredRun) -> StoredRun:
-        """The run with its archive in this daemon's archive root, prepared there if it
-        is not yet (a run another login node's daemon accepted: its archive directory
-        is that node's unless the archive root is shared)."""
-        here = archive.run_dir(self.config.archive_root, stored.run.run_id)
-        if Path(stored.meta.archive_dir) == here:
-            return stored
-        meta, shown = stored.meta, ("spec.toml", stored.meta.spec_toml)
-        if foreign_spec.is_foreign(meta.spec_toml):  # as `_accept` shows it: no env values
-            try:
-                loaded = foreign_spec.load(meta.spec_toml)
-            except SpecError:
-                return stored  # not resumable: `_load` says so
-            shown = ("foreign.json", foreign_spec.dump(loaded, with_env_values=False))
-        await anyio.to_thread.run_sync(
-            lambda: archive.prepare(
-                self.config.archive_root, stored.run.run_id, spec=shown, script=meta.script
-            )
-        )
-        log.info("run.archive_moved", run_id=stored.run.run_id, was=meta.archive_dir, now=str(here))
-        return StoredRun(stored.run, dataclasses.replace(meta, archive_dir=str(here)))
+    def take_changed(self) -> list[RunHandle]:
+        """The handles new or changed since the last call (`registry`)."""
+        return self.registry.take_changed()
 
     def _start(self, handle: RunHandle) -> bool:
         """Drive `handle` in its cluster's tenure; False when this daemon does not lead
         that cluster (its leader drives it)."""
-        return self.roles.start(self.tg, handle.meta.cluster, self._supervise, handle)
+        return self.roles.start(self.tg, handle.meta.cluster, self.driver.supervise, handle)
 
     async def _supervise_at(self, h: RunHandle, at: float) -> None:
         await anyio.sleep_until(at)
-        await self._supervise(h)
-
-    def get(self, ref: str) -> RunHandle | None:
-        """A run by id, job name or Slurm job id."""
-        if ref in self.handles:
-            return self.handles[ref]
-        for h in self.handles.values():
-            if ref in (h.run.job_name, h.run.slurm_job_id):
-                return h
-        return None
+        await self.driver.supervise(h)
 
     async def nodes(self, release: tuple[str, str] | None = None) -> tuple[list[Quarantined], bool]:
         """Every node with failures counted, after releasing (cluster, node) if given; the
@@ -591,27 +454,43 @@ class Supervisor:
         with writing_as(functools.partial(self.roles.writer, handle.meta.cluster)):
             await self.apply(handle, CancelRequested())
 
-    def _handle(self, stored: StoredRun, spec: RunSpec | ForeignSpec) -> RunHandle:
-        watch = spec.watch if isinstance(spec, ForeignSpec) else None
+    def _new_handle(self, stored: StoredRun, kind: RunKind, changes: set[str]) -> RunHandle:
         archive_dir = Path(stored.meta.archive_dir)
-        layout = RunLayout(_log_dir(spec), stored.run.slurm_job_name, archive_dir, watch)
-        handle = RunHandle(stored, spec, self.clusters.get(stored.meta.cluster), layout)
-        handle.changes = self._changed
-        self.handles[stored.run.run_id] = handle
-        self._changed.add(stored.run.run_id)
-        return handle
+        layout = RunLayout(kind.log_dir, stored.run.slurm_job_name, archive_dir, kind.watch)
+        cluster = self.clusters.get(stored.meta.cluster)
+        return RunHandle(stored, kind, cluster, layout, changes=changes)
 
-    def take_changed(self) -> list[RunHandle]:
-        """The handles new or changed (`RunHandle.notify`) since the last call: what a
-        periodic look (the status line, the metrics' verdicts) needs, without walking a
-        team journal's 100,000 finished runs every time."""
-        changed = list(self._changed)
-        self._changed.clear()  # the same set: every handle adds to it
-        return [h for run_id in changed if (h := self.handles.get(run_id)) is not None]
+    def context(self, h: RunHandle) -> RunContext:
+        """The run as its phases see it (`RunDriver.context`)."""
+        return self.driver.context(h)
 
-    # --- the driver ----------------------------------------------------------------------
+    async def apply(self, h: RunHandle, event: Event, logged: Sequence[ToJournal] = ()) -> None:
+        """Apply `event` to the run (`RunDriver.apply`)."""
+        await self.driver.apply(h, event, logged)
 
-    async def _supervise(self, h: RunHandle) -> None:
+
+class RunDriver:
+    """Drives each run, one loop per run (`supervise`): plans, runs the plan's phase and
+    applies what it returns (`apply`: the one place a run's record changes)."""
+
+    def __init__(
+        self,
+        config: Config,
+        journal: Journal,
+        roles: Roles,
+        outbound: Outbound,
+        *,
+        clock: Callable[[], datetime],
+        hooks: Hooks,
+    ) -> None:
+        self.config = config
+        self.journal = journal
+        self.roles = roles
+        self.outbound = outbound
+        self.clock = clock
+        self.hooks = hooks
+
+    async def supervise(self, h: RunHandle) -> None:
         """Drive the run to a final state. An unexpected error (a bug, the journal briefly
         failing) is logged and the loop re-entered after a backoff, from the journaled
         record: a run is never dropped, a requested cancel never lost, and its job is never
@@ -767,11 +646,19 @@ class Supervisor:
         h.job_files_asked += 1
         files = await foreign.ask_job_files(ctx, h.job_files_asked)
         if files is not None:
-            _use_job_files(h, files)
+            h.use_job_files(files)
 
     def context(self, h: RunHandle) -> RunContext:
         """The run as its phases see it."""
-        return _Context(self, h)
+        cluster = h.meta.cluster
+        return LiveContext(
+            h,
+            self.config,
+            self.journal,
+            self.clock,
+            lambda: self.roles.time_left(cluster),
+            functools.partial(self.new_attempt, h),
+        )
 
     def new_attempt(self, h: RunHandle, nodes: tuple[str, ...]) -> Attempt:
         """An attempt object for the run's current allocation (not started)."""
@@ -796,14 +683,19 @@ class Supervisor:
 
     async def apply(self, h: RunHandle, event: Event, logged: Sequence[ToJournal] = ()) -> None:
         """step → journal (compare-and-set, with the events `logged` the step's phase
-        returned, in one transaction) → tell whoever waits on the run."""
+        returned, in one transaction) → tell whoever waits on the run. What its outbound
+        events say beyond the run's records is read before the run's lock (`outbound`)."""
+        prepared = await self._prepare(h, h.run, event)
         async with h.lock:
             before = h.run
             now = self.clock()
             after, _ = step(before, event, now)  # the actions are plan(after): the loop's
             if after is before and not logged:
                 return
-            outgoing = await self._run_outgoing(h, before, after)
+            if prepared is None or not prepared.of(before, after):  # changed meanwhile
+                prepared = await self._prepare(h, before, event)
+            assert prepared is not None
+            outgoing = self.outbound.built(before, after, prepared, h.meta, h.kind)
             moved: Transition = {
                 "from": before.state.value,
                 "to": after.state.value,
@@ -814,7 +706,7 @@ class Supervisor:
                 events.append(NewEvent(TRANSITION_EVENT, moved, now))
             await self.journal.save(after, expected=before.state, outgoing=outgoing, events=events)
             self.hooks.after_journal(after)
-            h.stored = StoredRun(after, _slim(h.meta, after))
+            h.stored = StoredRun(after, slim(h.meta, after))
             if after.submission != before.submission:  # a retry: a new job, its own name
                 h.layout = dataclasses.replace(
                     h.layout, job_name=after.slurm_job_name, batch_paths=()
@@ -832,91 +724,15 @@ class Supervisor:
                 self._declare(h)
             h.notify()
 
-    def _outgoing(
-        self,
-        before: Run | None,
-        after: Run,
-        meta: RunMeta,
-        name: str,
-        named: Sequence[str] = (),
-        details: RunDetails | None = None,
-        judged: Sequence[PointFacts] = (),
-    ) -> tuple[Outgoing, ...]:
-        """The outbound events to journal with this change of the run (`core.events.outbox`)."""
-        destinations = self.config.events.destinations
-        if not destinations or (run_event_type(before, after) is None and not judged):
-            return ()  # most transitions report nothing: no user lookup, no spec hash
-        ref = RunRef(
-            id=after.run_id,
-            name=name,
-            owner=user_name(meta.owner_uid) or "",
-            owner_uid=meta.owner_uid,
-            cluster=meta.cluster,
-            spec_name=name,
-            spec_sha256=hashlib.sha256(meta.spec_toml.encode("utf-8")).hexdigest(),
-        )
-        links = Links(
-            archive=meta.archive_dir or None,
-            report=self.config.dashboard.page(f"/runs/{after.run_id}#results"),
-            dashboard=self.config.dashboard.page(f"/runs/{after.run_id}"),
-        )
+    async def _prepare(self, h: RunHandle, before: Run, event: Event) -> Prepared | None:
+        """What the outbound events of `event`'s change of the run read (`outbound`); None
+        if the event does not apply to `before`."""
         try:
-            return run_outgoing(
-                before,
-                after,
-                ref,
-                links,
-                destinations,
-                host_name(),
-                named=named,
-                details=details,
-                judged=judged,
-            )
-        except Exception:  # a bug in making an event must never hold up the run
-            log.exception("event.not_made", run_id=after.run_id, state=after.state.value)
-            return ()
-
-    async def _run_outgoing(self, h: RunHandle, before: Run, after: Run) -> tuple[Outgoing, ...]:
-        """`_outgoing` for a change of a supervised run: with the points the verdict just
-        judged when it leaves verifying, and with what the journal and the archive say
-        of it (`core.events.facts`) when it is declared."""
-        if not self.config.events.destinations:
-            return ()
-        named = h.spec.notify if isinstance(h.spec, RunSpec) else ()
-        judged: tuple[PointFacts, ...] = ()
-        files = h.judged_files
-        if (
-            before.state is RunState.VERIFYING
-            and after.state is not RunState.VERIFYING
-            and files is not None
-            and files.bench is not None
-            and isinstance(h.spec, RunSpec)
-        ):
-            try:
-                gate = bench_files.judge(h.spec, files.bench.results)
-                judged = tuple(point_of_evidence(e) for e in gate.points if e.point is not None)
-            except Exception:  # never hold up a verdict for its points' events
-                log.exception("event.points_unjudged", run_id=after.run_id)
-        details = None
-        if run_event_type(before, after) is EventType.RUN_FINISHED:
-            try:
-                details = await self._finished_details(h)
-            except Exception:  # never hold up a verdict for its event's details
-                log.exception("event.details_unread", run_id=after.run_id)
-        return self._outgoing(before, after, h.meta, h.name, named, details, judged)
-
-    async def _finished_details(self, h: RunHandle) -> RunDetails:
-        """What a declared run's run.finished says beyond its record: its last receipt,
-        its attempts (journaled) and its archived results table."""
-        receipt = last_receipt(await self.journal.events(h.run.run_id))
-        attempts = [dict(e) for e in h.history]
-        path = Path(h.meta.archive_dir) / "results.json"
-        try:
-            table = await anyio.to_thread.run_sync(results_table_of, path)
-        except ControlError as exc:  # not a table this daemon wrote: no points
-            log.warning("event.results_unread", path=str(path), error=str(exc))
-            table = None
-        return finished_details(receipt, attempts, None if table is None else dict(table))
+            after, _ = step(before, event, self.clock())
+        except IllegalTransition:
+            return None
+        files, history = h.judged_files, h.history
+        return await self.outbound.prepare(before, after, h.meta, h.kind, files, history)
 
     def _declare(self, h: RunHandle) -> None:
         """The run's one canonical line (its outcome, reason and duration)."""
@@ -931,124 +747,3 @@ class Supervisor:
             seconds=round((self.clock() - run.transitions[0].at).total_seconds(), 1),
             archive=h.meta.archive_dir,
         )
-
-
-def _log_dir(spec: RunSpec | ForeignSpec) -> str:
-    return spec.watch.log_dir if isinstance(spec, ForeignSpec) else spec.log_dir
-
-
-def _forget(h: RunHandle, stored: StoredRun) -> None:
-    """What a driver of an earlier tenure learnt in memory is not this one's: the run is
-    the journal's now, and the next driver learns the rest again."""
-    h.stored = stored
-    h.attempt = None
-    h.scontrol_snapshot = None
-    h.judged_files = None
-    h.held_until = None
-    h.job_files_known, h.job_files_asked = False, 0
-    h.layout = dataclasses.replace(h.layout, job_name=stored.run.slurm_job_name, batch_paths=())
-    h.notify()
-
-
-def _slim(meta: RunMeta, run: Run) -> RunMeta:
-    """Drop the rendered script (~75 KB: it embeds the node agent) once Slurm has it; the
-    journal and the archive's job.sbatch keep it. Keeps the daemon small with many runs."""
-    if meta.script and run.state not in (RunState.ACCEPTED, RunState.SUBMITTING):
-        return dataclasses.replace(meta, script="")
-    return meta
-
-
-def _use_job_files(h: RunHandle, files: JobFiles) -> None:
-    """A foreign job's batch logs (and an adopted job's submit time) from now on."""
-    assert isinstance(h.spec, ForeignSpec)
-    h.layout, submitted = foreign.used(h.layout, h.spec, files)
-    if submitted is not None:
-        h.submitted_at = submitted
-    h.job_files_known = True
-
-
-class _Context:
-    """A run as its phases see it (`context.RunContext`): read-only, and what they emit
-    goes to the journal as the run's events."""
-
-    def __init__(self, sup: Supervisor, h: RunHandle) -> None:
-        self._sup = sup
-        self._h = h
-
-    @property
-    def run(self) -> Run:
-        return self._h.run
-
-    @property
-    def meta(self) -> RunMeta:
-        return self._h.meta
-
-    @property
-    def spec(self) -> RunSpec | ForeignSpec:
-        return self._h.spec
-
-    @property
-    def layout(self) -> RunLayout:
-        return self._h.layout
-
-    @property
-    def cluster(self) -> Cluster:
-        return self._h.cluster
-
-    @property
-    def config(self) -> Config:
-        return self._sup.config
-
-    @property
-    def journal(self) -> Journal:
-        return self._sup.journal
-
-    @property
-    def history(self) -> Sequence[AttemptEntry]:
-        return tuple(self._h.history)
-
-    @property
-    def attempt(self) -> Attempt | None:
-        return self._h.attempt
-
-    @property
-    def scontrol_snapshot(self) -> str | None:
-        return self._h.scontrol_snapshot
-
-    @property
-    def judged_files(self) -> JudgedFiles | None:
-        return self._h.judged_files
-
-    @property
-    def version(self) -> int:
-        return self._h.version
-
-    def now(self) -> datetime:
-        return self._sup.clock()
-
-    def job_id(self) -> str:
-        return self._h.job_id()
-
-    def lease_time_left(self) -> float:
-        return self._sup.roles.time_left(self._h.meta.cluster)
-
-    def starttime(self) -> str:
-        return self._h.starttime()
-
-    def new_attempt(self, nodes: tuple[str, ...]) -> Attempt:
-        return self._sup.new_attempt(self._h, nodes)
-
-    async def events(self) -> list[JournalEvent]:
-        return list(await self._sup.journal.events(self._h.run.run_id))
-
-    async def emit(self, kind: str, fields: Mapping[str, object]) -> None:
-        await self._sup.journal.add_event(self._h.run.run_id, kind, fields, self._sup.clock())
-
-    async def wait_change(self, seconds: float) -> None:
-        changed = self._h.changed
-        with anyio.move_on_after(seconds):
-            await changed.wait()
-
-    async def until_changed(self, since: int) -> None:
-        while self._h.version == since:
-            await self._h.changed.wait()

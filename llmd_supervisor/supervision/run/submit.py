@@ -17,7 +17,6 @@ import structlog
 from llmd_supervisor.adapters.slurm.runner import NameLookup
 from llmd_supervisor.core.render.script import render_sbatch
 from llmd_supervisor.core.run.lifecycle import SubmitFailed, Submitted
-from llmd_supervisor.core.spec.foreign import ForeignSpec
 from llmd_supervisor.errors import SlurmCommandError, SupervisorError
 from llmd_supervisor.supervision.run.context import RunContext
 
@@ -137,10 +136,12 @@ async def _sbatch(ctx: RunContext, exclude: tuple[str, ...]) -> Submitted | str:
     `exclude` out: `Submitted`, else the error text. On a shared journal sbatch starts
     only while this daemon may act for `SBATCH_LEASE_LEFT_S` more (`_lease_time`)."""
     await _lease_time(ctx)
-    client, spec, name = ctx.cluster.client, ctx.spec, ctx.run.slurm_job_name
-    if isinstance(spec, ForeignSpec):
-        script, options, env = spec.script, spec.sbatch_options(name), spec.env
+    client, name = ctx.cluster.client, ctx.run.slurm_job_name
+    own, spec = ctx.kind.foreign, ctx.kind.rendered
+    if own is not None:
+        script, options, env = own.script, own.sbatch_options(name), own.env
     else:
+        assert spec is not None, "a run is a foreign job's or a rendered spec's"
         script, options, env = ctx.meta.script, [], None
         if ctx.run.submission > 1 or not script:
             script = await anyio.to_thread.run_sync(
