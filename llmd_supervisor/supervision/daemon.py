@@ -99,7 +99,6 @@ def _control_api(
 
     ops = CampaignOps(
         campaigns,
-        admin_group=supervisor.config.admin_group,
         clock=supervisor.clock,
         run_results=results_of,
     )

@@ -35,7 +35,6 @@ from llmd_supervisor.errors import ControlError, SpecError
 from llmd_supervisor.supervision.campaign import views
 from llmd_supervisor.supervision.campaign.points import proof_of
 from llmd_supervisor.supervision.campaign.runner import Campaigns, limits_of
-from llmd_supervisor.supervision.control.access import sees_all
 
 __all__ = ["CampaignOps"]
 
@@ -58,24 +57,23 @@ def _exported(text: object) -> dict[str, str] | None:
 
 
 class CampaignOps:
-    """The campaign ops' handlers, over the daemon's `Campaigns`."""
+    """The campaign ops' handlers, over the daemon's `Campaigns` (who sees all campaigns is
+    who sees all runs: `RunsService.sees_all`)."""
 
     def __init__(
         self,
         campaigns: Campaigns,
         *,
-        admin_group: str | None,
         clock: Callable[[], datetime],
         run_results: RunResultsOf,
     ) -> None:
         self.campaigns = campaigns
-        self.admin_group = admin_group
         self.clock = clock
         self.run_results = run_results
 
     async def _visible(self, peer: Peer, req: CampaignRef) -> StoredCampaign:
         ref = req.campaign
-        everyone = sees_all(peer, self.admin_group)
+        everyone = self.campaigns.runs.sees_all(peer)  # the runs' access rule
         found = [
             c
             for c in await self.campaigns.store.campaigns()
@@ -132,7 +130,7 @@ class CampaignOps:
         return views.status(
             c,
             jobs,
-            self.campaigns.sup.handles,
+            self.campaigns.facts(j.run_id for j in jobs),
             max_jobs=limits.max_jobs,
             qos=qos,
             now=self.clock(),
@@ -144,7 +142,7 @@ class CampaignOps:
 
     async def list(self, peer: Peer) -> CampaignList:
         """The campaigns the peer may see (the last 500)."""
-        everyone = sees_all(peer, self.admin_group)
+        everyone = self.campaigns.runs.sees_all(peer)  # the runs' access rule
         store = self.campaigns.store
         out = []
         for c in await store.campaigns(owner_uid=None if everyone else peer.uid):

@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import Final
+from typing import Any, Final
 
 import anyio
 import structlog
@@ -46,10 +46,10 @@ from llmd_supervisor.core.events.outbox import (
     last_progress,
     progress_step,
 )
-from llmd_supervisor.core.verdict.usage import split
 from llmd_supervisor.errors import ControlError, SupervisorError
 from llmd_supervisor.supervision.campaign.points import proof_of
 from llmd_supervisor.supervision.control.access import host_name, user_name
+from llmd_supervisor.supervision.control.service import SYSTEM_PEER, RunsService
 from llmd_supervisor.supervision.control.views import results_table_of
 from llmd_supervisor.supervision.run.driver import Supervisor
 
@@ -72,8 +72,9 @@ def named_of(c: StoredCampaign) -> tuple[str, ...]:
 class CampaignEvents:
     """Makes and journals a daemon's campaigns' events."""
 
-    def __init__(self, sup: Supervisor, store: CampaignStore) -> None:
+    def __init__(self, sup: Supervisor, store: CampaignStore, runs: RunsService[Any]) -> None:
         self._sup = sup
+        self._runs = runs  # read as the daemon (SYSTEM_PEER): every campaign's runs
         self._store = store
         self._outbox = Outbox(sup.journal)
         # Each campaign's last journaled campaign.progress (None: none), once read.
@@ -114,9 +115,9 @@ class CampaignEvents:
         problems: list[CampaignProblem] = []
         for j in jobs:
             state = JobState(j.state)
-            h = self._sup.handles.get(j.run_id or "")
-            if h is not None:
-                usage = split(h.history)
+            f = self._runs.facts(SYSTEM_PEER, j.run_id or "")
+            if f is not None:
+                usage = f.usage
                 if state is JobState.SUCCEEDED:
                     useful += usage["gpu_hours_useful"]
                     lost += usage["gpu_hours_lost"]
@@ -155,10 +156,10 @@ class CampaignEvents:
         runs that verified them (reused points too), and where it comes from."""
         proofs = await self._store.verified(j.recipe_id for j in jobs)
         owners = {
-            p.run_id: h.meta.owner_uid
+            p.run_id: f.owner_uid
             for found in proofs.values()
             for p in found
-            if (h := self._sup.handles.get(p.run_id)) is not None
+            if (f := self._runs.facts(SYSTEM_PEER, p.run_id)) is not None
         }
         wanted: dict[str, dict[int, StoredJob]] = {}  # run -> concurrency -> its job
         for j in jobs:
@@ -179,11 +180,11 @@ class CampaignEvents:
                     wanted.setdefault(run_id, {})[conc] = j
         found: list[tuple[PointFacts, BestOf]] = []
         for run_id, concs in wanted.items():
-            h = self._sup.handles.get(run_id)
-            if h is None:
+            f = self._runs.facts(SYSTEM_PEER, run_id)
+            if f is None:
                 continue
             try:
-                table = await anyio.to_thread.run_sync(results_table_of, h.layout.results_table)
+                table = await anyio.to_thread.run_sync(results_table_of, f.results_table)
             except ControlError as exc:  # not a table this daemon wrote: none of its points
                 log.warning("event.results_unread", run_id=run_id, error=str(exc))
                 continue

@@ -34,7 +34,7 @@ import os
 import posixpath
 import pwd
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Final
 
@@ -89,7 +89,7 @@ from llmd_supervisor.errors import CampaignError, ControlError, SpecError, Super
 from llmd_supervisor.supervision.campaign.events import CampaignEvents
 from llmd_supervisor.supervision.campaign.expansion import Expander
 from llmd_supervisor.supervision.campaign.points import archived_result, preferred, verified_of
-from llmd_supervisor.supervision.control.access import sees_all, user_name
+from llmd_supervisor.supervision.control.access import user_name
 from llmd_supervisor.supervision.control.service import SYSTEM_PEER, RunFacts, RunsService
 from llmd_supervisor.supervision.run.driver import Supervisor
 
@@ -177,7 +177,7 @@ class Campaigns:
         # One campaign of a cluster at a time decides and submits: each decides knowing
         # the jobs the others submitted (fair room, the account's submit limit).
         self.admitting: dict[str, anyio.Lock] = {}
-        self.events = CampaignEvents(supervisor, self.store)
+        self.events = CampaignEvents(supervisor, self.store, runs)
         self.expander = Expander()  # expansions off the loop, stopped with their request
 
     # --- entry points --------------------------------------------------------------------
@@ -225,7 +225,7 @@ class Campaigns:
         notes: dict[tuple[str, int], tuple[VerifiedPoint | None, Reuse]] = {}
         if not rerun:
             viewer = peer or Peer(0, 0, 0)
-            everyone = await anyio.to_thread.run_sync(sees_all, viewer, self.sup.config.admin_group)
+            everyone = await anyio.to_thread.run_sync(self.runs.sees_all, viewer)
             points = [
                 (j.recipe_id, j.concurrencies, gate_of_job(core.job_text(j)))
                 for j in expansion.jobs
@@ -580,6 +580,14 @@ class Campaigns:
             caps.append(max(0, len(own) + room - held))
         return min(caps) if caps else None
 
+    def facts(self, run_ids: Iterable[str | None]) -> dict[str, RunFacts]:
+        """The runs of `run_ids` this daemon knows (as the daemon sees them), by run id."""
+        return {
+            run_id: f
+            for run_id in run_ids
+            if run_id is not None and (f := self.runs.facts(SYSTEM_PEER, run_id)) is not None
+        }
+
     def owners(self, proofs: Mapping[tuple[str, int], Proofs]) -> dict[str, int]:
         """The owner of each proof's run that this daemon knows, by run id."""
         return {
@@ -647,7 +655,7 @@ class Campaigns:
         verified: dict[tuple[str, int], VerifiedPoint] = {}
         if not c.settings.get("rerun"):
             viewer = await anyio.to_thread.run_sync(_peer_of, c.owner_uid)
-            everyone = await anyio.to_thread.run_sync(sees_all, viewer, self.sup.config.admin_group)
+            everyone = await anyio.to_thread.run_sync(self.runs.sees_all, viewer)
             got = await self._reusable(
                 [(job.recipe_id, job.to_run, gate_of_job(job.spec_toml))],
                 viewer_uid=c.owner_uid,

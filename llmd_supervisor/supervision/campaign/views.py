@@ -1,5 +1,6 @@
 """What `campaign status`, `list`, `results` and a dry run show (from the journal and the
-runs' handles; no I/O but the runs' archived results tables)."""
+runs' facts, `supervision.control.service.RunFacts`; no I/O but the runs' archived results
+tables)."""
 
 from __future__ import annotations
 
@@ -30,11 +31,9 @@ from llmd_supervisor.core.campaign.views import (
     MatrixValues,
 )
 from llmd_supervisor.core.protocol.runs import RunResults
-from llmd_supervisor.core.run.lifecycle import RunState
-from llmd_supervisor.core.verdict.usage import split as split_usage
 from llmd_supervisor.supervision.campaign.points import proof_of
 from llmd_supervisor.supervision.campaign.runner import Plan
-from llmd_supervisor.supervision.run.driver import RunHandle
+from llmd_supervisor.supervision.control.service import RunFacts
 
 __all__ = ["brief", "dry_run", "job_results", "status"]
 
@@ -65,19 +64,10 @@ def brief(c: StoredCampaign, jobs: Sequence[StoredJob]) -> CampaignBrief:
     }
 
 
-def _run_seconds(h: RunHandle) -> float | None:
-    """From the first `running` to the run's end (None: it never ran or has not ended)."""
-    ts = h.run.transitions
-    start = next((t.at for t in ts if t.state is RunState.RUNNING), None)
-    if start is None or not h.run.state.is_final:
-        return None
-    return (ts[-1].at - start).total_seconds()
-
-
 def status(
     c: StoredCampaign,
     jobs: Sequence[StoredJob],
-    handles: Mapping[str, RunHandle],
+    runs: Mapping[str, RunFacts],
     *,
     max_jobs: int,
     qos: str,
@@ -89,16 +79,16 @@ def status(
     useful = lost = 0.0
     durations = []
     for j in jobs:
-        h = handles.get(j.run_id or "")
-        if h is None:
+        f = runs.get(j.run_id or "")
+        if f is None:
             continue
-        usage = split_usage(h.history)
+        usage = f.usage
         if JobState(j.state) is JobState.SUCCEEDED:
             useful += usage["gpu_hours_useful"]
             lost += usage["gpu_hours_lost"]
         else:
             lost += usage["gpu_hours_useful"] + usage["gpu_hours_lost"]
-        took = _run_seconds(h)
+        took = f.ran_s
         if took is not None:
             durations.append(took)
     left = sum(1 for j in jobs if JobState(j.state) in (JobState.WAITING, *ACTIVE_JOB_STATES))

@@ -65,12 +65,14 @@ from llmd_supervisor.core.protocol.runs import (
     RunList,
     RunResults,
     RunSummary,
+    UsageView,
 )
 from llmd_supervisor.core.render.script import render_sbatch
 from llmd_supervisor.core.run.lifecycle import RunState
 from llmd_supervisor.core.run.retry_policy import Quarantined
 from llmd_supervisor.core.spec.runspec import RunSpec
 from llmd_supervisor.core.verdict.decide import Outcome
+from llmd_supervisor.core.verdict.usage import split as split_usage
 from llmd_supervisor.errors import AdoptRefused, ControlError, IllegalTransition, SpecError
 from llmd_supervisor.supervision.control.access import sees_all
 from llmd_supervisor.supervision.control.log_follow import READ_CHUNK, Growth, first_of, read_new
@@ -139,6 +141,9 @@ class RunFacts:
     owner_uid: int
     cluster: str
     archive_dir: Path
+    results_table: Path  # the archived ``results.json`` (once the run is archived)
+    usage: UsageView  # what its ended attempts cost
+    ran_s: float | None  # from its first `running` to its end (None: never ran, or not ended)
 
 
 def facts_of(h: HandleView) -> RunFacts:
@@ -146,6 +151,9 @@ def facts_of(h: HandleView) -> RunFacts:
     run = h.run
     last = h.history[-1] if h.history else None
     cause = last.get("cause") if last is not None else None
+    ts = run.transitions
+    start = next((t.at for t in ts if t.state is RunState.RUNNING), None)
+    ran_s = (ts[-1].at - start).total_seconds() if start and run.state.is_final else None
     return RunFacts(
         run_id=run.run_id,
         state=run.state,
@@ -156,6 +164,9 @@ def facts_of(h: HandleView) -> RunFacts:
         owner_uid=h.meta.owner_uid,
         cluster=h.meta.cluster,
         archive_dir=h.layout.archive_dir,
+        results_table=h.layout.results_table,
+        usage=split_usage(h.history),
+        ran_s=ran_s,
     )
 
 
