@@ -29,7 +29,6 @@ __all__ = [
     "OwnScript",
     "Rendered",
     "RunKind",
-    "kind_name_of_text",
     "kind_of",
     "load_kind",
 ]
@@ -217,16 +216,3 @@ def load_kind(column: str, text: str) -> RunKind:
     if kind.column != column:
         raise SpecError("kind", column, f"the stored spec is of kind {kind.column!r}")
     return kind
-
-
-def kind_name_of_text(text: str) -> str:
-    """The kind a journaled spec text is of, for a row journaled before the ``kind``
-    column (as schema step 10 fills it in): JSON is a foreign spec, an adopted one when
-    its ``kind`` says so (text that does not parse is a script's, which then fails to
-    load as the run's spec did)."""
-    if not foreign_spec.is_foreign(text):
-        return Rendered.column
-    try:
-        return kind_of(foreign_spec.load(text)).column
-    except SpecError:
-        return OwnScript.column

@@ -9,9 +9,9 @@ through `lifecycle.step` and is journaled (compare-and-set) before anything reli
 so whatever the journal holds after a crash or a supervision retry, `plan` of it says what
 to (re)do, and every step is idempotent:
 
-A run is of a spec the daemon renders (`core.spec.runspec`), or of a foreign job
-(`core.spec.foreign`): a user's batch script submitted as it is, or a job submitted without
-the daemon and adopted, which is journaled straight into `pending` with its job id.
+A run is of one kind (`core.run.kinds`, journaled with it): a spec the daemon renders, a
+user's batch script submitted as it is, or a job submitted without the daemon and adopted,
+which is journaled straight into `pending` with its job id.
 
   accepted     -> journal `submitting` with the unique job name, then sbatch
   submitting   -> (found on entry) look the job name up; resubmit only when squeue and
@@ -24,8 +24,11 @@ the daemon and adopted, which is journaled straight into `pending` with its job 
 Each step is a phase of its own module (`submit`, `follow`, `finish`, `verify`,
 `archive`; `retries` before a submission and after a verdict; `foreign` for a job the
 daemon did not write; `cancel` in the background). A phase reads the run through a
-`context.RunContext` and returns the event or value that this module then applies: the
-run's handle (`RunHandle`) is changed here and nowhere else.
+`context.RunContext` and returns the event or value that this module then applies
+(`steps.PhaseResult`: the event, the events journaled with it, a frozen memo): the run's
+handle (`RunHandle`) is changed here and nowhere else. The `Supervisor` is the entry
+points over the run registry (`registry`), the ways a run comes to be (`entries`) and the
+`RunDriver`; a change's outbound events are read before the run's lock (`outbound`).
 
 Stopping the daemon cancels these loops and never the jobs.
 """
@@ -43,7 +46,6 @@ import anyio
 import anyio.abc
 import structlog
 
-from llmd_supervisor.adapters.files import archive as archive
 from llmd_supervisor.adapters.journal.store import Journal, NewEvent, RunMeta, StoredRun
 from llmd_supervisor.adapters.journal.writer import writing_as
 from llmd_supervisor.adapters.slurm.runner import DEFAULT_TIMEOUT_S, CommandRunner
@@ -82,18 +84,13 @@ from llmd_supervisor.supervision.cluster.clusters import Cluster
 from llmd_supervisor.supervision.cluster.poller import QueueView
 from llmd_supervisor.supervision.ha.leading import Roles
 from llmd_supervisor.supervision.run import (
-    archive as archiving,
-)
-from llmd_supervisor.supervision.run import bench_files as bench_files
-from llmd_supervisor.supervision.run import (
     cancel,
     failures,
-    finish,
     follow,
     foreign,
     retries,
+    steps,
     submit,
-    verify,
 )
 from llmd_supervisor.supervision.run.attempt import Attempt
 from llmd_supervisor.supervision.run.bench_files import JudgedFiles
@@ -110,6 +107,7 @@ from llmd_supervisor.supervision.run.records import (
     Transition,
 )
 from llmd_supervisor.supervision.run.registry import RunRegistry, slim
+from llmd_supervisor.supervision.run.steps import Memo, PhaseResult
 from llmd_supervisor.supervision.run.verify_job import utcnow
 
 log = structlog.get_logger("llmd_supervisor.runs")
@@ -189,6 +187,20 @@ class RunHandle:
         self.history = list(history)
         if noted is not None:
             self.use_job_files(noted)
+
+    def keep(self, memo: Memo) -> None:
+        """What a phase found that the driver keeps in memory (`steps.Memo`)."""
+        if memo.attempt is not None:
+            self.attempt = memo.attempt
+        if memo.snapshot is not None:
+            self.scontrol_snapshot = memo.snapshot
+        if memo.judged is not None or memo.consumed:
+            self.judged_files = memo.judged
+
+    def ended(self, entry: AttemptEntry) -> None:
+        """An attempt ended (its history entry journaled with the verdict)."""
+        self.history.append(entry)
+        self.notify()  # the metrics' GPU-hours
 
     def use_job_files(self, files: JobFiles) -> None:
         """A foreign job's batch logs (and an adopted job's submit time) from now on."""
@@ -582,10 +594,7 @@ class RunDriver:
             case CallSbatch():
                 await self._submit(h, ctx)
             case Reconcile():
-                found = await submit.reconcile(ctx)
-                if isinstance(found, submit.Resubmit):  # surely never submitted: now, once
-                    found = await submit.submit(ctx, await retries.excluded(ctx))
-                await self.apply(h, found)
+                await self._applied(h, await steps.reconciled(ctx))
             case FollowQueue():
                 await self._learn_job_files(h, ctx)
                 followed = await follow.follow_queue(ctx, loop.version, loop.view)
@@ -596,29 +605,21 @@ class RunDriver:
                 if isinstance(followed.event, Requeued) and h.attempt is not None:
                     await h.attempt.drain()  # the old allocation's logs, into its own part
             case StopWatchers():
-                finished = await finish.finish(ctx)
-                h.attempt = finished.attempt
-                finished.attempt.copies = finished.copies
-                if finished.snapshot is not None:
-                    h.scontrol_snapshot = finished.snapshot
-                await self.apply(h, finished.event)
+                await self._applied(h, await steps.finished(ctx))
             case RunVerify():
-                judged = await verify.verify(ctx)
-                h.judged_files = judged.files
-                await self.apply(h, judged.event, judged.logged)
-                if judged.entry is not None:
-                    h.history.append(judged.entry)
-                    h.notify()  # an attempt ended (the metrics' GPU-hours)
-            case WriteArchive():
-                written = await archiving.write_archive(ctx)
-                h.judged_files = None
-                if written.attempt is not None:
-                    h.attempt = written.attempt
-                    written.attempt.copies = written.copies
-                with anyio.CancelScope(shield=True):
-                    await self.apply(h, written.event)
+                await self._applied(h, await steps.verified(ctx))
+            case WriteArchive():  # the outcome journaled even if the daemon stops now
+                await self._applied(h, await steps.archived(ctx), shield=True)
             case _:
                 raise AssertionError(f"{action!r} is not a step")
+
+    async def _applied(self, h: RunHandle, result: PhaseResult, *, shield: bool = False) -> None:
+        """A phase's result: its memo kept, its event applied, its attempt entry added."""
+        h.keep(result.memo)
+        with anyio.CancelScope(shield=shield):
+            await self.apply(h, result.event, result.logged)
+        if result.entry is not None:
+            h.ended(result.entry)
 
     async def _submit(self, h: RunHandle, ctx: RunContext) -> None:
         """Journal `submitting`, then sbatch once (`submit`); a retry first waits its
