@@ -71,12 +71,13 @@ def _no_notify(_: str) -> None:
 class _RunOwners:
     """The supervisor's runs as the events ops see them (`events_api.RunOwners`)."""
 
-    def __init__(self, supervisor: Supervisor) -> None:
+    def __init__(self, supervisor: Supervisor, runs: RunsService[RunHandle]) -> None:
         self._sup = supervisor
+        self._runs = runs
 
     def owner_of(self, run_id: str) -> int | None:
-        h = self._sup.handles.get(run_id)
-        return None if h is None else h.meta.owner_uid
+        facts = self._runs.facts(SYSTEM_PEER, run_id)
+        return None if facts is None else facts.owner_uid
 
     def run_id_of(self, ref: str) -> str | None:
         h = self._sup.get(ref)
@@ -104,7 +105,7 @@ def _control_api(
     )
     events = EventOps(
         outbox,
-        _RunOwners(supervisor),
+        _RunOwners(supervisor, runs),
         admin_group=supervisor.config.admin_group,
         clock=supervisor.clock,
         wake=sender.wake if sender is not None else lambda: None,

@@ -1,4 +1,5 @@
-"""The control API: what each op does, the access rule, what a run's status and list show,
-and following a run's log copies.
+"""The control API: the typed runs service (`service.RunsService`: what each run op does
+and the access rule), the op table that decodes requests into it, what a run's status and
+list show, and following a run's log copies.
 May import: `core`, `adapters`, other supervision packages and `errors`; never `cli`.
 """

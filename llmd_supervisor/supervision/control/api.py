@@ -112,7 +112,7 @@ class ControlApi(Generic[H]):
     @property
     def socket_limits(self) -> SocketLimits:
         """The daemon's control-socket limits (the server takes them from its handler)."""
-        return self.sup.config.socket_limits
+        return self.runs.config.socket_limits
 
 
 OpHandler = Callable[[ControlApi[Any], OpRequest, Peer, Send], Awaitable[Mapping[str, object]]]
