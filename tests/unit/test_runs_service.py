@@ -1,6 +1,7 @@
 """`RunsService` (supervision.control.service), the one typed way to runs: `watch` follows a
 run's changes until it is final, for whoever may see it; the dashboard and the campaigns
-reach runs only through it (issue 4.2 item 5)."""
+reach runs only through it; the control socket decodes each op into its one request type
+(issue 4.2 item 5)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-from llmd_supervisor.adapters.control.requests import StatusRequest, WatchRequest
+from llmd_supervisor.adapters.control.protocol import OPS, Request
+from llmd_supervisor.adapters.control.requests import StatusRequest, WatchRequest, decode_args
 from llmd_supervisor.core.config import Config
 from llmd_supervisor.core.run.lifecycle import RunState
 from llmd_supervisor.errors import ControlError
+from llmd_supervisor.supervision.control.api import HANDLERS
 from llmd_supervisor.supervision.control.service import SYSTEM_PEER, RunFacts, RunsService
 from tests.unit.test_control_api import ME, OTHER, T0, Supervisor
 
@@ -88,3 +91,15 @@ def test_campaigns_reach_runs_only_through_the_service() -> None:
     text = _source("supervision", "campaign")
     reaches = re.findall(r"\.handles\b|\.history\b|sup\.tg\b|RunHandle\b", text)
     assert reaches == []
+
+
+def test_every_op_decodes_into_the_request_type_its_handler_takes() -> None:
+    filler: dict[str, object] = {"str": "x", "bool": False, "int": 1, "null": None}
+    for op, spec in OPS.items():
+        args = {
+            name: arg.default if not arg.required else filler[min(arg.kinds)]
+            for name, arg in spec.args.items()
+        }
+        decoded = decode_args(Request(id=1, op=op, args=args))
+        expected = HANDLERS[op].request
+        assert expected is not None and type(decoded) is expected, op

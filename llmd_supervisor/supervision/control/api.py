@@ -120,10 +120,12 @@ OpHandler = Callable[[ControlApi[Any], OpRequest, Peer, Send], Awaitable[Mapping
 
 @dataclass(frozen=True)
 class Op:
-    """One row of the API table: the op's handler and whether it streams."""
+    """One row of the API table: the op's handler, whether it streams, and the typed
+    request it takes (`adapters.control.requests`; None: any)."""
 
     handler: OpHandler
     streaming: bool = False
+    request: type[object] | None = None  # one of OpRequest's types
 
 
 R = TypeVar("R", bound=OpRequest)
@@ -147,7 +149,7 @@ def _op(
             )
         return await call(api, req, peer, send)
 
-    return Op(handler, streaming)
+    return Op(handler, streaming, kind)
 
 
 async def _pong(
