@@ -56,7 +56,8 @@ from llmd_supervisor.supervision.control.service import SYSTEM_PEER, RunsService
 from llmd_supervisor.supervision.events.api import EventOps
 from llmd_supervisor.supervision.ha.leadership import LeaseKeeper
 from llmd_supervisor.supervision.ha.leading import REFRESH_S, Roles, holder_name
-from llmd_supervisor.supervision.run.driver import Hooks, RunHandle, Supervisor
+from llmd_supervisor.supervision.run.driver import Hooks, RunHandle
+from llmd_supervisor.supervision.run.supervisor import Supervisor
 from llmd_supervisor.supervision.web.dashboard import serve_dashboard
 
 log = structlog.get_logger("llmd_supervisor.supervision.daemon")

@@ -30,7 +30,8 @@ from llmd_supervisor.supervision.cluster.clusters import Cluster, SharedLogDir
 from llmd_supervisor.supervision.cluster.poller import Poller, QueueView
 from llmd_supervisor.supervision.run import follow, submit
 from llmd_supervisor.supervision.run.context import RunContext
-from llmd_supervisor.supervision.run.driver import RunHandle, Supervisor
+from llmd_supervisor.supervision.run.driver import RunHandle
+from llmd_supervisor.supervision.run.supervisor import Supervisor
 from tests.devcluster import REPO
 from tests.fakes.bench_results import finish_job
 from tests.fakes.slurm_replay import End, ReplayCluster, Requeue, Start

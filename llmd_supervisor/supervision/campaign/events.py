@@ -51,7 +51,7 @@ from llmd_supervisor.supervision.campaign.points import proof_of
 from llmd_supervisor.supervision.control.access import host_name, user_name
 from llmd_supervisor.supervision.control.service import SYSTEM_PEER, RunsService
 from llmd_supervisor.supervision.control.views import results_table_of
-from llmd_supervisor.supervision.run.driver import Supervisor
+from llmd_supervisor.supervision.run.supervisor import Supervisor
 
 __all__ = ["CampaignEvents", "named_of"]
 

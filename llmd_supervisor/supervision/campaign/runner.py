@@ -91,7 +91,7 @@ from llmd_supervisor.supervision.campaign.expansion import Expander
 from llmd_supervisor.supervision.campaign.points import archived_result, preferred, verified_of
 from llmd_supervisor.supervision.control.access import user_name
 from llmd_supervisor.supervision.control.service import SYSTEM_PEER, RunFacts, RunsService
-from llmd_supervisor.supervision.run.driver import Supervisor
+from llmd_supervisor.supervision.run.supervisor import Supervisor
 
 __all__ = ["Campaigns", "Plan"]
 

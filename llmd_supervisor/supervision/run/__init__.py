@@ -1,8 +1,9 @@
 """One run, from its submission to its archived outcome (DESIGN.md section 3), top-down.
 
-- `driver`: each run's `RunHandle`, which only the driver changes; the `RunDriver` (every
-  run's loop: it plans with `core.run.lifecycle`, calls the phases and applies what they
-  return); the `Supervisor`, the control API's entry points over the parts below.
+- `supervisor`: the `Supervisor`, the control API's entry points over the parts below.
+- `driver`: each run's `RunHandle`, which only the driver changes, and the `RunDriver`
+  (every run's loop: it plans with `core.run.lifecycle`, runs the phases (`steps`: one
+  `PhaseResult` each) and applies what they return).
 - `registry`: `RunRegistry`, every run the daemon knows, loaded from the journal (at
   start, a takeover, a standby's look) with its archive moved here if need be.
 - `entries`: `RunEntries`, how a run comes to be (submit, a script, adopt): admitted, its
