@@ -1,10 +1,11 @@
 """deploy/install.sh and install.sh --user on a machine without python3-venv, with a venv an
 earlier run left half-made, and with the extras they install (issue 4.7, first hour).
 
-No Debian 12 image can be pulled here, so a python3 without the venv module is the real
-Debian python3 with `ensurepip` shadowed (what python3-venv provides), and the pip install
-is a stand-in python that records its arguments: the scripts run for real, as root under a
-scratch root and as a throwaway user, and nothing is downloaded.
+No Debian image can be pulled here, so most tests use the real Debian python3 with
+`ensurepip` shadowed (what python3-venv provides), and a stand-in python that records
+pip's arguments: the scripts run for real, as root under a scratch root and as a
+throwaway user, and nothing is downloaded. One test runs install.sh in a real Debian
+without python3-venv: the dev cluster's Debian 13 root file system, under an overlay.
 """
 
 from __future__ import annotations
@@ -205,3 +206,53 @@ def test_install_user_installs_the_report_extra_and_names_python3_venv(
     prefix = Path(user.pw_dir) / ".local/share/llmd-supervisor/venv"
     assert calls[0] == f"venv {prefix}"
     assert calls[1].split()[-1] == f"{REPO}[report]"  # `report` works, as the README says
+
+
+# A real Debian without python3-venv: the dev cluster's Slurm 24.11 root file system
+# (Debian 13, built by deploy/install-dev.sh; python3 without ensurepip), seen through an
+# overlay in a private mount namespace so that nothing of it changes.
+ROOTFS_GLOB = "/var/cache/llmd-devcluster/rootfs-24.11-*"
+IN_DEBIAN = r"""
+set -eu
+root=$1 repo=$2 work=$3
+mkdir -p "$work/up" "$work/work" "$work/m"
+mount -t overlay overlay -o "lowerdir=$root,upperdir=$work/up,workdir=$work/work" "$work/m"
+mkdir -p "$work/m/src" "$work/m/.llmd-host-etc"
+mount --bind -o ro "$repo" "$work/m/src"
+mount --bind -o ro /etc "$work/m/.llmd-host-etc"  # the rootfs's passwd, group... link there
+mount -t proc proc "$work/m/proc"
+set +e
+chroot "$work/m" env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root DESTDIR=/tmp/dest \
+    bash /src/deploy/install.sh
+echo "rc=$?"
+ls -A "$work/m/tmp/dest/opt/llmd-supervisor" 2>/dev/null | sed 's/^/left: /'
+"""
+
+
+def test_install_sh_on_a_real_debian_without_python3_venv_names_the_package(
+    tmp_path: Path,
+) -> None:
+    roots = sorted(Path("/").glob(ROOTFS_GLOB.lstrip("/")))
+    if os.geteuid() != 0 or not roots:
+        pytest.fail(
+            "this test needs root and the dev cluster's Slurm 24.11 root file system "
+            f"({ROOTFS_GLOB}); deploy/install-dev.sh builds it"
+        )
+    root = roots[0]
+    assert not list(root.glob("usr/lib/python3*/ensurepip")), "this rootfs has python3-venv"
+    done = subprocess.run(
+        [
+            *("unshare", "--mount", "--propagation", "private"),
+            *("bash", "-c", IN_DEBIAN, "in-debian", str(root), str(REPO), str(tmp_path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    out = done.stdout + done.stderr
+    assert "rc=1" in done.stdout, out
+    assert "cannot make a virtual environment" in done.stderr, out
+    assert "python3-venv" in done.stderr and "apt-get install python3-venv" in done.stderr, out
+    assert "left:" not in done.stdout, out  # no half-made venv
+    assert "Traceback" not in out, out
