@@ -85,7 +85,7 @@ def code_under_test(package_dir: Path) -> dict[str, object]:
             ["git", *args], cwd=REPO, capture_output=True, text=True, check=False
         ).stdout.strip()
 
-    poller = package_dir / "supervision" / "poller.py"
+    poller = package_dir / "supervision" / "cluster" / "poller.py"
     return {
         "head": git("rev-parse", "HEAD"),
         "head_subject": git("log", "-1", "--format=%s"),
