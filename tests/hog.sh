@@ -21,7 +21,14 @@ esac
 logs=/tmp/llmd-hog-logs
 mkdir -p "$logs"
 hogs=()
+pytest_pid=
 stop_hogs() {
+    if [ -n "$pytest_pid" ]; then # interrupted mid-run: the run and its xdist workers
+        workers=$(pgrep -P "$pytest_pid" || true)
+        kill "$pytest_pid" $workers 2>/dev/null || true
+        wait "$pytest_pid" 2>/dev/null || true
+        pytest_pid=
+    fi
     for pid in "${hogs[@]}"; do
         kill "$pid" 2>/dev/null || true
     done
@@ -43,8 +50,11 @@ for k in $(seq "$runs"); do
     start=$SECONDS
     set +e
     .venv/bin/python -m pytest -m "not cluster and not faults_full" -n 2 \
-        --basetemp=/tmp/llmd-hog -q -p no:cacheprovider "$@" >"$logs/run-$k.log" 2>&1
+        --basetemp=/tmp/llmd-hog -q -p no:cacheprovider "$@" >"$logs/run-$k.log" 2>&1 &
+    pytest_pid=$!
+    wait "$pytest_pid"
     rc=$?
+    pytest_pid=
     set -e
     took=$((SECONDS - start))
     line=$(grep -E '(passed|failed|error)' "$logs/run-$k.log" | tail -n 1)
