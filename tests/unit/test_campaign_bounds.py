@@ -10,8 +10,7 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ from tests.daemon_helpers import Daemon, demo_spec
 from tests.devcluster import REPO
 from tests.fakes.replay_world import ReplayWorld, replay_world
 from tests.foreign_helpers import LAUNCHER, WATCH, cli, launcher_env, launcher_finish
+from tests.waiting import wait_until
 
 # 2 x 2 combinations of 3 concurrencies: 12 points.
 CAMPAIGN = """
@@ -41,14 +41,6 @@ SBATCH_INPUT = {
     "SBATCH_OUTPUT": "/tmp/stolen-%j.out",
     "SBATCH_PARTITION": "gpu-priority",
 }
-
-
-def _until(condition: Callable[[], bool], what: str, timeout: float = 120) -> None:
-    """Return once `condition()` holds; fail naming `what` if it does not by `timeout`."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what} did not happen within {timeout:g} s"
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -150,9 +142,13 @@ def test_a_client_that_goes_away_stops_its_campaigns_expansion(
         client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         client.connect(str(d.socket))
         client.sendall(_request(d, path))
-        _until(lambda: bool(d.events("campaign.expansion_started")), "the expansion's start")
+        wait_until(
+            lambda: bool(d.events("campaign.expansion_started")), 120, "the expansion's start"
+        )
         client.close()  # the client goes away mid-expansion
-        _until(lambda: bool(d.events("campaign.expansion_stopped")), "the expansion's stop")
+        wait_until(
+            lambda: bool(d.events("campaign.expansion_stopped")), 120, "the expansion's stop"
+        )
         (started,) = d.events("campaign.expansion_started")
         (stopped,) = d.events("campaign.expansion_stopped")
         assert started["combinations"] == 10_000 and started["max_points"] == 10_000
@@ -218,7 +214,7 @@ def test_export_env_never_hands_sbatch_its_own_input_variables(
         submitted = cli(d, *argv, env=shell)
         assert submitted.returncode == 0, submitted.stderr
         assert named in submitted.stderr, submitted.stderr  # said once, by name
-        _until(lambda: len(_job_envs(world)) == 1, "the script's sbatch")
+        wait_until(lambda: len(_job_envs(world)) == 1, 120, "the script's sbatch")
 
         # campaign submit --export-env (a script campaign)
         work = tmp_path / "camp"
@@ -230,7 +226,7 @@ def test_export_env_never_hands_sbatch_its_own_input_variables(
         campaign = cli(d, *argv, env=shell)
         assert campaign.returncode == 0, campaign.stderr + d.log_text()[-3000:]
         assert named in campaign.stderr, campaign.stderr
-        _until(lambda: len(_job_envs(world)) == 2, "the campaign's sbatch")
+        wait_until(lambda: len(_job_envs(world)) == 2, 120, "the campaign's sbatch")
 
         envs = _job_envs(world)
         for env in envs:

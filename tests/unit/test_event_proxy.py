@@ -14,8 +14,7 @@ import socket
 import ssl
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import anyio
@@ -31,6 +30,7 @@ from tests.daemon_helpers import Daemon, NoCluster
 from tests.fakes.http_proxy import Proxy
 from tests.fakes.webhook_receiver import Receiver
 from tests.postgres import _make_tls
+from tests.waiting import wait_until
 
 P = "http://proxy.example:3128"
 Q = "http://other.example:8080"
@@ -245,14 +245,6 @@ def servers() -> Iterator[tuple[anyio.from_thread.BlockingPortal, Proxy, int, Re
             future.result(timeout=10)
 
 
-def _until(what: str, check: Callable[[], bool], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} after {timeout_s:g} s")
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize(
     ("config_proxy", "env", "through"),
     [
@@ -295,7 +287,7 @@ secret_file = "{secret_file}"
         sent = d.cli("events", "test", "ci", "--json")
         assert sent.returncode == 0, sent.stderr
         event = json.loads(sent.stdout)["event"]
-        _until("no ping", lambda: portal.call(lambda: len(receiver.got)) >= 1)
+        wait_until(lambda: portal.call(lambda: len(receiver.got)) >= 1, 60, "no ping")
         (ping,) = portal.call(lambda: list(receiver.got))
         seen = portal.call(lambda: list(proxy.seen))
     finally:
