@@ -95,6 +95,25 @@ def _until(what: str, check: Callable[[], bool], daemon: Daemon, timeout: float 
         time.sleep(0.1)
 
 
+def _stranger_submits(stranger: Stranger, daemon: Daemon, base: str) -> str:
+    """The stranger's campaign, over its own control-socket connection: its id."""
+    plan = {
+        "file_text": CAMPAIGN.format(name="fair-other", isl_osl=STRANGER_JOBS),
+        "base_text": base,
+        "name": "fair-other",
+        "file_path": "fair-other.toml",
+        "file_dir": None,
+        "cluster": None,
+        "max_points": 100,
+        "rerun": False,
+        "export_env_json": None,
+    }
+    reply = stranger.ask(daemon.socket, "campaign_submit", dry_run=False, **plan)
+    result = reply.get("result")
+    assert isinstance(result, dict), reply
+    return str(result["campaign"])
+
+
 def _owners(daemon: Daemon) -> dict[str, int]:
     """Slurm job name -> the uid of its run's owner, for every run of the daemon."""
     runs = json.loads(daemon.cli("list", "--all", "--json").stdout)["runs"]
@@ -182,22 +201,7 @@ def test_two_users_share_the_account_room_and_neither_gets_a_job_over_its_share(
     # The stranger's campaign, through its own control-socket connection. Its canary takes
     # the one job of room left and runs as the demo's; its later jobs are held too.
     _set_running_s(world, SHORT_S)
-    text = CAMPAIGN.format(name="fair-other", isl_osl=STRANGER_JOBS)
-    plan = {
-        "file_text": text,
-        "base_text": base,
-        "name": "fair-other",
-        "file_path": "fair-other.toml",
-        "file_dir": None,
-        "cluster": None,
-        "max_points": 100,
-        "rerun": False,
-        "export_env_json": None,
-    }
-    reply = stranger.ask(daemon.socket, "campaign_submit", dry_run=False, **plan)
-    result = reply.get("result")
-    assert isinstance(result, dict), reply
-    other_campaign = str(result["campaign"])
+    other_campaign = _stranger_submits(stranger, daemon, base)
     _until("the stranger's canary scripted", lambda: _scripted(world, PER_USER + 2), daemon)
     _set_running_s(world, LONG_S)
     uid = stranger.uid
@@ -274,21 +278,7 @@ def test_room_a_campaign_cannot_use_goes_to_the_other_user(
     root_campaign = str(json.loads(sub.stdout)["campaign"])
     _until("root's canary scripted", lambda: _scripted(world, 1), daemon)
     _set_running_s(world, SHORT_S)
-    plan = {
-        "file_text": CAMPAIGN.format(name="fair-other", isl_osl=STRANGER_JOBS),
-        "base_text": base,
-        "name": "fair-other",
-        "file_path": "fair-other.toml",
-        "file_dir": None,
-        "cluster": None,
-        "max_points": 100,
-        "rerun": False,
-        "export_env_json": None,
-    }
-    reply = stranger.ask(daemon.socket, "campaign_submit", dry_run=False, **plan)
-    result = reply.get("result")
-    assert isinstance(result, dict), reply
-    other_campaign = str(result["campaign"])
+    other_campaign = _stranger_submits(stranger, daemon, base)
     _until("the stranger's canary scripted", lambda: _scripted(world, 2), daemon)
     _set_running_s(world, LONG_S)
     uid = stranger.uid
